@@ -1,1 +1,2 @@
 //! stub
+pub use candle_core;
