@@ -15,7 +15,7 @@
 //! | 44 | 4 | basis kind (0 raw, 1 KLT, 2 custom) |
 //! | 48 | 8 | payload length |
 //! | 56 | 4 | CRC-32 of every other byte of the file (0..56 and 60..end) |
-//! | 60 | 4 | reserved (0) |
+//! | 60 | 4 | flags (bit 0: the source tensor was `[N, D]`, heads squeezed) |
 //!
 //! Payload: planes `[heads][D][4][nblocks]` u64; scales `[heads][D][nblocks]` f16, zero-padded
 //! to 8 bytes; tail `[tail][heads][D]` f32; basis `[heads][D][D]` f32 if the kind is not raw.
@@ -35,6 +35,8 @@ use crate::store::{blocks_for, Dims, KeyStore, StoreView};
 
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"FATHOMKS";
+/// Header flag: the source tensor was rank 2 (`[N, D]`, one head).
+pub const FLAG_SQUEEZE_HEADS: u32 = 1;
 /// The format version this build writes and reads.
 pub const VERSION: u32 = 1;
 
@@ -64,8 +66,8 @@ pub struct FileHeader {
     pub payload_len: u64,
     /// CRC-32 over every other byte of the file (0..56 and 60..end).
     pub checksum: u32,
-    /// Zero.
-    pub reserved: u32,
+    /// Flags: bit 0 = [`FLAG_SQUEEZE_HEADS`]; other bits must be zero.
+    pub flags: u32,
 }
 
 const _: () = assert!(std::mem::size_of::<FileHeader>() == 64);
@@ -183,7 +185,7 @@ pub fn to_bytes(v: &StoreView<'_>) -> Vec<u8> {
         basis_kind: v.basis_kind() as u32,
         payload_len: 0,
         checksum: 0,
-        reserved: 0,
+        flags: v.flags,
     };
     let sec = sections(&header).expect("an in-memory store has representable sections");
     header.payload_len = sec.total().expect("fits");
@@ -323,6 +325,9 @@ fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<Parsed<'a>> {
             header.tail_len, header.tokens
         )));
     }
+    if header.flags & !FLAG_SQUEEZE_HEADS != 0 {
+        return Err(corrupt(format!("unknown flags {:#x}", header.flags)));
+    }
     if BasisKind::from_u32(header.basis_kind).is_none() {
         return Err(corrupt(format!("unknown basis kind {}", header.basis_kind)));
     }
@@ -389,15 +394,10 @@ impl KeyStore {
             Some(BasisKind::Raw) | None => None,
             Some(k) => Some(Basis::new(k, dims.heads, dims.channels, p.basis.to_vec())?),
         };
-        Ok(KeyStore::from_parts(
-            dims,
-            h.tokens,
-            cap,
-            planes,
-            scales,
-            p.tail.to_vec(),
-            basis,
-        ))
+        let mut s =
+            KeyStore::from_parts(dims, h.tokens, cap, planes, scales, p.tail.to_vec(), basis);
+        s.set_flags(h.flags);
+        Ok(s)
     }
 }
 
@@ -442,6 +442,7 @@ impl MappedStore {
             tail: p.tail,
             basis_kind: BasisKind::from_u32(p.header.basis_kind).unwrap_or(BasisKind::Raw),
             basis: p.basis,
+            flags: p.header.flags,
         }
     }
 }

@@ -82,6 +82,7 @@ pub struct StoreView<'a> {
     pub(crate) tail: &'a [f32],
     pub(crate) basis_kind: BasisKind,
     pub(crate) basis: &'a [f32],
+    pub(crate) flags: u32,
 }
 
 impl<'a> StoreView<'a> {
@@ -100,6 +101,10 @@ impl<'a> StoreView<'a> {
     /// Capacity in blocks: the stride between planes of one channel.
     pub fn cap_blocks(&self) -> usize {
         self.cap
+    }
+    /// Header flags (see [`crate::file::FLAG_SQUEEZE_HEADS`]).
+    pub fn flags(&self) -> u32 {
+        self.flags
     }
     /// The basis the channels are in.
     pub fn basis_kind(&self) -> BasisKind {
@@ -212,6 +217,7 @@ pub struct KeyStore {
     scales: Vec<f16>,
     tail: Vec<f32>,
     basis: Option<Basis>,
+    flags: u32,
 }
 
 impl KeyStore {
@@ -243,6 +249,7 @@ impl KeyStore {
             scales: vec![f16::ZERO; dims.row() * cap],
             tail: Vec::new(),
             basis,
+            flags: 0,
         })
     }
 
@@ -292,6 +299,7 @@ impl KeyStore {
             tail: &self.tail,
             basis_kind: self.basis.as_ref().map_or(BasisKind::Raw, |b| b.kind()),
             basis: self.basis.as_ref().map_or(&[][..], |b| b.matrices()),
+            flags: self.flags,
         }
     }
 
@@ -437,6 +445,12 @@ impl KeyStore {
             scales,
             tail,
             basis,
+            flags: 0,
         }
+    }
+
+    /// Sets the header flags saved with the store (see [`crate::file::FLAG_SQUEEZE_HEADS`]).
+    pub fn set_flags(&mut self, flags: u32) {
+        self.flags = flags;
     }
 }
