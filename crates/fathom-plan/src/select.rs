@@ -1,0 +1,340 @@
+//! The selection protocol of SPEC §5, written once for every scan.
+//!
+//! For a query at position `pos` (keys `0..=pos`, `n = pos + 1` of them), one query head keeps
+//!
+//! * the **sink**: tokens `0 .. min(sink, n)`;
+//! * the **local window**: the last `local` tokens, `max(n − local, sink) ..= pos`;
+//! * from the **middle** in between, the `k` tokens of highest score (ties to the lower token
+//!   index). If the middle has at most `k` tokens, all of them.
+//!
+//! The output is sorted ascending without duplicates. A scan supplies only its scores; the
+//! KV head then fetches the union of its `G` heads' sets ([`union_sorted`]).
+//!
+//! Scores are compared with IEEE order (`±∞` allowed, `−0 = +0`); a NaN score in the middle
+//! is an error, never silently ranked. Scores of sink and local tokens are not read.
+
+use std::cmp::Ordering;
+
+use crate::PlanError;
+
+/// Sink, local window and top-k sizes (SPEC §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SelectParams {
+    /// Leading tokens always kept (4).
+    pub sink: usize,
+    /// Trailing tokens always kept (32).
+    pub local: usize,
+    /// Tokens taken by score from the middle, per query head (128 at 4k context).
+    pub k: usize,
+}
+
+impl Default for SelectParams {
+    fn default() -> Self {
+        SelectParams {
+            sink: 4,
+            local: 32,
+            k: 128,
+        }
+    }
+}
+
+impl SelectParams {
+    /// The middle range `sink_end .. local_start` for a query at `pos`.
+    pub fn middle(&self, pos: usize) -> std::ops::Range<usize> {
+        let n = pos + 1;
+        let sink_end = self.sink.min(n);
+        let local_start = n.saturating_sub(self.local).max(sink_end);
+        sink_end..local_start
+    }
+}
+
+/// Selects the tokens one query head attends to at `pos` (SPEC §5); see the
+/// [module docs](self).
+///
+/// `scores[i]` is the head's approximate score of token `i`; `scores` must cover `0..=pos`
+/// (entries past `pos` are ignored). `out` is cleared and filled, sorted ascending; pass the
+/// same vector again to avoid allocating. `O(n)` time (`select_nth_unstable_by`) plus
+/// `O(k log k)` to sort the winners.
+///
+/// ```
+/// use fathom_plan::{select_per_head, SelectParams};
+/// let params = SelectParams { sink: 1, local: 2, k: 2 };
+/// let scores = [0.0, 5.0, 1.0, 7.0, 5.0, 0.0, 0.0];
+/// let mut out = Vec::new();
+/// select_per_head(6, &scores, &params, &mut out)?;
+/// assert_eq!(out, [0, 1, 3, 5, 6]); // sink 0, top-2 {3, 1} (1 beats 4 on the tie), local 5, 6
+/// # Ok::<(), fathom_plan::PlanError>(())
+/// ```
+///
+/// # Errors
+/// [`PlanError::ShapeMismatch`] if `scores.len() < pos + 1`; [`PlanError::NonFinite`] for a
+/// NaN score in the middle (the index is the token).
+pub fn select_per_head(
+    pos: usize,
+    scores: &[f32],
+    params: &SelectParams,
+    out: &mut Vec<u32>,
+) -> Result<(), PlanError> {
+    let n = pos + 1;
+    if scores.len() < n {
+        return Err(PlanError::ShapeMismatch {
+            what: "scores length (at least pos + 1)",
+            expected: n,
+            got: scores.len(),
+        });
+    }
+    if u32::try_from(pos).is_err() {
+        return Err(PlanError::InvalidParameter {
+            name: "pos",
+            value: pos as f64,
+            reason: "token indices must fit in u32",
+        });
+    }
+    let middle = params.middle(pos);
+    if let Some(i) = scores[middle.clone()].iter().position(|s| s.is_nan()) {
+        return Err(PlanError::NonFinite {
+            what: "scores",
+            index: middle.start + i,
+        });
+    }
+    out.clear();
+    out.extend((0..middle.start).map(|i| i as u32));
+    let first = out.len();
+    out.extend(middle.clone().map(|i| i as u32));
+    if middle.len() > params.k {
+        // Best first: higher score, then lower index (a total order, as NaN is excluded).
+        let better = |a: &u32, b: &u32| {
+            scores[*b as usize]
+                .partial_cmp(&scores[*a as usize])
+                .unwrap_or(Ordering::Equal)
+                .then(a.cmp(b))
+        };
+        let mid = &mut out[first..];
+        if params.k > 0 {
+            mid.select_nth_unstable_by(params.k - 1, better);
+        }
+        out.truncate(first + params.k);
+        out[first..].sort_unstable();
+    }
+    out.extend((middle.end..n).map(|i| i as u32));
+    Ok(())
+}
+
+/// [`select_per_head`] for the `G` heads of a group: `scores` is `[G, n]` row-major (row
+/// stride `n = scores.len() / G`, with `n ≥ pos + 1`). Returns one sorted set per head.
+///
+/// # Errors
+/// [`PlanError::ShapeMismatch`] if `scores.len()` is not a multiple of `G` or the rows are
+/// shorter than `pos + 1`; [`PlanError::NonFinite`] for a NaN middle score (the index is
+/// flat in `scores`).
+pub fn select_group(
+    pos: usize,
+    scores: &[f32],
+    g: usize,
+    params: &SelectParams,
+) -> Result<Vec<Vec<u32>>, PlanError> {
+    if g == 0 {
+        return if scores.is_empty() {
+            Ok(Vec::new())
+        } else {
+            Err(PlanError::ShapeMismatch {
+                what: "scores length (G = 0)",
+                expected: 0,
+                got: scores.len(),
+            })
+        };
+    }
+    if scores.len() % g != 0 {
+        let expected = scores.len() / g * g;
+        return Err(PlanError::ShapeMismatch {
+            what: "scores length (a multiple of G)",
+            expected,
+            got: scores.len(),
+        });
+    }
+    let n = scores.len() / g;
+    (0..g)
+        .map(|h| {
+            let mut out = Vec::with_capacity(params.sink + params.local + params.k);
+            select_per_head(pos, &scores[h * n..(h + 1) * n], params, &mut out).map_err(
+                |e| match e {
+                    PlanError::NonFinite { what, index } => PlanError::NonFinite {
+                        what,
+                        index: h * n + index,
+                    },
+                    e => e,
+                },
+            )?;
+            Ok(out)
+        })
+        .collect()
+}
+
+/// The union of token sets (the rows a KV head fetches for its `G` query heads), sorted
+/// ascending without duplicates. The inputs need not be sorted.
+pub fn union_sorted(sets: &[Vec<u32>]) -> Vec<u32> {
+    let mut all: Vec<u32> = sets.iter().flatten().copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::testutil::runner;
+
+    fn check(pos: usize, scores: &[f32], (sink, local, k): (usize, usize, usize), expect: &[u32]) {
+        let mut out = vec![99];
+        select_per_head(pos, scores, &SelectParams { sink, local, k }, &mut out).unwrap();
+        assert_eq!(out, expect, "pos {pos}, sink {sink}, local {local}, k {k}");
+    }
+
+    #[test]
+    fn hand_built_cases() {
+        let s: Vec<f32> = vec![9.0, 0.0, 3.0, 8.0, 1.0, 8.0, 2.0, 7.0, 0.0, 0.0];
+        // Sink 2, local 3, top-2 of the middle 2..7 = {3, 5} (8.0 each).
+        check(9, &s, (2, 3, 2), &[0, 1, 3, 5, 7, 8, 9]);
+        // Ties at the cut go to the lower index: top-1 of {8.0 @3, 8.0 @5} is 3.
+        check(9, &s, (2, 3, 1), &[0, 1, 3, 7, 8, 9]);
+        // k = 0: sink and local only.
+        check(9, &s, (2, 3, 0), &[0, 1, 7, 8, 9]);
+        // The middle (5 tokens) fits in k: everything.
+        check(9, &s, (2, 3, 5), &(0..10).collect::<Vec<_>>());
+        // pos < sink + local: sink and local overlap, no middle, no duplicates.
+        check(3, &s, (2, 3, 2), &[0, 1, 2, 3]);
+        check(0, &s, (4, 32, 128), &[0]);
+        check(5, &s, (4, 32, 128), &[0, 1, 2, 3, 4, 5]);
+        // No sink, no local: pure top-k. Entries past pos are ignored.
+        check(4, &s, (0, 0, 2), &[0, 3]);
+        // Infinities are ordinary scores.
+        check(
+            4,
+            &[0.0, f32::NEG_INFINITY, f32::INFINITY, 1.0, 0.0],
+            (0, 0, 2),
+            &[2, 3],
+        );
+        // −0 and +0 tie; the lower index wins.
+        check(2, &[0.0, -0.0, 0.0], (0, 0, 1), &[0]);
+        check(2, &[-0.0, 0.0, 0.0], (0, 0, 1), &[0]);
+        assert_eq!(
+            SelectParams::default(),
+            SelectParams {
+                sink: 4,
+                local: 32,
+                k: 128
+            }
+        );
+        assert_eq!(SelectParams::default().middle(99), 4..68);
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let mut out = Vec::new();
+        let p = SelectParams {
+            sink: 1,
+            local: 1,
+            k: 1,
+        };
+        assert_eq!(
+            select_per_head(4, &[0.0; 4], &p, &mut out),
+            Err(PlanError::ShapeMismatch {
+                what: "scores length (at least pos + 1)",
+                expected: 5,
+                got: 4
+            })
+        );
+        assert_eq!(
+            select_per_head(4, &[0.0, 0.0, f32::NAN, 0.0, 0.0], &p, &mut out),
+            Err(PlanError::NonFinite {
+                what: "scores",
+                index: 2
+            })
+        );
+        // NaN in the sink or local window is never read.
+        select_per_head(4, &[f32::NAN, 0.0, 1.0, 0.0, f32::NAN], &p, &mut out).unwrap();
+        assert_eq!(out, [0, 2, 4]);
+        assert_eq!(
+            select_group(
+                4,
+                &[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, f32::NAN, 0.0],
+                2,
+                &p
+            ),
+            Err(PlanError::NonFinite {
+                what: "scores",
+                index: 8
+            })
+        );
+        assert!(matches!(
+            select_group(1, &[0.0; 5], 2, &p),
+            Err(PlanError::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            select_group(4, &[0.0; 8], 2, &p),
+            Err(PlanError::ShapeMismatch {
+                expected: 5,
+                got: 4,
+                ..
+            })
+        ));
+        assert_eq!(select_group(4, &[], 0, &p), Ok(vec![]));
+    }
+
+    #[test]
+    fn group_and_union() {
+        let p = SelectParams {
+            sink: 1,
+            local: 1,
+            k: 1,
+        };
+        // G = 2, n = 5 (pos = 3, the last column is ignored).
+        let scores = [0.0, 5.0, 1.0, 0.0, 0.0, 0.0, 1.0, 5.0, 0.0, 0.0];
+        let sets = select_group(3, &scores, 2, &p).unwrap();
+        assert_eq!(sets, vec![vec![0, 1, 3], vec![0, 2, 3]]);
+        assert_eq!(union_sorted(&sets), vec![0, 1, 2, 3]);
+        assert_eq!(
+            union_sorted(&[vec![5, 1], vec![], vec![1, 3, 9]]),
+            vec![1, 3, 5, 9]
+        );
+        assert_eq!(union_sorted(&[]), Vec::<u32>::new());
+    }
+
+    /// Against a full sort: the same set, sorted, of size min(n, sink + local + k) when the
+    /// windows do not overlap.
+    #[test]
+    fn prop_matches_a_full_sort() {
+        let strategy = (1usize..300, 0usize..6, 0usize..40, 0usize..50).prop_flat_map(
+            |(n, sink, local, k)| {
+                (
+                    prop::collection::vec(
+                        prop_oneof![(0i8..4).prop_map(f32::from), -1e3f32..1e3],
+                        n,
+                    ),
+                    Just((sink, local, k)),
+                )
+            },
+        );
+        runner(256)
+            .run(&strategy, |(scores, (sink, local, k))| {
+                let pos = scores.len() - 1;
+                let p = SelectParams { sink, local, k };
+                let mut out = Vec::new();
+                select_per_head(pos, &scores, &p, &mut out).unwrap();
+                let mid = p.middle(pos);
+                let mut ranked: Vec<usize> = mid.clone().collect();
+                ranked.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap().then(a.cmp(&b)));
+                let mut expect: Vec<u32> = (0..mid.start)
+                    .chain(ranked.into_iter().take(k))
+                    .chain(mid.end..=pos)
+                    .map(|i| i as u32)
+                    .collect();
+                expect.sort_unstable();
+                prop_assert_eq!(out, expect);
+                Ok(())
+            })
+            .unwrap();
+    }
+}

@@ -1,0 +1,327 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::bits::{expected_error, max_budget, plan_quarter_bits};
+use crate::testutil::{runner, weights_and_budget, SIZES};
+
+/// The reference: greedy by gain per bit under the all-previous-planes constraint. Planes are
+/// visited level by level (all planes tied at one gain per bit together), in decreasing gain
+/// per bit; a level is taken whole while it fits, and the walk stops at the first that does
+/// not. Gains per bit are compared as exact fractions, independently of [`GAIN_PER_BIT`]:
+/// plane j of w gains `¾·w·4^(−(j−1))` for `1.25` bits (j = 1) or `1` bit, i.e. the fraction
+/// `3·w·4^(−(j−1)) / 5` or `/ 4`; cross-multiplied, both sides are exact in f64 for f32 `w`.
+fn greedy(w: &[f32], budget: f32) -> Vec<u8> {
+    let ratio = |wc: f32, j: u8| -> (f64, f64) {
+        (
+            3.0 * f64::from(wc) * 0.25f64.powi(i32::from(j) - 1),
+            if j == 1 { 5.0 } else { 4.0 },
+        )
+    };
+    let cmp = |a: (f64, f64), b: (f64, f64)| (a.0 * b.1).total_cmp(&(b.0 * a.1));
+    let mut planes: Vec<((f64, f64), usize, u8)> = Vec::new();
+    for (c, &wc) in w.iter().enumerate() {
+        for j in 1..=4 {
+            if wc > 0.0 {
+                planes.push((ratio(wc, j), c, j));
+            }
+        }
+    }
+    planes.sort_by(|a, b| cmp(b.0, a.0));
+    let cap = budget_quarters(budget);
+    let mut t = vec![0u8; w.len()];
+    let mut used = 0u64;
+    let mut i = 0;
+    while i < planes.len() {
+        let level = planes[i].0;
+        let end = i + planes[i..]
+            .iter()
+            .take_while(|p| cmp(p.0, level).is_eq())
+            .count();
+        let mut next = t.clone();
+        for &(_, c, j) in &planes[i..end] {
+            assert_eq!(next[c] + 1, j, "planes of a channel come in order");
+            next[c] = j;
+        }
+        let q = plan_quarter_bits(&next);
+        if q > cap {
+            break;
+        }
+        t = next;
+        used = q;
+        i = end;
+    }
+    assert!(used <= cap);
+    t
+}
+
+/// The exact optimum `min E(t)` over all `5^D` plans with at most `cap` quarter bits.
+fn brute_force_min(w: &[f32], cap: u64) -> f64 {
+    let d = w.len();
+    let mut t = vec![0u8; d];
+    let mut best = f64::INFINITY;
+    loop {
+        if plan_quarter_bits(&t) <= cap {
+            best = best.min(expected_error(w, &t));
+        }
+        // Odometer increment over {0..4}^D.
+        let mut c = 0;
+        loop {
+            if c == d {
+                return best;
+            }
+            if t[c] < 4 {
+                t[c] += 1;
+                break;
+            }
+            t[c] = 0;
+            c += 1;
+        }
+    }
+}
+
+fn check(w: &[f32], budget: f32, expect: &[u8]) {
+    let plan = water_fill(w, budget).unwrap();
+    assert_eq!(plan.depths, expect, "w = {w:?}, B = {budget}");
+    assert_eq!(plan.bits, plan_bits(expect));
+}
+
+#[test]
+fn hand_built_plans() {
+    check(&[], 0.0, &[]);
+    check(&[0.0, 0.0], 8.5, &[0, 0]);
+    check(&[1.0, 2.0], 0.0, &[0, 0]);
+    check(&[1.0, 2.0], 1.2, &[0, 0]); // one plane costs 1.25
+    check(&[1.0, 2.0], 1.25, &[0, 1]);
+    check(&[1.0, 2.0], 8.5, &[4, 4]);
+    check(&[1.0, 0.0, 2.0], 12.75, &[4, 0, 4]);
+    // Equal importances tie at every level: both channels move together.
+    check(&[3.0, 3.0], 2.5, &[1, 1]);
+    check(&[3.0, 3.0], 4.0, &[1, 1]);
+    check(&[3.0, 3.0], 4.5, &[2, 2]);
+    // ρ_1(1) = 0.6 > ρ_2(3) = 0.5625: a new channel beats a second plane.
+    check(&[1.0, 3.0], 2.5, &[1, 1]);
+    // ρ_2(4) = 0.75 = ρ_3(16): tie across planes of different channels.
+    check(&[16.0, 4.0], 4.5, &[2, 1]);
+    check(&[16.0, 4.0], 5.5, &[3, 2]);
+    check(&[5.0, 1.25, 0.3125, 0.0], 6.0, &[3, 2, 0, 0]);
+}
+
+#[test]
+fn bad_input_is_a_typed_error() {
+    let max = 8.5;
+    for budget in [-1.0, 8.75, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        assert!(matches!(
+            water_fill(&[1.0, 2.0], budget),
+            Err(PlanError::BudgetOutOfRange { max: m, .. }) if m == max
+        ));
+    }
+    assert_eq!(
+        water_fill(&[1.0, f32::NAN], 1.0),
+        Err(PlanError::NonFinite {
+            what: "importance",
+            index: 1
+        })
+    );
+    assert_eq!(
+        water_fill(&[f32::INFINITY], 1.0),
+        Err(PlanError::NonFinite {
+            what: "importance",
+            index: 0
+        })
+    );
+    assert_eq!(
+        water_fill(&[1.0, -2.0], 1.0),
+        Err(PlanError::Negative {
+            what: "importance",
+            index: 1,
+            value: -2.0
+        })
+    );
+    let mut out = [0u8; 3];
+    assert_eq!(
+        water_fill_into(&[1.0, 2.0], 1.0, &mut out),
+        Err(PlanError::ShapeMismatch {
+            what: "depths output length (D)",
+            expected: 2,
+            got: 3
+        })
+    );
+}
+
+#[test]
+fn plan_accessors() {
+    let plan = water_fill(&[16.0, 0.0, 4.0], 5.5).unwrap();
+    assert_eq!(plan.active().collect::<Vec<_>>(), vec![(0, 3), (2, 2)]);
+    assert_eq!(plan.active_count(), 2);
+    assert_eq!(plan.active_mask(), vec![true, false, true]);
+    assert_eq!(
+        plan.expected_error(&[16.0, 0.0, 4.0]),
+        16.0 / 64.0 + 4.0 / 16.0
+    );
+    assert_eq!(
+        Plan::empty(2),
+        Plan {
+            depths: vec![0, 0],
+            bits: 0.0
+        }
+    );
+}
+
+/// bits ≤ B, t_c ≤ 4, w_c = 0 ⇒ t_c = 0, the reported bits are the plan's, and the plan does
+/// not depend on the number of bisection steps (the exact finish decides it).
+#[test]
+fn prop_budget_is_never_exceeded() {
+    for d in SIZES {
+        runner(96)
+            .run(&weights_and_budget(d), |(w, b)| {
+                let plan = water_fill(&w, b).unwrap();
+                prop_assert!(plan.bits <= b, "bits {} > B {}", plan.bits, b);
+                prop_assert_eq!(plan.bits, plan_bits(&plan.depths));
+                for (&t, &wc) in plan.depths.iter().zip(&w) {
+                    prop_assert!(t <= 4);
+                    prop_assert!(wc > 0.0 || t == 0);
+                }
+                for steps in [0, 3] {
+                    let mut other = vec![9u8; d];
+                    let bits = water_fill_steps(&w, b, &mut other, steps).unwrap();
+                    prop_assert_eq!(&other, &plan.depths);
+                    prop_assert_eq!(bits, plan.bits);
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+}
+
+/// Within a group, w_a ≥ w_b ⇒ t_a ≥ t_b.
+#[test]
+fn prop_depth_is_monotone_in_importance() {
+    for d in SIZES {
+        runner(64)
+            .run(&weights_and_budget(d), |(w, b)| {
+                let plan = water_fill(&w, b).unwrap();
+                let mut order: Vec<usize> = (0..d).collect();
+                order.sort_by(|&x, &y| w[x].total_cmp(&w[y]));
+                for pair in order.windows(2) {
+                    let (lo, hi) = (pair[0], pair[1]);
+                    prop_assert!(
+                        plan.depths[hi] >= plan.depths[lo],
+                        "w {} → t {}, w {} → t {}",
+                        w[lo],
+                        plan.depths[lo],
+                        w[hi],
+                        plan.depths[hi]
+                    );
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+}
+
+/// B₁ ≤ B₂ ⇒ t(B₁) ≤ t(B₂) channel by channel, so bits grow and E(t) never increases.
+#[test]
+fn prop_more_budget_never_hurts() {
+    for d in SIZES {
+        let strategy = (weights_and_budget(d), 0.0f32..=1.0);
+        runner(64)
+            .run(&strategy, |((w, b1), f)| {
+                let max = max_budget(d);
+                let b2 = (b1 + f * (max - b1)).min(max);
+                let (p1, p2) = (water_fill(&w, b1).unwrap(), water_fill(&w, b2).unwrap());
+                prop_assert!(p1.depths.iter().zip(&p2.depths).all(|(a, b)| a <= b));
+                prop_assert!(p1.bits <= p2.bits);
+                prop_assert!(expected_error(&w, &p2.depths) <= expected_error(&w, &p1.depths));
+                Ok(())
+            })
+            .unwrap();
+    }
+}
+
+/// On small D the plan equals the greedy reference exactly, is the exhaustive optimum among
+/// plans of at most its own bits, and is within `λ_next·(B − bits)` of the optimum at B.
+#[test]
+fn prop_small_d_matches_greedy_and_brute_force() {
+    for d in 1..=6 {
+        let cases = if d <= 4 { 256 } else { 64 };
+        runner(cases)
+            .run(&weights_and_budget(d), |(w, b)| {
+                let plan = water_fill(&w, b).unwrap();
+                prop_assert_eq!(&plan.depths, &greedy(&w, b));
+
+                let e = expected_error(&w, &plan.depths);
+                let scale = w
+                    .iter()
+                    .map(|&x| f64::from(x))
+                    .sum::<f64>()
+                    .max(f64::MIN_POSITIVE);
+                let tol = 1e-12 * scale;
+                let own = brute_force_min(&w, plan_quarter_bits(&plan.depths));
+                prop_assert!(e <= own + tol, "E {e} > optimum {own} at its own bits");
+
+                let at_b = brute_force_min(&w, budget_quarters(b));
+                let lambda_next = w
+                    .iter()
+                    .zip(&plan.depths)
+                    .filter(|&(&wc, &t)| wc > 0.0 && t < 4)
+                    .map(|(&wc, &t)| gain_per_bit(wc, t + 1))
+                    .fold(0.0, f64::max);
+                let bound = lambda_next * f64::from(b - plan.bits);
+                prop_assert!(at_b <= e + tol);
+                prop_assert!(e - at_b <= bound + tol, "E {e} − E* {at_b} > bound {bound}");
+                Ok(())
+            })
+            .unwrap();
+    }
+}
+
+#[test]
+fn uniform_depth_ablation() {
+    let check = |active: &[bool], w: &[f32], b: f32, expect: &[u8]| {
+        let plan = uniform_depth_plan(active, w, b).unwrap();
+        assert_eq!(plan.depths, expect, "active {active:?}, B {b}");
+        assert_eq!(plan.bits, plan_bits(expect));
+        assert!(plan.bits <= b);
+    };
+    let on = [true, false, true, true];
+    let w = [1.0, 9.0, 3.0, 2.0];
+    check(&on, &w, 17.0, &[4, 0, 4, 4]); // 3 × 4.25 = 12.75; the budget is not exceeded
+    check(&on, &w, 12.75, &[4, 0, 4, 4]);
+    check(&on, &w, 12.0, &[3, 0, 3, 3]);
+    check(&on, &w, 3.75, &[1, 0, 1, 1]);
+    check(&on, &w, 3.7, &[0, 0, 1, 1]); // fallback: the two most important active channels
+    check(&on, &w, 1.25, &[0, 0, 1, 0]);
+    check(&on, &w, 1.0, &[0, 0, 0, 0]);
+    check(&[true, true, true], &[2.0, 2.0, 2.0], 2.5, &[1, 1, 0]); // ties to the lower index
+    check(&[false; 3], &[1.0; 3], 5.0, &[0; 3]);
+    assert!(matches!(
+        uniform_depth_plan(&[true], &[1.0, 2.0], 1.0),
+        Err(PlanError::ShapeMismatch {
+            expected: 1,
+            got: 2,
+            ..
+        })
+    ));
+    assert!(matches!(
+        uniform_depth_plan(&[true], &[1.0], 5.0),
+        Err(PlanError::BudgetOutOfRange { .. })
+    ));
+}
+
+/// The ablation copies the Fathom plan's active set exactly and never exceeds its budget.
+#[test]
+fn prop_uniform_depth_keeps_the_active_set() {
+    for d in SIZES {
+        runner(48)
+            .run(&weights_and_budget(d), |(w, b)| {
+                let fathom = water_fill(&w, b).unwrap();
+                let uni = uniform_depth_plan(&fathom.active_mask(), &w, b).unwrap();
+                prop_assert!(uni.bits <= b);
+                prop_assert_eq!(uni.active_mask(), fathom.active_mask());
+                let depths: std::collections::BTreeSet<u8> = uni.active().map(|(_, t)| t).collect();
+                prop_assert!(depths.len() <= 1);
+                Ok(())
+            })
+            .unwrap();
+    }
+}
