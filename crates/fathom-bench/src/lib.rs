@@ -1,1 +1,19 @@
-//! stub
+//! # fathom-bench
+//!
+//! The measurement apparatus: safetensors tensor I/O, the SPEC §8 capture reader, a
+//! labelled **synthetic** GQA generator, and the fidelity harness that runs every scanner
+//! under the one selection protocol of SPEC §5.
+//!
+//! ```
+//! use fathom_bench::synthetic::{generate, SyntheticParams};
+//! let (info, layers) = generate(&SyntheticParams { layers: 1, n: 256, p: 4, d: 16, ..Default::default() });
+//! assert_eq!(info.g(), 4);
+//! assert_eq!(layers[0].k.len(), 256 * info.hkv * 16);
+//! ```
+//!
+//! **Invariant:** no GPU code and no model runtime here; it reads captures any tool wrote.
+#![deny(missing_docs)]
+
+pub mod capture;
+pub mod synthetic;
+pub mod tensors;

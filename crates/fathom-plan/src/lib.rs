@@ -48,6 +48,7 @@ pub mod importance;
 pub mod layers;
 pub mod metric;
 pub mod scan;
+pub mod scanner;
 pub mod select;
 pub mod waterfill;
 

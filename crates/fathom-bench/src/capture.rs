@@ -1,0 +1,327 @@
+//! Reading activation captures (SPEC §8): `layers.{l}.q` `[P, Hq, D]`, `layers.{l}.k` and
+//! `layers.{l}.v` `[N, Hkv, D]`, optional `layers.{l}.o` `[P, Hq, D]`, and metadata
+//! `positions`, `model`, `qk_norm`, `softcap`, `layer_kinds`.
+//!
+//! Layers are decoded on demand, one at a time, so a 28-layer 32k capture never has to sit
+//! in memory as f32 all at once.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use crate::tensors::{TensorError, TensorFile};
+
+/// How a layer attends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum LayerKind {
+    /// Full causal attention.
+    Global,
+    /// Sliding window of `W` tokens (keys `pos−W+1..=pos`).
+    Local(usize),
+}
+
+/// Capture-wide facts, validated against every layer.
+#[derive(Debug, Clone)]
+pub struct CaptureInfo {
+    /// Model name from the metadata.
+    pub model: String,
+    /// Whether the model applies QK-norm.
+    pub qk_norm: bool,
+    /// Attention-logit softcap, if any.
+    pub softcap: Option<f32>,
+    /// Query positions (query `p` attends to keys `0..=positions[p]`).
+    pub positions: Vec<usize>,
+    /// Layer indices present, ascending.
+    pub layers: Vec<usize>,
+    /// Kind of each layer in `layers` (Global when the metadata has no `layer_kinds`).
+    pub kinds: Vec<LayerKind>,
+    /// Tokens `N`.
+    pub n: usize,
+    /// Query heads.
+    pub hq: usize,
+    /// KV heads.
+    pub hkv: usize,
+    /// Channels per head.
+    pub d: usize,
+}
+
+impl CaptureInfo {
+    /// Query heads per KV head.
+    pub fn g(&self) -> usize {
+        self.hq / self.hkv
+    }
+}
+
+/// One layer's tensors, f32.
+#[derive(Debug, Clone)]
+pub struct LayerData {
+    /// Layer index.
+    pub index: usize,
+    /// Attention kind.
+    pub kind: LayerKind,
+    /// Queries `[P, Hq, D]`.
+    pub q: Vec<f32>,
+    /// Keys `[N, Hkv, D]`.
+    pub k: Vec<f32>,
+    /// Values `[N, Hkv, D]`.
+    pub v: Vec<f32>,
+    /// The model's own attention output `[P, Hq, D]`, if captured.
+    pub o: Option<Vec<f32>>,
+}
+
+/// An open capture file.
+#[derive(Debug)]
+pub struct Capture {
+    file: TensorFile,
+    info: CaptureInfo,
+}
+
+fn invalid(path: &Path, reason: String) -> TensorError {
+    TensorError::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
+impl Capture {
+    /// Opens a capture and checks the schema: every layer has q, k and v with consistent
+    /// shapes, heads divide, positions lie below `N`, metadata parses.
+    pub fn open(path: &Path) -> Result<Self, TensorError> {
+        let file = TensorFile::open(path)?;
+        let meta = file.metadata()?;
+        let names = file.names()?;
+        let mut layers = BTreeSet::new();
+        for n in &names {
+            if let Some(rest) = n.strip_prefix("layers.") {
+                if let Some((l, _)) = rest.split_once('.') {
+                    if let Ok(l) = l.parse::<usize>() {
+                        layers.insert(l);
+                    }
+                }
+            }
+        }
+        if layers.is_empty() {
+            return Err(invalid(
+                path,
+                "no `layers.{l}.q/k/v` tensors: not a capture (SPEC §8)".into(),
+            ));
+        }
+        let layers: Vec<usize> = layers.into_iter().collect();
+        let mut dims: Option<(usize, usize, usize, usize, usize)> = None; // P, Hq, N, Hkv, D
+        for &l in &layers {
+            let shape = |t: &str| file.shape(&format!("layers.{l}.{t}"));
+            let (q, k, v) = (shape("q")?, shape("k")?, shape("v")?);
+            for (t, s) in [("q", &q), ("k", &k), ("v", &v)] {
+                if s.len() != 3 {
+                    return Err(TensorError::Shape {
+                        path: path.to_path_buf(),
+                        name: format!("layers.{l}.{t}"),
+                        shape: s.clone(),
+                        expected: if t == "q" {
+                            "[P, Hq, D]"
+                        } else {
+                            "[N, Hkv, D]"
+                        }
+                        .into(),
+                    });
+                }
+            }
+            if k != v {
+                return Err(TensorError::Shape {
+                    path: path.to_path_buf(),
+                    name: format!("layers.{l}.v"),
+                    shape: v,
+                    expected: format!("{k:?} (the shape of layers.{l}.k)"),
+                });
+            }
+            if q[2] != k[2] {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "layers.{l}.q has D = {} but layers.{l}.k has D = {}",
+                        q[2], k[2]
+                    ),
+                ));
+            }
+            if k[1] == 0 || q[1] % k[1] != 0 {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "layers.{l}: {} query heads do not divide into {} KV heads",
+                        q[1], k[1]
+                    ),
+                ));
+            }
+            let this = (q[0], q[1], k[0], k[1], k[2]);
+            match dims {
+                None => dims = Some(this),
+                Some(d) if d != this => {
+                    return Err(invalid(path, format!(
+                        "layers.{l} has shapes q {q:?}, k {k:?}, unlike layer {} (P, Hq, N, Hkv, D) = {d:?}",
+                        layers[0])));
+                }
+                _ => {}
+            }
+            if file.contains(&format!("layers.{l}.o"))? {
+                let o = shape("o")?;
+                if o != q {
+                    return Err(TensorError::Shape {
+                        path: path.to_path_buf(),
+                        name: format!("layers.{l}.o"),
+                        shape: o,
+                        expected: format!("{q:?} (the shape of layers.{l}.q)"),
+                    });
+                }
+            }
+        }
+        let (p, hq, n, hkv, d) = dims.expect("at least one layer");
+        let positions: Vec<usize> = match meta.get("positions") {
+            None => {
+                return Err(invalid(
+                    path,
+                    "metadata `positions` is missing (SPEC §8)".into(),
+                ))
+            }
+            Some(s) => serde_json::from_str(s).map_err(|e| {
+                invalid(
+                    path,
+                    format!("metadata `positions` is not a JSON list of integers: {e}"),
+                )
+            })?,
+        };
+        if positions.len() != p {
+            return Err(invalid(
+                path,
+                format!(
+                    "metadata `positions` has {} entries but layers.*.q has P = {p}",
+                    positions.len()
+                ),
+            ));
+        }
+        if let Some((i, &pos)) = positions.iter().enumerate().find(|(_, &x)| x >= n) {
+            return Err(invalid(
+                path,
+                format!("positions[{i}] = {pos} is beyond the {n} captured keys (must be < N)"),
+            ));
+        }
+        let qk_norm = match meta.get("qk_norm").map(String::as_str) {
+            None | Some("false") => false,
+            Some("true") => true,
+            Some(x) => {
+                return Err(invalid(
+                    path,
+                    format!("metadata `qk_norm` = {x:?}; expected true or false"),
+                ))
+            }
+        };
+        let softcap = match meta.get("softcap").map(String::as_str) {
+            None | Some("") | Some("null") | Some("none") => None,
+            Some(x) => Some(
+                x.parse::<f32>()
+                    .ok()
+                    .filter(|c| c.is_finite() && *c > 0.0)
+                    .ok_or_else(|| {
+                        invalid(
+                            path,
+                            format!("metadata `softcap` = {x:?} is not a positive number"),
+                        )
+                    })?,
+            ),
+        };
+        let kinds = match meta.get("layer_kinds") {
+            None => vec![LayerKind::Global; layers.len()],
+            Some(s) => {
+                let all: Vec<String> = serde_json::from_str(s).map_err(|e| {
+                    invalid(
+                        path,
+                        format!("metadata `layer_kinds` is not a JSON list of strings: {e}"),
+                    )
+                })?;
+                let parse = |x: &str| -> Option<LayerKind> {
+                    if x == "global" {
+                        Some(LayerKind::Global)
+                    } else {
+                        x.strip_prefix("local:")?
+                            .parse()
+                            .ok()
+                            .filter(|w| *w > 0)
+                            .map(LayerKind::Local)
+                    }
+                };
+                let mut kinds = Vec::with_capacity(layers.len());
+                for &l in &layers {
+                    let k = all.get(l).ok_or_else(|| {
+                        invalid(
+                            path,
+                            format!(
+                                "metadata `layer_kinds` has {} entries; layer {l} has none",
+                                all.len()
+                            ),
+                        )
+                    })?;
+                    kinds.push(parse(k).ok_or_else(|| {
+                        invalid(
+                            path,
+                            format!(
+                        "metadata `layer_kinds`[{l}] = {k:?}; expected \"global\" or \"local:W\""),
+                        )
+                    })?);
+                }
+                kinds
+            }
+        };
+        let info = CaptureInfo {
+            model: meta
+                .get("model")
+                .cloned()
+                .unwrap_or_else(|| "unknown".into()),
+            qk_norm,
+            softcap,
+            positions,
+            layers,
+            kinds,
+            n,
+            hq,
+            hkv,
+            d,
+        };
+        Ok(Self { file, info })
+    }
+
+    /// Capture-wide facts.
+    pub fn info(&self) -> &CaptureInfo {
+        &self.info
+    }
+
+    /// The file path.
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
+
+    /// Decodes layer `index` (an entry of `info().layers`), rejecting NaN/Inf by tensor name.
+    pub fn layer(&self, index: usize) -> Result<LayerData, TensorError> {
+        let slot = self
+            .info
+            .layers
+            .iter()
+            .position(|&l| l == index)
+            .ok_or_else(|| invalid(self.path(), format!("layer {index} is not in the capture")))?;
+        let r = |t: &str| {
+            self.file
+                .read(&format!("layers.{index}.{t}"), &[3])
+                .map(|t| t.data)
+        };
+        let o = if self.file.contains(&format!("layers.{index}.o"))? {
+            Some(r("o")?)
+        } else {
+            None
+        };
+        Ok(LayerData {
+            index,
+            kind: self.info.kinds[slot],
+            q: r("q")?,
+            k: r("k")?,
+            v: r("v")?,
+            o,
+        })
+    }
+}
