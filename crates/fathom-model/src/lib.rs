@@ -1,2 +1,32 @@
-//! stub
+//! `fathom-model`: a small GGUF runtime over candle's quantized matmuls for SmolLM2-135M
+//! (`llama`) and Gemma 3 270M (`gemma3`), with model acquisition, real-text corpora and
+//! activation capture (SPEC §8).
+//!
+//! ```no_run
+//! use fathom_model::{fetch::{fetch_model, FetchOptions, ModelId}, Model, LoadOptions, Dense};
+//!
+//! # fn main() -> fathom_model::Result<()> {
+//! let path = fetch_model(ModelId::Smollm2_135m, &FetchOptions::default())?;
+//! let model = Model::load(&path, &LoadOptions::default())?;
+//! let prompt = model.tokenizer().encode("The capital of France is")?;
+//! let ids = fathom_model::generate_greedy(&model, &prompt, 8, 512, &mut Dense)?;
+//! println!("{}", model.tokenizer().decode(&ids)?);
+//! # Ok(()) }
+//! ```
+#![deny(missing_docs)]
+
+pub mod attention;
+pub mod error;
+pub mod fetch;
+pub mod model;
+pub mod tokenizer;
+
+pub use attention::{DecodeAttention, Dense, KvSlice};
+pub use error::{Error, Result};
+pub use model::{
+    argmax, generate_greedy, log_softmax, Arch, AttentionHook, Config, KvCache, LayerKind, LoadOptions, Model,
+    RopeStyle, WeightMode,
+};
+pub use tokenizer::Tokenizer;
+
 pub use candle_core;
