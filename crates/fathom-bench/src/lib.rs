@@ -14,6 +14,8 @@
 //! **Invariant:** no GPU code and no model runtime here; it reads captures any tool wrote.
 #![deny(missing_docs)]
 
+pub mod calib;
 pub mod capture;
+pub mod fidelity;
 pub mod synthetic;
 pub mod tensors;

@@ -1,0 +1,520 @@
+use fathom_plan::scan::scan;
+use fathom_plan::scanner::{rotated_store, HeadInput, HeadScanner, Scanner, ScannerError};
+use fathom_plan::{plan_bits, KvView};
+use fathom_store::{BasisKind, KeyStore, StoreView};
+use half::f16;
+
+fn top_channels(weights: &[f64], r: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..weights.len()).collect();
+    // Largest first; ties by lower channel index.
+    idx.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(a.cmp(&b)));
+    idx.truncate(r.min(weights.len()));
+    idx
+}
+
+fn depths_for(d: usize, channels: &[usize], t: u8) -> Vec<u8> {
+    let mut depths = vec![0u8; d];
+    for &c in channels {
+        depths[c] = t;
+    }
+    depths
+}
+
+fn check_r(name: &str, r: usize, d: usize) -> Result<(), ScannerError> {
+    if r == 0 || r > d {
+        return Err(ScannerError::Invalid(format!(
+            "{name}: r = {r} channels is out of range 1..={d}"
+        )));
+    }
+    Ok(())
+}
+
+/// SparQ (SPEC §4): per KV head, the `r` channels with the largest `Σ_h |q_{h,c}|` over the
+/// group, read at 4 bits; no mean-value reallocation.
+#[derive(Debug, Clone)]
+pub struct SparQ {
+    /// Channels read.
+    pub r: usize,
+}
+
+struct StoreHead<'a> {
+    store: StoreView<'a>,
+}
+
+impl Scanner for SparQ {
+    fn name(&self) -> String {
+        format!("sparq:{}", self.r)
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        check_r("sparq", self.r, input.keys.dim)?;
+        Ok(Box::new(SparQHead {
+            inner: StoreHead { store: input.store },
+            r: self.r,
+        }))
+    }
+}
+
+struct SparQHead<'a> {
+    inner: StoreHead<'a>,
+    r: usize,
+}
+
+impl HeadScanner for SparQHead<'_> {
+    fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
+        let d = self.inner.store.dims().channels;
+        let w: Vec<f64> = (0..d)
+            .map(|c| (0..g).map(|h| queries[h * d + c].abs() as f64).sum())
+            .collect();
+        let depths = depths_for(d, &top_channels(&w, self.r), 4);
+        scan(&self.inner.store, 0, queries, g, &depths, out)?;
+        Ok(plan_bits(&depths))
+    }
+}
+
+/// SparQ per-head union (ablation): each query head picks its own top-`r` channels by
+/// `|q_{h,c}|` and scores with them; the union of the heads' channels is what is read.
+#[derive(Debug, Clone)]
+pub struct SparQUnion {
+    /// Channels per head.
+    pub r: usize,
+}
+
+impl Scanner for SparQUnion {
+    fn name(&self) -> String {
+        format!("sparq-union:{}", self.r)
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        check_r("sparq-union", self.r, input.keys.dim)?;
+        Ok(Box::new(SparQUnionHead {
+            store: input.store,
+            r: self.r,
+        }))
+    }
+}
+
+struct SparQUnionHead<'a> {
+    store: StoreView<'a>,
+    r: usize,
+}
+
+impl HeadScanner for SparQUnionHead<'_> {
+    fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
+        let d = self.store.dims().channels;
+        let n = self.store.tokens();
+        let mut union = vec![0u8; d];
+        for h in 0..g {
+            let q = &queries[h * d..(h + 1) * d];
+            let w: Vec<f64> = q.iter().map(|x| x.abs() as f64).collect();
+            let depths = depths_for(d, &top_channels(&w, self.r), 4);
+            scan(&self.store, 0, q, 1, &depths, &mut out[h * n..(h + 1) * n])?;
+            for (u, t) in union.iter_mut().zip(&depths) {
+                *u = (*u).max(*t);
+            }
+        }
+        Ok(plan_bits(&union))
+    }
+}
+
+/// Double Sparsity (SPEC §4): `r` channels per head chosen offline by
+/// `mean|q_c|·mean|k_c|` on calibration text, read from the 4-bit label cache.
+#[derive(Debug, Clone)]
+pub struct DoubleSparsity {
+    /// Channels read.
+    pub r: usize,
+}
+
+impl Scanner for DoubleSparsity {
+    fn name(&self) -> String {
+        format!("ds:{}", self.r)
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        let d = input.keys.dim;
+        check_r("ds", self.r, d)?;
+        let calib = input
+            .calib
+            .filter(|c| c.ds_channels.len() >= self.r)
+            .ok_or_else(|| ScannerError::MissingCalibration {
+                method: self.name(),
+                what: "ds_channels",
+            })?;
+        let chans: Vec<usize> = calib.ds_channels[..self.r]
+            .iter()
+            .map(|&c| c as usize)
+            .collect();
+        if let Some(&c) = chans.iter().find(|&&c| c >= d) {
+            return Err(ScannerError::Invalid(format!("ds channel {c} ≥ D = {d}")));
+        }
+        Ok(Box::new(FixedHead {
+            store: Held::Borrowed(input.store),
+            depths: depths_for(d, &chans, 4),
+        }))
+    }
+}
+
+enum Held<'a> {
+    Borrowed(StoreView<'a>),
+    Owned(KeyStore),
+}
+
+impl Held<'_> {
+    fn view(&self) -> StoreView<'_> {
+        match self {
+            Held::Borrowed(v) => *v,
+            Held::Owned(s) => s.view(),
+        }
+    }
+}
+
+/// A fixed channel set at fixed depths (DS, Loki, thumbnail).
+struct FixedHead<'a> {
+    store: Held<'a>,
+    depths: Vec<u8>,
+}
+
+impl HeadScanner for FixedHead<'_> {
+    fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
+        let view = self.store.view();
+        let d = view.dims().channels;
+        let mut q = vec![0f32; g * d];
+        for h in 0..g {
+            view.rotate_query(0, &queries[h * d..(h + 1) * d], &mut q[h * d..(h + 1) * d]);
+        }
+        scan(&view, 0, &q, g, &self.depths, out)?;
+        Ok(plan_bits(&self.depths))
+    }
+}
+
+/// Loki (SPEC §4): the first `r` coordinates of the calibration PCA basis (ordered by
+/// calibration score variance), read at 4 bits from a store in that basis.
+#[derive(Debug, Clone)]
+pub struct Loki {
+    /// Coordinates read.
+    pub r: usize,
+}
+
+impl Scanner for Loki {
+    fn name(&self) -> String {
+        format!("loki:{}", self.r)
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        let d = input.keys.dim;
+        check_r("loki", self.r, d)?;
+        let calib = input
+            .calib
+            .filter(|c| c.loki.len() == d * d)
+            .ok_or_else(|| ScannerError::MissingCalibration {
+                method: self.name(),
+                what: "loki",
+            })?;
+        let store = rotated_store(&input.keys, &calib.loki, BasisKind::Custom)?;
+        let chans: Vec<usize> = (0..self.r).collect();
+        Ok(Box::new(FixedHead {
+            store: Held::Owned(store),
+            depths: depths_for(d, &chans, 4),
+        }))
+    }
+}
+
+/// Loki with fp16 coordinates (ablation): the same `r` PCA coordinates read at fp16
+/// instead of 4 bits (`16·r` bits per token).
+#[derive(Debug, Clone)]
+pub struct LokiF16 {
+    /// Coordinates read.
+    pub r: usize,
+}
+
+impl Scanner for LokiF16 {
+    fn name(&self) -> String {
+        format!("loki-f16:{}", self.r)
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        let d = input.keys.dim;
+        check_r("loki-f16", self.r, d)?;
+        let calib = input
+            .calib
+            .filter(|c| c.loki.len() == d * d)
+            .ok_or_else(|| ScannerError::MissingCalibration {
+                method: self.name(),
+                what: "loki",
+            })?;
+        let n = input.keys.rows();
+        let mut coords = vec![0f32; n * self.r];
+        let u = &calib.loki;
+        for i in 0..n {
+            let k = input.keys.row(i).expect("i < rows");
+            for j in 0..self.r {
+                let x: f64 = (0..d).map(|c| u[c * d + j] as f64 * k[c] as f64).sum();
+                coords[i * self.r + j] = f16::from_f64(x).to_f32();
+            }
+        }
+        Ok(Box::new(LokiF16Head {
+            coords,
+            basis: u.clone(),
+            r: self.r,
+            d,
+        }))
+    }
+}
+
+struct LokiF16Head {
+    coords: Vec<f32>,
+    basis: Vec<f32>,
+    r: usize,
+    d: usize,
+}
+
+impl HeadScanner for LokiF16Head {
+    fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
+        let (d, r) = (self.d, self.r);
+        let n = self.coords.len() / r;
+        for h in 0..g {
+            let q = &queries[h * d..(h + 1) * d];
+            let qr: Vec<f32> = (0..r)
+                .map(|j| {
+                    (0..d)
+                        .map(|c| self.basis[c * d + j] as f64 * q[c] as f64)
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            for i in 0..n {
+                out[h * n + i] = dot(&qr, &self.coords[i * r..(i + 1) * r]);
+            }
+        }
+        Ok(16.0 * r as f32)
+    }
+}
+
+/// The 2-bit thumbnail (FFD-style, SPEC §4): every channel at 2 planes.
+#[derive(Debug, Clone, Default)]
+pub struct Thumbnail;
+
+impl Scanner for Thumbnail {
+    fn name(&self) -> String {
+        "thumb2".into()
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        Ok(Box::new(FixedHead {
+            store: Held::Borrowed(input.store),
+            depths: vec![2; input.keys.dim],
+        }))
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| *x as f64 * *y as f64)
+        .sum::<f64>() as f32
+}
+
+/// Rounds to fp16 and back.
+fn f16r(x: f64) -> f32 {
+    f16::from_f64(x).to_f32()
+}
+
+/// The block landmark (ShadowKV-style, SPEC §4): the fp16 mean key of each 8-token block;
+/// a token's score is its block's.
+#[derive(Debug, Clone, Default)]
+pub struct Landmark;
+
+/// Tokens per landmark block.
+pub const LANDMARK_BLOCK: usize = 8;
+
+impl Scanner for Landmark {
+    fn name(&self) -> String {
+        "landmark".into()
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        let (n, d) = (input.keys.rows(), input.keys.dim);
+        let nb = n.div_ceil(LANDMARK_BLOCK);
+        let mut means = vec![0f32; nb * d];
+        for b in 0..nb {
+            let (lo, hi) = (b * LANDMARK_BLOCK, ((b + 1) * LANDMARK_BLOCK).min(n));
+            for c in 0..d {
+                let s: f64 = (lo..hi)
+                    .map(|i| input.keys.row(i).expect("row")[c] as f64)
+                    .sum();
+                means[b * d + c] = f16r(s / (hi - lo) as f64);
+            }
+        }
+        Ok(Box::new(PageHead {
+            tables: vec![means],
+            page: LANDMARK_BLOCK,
+            n,
+            d,
+            bits: 2.0 * d as f32,
+            quest: false,
+        }))
+    }
+}
+
+/// Quest (SPEC §4): per 16-token page, channel-wise fp16 min and max; page score
+/// `Σ_c max(q_c·min_c, q_c·max_c)`, an upper bound on every key's score in the page.
+#[derive(Debug, Clone, Default)]
+pub struct Quest;
+
+/// Tokens per Quest page.
+pub const QUEST_PAGE: usize = 16;
+
+impl Scanner for Quest {
+    fn name(&self) -> String {
+        "quest".into()
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        let (n, d) = (input.keys.rows(), input.keys.dim);
+        let np = n.div_ceil(QUEST_PAGE);
+        let mut mins = vec![0f32; np * d];
+        let mut maxs = vec![0f32; np * d];
+        for p in 0..np {
+            let (lo, hi) = (p * QUEST_PAGE, ((p + 1) * QUEST_PAGE).min(n));
+            for c in 0..d {
+                let (mut mn, mut mx) = (f32::INFINITY, f32::NEG_INFINITY);
+                for i in lo..hi {
+                    let x = input.keys.row(i).expect("row")[c];
+                    mn = mn.min(x);
+                    mx = mx.max(x);
+                }
+                // Round outward so the fp16 bounds still bound the keys.
+                mins[p * d + c] = round_down_f16(mn);
+                maxs[p * d + c] = round_up_f16(mx);
+            }
+        }
+        Ok(Box::new(PageHead {
+            tables: vec![mins, maxs],
+            page: QUEST_PAGE,
+            n,
+            d,
+            bits: 2.0 * d as f32,
+            quest: true,
+        }))
+    }
+}
+
+fn round_down_f16(x: f32) -> f32 {
+    let h = f16::from_f32(x);
+    if h.to_f32() > x {
+        f16::from_bits(if x > 0.0 {
+            h.to_bits() - 1
+        } else {
+            h.to_bits() + 1
+        })
+        .to_f32()
+    } else {
+        h.to_f32()
+    }
+}
+
+fn round_up_f16(x: f32) -> f32 {
+    -round_down_f16(-x)
+}
+
+struct PageHead {
+    tables: Vec<Vec<f32>>,
+    page: usize,
+    n: usize,
+    d: usize,
+    bits: f32,
+    quest: bool,
+}
+
+impl HeadScanner for PageHead {
+    fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
+        let (n, d) = (self.n, self.d);
+        let np = n.div_ceil(self.page);
+        for h in 0..g {
+            let q = &queries[h * d..(h + 1) * d];
+            for p in 0..np {
+                let s = if self.quest {
+                    let (mn, mx) = (
+                        &self.tables[0][p * d..(p + 1) * d],
+                        &self.tables[1][p * d..(p + 1) * d],
+                    );
+                    (0..d)
+                        .map(|c| (q[c] as f64 * mn[c] as f64).max(q[c] as f64 * mx[c] as f64))
+                        .sum::<f64>() as f32
+                } else {
+                    dot(q, &self.tables[0][p * d..(p + 1) * d])
+                };
+                let (lo, hi) = (p * self.page, ((p + 1) * self.page).min(n));
+                out[h * n + lo..h * n + hi].iter_mut().for_each(|x| *x = s);
+            }
+        }
+        Ok(self.bits)
+    }
+}
+
+/// Exact top-k (oracle): exact scores `q·k` from the full-precision keys.
+#[derive(Debug, Clone, Default)]
+pub struct Exact;
+
+struct ExactHead<'a> {
+    keys: KvView<'a>,
+}
+
+impl Scanner for Exact {
+    fn name(&self) -> String {
+        "exact".into()
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        Ok(Box::new(ExactHead { keys: input.keys }))
+    }
+}
+
+impl HeadScanner for ExactHead<'_> {
+    fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
+        let (n, d) = (self.keys.rows(), self.keys.dim);
+        for h in 0..g {
+            let q = &queries[h * d..(h + 1) * d];
+            for i in 0..n {
+                out[h * n + i] = dot(q, self.keys.row(i).expect("row"));
+            }
+        }
+        Ok(16.0 * d as f32)
+    }
+}
+
+/// Dense attention: every key, no selection (error 0 by construction).
+#[derive(Debug, Clone, Default)]
+pub struct Dense;
+
+impl Scanner for Dense {
+    fn name(&self) -> String {
+        "dense".into()
+    }
+    fn is_dense(&self) -> bool {
+        true
+    }
+    fn prepare<'a>(
+        &'a self,
+        input: &HeadInput<'a>,
+    ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        Ok(Box::new(ExactHead { keys: input.keys }))
+    }
+}

@@ -1,0 +1,496 @@
+//! Calibration (issue 3): per (layer, KV head) channel variances, the KLT basis and its
+//! eigenvalues, Loki's PCA basis, Double Sparsity's channels, Fathom's per-layer budgets,
+//! and the basis rule (SPEC §3), computed from a calibration capture.
+//!
+//! # File format (JSON, versioned)
+//!
+//! ```text
+//! { "format": "fathom-calibration", "version": 1, "model": str, "capture": str,
+//!   "n": int, "hkv": int, "g": int, "d": int, "layers": [int],
+//!   "heads": [[HeadCalib per KV head] per layer in `layers`],
+//!   "budgets": [{"target": float, "basis": "Raw"|"Klt", "per_layer": [float per layer index]}],
+//!   "basis_rule": {"choice": "Raw"|"Klt", "raw_error": float, "klt_error": float, "budget": float} }
+//! ```
+//!
+//! `HeadCalib` matrices are row-major `[D][D]` with basis vectors in columns.
+
+use std::path::Path;
+
+use fathom_plan::scanner::{Fathom, HeadCalib, Scanner, StoreBasis};
+use fathom_plan::{allocate_layer_budgets, KvView, LayerBudgetParams};
+use serde::{Deserialize, Serialize};
+
+use crate::capture::{CaptureInfo, LayerData, LayerKind};
+use crate::fidelity::{self, CalibSource, FidelityError, FidelityParams, InMemory, LayerSource};
+
+/// Format tag.
+pub const FORMAT: &str = "fathom-calibration";
+/// Format version.
+pub const VERSION: u32 = 1;
+
+/// Per-layer budgets for one target mean.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TargetBudgets {
+    /// Target mean bits.
+    pub target: f32,
+    /// Store basis the budgets were fitted in.
+    pub basis: StoreBasis,
+    /// Budget per layer index (`per_layer[l]`; layers not calibrated get the target).
+    pub per_layer: Vec<f32>,
+}
+
+/// The basis rule's decision and evidence.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BasisRule {
+    /// The winner.
+    pub choice: StoreBasis,
+    /// Calibration error of a raw store at `budget`.
+    pub raw_error: f64,
+    /// Calibration error of a KLT store at `budget`.
+    pub klt_error: f64,
+    /// Flat budget used for the comparison.
+    pub budget: f32,
+}
+
+/// A calibration file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Calibration {
+    /// `fathom-calibration`.
+    pub format: String,
+    /// 1.
+    pub version: u32,
+    /// Model name from the capture.
+    pub model: String,
+    /// Capture path it was computed from.
+    pub capture: String,
+    /// Tokens of the calibration capture.
+    pub n: usize,
+    /// KV heads.
+    pub hkv: usize,
+    /// Query heads per KV head.
+    pub g: usize,
+    /// Channels.
+    pub d: usize,
+    /// Layer indices calibrated.
+    pub layers: Vec<usize>,
+    /// `heads[slot][kv_head]`.
+    pub heads: Vec<Vec<HeadCalib>>,
+    /// Per-layer budgets per target.
+    pub budgets: Vec<TargetBudgets>,
+    /// Basis rule.
+    pub basis_rule: Option<BasisRule>,
+}
+
+impl CalibSource for Calibration {
+    fn head(&self, layer: usize, kv_head: usize) -> Option<&HeadCalib> {
+        let slot = self.layers.iter().position(|&l| l == layer)?;
+        self.heads.get(slot)?.get(kv_head)
+    }
+}
+
+/// Errors of calibration files.
+#[derive(Debug, thiserror::Error)]
+pub enum CalibError {
+    /// I/O.
+    #[error("{path}: {source}")]
+    Io {
+        /// Path.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not a calibration file, wrong version or inconsistent.
+    #[error("{path}: {reason}")]
+    Invalid {
+        /// Path.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Fidelity evaluation inside calibration failed.
+    #[error(transparent)]
+    Fidelity(#[from] FidelityError),
+}
+
+impl Calibration {
+    /// Loads and validates a calibration file.
+    pub fn load(path: &Path) -> Result<Self, CalibError> {
+        let p = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|source| CalibError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        let inv = |reason: String| CalibError::Invalid {
+            path: p.clone(),
+            reason,
+        };
+        let c: Calibration = serde_json::from_slice(&bytes)
+            .map_err(|e| inv(format!("not a Fathom calibration file: {e}")))?;
+        if c.format != FORMAT {
+            return Err(inv(format!(
+                "format tag {:?}, expected {FORMAT:?}",
+                c.format
+            )));
+        }
+        if c.version != VERSION {
+            return Err(inv(format!(
+                "calibration version {} (this build reads {VERSION})",
+                c.version
+            )));
+        }
+        if c.heads.len() != c.layers.len() {
+            return Err(inv("`heads` and `layers` differ in length".into()));
+        }
+        for (slot, hs) in c.heads.iter().enumerate() {
+            if hs.len() != c.hkv {
+                return Err(inv(format!(
+                    "layer {} has {} heads, expected {}",
+                    c.layers[slot],
+                    hs.len(),
+                    c.hkv
+                )));
+            }
+            for h in hs {
+                let bad = h.sigma2.len() != c.d
+                    || (!h.klt.is_empty() && h.klt.len() != c.d * c.d)
+                    || (!h.loki.is_empty() && h.loki.len() != c.d * c.d)
+                    || h.sigma2
+                        .iter()
+                        .chain(&h.klt)
+                        .chain(&h.loki)
+                        .chain(&h.klt_sigma2)
+                        .any(|x| !x.is_finite())
+                    || h.ds_channels.iter().any(|&x| x as usize >= c.d);
+                if bad {
+                    return Err(inv(format!(
+                        "layer {}: inconsistent or non-finite head calibration",
+                        c.layers[slot]
+                    )));
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// Checks that this calibration fits a capture's shapes.
+    pub fn check_against(&self, info: &CaptureInfo) -> Result<(), String> {
+        if (self.hkv, self.g, self.d) != (info.hkv, info.g(), info.d) {
+            return Err(format!(
+                "calibration is for Hkv={}, G={}, D={} but the capture has Hkv={}, G={}, D={}",
+                self.hkv,
+                self.g,
+                self.d,
+                info.hkv,
+                info.g(),
+                info.d
+            ));
+        }
+        if let Some(l) = info.layers.iter().find(|l| !self.layers.contains(l)) {
+            return Err(format!(
+                "calibration has no data for layer {l} of the capture"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Per-layer budgets for a target, if calibrated.
+    pub fn budgets_for(&self, target: f32) -> Option<&TargetBudgets> {
+        self.budgets
+            .iter()
+            .find(|b| (b.target - target).abs() < 1e-3)
+    }
+}
+
+/// Symmetric eigendecomposition by cyclic Jacobi rotations (f64). Returns eigenvalues and
+/// eigenvectors as columns of a row-major `[D][D]` matrix.
+pub fn jacobi_eigen(a: &[f64], d: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut a = a.to_vec();
+    let mut v = vec![0f64; d * d];
+    for i in 0..d {
+        v[i * d + i] = 1.0;
+    }
+    let norm: f64 = a
+        .iter()
+        .map(|x| x * x)
+        .sum::<f64>()
+        .sqrt()
+        .max(f64::MIN_POSITIVE);
+    for _sweep in 0..60 {
+        let off: f64 = (0..d)
+            .flat_map(|i| (0..d).filter(move |&j| j != i).map(move |j| (i, j)))
+            .map(|(i, j)| a[i * d + j] * a[i * d + j])
+            .sum::<f64>()
+            .sqrt();
+        if off <= 1e-13 * norm {
+            break;
+        }
+        for p in 0..d {
+            for q in p + 1..d {
+                let apq = a[p * d + q];
+                if apq.abs() <= 1e-300 {
+                    continue;
+                }
+                let (app, aqq) = (a[p * d + p], a[q * d + q]);
+                let theta = (aqq - app) / (2.0 * apq);
+                let t = theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt());
+                let t = if theta == 0.0 { 1.0 } else { t };
+                let c = 1.0 / (t * t + 1.0).sqrt();
+                let s = t * c;
+                for k in 0..d {
+                    let (akp, akq) = (a[k * d + p], a[k * d + q]);
+                    a[k * d + p] = c * akp - s * akq;
+                    a[k * d + q] = s * akp + c * akq;
+                }
+                for k in 0..d {
+                    let (apk, aqk) = (a[p * d + k], a[q * d + k]);
+                    a[p * d + k] = c * apk - s * aqk;
+                    a[q * d + k] = s * apk + c * aqk;
+                }
+                for k in 0..d {
+                    let (vkp, vkq) = (v[k * d + p], v[k * d + q]);
+                    v[k * d + p] = c * vkp - s * vkq;
+                    v[k * d + q] = s * vkp + c * vkq;
+                }
+            }
+        }
+    }
+    ((0..d).map(|i| a[i * d + i]).collect(), v)
+}
+
+/// Orders eigenvectors by calibration score variance `E[(q·u_j)²]·λ_j` (largest first) and
+/// returns `(basis [D][D] f32, λ in that order)`.
+fn order_by_score(vals: &[f64], vecs: &[f64], qs: &[f32], d: usize) -> (Vec<f32>, Vec<f32>) {
+    let nq = (qs.len() / d).max(1);
+    let score: Vec<f64> = (0..d)
+        .map(|j| {
+            let e: f64 = qs
+                .chunks_exact(d)
+                .map(|q| {
+                    let x: f64 = (0..d).map(|c| q[c] as f64 * vecs[c * d + j]).sum();
+                    x * x
+                })
+                .sum::<f64>()
+                / nq as f64;
+            e * vals[j].max(0.0)
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..d).collect();
+    order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
+    let mut u = vec![0f32; d * d];
+    for (jn, &j) in order.iter().enumerate() {
+        for c in 0..d {
+            u[c * d + jn] = vecs[c * d + j] as f32;
+        }
+    }
+    (u, order.iter().map(|&j| vals[j].max(0.0) as f32).collect())
+}
+
+/// Statistics of one (layer, KV head) from its keys and its group's calibration queries.
+pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
+    let (n, d) = (keys.rows(), keys.dim);
+    let mut mean = vec![0f64; d];
+    let mut second = vec![0f64; d * d];
+    let mut mean_abs = vec![0f64; d];
+    for i in 0..n {
+        let k = keys.row(i).expect("row");
+        for c in 0..d {
+            mean[c] += k[c] as f64;
+            mean_abs[c] += (k[c] as f64).abs();
+            let kc = k[c] as f64;
+            for e in c..d {
+                second[c * d + e] += kc * k[e] as f64;
+            }
+        }
+    }
+    let nf = n.max(1) as f64;
+    mean.iter_mut().for_each(|x| *x /= nf);
+    mean_abs.iter_mut().for_each(|x| *x /= nf);
+    for c in 0..d {
+        for e in c..d {
+            second[c * d + e] /= nf;
+            second[e * d + c] = second[c * d + e];
+        }
+    }
+    let cov: Vec<f64> = (0..d * d)
+        .map(|i| second[i] - mean[i / d] * mean[i % d])
+        .collect();
+    let sigma2: Vec<f32> = (0..d).map(|c| cov[c * d + c].max(0.0) as f32).collect();
+    let (vals, vecs) = jacobi_eigen(&cov, d);
+    let (klt, klt_sigma2) = order_by_score(&vals, &vecs, queries, d);
+    let (lvals, lvecs) = jacobi_eigen(&second, d);
+    let (loki, _) = order_by_score(&lvals, &lvecs, queries, d);
+    // Mean squared 64-token block maximum.
+    let nb = n.div_ceil(64).max(1);
+    let mut msb = vec![0f64; d];
+    for b in 0..n.div_ceil(64) {
+        for c in 0..d {
+            let m = (b * 64..((b + 1) * 64).min(n))
+                .map(|i| keys.row(i).expect("row")[c].abs())
+                .fold(0f32, f32::max) as f64;
+            msb[c] += m * m;
+        }
+    }
+    // Double Sparsity: mean|q_c| · mean|k_c|.
+    let nq = (queries.len() / d).max(1) as f64;
+    let ds_w: Vec<f64> = (0..d)
+        .map(|c| {
+            queries
+                .chunks_exact(d)
+                .map(|q| (q[c] as f64).abs())
+                .sum::<f64>()
+                / nq
+                * mean_abs[c]
+        })
+        .collect();
+    let mut ds: Vec<usize> = (0..d).collect();
+    ds.sort_by(|&a, &b| ds_w[b].total_cmp(&ds_w[a]).then(a.cmp(&b)));
+    HeadCalib {
+        sigma2,
+        mean_sq_blockmax: msb.iter().map(|x| (x / nb as f64) as f32).collect(),
+        klt,
+        klt_sigma2,
+        loki,
+        ds_channels: ds.iter().map(|&c| c as u16).collect(),
+    }
+}
+
+/// Calibration parameters.
+#[derive(Debug, Clone)]
+pub struct CalibParams {
+    /// Target mean budgets for per-layer plans.
+    pub targets: Vec<f32>,
+    /// Fidelity parameters (k, sink, local) used for the calibration error.
+    pub fidelity: FidelityParams,
+    /// Bits moved per greedy step.
+    pub quantum: f32,
+    /// Flat budget at which the basis rule compares raw and KLT.
+    pub rule_budget: f32,
+}
+
+/// Computes a calibration from a capture. `progress(stage, done, total)`.
+pub fn calibrate(
+    src: &dyn LayerSource,
+    capture_name: &str,
+    params: &CalibParams,
+    progress: &(dyn Fn(&str, usize, usize) + Sync),
+) -> Result<Calibration, CalibError> {
+    let info = src.info().clone();
+    let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
+    let mut layers_data: Vec<LayerData> = Vec::new();
+    let mut heads = Vec::new();
+    for (i, &l) in info.layers.iter().enumerate() {
+        let data = src.layer(l).map_err(FidelityError::from)?;
+        let hs: Vec<HeadCalib> = (0..hkv)
+            .map(|h| {
+                let keys = KvView::head(&data.k, hkv, d, h);
+                let mut qs = Vec::new();
+                for p in 0..info.positions.len() {
+                    qs.extend_from_slice(&data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d]);
+                }
+                head_calib(&keys, &qs)
+            })
+            .collect();
+        heads.push(hs);
+        layers_data.push(data);
+        progress("statistics", i + 1, info.layers.len());
+    }
+    let mut cal = Calibration {
+        format: FORMAT.into(),
+        version: VERSION,
+        model: info.model.clone(),
+        capture: capture_name.into(),
+        n: info.n,
+        hkv,
+        g,
+        d,
+        layers: info.layers.clone(),
+        heads,
+        budgets: Vec::new(),
+        basis_rule: None,
+    };
+    let mem = InMemory {
+        info: info.clone(),
+        layers: layers_data,
+    };
+    let global: Vec<usize> = info
+        .layers
+        .iter()
+        .zip(&info.kinds)
+        .filter(|(_, k)| **k == LayerKind::Global)
+        .map(|(l, _)| *l)
+        .collect();
+    let eval = |m: Fathom, layers: Vec<usize>| -> Result<f64, FidelityError> {
+        let methods: Vec<Box<dyn Scanner>> = vec![Box::new(m)];
+        let fp = FidelityParams {
+            layers: Some(layers),
+            ..params.fidelity.clone()
+        };
+        Ok(fidelity::run(&mem, Some(&cal), &methods, &fp, &|_| {})?.methods[0].error)
+    };
+    // Basis rule: raw against KLT at one flat budget.
+    let mut raw = Fathom::new(params.rule_budget);
+    raw.basis = StoreBasis::Raw;
+    let mut klt = Fathom::new(params.rule_budget);
+    klt.basis = StoreBasis::Klt;
+    let raw_error = eval(raw, global.clone())?;
+    progress("basis rule", 1, 2);
+    let klt_error = eval(klt, global.clone())?;
+    progress("basis rule", 2, 2);
+    let choice = if klt_error < raw_error {
+        StoreBasis::Klt
+    } else {
+        StoreBasis::Raw
+    };
+    // Per-layer budgets with the greedy allocator on this capture's attention error.
+    let max_b = 4.25 * d as f32;
+    let nlayers = info.layers.iter().max().map_or(0, |m| m + 1);
+    let mut budgets = Vec::new();
+    for (ti, &target) in params.targets.iter().enumerate() {
+        let lp = LayerBudgetParams {
+            layers: global.len(),
+            target_mean: target,
+            quantum: params.quantum,
+            min_budget: 0.0,
+            max_budget: max_b,
+            start: (target / 3.0).floor().max(0.0),
+        };
+        let mut failure: Option<FidelityError> = None;
+        let alloc = allocate_layer_budgets(&lp, |slot, b| {
+            let mut f = Fathom::new(b);
+            f.basis = choice;
+            match eval(f, vec![global[slot]]) {
+                Ok(e) => e,
+                Err(e) => {
+                    failure.get_or_insert(e);
+                    f64::INFINITY
+                }
+            }
+        })
+        .map_err(|e| CalibError::Invalid {
+            path: capture_name.into(),
+            reason: e.to_string(),
+        })?;
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        let mut per_layer = vec![target; nlayers];
+        for (slot, &l) in global.iter().enumerate() {
+            per_layer[l] = alloc[slot];
+        }
+        budgets.push(TargetBudgets {
+            target,
+            basis: choice,
+            per_layer,
+        });
+        progress("per-layer budgets", ti + 1, params.targets.len());
+    }
+    cal.budgets = budgets;
+    cal.basis_rule = Some(BasisRule {
+        choice,
+        raw_error,
+        klt_error,
+        budget: params.rule_budget,
+    });
+    Ok(cal)
+}
