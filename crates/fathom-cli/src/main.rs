@@ -1,1 +1,544 @@
-fn main(){}
+//! `fathom`: the command-line tool of the Fathom workspace.
+
+mod methods;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use fathom_bench::calib::{calibrate, CalibParams, Calibration};
+use fathom_bench::capture::Capture;
+use fathom_bench::fidelity::{self, FidelityParams, InMemory, LayerSource};
+use fathom_bench::synthetic::{generate, SyntheticParams};
+use fathom_bench::tensors::{to_safetensors, TensorFile, WriteDtype};
+use fathom_plan::SelectParams;
+use fathom_store::{file::FLAG_SQUEEZE_HEADS, write_atomic, Dims, KeyStore, MappedStore};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+use methods::{parse_methods, BasisArg};
+
+/// Fathom: bit-plane key stores and water-filled sparse-attention scans for offloaded KV caches.
+#[derive(Parser, Debug)]
+#[command(name = "fathom", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Build, inspect and read bit-plane key stores (SPEC §2).
+    #[command(subcommand)]
+    Store(StoreCmd),
+    /// Water-fill per-group importance into per-channel plane depths (SPEC §3).
+    Plan(PlanArgs),
+    /// The embedded demo: Fathom at several budgets against exact top-k on a synthetic GQA workload.
+    Demo(DemoArgs),
+    /// Calibrate σ², KLT, Loki PCA, Double Sparsity channels, per-layer budgets and the basis rule.
+    Calibrate(CalibrateArgs),
+    /// Attention fidelity of every method under the shared selection protocol (SPEC §5).
+    Fidelity(FidelityArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum StoreCmd {
+    /// Quantize a key tensor ([N, D] or [N, Hkv, D]; f32, f16 or bf16) into a store file.
+    Quantize {
+        /// Input safetensors file.
+        #[arg(long)]
+        keys: PathBuf,
+        /// Tensor name inside it.
+        #[arg(long)]
+        tensor: String,
+        /// Output store file (written atomically).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Write the T-plane prefix values of every key as tensor `keys` (f32, input's shape).
+    Dequant {
+        /// Store file.
+        #[arg(long)]
+        store: PathBuf,
+        /// Planes read, 0..=4.
+        #[arg(long)]
+        planes: u32,
+        /// Output safetensors file (written atomically).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print a store's shape and cost.
+    Info {
+        /// Store file.
+        #[arg(long)]
+        store: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct PlanArgs {
+    /// Safetensors file holding the importance.
+    #[arg(long)]
+    weights: PathBuf,
+    /// Tensor name, shape [groups, D], non-negative.
+    #[arg(long)]
+    tensor: String,
+    /// Budget in bits per token per KV head, in [0, 4.25·D].
+    #[arg(long, allow_hyphen_values = true)]
+    budget: f32,
+    /// Print JSON (the only output format).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct DemoArgs {
+    /// Tokens of context.
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    /// Top-k per query head.
+    #[arg(long, default_value_t = 128)]
+    k: usize,
+    /// Budgets for Fathom.
+    #[arg(long, default_value = "24,32,48,64,92,136", value_delimiter = ',')]
+    budgets: Vec<f32>,
+    /// Also write the JSON report here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+struct CalibrateArgs {
+    /// Calibration capture (SPEC §8 safetensors).
+    #[arg(long)]
+    capture: PathBuf,
+    /// Output calibration file (JSON, written atomically).
+    #[arg(long)]
+    out: PathBuf,
+    /// Target mean budgets for per-layer plans.
+    #[arg(long, default_value = "48,64", value_delimiter = ',')]
+    targets: Vec<f32>,
+    /// Top-k used for the calibration error (default: by context, SPEC §5).
+    #[arg(long)]
+    k: Option<usize>,
+    /// Bits moved per greedy step of the per-layer allocator.
+    #[arg(long, default_value_t = 4.0)]
+    quantum: f32,
+}
+
+#[derive(clap::Args, Debug)]
+struct FidelityArgs {
+    /// Evaluation capture (SPEC §8 safetensors).
+    #[arg(long)]
+    capture: PathBuf,
+    /// Calibration file from `fathom calibrate`.
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// Comma-separated methods (see `fathom fidelity --help`): dense, exact, fathom:B,
+    /// fathom-layer:B, fathom-uniform:B, fathom-sweep:B1-B2/STEP, fathom-raw:B, fathom-klt:B,
+    /// fathom-blockmax:B, sparq:R, sparq-union:R, ds:R, loki:R, loki-f16:R, thumb2, landmark, quest.
+    #[arg(long)]
+    methods: String,
+    /// Top-k per query head (default: 128 at ≤4k, 256 at ≤16k, else 512).
+    #[arg(long)]
+    k: Option<usize>,
+    /// Store basis for Fathom methods.
+    #[arg(long, value_enum, default_value_t = BasisArg::Auto)]
+    basis: BasisArg,
+    /// Layers to evaluate (default: every global layer).
+    #[arg(long, value_delimiter = ',')]
+    layers: Option<Vec<usize>>,
+    /// JSON output file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// PNG plot of error against bits.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        eprintln!("error: internal error (a bug in fathom): {msg}");
+    }));
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let msg = format!("{e:#}").replace('\n', " ");
+            eprintln!("error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Store(StoreCmd::Quantize { keys, tensor, out }) => {
+            store_quantize(&keys, &tensor, &out)
+        }
+        Cmd::Store(StoreCmd::Dequant { store, planes, out }) => store_dequant(&store, planes, &out),
+        Cmd::Store(StoreCmd::Info { store, json }) => store_info(&store, json),
+        Cmd::Plan(a) => plan(a),
+        Cmd::Demo(a) => demo(a),
+        Cmd::Calibrate(a) => calibrate_cmd(a),
+        Cmd::Fidelity(a) => fidelity_cmd(a),
+    }
+}
+
+fn store_quantize(keys: &Path, tensor: &str, out: &Path) -> Result<()> {
+    let f = TensorFile::open(keys)?;
+    let t = f.read(tensor, &[2, 3])?;
+    let (n, dims, flags) = match t.shape[..] {
+        [n, d] => (
+            n,
+            Dims {
+                heads: 1,
+                channels: d,
+            },
+            FLAG_SQUEEZE_HEADS,
+        ),
+        [n, h, d] => (
+            n,
+            Dims {
+                heads: h,
+                channels: d,
+            },
+            0,
+        ),
+        _ => unreachable!("rank checked"),
+    };
+    if dims.heads == 0 || dims.channels == 0 {
+        bail!(
+            "{}: tensor `{tensor}` has shape {:?}: heads and channels must be positive",
+            keys.display(),
+            t.shape
+        );
+    }
+    let mut store = KeyStore::from_keys(dims, &t.data, None)
+        .with_context(|| format!("{}: tensor `{tensor}`", keys.display()))?;
+    store.set_flags(flags);
+    store.save(out)?;
+    eprintln!(
+        "wrote {}: {n} tokens × {} KV heads × {} channels, {} bytes per token per KV head",
+        out.display(),
+        dims.heads,
+        dims.channels,
+        dims.bytes_per_token_per_head()
+    );
+    Ok(())
+}
+
+fn store_dequant(store: &Path, planes: u32, out: &Path) -> Result<()> {
+    if planes > 4 {
+        bail!("--planes {planes} is out of range: a store has 4 planes (0..=4)");
+    }
+    let m = MappedStore::open(store)?;
+    let v = m.view();
+    let vals = v.dequant_prefix(planes)?;
+    let shape: Vec<usize> = if v.flags() & FLAG_SQUEEZE_HEADS != 0 {
+        vec![v.tokens(), v.dims().channels]
+    } else {
+        vec![v.tokens(), v.dims().heads, v.dims().channels]
+    };
+    let bytes = to_safetensors(&[("keys", &vals, &shape)], WriteDtype::F32, None)?;
+    write_atomic(out, &bytes).with_context(|| format!("writing {}", out.display()))?;
+    Ok(())
+}
+
+fn store_info(store: &Path, as_json: bool) -> Result<()> {
+    let m = MappedStore::open(store)?;
+    let v = m.view();
+    let d = v.dims();
+    let doc = json!({
+        "tokens": v.tokens(),
+        "kv_heads": d.heads,
+        "channels": d.channels,
+        "blocks": v.nblocks(),
+        "bytes_per_token_per_head": d.bytes_per_token_per_head(),
+        "basis": format!("{:?}", v.basis_kind()).to_lowercase(),
+        "format_version": m.header().version,
+        "file_bytes": std::fs::metadata(store)?.len(),
+    });
+    if as_json {
+        println!("{}", serde_json::to_string(&doc)?);
+    } else {
+        println!(
+            "{}: {} tokens, {} KV heads × {} channels, {} bytes/token/head, basis {}",
+            store.display(),
+            v.tokens(),
+            d.heads,
+            d.channels,
+            d.bytes_per_token_per_head(),
+            doc["basis"].as_str().unwrap_or("?")
+        );
+    }
+    Ok(())
+}
+
+fn plan(a: PlanArgs) -> Result<()> {
+    let f = TensorFile::open(&a.weights)?;
+    let t = f.read(&a.tensor, &[2])?;
+    let (groups, d) = (t.shape[0], t.shape[1]);
+    let max = 4.25 * d as f32;
+    if !a.budget.is_finite() || a.budget < 0.0 || a.budget > max {
+        bail!(
+            "budget {} bits is out of range: it must lie in [0, {max}] (4.25 × D = {d} channels)",
+            a.budget
+        );
+    }
+    let mut depths = Vec::with_capacity(groups);
+    let mut bits = Vec::with_capacity(groups);
+    for gi in 0..groups {
+        let p = fathom_plan::water_fill(&t.data[gi * d..(gi + 1) * d], a.budget)
+            .with_context(|| format!("{}: tensor `{}` row {gi}", a.weights.display(), a.tensor))?;
+        depths.push(p.depths);
+        bits.push(p.bits);
+    }
+    let _ = a.json;
+    println!(
+        "{}",
+        serde_json::to_string(&json!({"depths": depths, "bits": bits}))?
+    );
+    Ok(())
+}
+
+fn default_k(n: usize) -> usize {
+    if n <= 4096 {
+        128
+    } else if n <= 16384 {
+        256
+    } else {
+        512
+    }
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>20} [{bar:30}] {pos}/{len} ({elapsed} / ETA {eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}
+
+/// Statistics-only calibration of an in-memory workload (no budgets, no basis rule).
+fn stats_only(src: &InMemory) -> Calibration {
+    let info = &src.info;
+    let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
+    let heads = src
+        .layers
+        .iter()
+        .map(|data| {
+            (0..hkv)
+                .map(|h| {
+                    let keys = fathom_plan::KvView::head(&data.k, hkv, d, h);
+                    let mut qs = Vec::new();
+                    for p in 0..info.positions.len() {
+                        qs.extend_from_slice(
+                            &data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d],
+                        );
+                    }
+                    fathom_bench::calib::head_calib(&keys, &qs)
+                })
+                .collect()
+        })
+        .collect();
+    Calibration {
+        format: fathom_bench::calib::FORMAT.into(),
+        version: fathom_bench::calib::VERSION,
+        model: info.model.clone(),
+        capture: "synthetic".into(),
+        n: info.n,
+        hkv,
+        g,
+        d,
+        layers: info.layers.clone(),
+        heads,
+        budgets: Vec::new(),
+        basis_rule: None,
+    }
+}
+
+fn demo(a: DemoArgs) -> Result<()> {
+    if a.context < 64 {
+        bail!("--context {} is too short (at least 64 tokens)", a.context);
+    }
+    let t0 = std::time::Instant::now();
+    let params = SyntheticParams {
+        n: a.context,
+        ..Default::default()
+    };
+    let (info, layers) = generate(&params);
+    let src = InMemory { info, layers };
+    let calib = stats_only(&src);
+    let list = std::iter::once("exact".to_string())
+        .chain(a.budgets.iter().map(|b| format!("fathom:{b}")))
+        .chain(["sparq:16".to_string(), "sparq:32".to_string()])
+        .collect::<Vec<_>>()
+        .join(",");
+    let methods = parse_methods(&list, src.info.d, BasisArg::Raw, Some(&calib))?;
+    let fp = FidelityParams {
+        select: SelectParams {
+            k: a.k,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let pb = bar(src.info.layers.len() as u64, "layers");
+    let rep = fidelity::run(&src, Some(&calib), &methods, &fp, &|_| pb.inc(1))?;
+    pb.finish_and_clear();
+    let eq = report::equal_error(&rep);
+    let label = format!(
+        "SYNTHETIC workload (labelled: not model activations): {} layers, Hkv={}, G={}, D={}, n={}, {} positions, k={}, sink 4, local 32",
+        params.layers, params.hkv, params.g, params.d, params.n, params.p, a.k
+    );
+    print!("{}", report::markdown(&rep, &eq, &label));
+    println!("\n({:.1} s)", t0.elapsed().as_secs_f64());
+    if let Some(path) = a.json {
+        let doc = report::json_doc(&rep, "synthetic", a.k, eq, json!({"synthetic": true}));
+        write_atomic(&path, serde_json::to_string_pretty(&doc)?.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
+    let cap = Capture::open(&a.capture)?;
+    let n = cap.info().n;
+    let d = cap.info().d;
+    for &t in &a.targets {
+        if !(0.0..=4.25 * d as f32).contains(&t) {
+            bail!(
+                "--targets: {t} bits is out of range [0, {}] (4.25 × D = {d} channels)",
+                4.25 * d as f32
+            );
+        }
+    }
+    let k = a.k.unwrap_or_else(|| default_k(n));
+    let params = CalibParams {
+        targets: a.targets.clone(),
+        fidelity: FidelityParams {
+            select: SelectParams {
+                k,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        quantum: a.quantum,
+        rule_budget: 64.0f32.min(4.25 * d as f32),
+    };
+    let pb = bar(cap.info().layers.len() as u64, "statistics");
+    let cal = calibrate(
+        &cap,
+        &a.capture.display().to_string(),
+        &params,
+        &|stage, done, total| {
+            pb.set_message(stage.to_string());
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+        },
+    )?;
+    pb.finish_and_clear();
+    let bytes = serde_json::to_vec(&cal)?;
+    write_atomic(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;
+    if let Some(r) = &cal.basis_rule {
+        eprintln!(
+            "basis rule at {} bits: raw error {:.4e}, KLT error {:.4e} → {:?}",
+            r.budget, r.raw_error, r.klt_error, r.choice
+        );
+    }
+    for b in &cal.budgets {
+        eprintln!("per-layer budgets for mean {}: {:?}", b.target, b.per_layer);
+    }
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
+    let cap = Capture::open(&a.capture)?;
+    let info = cap.info().clone();
+    let calib = match &a.calib {
+        Some(p) => {
+            let c = Calibration::load(p)?;
+            c.check_against(&info)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            Some(c)
+        }
+        None => None,
+    };
+    let methods = parse_methods(&a.methods, info.d, a.basis, calib.as_ref())?;
+    let k = a.k.unwrap_or_else(|| default_k(info.n));
+    if k == 0 || k > info.n {
+        bail!("--k {k} is out of range 1..={} (the capture's N)", info.n);
+    }
+    // Fail before the long run if an output path cannot be written.
+    for p in [&a.json, &a.plot].into_iter().flatten() {
+        check_writable(p)?;
+    }
+    let fp = FidelityParams {
+        select: SelectParams {
+            k,
+            ..Default::default()
+        },
+        layers: a.layers.clone(),
+        ..Default::default()
+    };
+    let nl = a.layers.as_ref().map_or(info.layers.len(), |l| l.len());
+    let pb = bar(nl as u64, "layers");
+    let calib_src = calib.as_ref().map(|c| c as &dyn fidelity::CalibSource);
+    let rep = fidelity::run(&cap as &dyn LayerSource, calib_src, &methods, &fp, &|_| {
+        pb.inc(1)
+    })?;
+    pb.finish_and_clear();
+    let eq = report::equal_error(&rep);
+    let label = format!(
+        "capture {} (model {}), k={k}, {} positions, layers {:?}",
+        a.capture.display(),
+        info.model,
+        rep.positions,
+        rep.layers
+    );
+    print!("{}", report::markdown(&rep, &eq, &label));
+    if let Some(path) = &a.json {
+        let extra = json!({
+            "model": info.model,
+            "basis": calib.as_ref().and_then(|c| c.basis_rule.as_ref()).map(|r| format!("{:?}", r.choice)),
+            "synthetic": info.model.contains("synthetic"),
+        });
+        let doc = report::json_doc(&rep, &a.capture.display().to_string(), k, eq, extra);
+        write_atomic(path, serde_json::to_string_pretty(&doc)?.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(p) = &a.plot {
+        eprintln!(
+            "note: --plot {} not written: PNG plotting is not implemented in this build",
+            p.display()
+        );
+    }
+    Ok(())
+}
+
+fn check_writable(p: &Path) -> Result<()> {
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let probe = dir.join(format!(".fathom-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("output {} is not writable", p.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
