@@ -1,0 +1,110 @@
+//! `fathom offload-bench`: the GPU offload decode step benchmark (SPEC §6).
+//!
+//! Wire with `mod offload_cmds;` and a subcommand `OffloadBench(offload_cmds::OffloadBenchArgs)`
+//! calling [`run_offload_bench`].
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+use fathom_cuda::bench::{parse_context, BenchConfig};
+use fathom_cuda::{Method, ModelShape, Residency};
+
+/// Arguments of `fathom offload-bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct OffloadBenchArgs {
+    /// Model shape: qwen3-8b, llama3.1-8b, qwen2.5-7b or L,HKV,G,D.
+    #[arg(long, default_value = "qwen3-8b")]
+    pub shape: String,
+    /// Context lengths (32k, 256k, 1m, or token counts), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "32k,256k,1m")]
+    pub context: Vec<String>,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Methods, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "fathom:48,fathom:64,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark,exact")]
+    pub methods: Vec<String>,
+    /// Where the store and K/V rows live: host, hbm, or both (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "host")]
+    pub residency: Vec<String>,
+    /// Timed steps per method (after 2 warm-ups).
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Extra steps with per-stage events (for the breakdown).
+    #[arg(long, default_value_t = 3)]
+    pub instrumented_steps: usize,
+    /// Top-k per query head (default 512).
+    #[arg(long)]
+    pub k: Option<usize>,
+    /// HBM row-cache slots per (layer, KV head); 0 disables the cache.
+    #[arg(long, default_value_t = 8192)]
+    pub cache_rows: usize,
+    /// Host memory for K/V records, GiB (past it, row layers are reused cyclically).
+    #[arg(long, default_value_t = 16.0)]
+    pub row_budget_gib: f64,
+    /// Distinct synthetic source layers.
+    #[arg(long, default_value_t = 4)]
+    pub source_layers: usize,
+    /// Base tokens per source layer (tiled to the context).
+    #[arg(long, default_value_t = 32768)]
+    pub source_tokens: usize,
+    /// Generator seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the JSON report here (rewritten after every context).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Runs `fathom offload-bench`.
+///
+/// # Errors
+/// Bad arguments, no GPU path (`NotCompiledWithCuda`, `NoDevice`), device failures.
+pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
+    let shape = ModelShape::parse(&a.shape)?;
+    let contexts = a.context.iter().map(|c| parse_context(c)).collect::<Result<Vec<_>, _>>()?;
+    let methods = a.methods.iter().map(|m| Method::parse(m)).collect::<Result<Vec<_>, _>>()?;
+    let residencies = a.residency.iter().map(|r| Residency::parse(r)).collect::<Result<Vec<_>, _>>()?;
+    let cfg = BenchConfig {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        shape_label: a.shape.clone(),
+        shape,
+        contexts,
+        batch: a.batch,
+        methods,
+        residencies,
+        steps: a.steps,
+        warmup: 2,
+        instrumented_steps: a.instrumented_steps,
+        k: a.k,
+        cache_rows: a.cache_rows,
+        row_bytes_budget: (a.row_budget_gib * (1u64 << 30) as f64) as u64,
+        source_layers: a.source_layers,
+        source_tokens: a.source_tokens,
+        seed: a.seed,
+        h2d_probe_bytes: 2 << 30,
+        json: a.json.clone(),
+    };
+    let rep = fathom_cuda::bench::run_offload_bench(&cfg, |s| eprintln!("{s}")).context("offload-bench")?;
+    println!("{:<9} {:<5} {:<10} {:>7} {:>10} {:>10} {:>8} {:>8} {:>7}  speedup vs 136-bit", "context", "res", "method", "bits", "gpu ms", "floor ms", "ratio", "plan %", "hit %");
+    for r in &rep.results {
+        println!(
+            "{:<9} {:<5} {:<10} {:>7.1} {:>10.3} {:>10} {:>8} {:>8.2} {:>7.1}  {}",
+            r.context,
+            r.residency,
+            r.method,
+            r.bits,
+            r.gpu_ms,
+            r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
+            r.floor_ratio.map_or("-".into(), |f| format!("{f:.2}")),
+            100.0 * r.planner_share,
+            100.0 * r.cache_hit_rate,
+            r.speedup_vs_136.iter().map(|(k, v)| format!("{k}={v:.2}x")).collect::<Vec<_>>().join(" ")
+        );
+    }
+    if let Some(p) = &a.json {
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
