@@ -1,0 +1,243 @@
+//! Bits, selection rules and references of every baseline (issue 3).
+
+use fathom_baselines::*;
+use fathom_plan::scanner::{Fathom, HeadCalib, HeadInput, Scanner};
+use fathom_plan::KvView;
+use fathom_store::{Dims, KeyStore};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+struct Fixture {
+    keys: Vec<f32>,
+    store: KeyStore,
+    calib: HeadCalib,
+    d: usize,
+}
+
+fn fixture(n: usize, d: usize, seed: u64) -> Fixture {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let scale: Vec<f32> = (0..d).map(|_| rng.gen_range(-1.5f32..1.5).exp()).collect();
+    let keys: Vec<f32> = (0..n * d)
+        .map(|i| rng.gen_range(-1.0f32..1.0) * scale[i % d])
+        .collect();
+    let store = KeyStore::from_keys(
+        Dims {
+            heads: 1,
+            channels: d,
+        },
+        &keys,
+        None,
+    )
+    .unwrap();
+    let qs: Vec<f32> = (0..8 * d).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let calib = fathom_bench::calib::head_calib(&KvView::contiguous(&keys, d), &qs);
+    Fixture {
+        keys,
+        store,
+        calib,
+        d,
+    }
+}
+
+impl Fixture {
+    fn input(&self) -> HeadInput<'_> {
+        HeadInput {
+            layer: 0,
+            keys: KvView::contiguous(&self.keys, self.d),
+            store: self.store.view(),
+            calib: Some(&self.calib),
+        }
+    }
+    fn score(&self, m: &dyn Scanner, q: &[f32], g: usize) -> (Vec<f32>, f32) {
+        let n = self.keys.len() / self.d;
+        let head = m.prepare(&self.input()).unwrap();
+        let mut out = vec![0f32; g * n];
+        let bits = head.score(q, g, &mut out).unwrap();
+        (out, bits)
+    }
+}
+
+#[test]
+fn bits_are_charged_as_spec_section_4() {
+    let f = fixture(300, 128, 1);
+    let mut rng = StdRng::seed_from_u64(2);
+    let q: Vec<f32> = (0..4 * 128).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let check = |m: &dyn Scanner, want: f32| assert_eq!(f.score(m, &q, 4).1, want, "{}", m.name());
+    check(&SparQ { r: 16 }, 68.0);
+    check(&SparQ { r: 32 }, 136.0);
+    check(&DoubleSparsity { r: 32 }, 136.0);
+    check(&Loki { r: 32 }, 136.0);
+    check(&Thumbnail, 288.0);
+    check(&Landmark, 256.0);
+    check(&Quest, 256.0);
+    // The union reads at least one head's channels and at most all heads' channels.
+    let u = f.score(&SparQUnion { r: 32 }, &q, 4).1;
+    assert!((136.0..=4.0 * 136.0).contains(&u), "{u}");
+    for b in [0.0f32, 13.25, 48.0, 64.0, 92.0, 136.0, 544.0] {
+        let bits = f.score(&Fathom::new(b), &q, 4).1;
+        assert!(bits <= b, "fathom:{b} read {bits}");
+    }
+}
+
+fn dot64(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+}
+
+#[test]
+fn sparq_reads_the_channels_with_largest_group_abs_query() {
+    let f = fixture(100, 8, 3);
+    // Two heads; Σ_h |q_c| is largest on channels 6 and 1.
+    let q = [
+        0.1, 2.0, 0.0, 0.3, 0.0, 0.0, -3.0, 0.2, /* head 1 */ 0.0, -1.0, 0.5, 0.0, 0.4, 0.0,
+        1.0, 0.0,
+    ];
+    let (s, bits) = f.score(&SparQ { r: 2 }, &q, 2);
+    assert_eq!(bits, 8.5);
+    let deq = f.store.view().dequant_prefix(4).unwrap();
+    for h in 0..2 {
+        for i in 0..100 {
+            let want = q[h * 8 + 1] as f64 * deq[i * 8 + 1] as f64
+                + q[h * 8 + 6] as f64 * deq[i * 8 + 6] as f64;
+            assert!((s[h * 100 + i] as f64 - want).abs() < 1e-5 * (1.0 + want.abs()));
+        }
+    }
+}
+
+#[test]
+fn landmark_scores_a_token_by_its_block_mean() {
+    let f = fixture(20, 4, 4);
+    let q = [1.0, -2.0, 0.5, 0.25];
+    let (s, _) = f.score(&Landmark, &q, 1);
+    for i in 0..20 {
+        let b = i / 8;
+        let (lo, hi) = (b * 8, ((b + 1) * 8).min(20));
+        let mean: Vec<f32> = (0..4)
+            .map(|c| {
+                (lo..hi).map(|j| f.keys[j * 4 + c] as f64).sum::<f64>() as f32 / (hi - lo) as f32
+            })
+            .collect();
+        let want = dot64(&q, &mean);
+        assert!(
+            (s[i] as f64 - want).abs() < 2e-3 * (1.0 + want.abs()),
+            "token {i}: {} vs {want}",
+            s[i]
+        );
+        assert_eq!(s[i], s[lo]);
+    }
+}
+
+#[test]
+fn quest_page_score_bounds_every_key_in_the_page() {
+    for seed in 0..5 {
+        let f = fixture(100, 16, 10 + seed);
+        let mut rng = StdRng::seed_from_u64(seed);
+        let q: Vec<f32> = (0..16).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+        let (s, _) = f.score(&Quest, &q, 1);
+        for i in 0..100 {
+            let exact = dot64(&q, &f.keys[i * 16..(i + 1) * 16]);
+            assert!(
+                s[i] as f64 >= exact - 1e-4,
+                "token {i}: page score {} < key score {exact}",
+                s[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn exact_equals_f64_reference() {
+    let f = fixture(77, 32, 5);
+    let mut rng = StdRng::seed_from_u64(6);
+    let q: Vec<f32> = (0..3 * 32).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let (s, _) = f.score(&Exact, &q, 3);
+    for h in 0..3 {
+        for i in 0..77 {
+            let want = dot64(&q[h * 32..(h + 1) * 32], &f.keys[i * 32..(i + 1) * 32]);
+            assert!((s[h * 77 + i] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()));
+        }
+    }
+}
+
+#[test]
+fn calibration_rotations_are_orthogonal_and_klt_scores_equal_raw() {
+    let f = fixture(500, 32, 7);
+    let d = 32;
+    for u in [&f.calib.klt, &f.calib.loki] {
+        for a in 0..d {
+            for b in 0..d {
+                let x: f64 = (0..d)
+                    .map(|i| u[i * d + a] as f64 * u[i * d + b] as f64)
+                    .sum();
+                let want = if a == b { 1.0 } else { 0.0 };
+                assert!((x - want).abs() < 1e-5, "UᵀU[{a},{b}] = {x}");
+            }
+        }
+    }
+    // Exact scores in the KLT basis equal the raw scores: q·k = (Uᵀq)·(Uᵀk).
+    let store = fathom_plan::scanner::rotated_store(
+        &KvView::contiguous(&f.keys, d),
+        &f.calib.klt,
+        fathom_store::BasisKind::Klt,
+    )
+    .unwrap();
+    let mut rng = StdRng::seed_from_u64(8);
+    let q: Vec<f32> = (0..d).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let mut qr = vec![0f32; d];
+    store.view().rotate_query(0, &q, &mut qr);
+    let u = &f.calib.klt;
+    for i in 0..500 {
+        let k = &f.keys[i * d..(i + 1) * d];
+        let kr: Vec<f32> = (0..d)
+            .map(|j| {
+                (0..d)
+                    .map(|c| u[c * d + j] as f64 * k[c] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        let (a, b) = (dot64(&q, k), dot64(&qr, &kr));
+        assert!((a - b).abs() < 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
+    }
+    // KLT eigenvalues are the variances of the rotated coordinates and sum to the trace.
+    let tr: f32 = f.calib.sigma2.iter().sum();
+    let ev: f32 = f.calib.klt_sigma2.iter().sum();
+    assert!((tr - ev).abs() < 1e-3 * tr, "{tr} vs {ev}");
+}
+
+#[test]
+fn dense_has_zero_error_and_exact_beats_fathom_on_synthetic() {
+    use fathom_bench::fidelity::{run, FidelityParams, InMemory};
+    use fathom_bench::synthetic::{generate, SyntheticParams};
+    let (info, layers) = generate(&SyntheticParams {
+        layers: 1,
+        n: 600,
+        p: 4,
+        d: 32,
+        ..Default::default()
+    });
+    let src = InMemory { info, layers };
+    let cal = fathom_bench::calib::Calibration {
+        format: "fathom-calibration".into(),
+        version: 1,
+        model: "synthetic".into(),
+        capture: "synthetic".into(),
+        n: 600,
+        hkv: 2,
+        g: 4,
+        d: 32,
+        layers: vec![0],
+        heads: vec![(0..2)
+            .map(|h| {
+                let keys = KvView::head(&src.layers[0].k, 2, 32, h);
+                fathom_bench::calib::head_calib(&keys, &src.layers[0].q)
+            })
+            .collect()],
+        budgets: vec![],
+        basis_rule: None,
+    };
+    let methods: Vec<Box<dyn Scanner>> =
+        vec![Box::new(Dense), Box::new(Exact), Box::new(Fathom::new(8.0))];
+    let mut p = FidelityParams::default();
+    p.select.k = 16;
+    let r = run(&src, Some(&cal), &methods, &p, &|_| {}).unwrap();
+    assert_eq!(r.methods[0].error, 0.0);
+    assert!(r.methods[1].error <= r.methods[2].error, "{:?}", r.methods);
+}
