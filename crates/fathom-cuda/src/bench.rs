@@ -1,0 +1,347 @@
+//! The offload benchmark (SPEC §6): every method at every context and residency, timed with
+//! CUDA events, with per-stage times, bytes and the link-rate floor. Used by
+//! `fathom offload-bench` and the `offload_bench` example.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Method, ModelShape, Residency, SessionConfig};
+use crate::error::{CudaError, Result};
+use crate::synth::{synth_layer, SynthParams, SYNTH_LABEL};
+use crate::types::{DeviceInfo, SessionLayout, StepStats, STAGES};
+use crate::{Gpu, Session};
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BenchConfig {
+    /// The command line that asked for this run (recorded in the report).
+    pub command: String,
+    /// Shape label as given (`qwen3-8b`, ...).
+    pub shape_label: String,
+    /// Model shape (per sequence).
+    pub shape: ModelShape,
+    /// Context lengths.
+    pub contexts: Vec<usize>,
+    /// Sequences per step `B`; they are laid out as `B·Hkv` KV heads.
+    pub batch: usize,
+    /// Methods.
+    pub methods: Vec<Method>,
+    /// Residencies.
+    pub residencies: Vec<Residency>,
+    /// Timed steps per method (after the warm-ups).
+    pub steps: usize,
+    /// Warm-up steps (not timed).
+    pub warmup: usize,
+    /// Extra steps with an event pair around every stage (for the breakdown).
+    pub instrumented_steps: usize,
+    /// Top-k per query head; `None` = 512 (SPEC §5's 32k value, kept for longer contexts).
+    pub k: Option<usize>,
+    /// HBM row-cache slots per (layer, KV head); 0 disables it.
+    pub cache_rows: usize,
+    /// Host bytes for K/V records (past it, row layers are reused cyclically).
+    pub row_bytes_budget: u64,
+    /// Distinct synthetic source layers.
+    pub source_layers: usize,
+    /// Base tokens per source layer (tiled to the context).
+    pub source_tokens: usize,
+    /// Generator seed.
+    pub seed: u64,
+    /// Bytes of the pinned H2D `memcpy` that measures the link (2 GiB by default).
+    pub h2d_probe_bytes: usize,
+    /// Write the report here after every (context, residency).
+    pub json: Option<PathBuf>,
+}
+
+/// Bytes each stage moves per step (all layers), and the PCIe total.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageBytes {
+    /// Planner: queries and variances read, run list written.
+    pub plan: u64,
+    /// Gather: planned runs of planes + scales (or the method's table), host → HBM.
+    pub gather: u64,
+    /// Scan: the gathered bytes read from HBM plus scores written.
+    pub scan: u64,
+    /// Top-k: scores read twice (histogram, collect).
+    pub topk: u64,
+    /// Row gather: union rows × record bytes (misses over PCIe, hits from HBM).
+    pub row_gather: u64,
+    /// Of the row gather, bytes that crossed PCIe (cache misses).
+    pub row_gather_pcie: u64,
+    /// Attention: gathered rows read.
+    pub attention: u64,
+    /// Everything that crossed PCIe (host residency): gather + row misses.
+    pub pcie_total: u64,
+}
+
+/// One (context, residency, method) measurement.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct BenchResult {
+    /// Context tokens.
+    pub context: usize,
+    /// `host` or `hbm`.
+    pub residency: String,
+    /// Method label.
+    pub method: String,
+    /// Top-k per query head.
+    pub k: usize,
+    /// Nominal scan bits.
+    pub bits_nominal: f64,
+    /// Measured mean plan bits.
+    pub bits: f64,
+    /// Median GPU time per step, ms.
+    pub gpu_ms: f64,
+    /// Every timed step's GPU time, ms.
+    pub gpu_ms_steps: Vec<f64>,
+    /// Median wall-clock per step, ms.
+    pub wall_ms: f64,
+    /// Median per-stage GPU time (instrumented steps), ms, keyed by stage.
+    pub stage_ms: BTreeMap<String, f64>,
+    /// Bytes per stage per step.
+    pub bytes: StageBytes,
+    /// Link-rate floor: PCIe bytes / measured H2D bandwidth (host residency), ms.
+    pub link_floor_ms: Option<f64>,
+    /// GPU time over the floor.
+    pub floor_ratio: Option<f64>,
+    /// Planner time over step GPU time.
+    pub planner_share: f64,
+    /// Union rows per step (all layers and KV heads).
+    pub union_rows: f64,
+    /// Fraction of union rows served by the HBM row cache.
+    pub cache_hit_rate: f64,
+    /// GPU-time speedup against each 136-bit scan at the same context and residency.
+    pub speedup_vs_136: BTreeMap<String, f64>,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct BenchReport {
+    /// Command line.
+    pub command: String,
+    /// fathom-cuda version.
+    pub version: String,
+    /// Device.
+    pub device: Option<DeviceInfo>,
+    /// Shape label and shape.
+    pub shape_label: String,
+    /// Shape.
+    pub shape: Option<ModelShape>,
+    /// Batch.
+    pub batch: usize,
+    /// Key generator.
+    pub generator: String,
+    /// Measured pinned H2D memcpy bandwidth, GB/s.
+    pub h2d_gbps: f64,
+    /// Measured zero-copy gather kernel bandwidth (one long run), GB/s.
+    pub gather_gbps: f64,
+    /// Session layout per (context, residency), keyed `"{context}/{residency}"`.
+    pub layouts: BTreeMap<String, SessionLayout>,
+    /// Results.
+    pub results: Vec<BenchResult>,
+    /// Notes on what is simulated or reused.
+    pub notes: Vec<String>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let m = s.len() / 2;
+    if s.len() % 2 == 1 {
+        s[m]
+    } else {
+        0.5 * (s[m - 1] + s[m])
+    }
+}
+
+/// Parses `32k`, `256k`, `1m`, `4096` (k = 1024, m = 1024²).
+pub fn parse_context(s: &str) -> Result<usize> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, mul) = if let Some(x) = t.strip_suffix('k') {
+        (x, 1024)
+    } else if let Some(x) = t.strip_suffix('m') {
+        (x, 1024 * 1024)
+    } else {
+        (t.as_str(), 1)
+    };
+    num.parse::<usize>()
+        .map(|v| v * mul)
+        .map_err(|e| CudaError::invalid("context", format!("`{s}`: {e}")))
+}
+
+/// Runs the benchmark and returns (and, if asked, writes) the report.
+///
+/// # Errors
+/// [`CudaError::NotCompiledWithCuda`] / [`CudaError::NoDevice`] when there is no GPU path;
+/// allocation and driver failures.
+pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchReport> {
+    let gpu = Gpu::open(0)?;
+    let shape = ModelShape { kv_heads: c.shape.kv_heads * c.batch.max(1), ..c.shape }.validate()?;
+    let mut rep = BenchReport {
+        command: c.command.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        device: Some(gpu.info().clone()),
+        shape_label: c.shape_label.clone(),
+        shape: Some(c.shape),
+        batch: c.batch,
+        generator: SYNTH_LABEL.into(),
+        ..Default::default()
+    };
+    progress(&format!("device: {:?}", gpu.info()));
+    rep.h2d_gbps = gpu.h2d_bandwidth(c.h2d_probe_bytes)?;
+    rep.gather_gbps = gpu.gather_bandwidth(c.h2d_probe_bytes / 2)?;
+    progress(&format!("H2D memcpy {:.1} GB/s, zero-copy gather {:.1} GB/s", rep.h2d_gbps, rep.gather_gbps));
+    let min_ctx = c.contexts.iter().copied().min().unwrap_or(0);
+    let n0 = (c.source_tokens.min(min_ctx) / 64 * 64).max(64);
+    let params = SynthParams { heads: shape.kv_heads, group: shape.group, dim: shape.dim, tokens: n0, seed: c.seed };
+    let t = std::time::Instant::now();
+    let sources: Vec<_> = (0..c.source_layers.clamp(1, shape.layers))
+        .map(|l| synth_layer(&params, l))
+        .collect::<Result<_>>()?;
+    progress(&format!("generated {} source layers of {n0} tokens in {:.1}s", sources.len(), t.elapsed().as_secs_f64()));
+    rep.notes.push(format!(
+        "keys: {SYNTH_LABEL}; {} distinct source layers of {n0} tokens tiled to each context (tiles after the first get ±3% block-scale jitter) and reused cyclically over the {} layers",
+        sources.len(), shape.layers
+    ));
+    rep.notes.push("exact = the full 4-bit store (all channels at 4 planes, 544 bits), read through the same gather; loki reads channels 0..r of the store (the timing store is in the raw basis, bytes identical to a KLT store); ds uses channels chosen offline by mean|q|·mean|k| on the synthetic calibration; landmark and quest read their own fp16 tables".into());
+    rep.notes.push("every step scores all n tokens with that step's queries (n is not grown between steps); weights are not modelled (W = 0 in SPEC §6's traffic model)".into());
+    if c.batch > 1 {
+        rep.notes.push(format!("batch {}: the B sequences are laid out as B·Hkv = {} KV heads per layer", c.batch, shape.kv_heads));
+    }
+    let total_steps = c.warmup + c.steps + c.instrumented_steps;
+    for &n in &c.contexts {
+        for &res in &c.residencies {
+            let k = c.k.unwrap_or(512).min(n.saturating_sub(36).max(1));
+            let cfg = SessionConfig {
+                shape,
+                context: n,
+                k,
+                residency: res,
+                cache_rows: c.cache_rows,
+                row_bytes_budget: c.row_bytes_budget,
+                tables: c.methods.iter().any(|m| !m.uses_planes()),
+                steps: total_steps,
+            };
+            progress(&format!("context {n}, {}: allocating", res.label()));
+            let mut s = Session::new(&gpu, &cfg, &sources, &c.methods)?;
+            let layout = s.layout().clone();
+            progress(&format!("  layout {layout:?}"));
+            if layout.row_layers < shape.layers {
+                rep.notes.push(format!(
+                    "context {n} {}: K/V records of all {} layers do not fit the {:.0} GiB row budget; {} row layers are allocated and reused cyclically (layer l reads rows of l mod {})",
+                    res.label(), shape.layers, c.row_bytes_budget as f64 / (1u64 << 30) as f64, layout.row_layers, layout.row_layers
+                ));
+            }
+            rep.layouts.insert(format!("{n}/{}", res.label()), layout);
+            let first = rep.results.len();
+            for &m in &c.methods {
+                s.reset_cache()?;
+                let mut timed: Vec<StepStats> = Vec::new();
+                let mut inst: Vec<StepStats> = Vec::new();
+                for step in 0..total_steps {
+                    let st = s.run_step(m, step, step >= c.warmup + c.steps)?;
+                    if step >= c.warmup + c.steps {
+                        inst.push(st);
+                    } else if step >= c.warmup {
+                        timed.push(st);
+                    }
+                }
+                let r = summarize(&rep, &cfg, m, &timed, &inst);
+                progress(&format!(
+                    "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  plan {:5.2}%  hit {:4.1}%  stages {:?}",
+                    r.method, r.bits, r.gpu_ms, r.wall_ms,
+                    r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
+                    100.0 * r.planner_share, 100.0 * r.cache_hit_rate,
+                    r.stage_ms.values().map(|x| (x * 1000.0).round() / 1000.0).collect::<Vec<_>>()
+                ));
+                rep.results.push(r);
+            }
+            // Speedups against every 136-bit scan at this context and residency.
+            let base: Vec<(String, f64)> = rep.results[first..]
+                .iter()
+                .filter(|r| (r.bits_nominal - 136.0).abs() < 1e-6)
+                .map(|r| (r.method.clone(), r.gpu_ms))
+                .collect();
+            for r in &mut rep.results[first..] {
+                for (name, ms) in &base {
+                    r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
+                }
+            }
+            drop(s);
+            if let Some(p) = &c.json {
+                write_json(&rep, p)?;
+            }
+        }
+    }
+    Ok(rep)
+}
+
+fn write_json(rep: &BenchReport, p: &PathBuf) -> Result<()> {
+    let txt = serde_json::to_string_pretty(rep).map_err(|e| CudaError::invalid("report", e.to_string()))?;
+    std::fs::write(p, txt).map_err(|e| CudaError::invalid("json path", format!("{}: {e}", p.display())))
+}
+
+fn summarize(rep: &BenchReport, cfg: &SessionConfig, m: Method, timed: &[StepStats], inst: &[StepStats]) -> BenchResult {
+    let sh = cfg.shape;
+    let (l_n, hn, g, d) = (sh.layers as u64, sh.kv_heads as u64, sh.group as u64, sh.dim as u64);
+    let n = cfg.context as u64;
+    let nb = n.div_ceil(64);
+    let gpu: Vec<f64> = timed.iter().map(|s| s.gpu_ms).collect();
+    let wall: Vec<f64> = timed.iter().map(|s| s.wall_ms).collect();
+    let all: Vec<&StepStats> = timed.iter().chain(inst).collect();
+    let bits = median(&all.iter().map(|s| s.bits).collect::<Vec<_>>());
+    let union = median(&all.iter().map(|s| s.union_rows as f64).collect::<Vec<_>>());
+    let hits = median(&all.iter().map(|s| s.cache_hits as f64).collect::<Vec<_>>());
+    let mut stage_ms = BTreeMap::new();
+    for (i, name) in STAGES.iter().enumerate() {
+        let v: Vec<f64> = inst.iter().filter_map(|s| s.stage_ms.map(|a| a[i])).collect();
+        stage_ms.insert(name.to_string(), median(&v));
+    }
+    let rec = sh.record_bytes() as u64;
+    let r_n = hn * g;
+    let gather = match m {
+        Method::Landmark => hn * n.div_ceil(8) * d * 2 * l_n,
+        Method::Quest => hn * n.div_ceil(16) * 2 * d * 2 * l_n,
+        // bits per token = Σ t_c + ¼·active; bytes = Σ t_c·nb·8 + active·nb·2 = bits·nb·8.
+        _ => (bits * (nb * 8) as f64) as u64 * hn * l_n,
+    };
+    let host = cfg.residency == Residency::Host;
+    let row = (union * rec as f64) as u64;
+    let row_pcie = if host { ((union - hits).max(0.0) * rec as f64) as u64 } else { 0 };
+    let bytes = StageBytes {
+        plan: if matches!(m, Method::Fathom(_) | Method::SparQ(_)) { l_n * hn * (g * d * 4 + d * 4 + 2 * d * 16) } else { 0 },
+        gather: if host { gather } else { 0 },
+        scan: gather + r_n * n * 4 * l_n,
+        topk: 2 * r_n * n * 4 * l_n,
+        row_gather: row,
+        row_gather_pcie: row_pcie,
+        attention: row,
+        pcie_total: if host { gather + row_pcie } else { 0 },
+    };
+    let gpu_ms = median(&gpu);
+    let link_floor_ms = host.then(|| bytes.pcie_total as f64 / (rep.h2d_gbps * 1e9) * 1e3);
+    let plan_ms = stage_ms.get("plan").copied().unwrap_or(0.0);
+    let inst_total = median(&inst.iter().map(|s| s.gpu_ms).collect::<Vec<_>>());
+    BenchResult {
+        context: cfg.context,
+        residency: cfg.residency.label().into(),
+        method: m.label(),
+        k: cfg.k,
+        bits_nominal: m.bits(sh.dim) as f64,
+        bits,
+        gpu_ms,
+        gpu_ms_steps: gpu,
+        wall_ms: median(&wall),
+        stage_ms,
+        bytes,
+        link_floor_ms,
+        floor_ratio: link_floor_ms.map(|f| gpu_ms / f),
+        planner_share: if inst_total > 0.0 { plan_ms / inst_total } else { 0.0 },
+        union_rows: union,
+        cache_hit_rate: if union > 0.0 { hits / union } else { 0.0 },
+        speedup_vs_136: BTreeMap::new(),
+    }
+}

@@ -1,0 +1,211 @@
+//! Shapes, methods and session settings shared by the CUDA and the stub backends.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{CudaError, Result};
+
+/// Per-layer attention shape (SPEC §1): `L` layers, `Hkv` KV heads, `G` query heads per KV
+/// head, `D` channels per head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelShape {
+    /// Layers `L`.
+    pub layers: usize,
+    /// KV heads `Hkv`.
+    pub kv_heads: usize,
+    /// Query heads per KV head `G`.
+    pub group: usize,
+    /// Channels per head `D`.
+    pub dim: usize,
+}
+
+impl ModelShape {
+    /// Parses `qwen3-8b`, `llama3.1-8b`, `qwen2.5-7b` or `L,HKV,G,D` (SPEC §6 shapes).
+    ///
+    /// ```
+    /// let s = fathom_cuda::ModelShape::parse("qwen3-8b")?;
+    /// assert_eq!((s.layers, s.kv_heads, s.group, s.dim), (36, 8, 4, 128));
+    /// assert_eq!(fathom_cuda::ModelShape::parse("2,4,7,64")?.group, 7);
+    /// # Ok::<(), fathom_cuda::CudaError>(())
+    /// ```
+    pub fn parse(s: &str) -> Result<Self> {
+        let shape = match s.to_ascii_lowercase().as_str() {
+            "qwen3-8b" => ModelShape { layers: 36, kv_heads: 8, group: 4, dim: 128 },
+            "llama3.1-8b" | "llama-3.1-8b" => ModelShape { layers: 32, kv_heads: 8, group: 4, dim: 128 },
+            "qwen2.5-7b" => ModelShape { layers: 28, kv_heads: 4, group: 7, dim: 128 },
+            other => {
+                let v: Vec<usize> = other
+                    .split(',')
+                    .map(|x| x.trim().parse::<usize>())
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(|e| CudaError::invalid("shape", format!("`{s}`: {e} (want a name or L,HKV,G,D)")))?;
+                if v.len() != 4 {
+                    return Err(CudaError::invalid("shape", format!("`{s}`: want L,HKV,G,D")));
+                }
+                ModelShape { layers: v[0], kv_heads: v[1], group: v[2], dim: v[3] }
+            }
+        };
+        shape.validate()
+    }
+
+    /// Checks the limits the kernels assume: `D` a multiple of 32 in `32..=256`, `1 ≤ G ≤ 16`.
+    pub fn validate(self) -> Result<Self> {
+        if self.layers == 0 || self.kv_heads == 0 {
+            return Err(CudaError::invalid("shape", "layers and KV heads must be positive"));
+        }
+        if self.dim % 32 != 0 || !(32..=256).contains(&self.dim) {
+            return Err(CudaError::invalid("shape", format!("D = {} (kernels need a multiple of 32 in 32..=256)", self.dim)));
+        }
+        if !(1..=16).contains(&self.group) {
+            return Err(CudaError::invalid("shape", format!("G = {} (kernels take 1..=16)", self.group)));
+        }
+        Ok(self)
+    }
+
+    /// Bytes of one K/V record: a token's K and V of one KV head in bf16 (`4·D`).
+    pub fn record_bytes(&self) -> usize {
+        4 * self.dim
+    }
+}
+
+/// A scan method of SPEC §4, as the offload step runs it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Method {
+    /// Fathom at a budget of `B` bits: GPU importance + water-filling per query group.
+    Fathom(f32),
+    /// SparQ: the `r` channels with largest `Σ_h |q_hc|`, chosen on the GPU, at 4 planes.
+    SparQ(usize),
+    /// Double Sparsity: `r` channels per head fixed offline (calibration), at 4 planes.
+    DoubleSparsity(usize),
+    /// Loki: the first `r` coordinates of the PCA basis, at 4 planes.
+    Loki(usize),
+    /// All channels at 2 planes (FFD-style thumbnail).
+    Thumb2,
+    /// ShadowKV-style block landmarks: fp16 mean key per 8 tokens, read from its own table.
+    Landmark,
+    /// Quest: per 16-token page channel-wise fp16 min and max, from its own table.
+    Quest,
+    /// The full 4-bit store (all channels, 4 planes): the scan an exact-store method reads.
+    Exact,
+}
+
+impl Method {
+    /// Parses `fathom:48`, `sparq:16`, `ds:32`, `loki:32`, `thumb2`, `landmark`, `quest`, `exact`.
+    ///
+    /// ```
+    /// use fathom_cuda::Method;
+    /// assert_eq!(Method::parse("fathom:48")?, Method::Fathom(48.0));
+    /// assert_eq!(Method::parse("ds:32")?.bits(128), 136.0);
+    /// # Ok::<(), fathom_cuda::CudaError>(())
+    /// ```
+    pub fn parse(s: &str) -> Result<Self> {
+        let (name, arg) = match s.split_once(':') {
+            Some((a, b)) => (a, Some(b)),
+            None => (s, None),
+        };
+        let num = |what: &str| -> Result<f64> {
+            arg.ok_or_else(|| CudaError::invalid("method", format!("`{s}` needs {what}")))?
+                .parse::<f64>()
+                .map_err(|e| CudaError::invalid("method", format!("`{s}`: {e}")))
+        };
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "fathom" => Method::Fathom(num("a budget in bits")? as f32),
+            "sparq" => Method::SparQ(num("r")? as usize),
+            "ds" | "double-sparsity" => Method::DoubleSparsity(num("r")? as usize),
+            "loki" => Method::Loki(num("r")? as usize),
+            "thumb2" => Method::Thumb2,
+            "landmark" => Method::Landmark,
+            "quest" => Method::Quest,
+            "exact" => Method::Exact,
+            _ => return Err(CudaError::invalid("method", format!("unknown method `{s}`"))),
+        })
+    }
+
+    /// The label used in reports (`fathom:48`, ...).
+    pub fn label(&self) -> String {
+        match self {
+            Method::Fathom(b) => format!("fathom:{b}"),
+            Method::SparQ(r) => format!("sparq:{r}"),
+            Method::DoubleSparsity(r) => format!("ds:{r}"),
+            Method::Loki(r) => format!("loki:{r}"),
+            Method::Thumb2 => "thumb2".into(),
+            Method::Landmark => "landmark".into(),
+            Method::Quest => "quest".into(),
+            Method::Exact => "exact".into(),
+        }
+    }
+
+    /// Nominal scan bits per token per KV head at `D` channels (Fathom: its budget, an upper
+    /// bound; the measured bits are reported separately).
+    pub fn bits(&self, dim: usize) -> f32 {
+        let d = dim as f32;
+        match *self {
+            Method::Fathom(b) => b,
+            Method::SparQ(r) | Method::DoubleSparsity(r) | Method::Loki(r) => r.min(dim) as f32 * 4.25,
+            Method::Thumb2 => 2.25 * d,
+            Method::Landmark => 16.0 * d / 8.0,
+            Method::Quest => 2.0 * 16.0 * d / 16.0,
+            Method::Exact => 4.25 * d,
+        }
+    }
+
+    /// Whether the method scans the bit-plane store (all but the table methods).
+    pub fn uses_planes(&self) -> bool {
+        !matches!(self, Method::Landmark | Method::Quest)
+    }
+}
+
+/// Where the scan store and the K/V rows live during the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Residency {
+    /// Pinned, mapped host memory; the GPU reads it over PCIe (zero-copy).
+    Host,
+    /// Device memory (HBM); no PCIe traffic in the step.
+    Hbm,
+}
+
+impl Residency {
+    /// Parses `host` or `hbm`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "host" => Ok(Residency::Host),
+            "hbm" => Ok(Residency::Hbm),
+            _ => Err(CudaError::invalid("residency", format!("`{s}` (want host or hbm)"))),
+        }
+    }
+    /// `host` or `hbm`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Residency::Host => "host",
+            Residency::Hbm => "hbm",
+        }
+    }
+}
+
+/// Settings of one decode session on the device.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionConfig {
+    /// Model shape.
+    pub shape: ModelShape,
+    /// Context tokens `n` (every step scores all of them).
+    pub context: usize,
+    /// Top-k per query head (SPEC §5; sink 4 and local 32 are added).
+    pub k: usize,
+    /// Where the store and rows live.
+    pub residency: Residency,
+    /// HBM row-cache slots per (layer, KV head); 0 disables the cache.
+    pub cache_rows: usize,
+    /// Largest host memory the session may pin for K/V rows; past it, row layers are reused
+    /// cyclically (reported).
+    pub row_bytes_budget: u64,
+    /// Whether to build the landmark and Quest tables.
+    pub tables: bool,
+    /// Decode steps whose queries are uploaded (warm-ups included).
+    pub steps: usize,
+}
+
+impl SessionConfig {
+    /// `G·k + sink + local`: the most rows a KV head's union can hold.
+    pub fn union_max(&self) -> usize {
+        self.shape.group * self.k + 36
+    }
+}
