@@ -325,3 +325,57 @@ impl Capture {
         })
     }
 }
+
+/// Serialises layers into a SPEC §8 capture (safetensors bytes), e.g. for fixtures.
+pub fn capture_bytes(
+    info: &CaptureInfo,
+    layers: &[LayerData],
+    dtype: crate::tensors::WriteDtype,
+) -> Result<Vec<u8>, safetensors::SafeTensorError> {
+    let (p, hq, n, hkv, d) = (info.positions.len(), info.hq, info.n, info.hkv, info.d);
+    let names: Vec<(String, String, String, String)> = layers
+        .iter()
+        .map(|l| {
+            let i = l.index;
+            (
+                format!("layers.{i}.q"),
+                format!("layers.{i}.k"),
+                format!("layers.{i}.v"),
+                format!("layers.{i}.o"),
+            )
+        })
+        .collect();
+    let qs = [p, hq, d];
+    let ks = [n, hkv, d];
+    let mut tensors: Vec<(&str, &[f32], &[usize])> = Vec::new();
+    for (l, (q, k, v, o)) in layers.iter().zip(&names) {
+        tensors.push((q, &l.q, &qs));
+        tensors.push((k, &l.k, &ks));
+        tensors.push((v, &l.v, &ks));
+        if let Some(od) = &l.o {
+            tensors.push((o, od, &qs));
+        }
+    }
+    let nl = layers.iter().map(|l| l.index + 1).max().unwrap_or(0);
+    let mut kinds = vec!["global".to_string(); nl];
+    for l in layers {
+        if let LayerKind::Local(w) = l.kind {
+            kinds[l.index] = format!("local:{w}");
+        }
+    }
+    let mut meta = std::collections::HashMap::new();
+    meta.insert(
+        "positions".into(),
+        serde_json::to_string(&info.positions).expect("json"),
+    );
+    meta.insert("model".into(), info.model.clone());
+    meta.insert("qk_norm".into(), info.qk_norm.to_string());
+    meta.insert(
+        "layer_kinds".into(),
+        serde_json::to_string(&kinds).expect("json"),
+    );
+    if let Some(c) = info.softcap {
+        meta.insert("softcap".into(), c.to_string());
+    }
+    crate::tensors::to_safetensors(&tensors, dtype, Some(meta))
+}

@@ -52,6 +52,9 @@ pub struct OffloadBenchArgs {
     /// Generator seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Size of the pinned H2D memcpy that measures the link, MiB.
+    #[arg(long, default_value_t = 2048)]
+    pub probe_mib: usize,
     /// Write the JSON report here (rewritten after every context).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -83,7 +86,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         source_layers: a.source_layers,
         source_tokens: a.source_tokens,
         seed: a.seed,
-        h2d_probe_bytes: 2 << 30,
+        h2d_probe_bytes: a.probe_mib << 20,
         json: a.json.clone(),
     };
     let rep = fathom_cuda::bench::run_offload_bench(&cfg, |s| eprintln!("{s}")).context("offload-bench")?;
