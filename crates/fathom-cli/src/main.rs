@@ -1,6 +1,7 @@
 //! `fathom`: the command-line tool of the Fathom workspace.
 
 mod methods;
+mod offload_cmds;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -41,6 +42,8 @@ enum Cmd {
     Calibrate(CalibrateArgs),
     /// Attention fidelity of every method under the shared selection protocol (SPEC §5).
     Fidelity(FidelityArgs),
+    /// Time the offloaded decode step on the GPU (SPEC §6; needs a build with `--features cuda`).
+    OffloadBench(offload_cmds::OffloadBenchArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -193,6 +196,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Demo(a) => demo(a),
         Cmd::Calibrate(a) => calibrate_cmd(a),
         Cmd::Fidelity(a) => fidelity_cmd(a),
+        Cmd::OffloadBench(a) => offload_cmds::run_offload_bench(a),
     }
 }
 

@@ -23,7 +23,11 @@ pub struct OffloadBenchArgs {
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// Methods, comma separated.
-    #[arg(long, value_delimiter = ',', default_value = "fathom:48,fathom:64,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark,exact")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "fathom:48,fathom:64,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark,exact"
+    )]
     pub methods: Vec<String>,
     /// Where the store and K/V rows live: host, hbm, or both (comma separated).
     #[arg(long, value_delimiter = ',', default_value = "host")]
@@ -66,9 +70,21 @@ pub struct OffloadBenchArgs {
 /// Bad arguments, no GPU path (`NotCompiledWithCuda`, `NoDevice`), device failures.
 pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
     let shape = ModelShape::parse(&a.shape)?;
-    let contexts = a.context.iter().map(|c| parse_context(c)).collect::<Result<Vec<_>, _>>()?;
-    let methods = a.methods.iter().map(|m| Method::parse(m)).collect::<Result<Vec<_>, _>>()?;
-    let residencies = a.residency.iter().map(|r| Residency::parse(r)).collect::<Result<Vec<_>, _>>()?;
+    let contexts = a
+        .context
+        .iter()
+        .map(|c| parse_context(c))
+        .collect::<Result<Vec<_>, _>>()?;
+    let methods = a
+        .methods
+        .iter()
+        .map(|m| Method::parse(m))
+        .collect::<Result<Vec<_>, _>>()?;
+    let residencies = a
+        .residency
+        .iter()
+        .map(|r| Residency::parse(r))
+        .collect::<Result<Vec<_>, _>>()?;
     let cfg = BenchConfig {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         shape_label: a.shape.clone(),
@@ -89,8 +105,12 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         h2d_probe_bytes: a.probe_mib << 20,
         json: a.json.clone(),
     };
-    let rep = fathom_cuda::bench::run_offload_bench(&cfg, |s| eprintln!("{s}")).context("offload-bench")?;
-    println!("{:<9} {:<5} {:<10} {:>7} {:>10} {:>10} {:>8} {:>8} {:>7}  speedup vs 136-bit", "context", "res", "method", "bits", "gpu ms", "floor ms", "ratio", "plan %", "hit %");
+    let rep = fathom_cuda::bench::run_offload_bench(&cfg, |s| eprintln!("{s}"))
+        .context("offload-bench")?;
+    println!(
+        "{:<9} {:<5} {:<10} {:>7} {:>10} {:>10} {:>8} {:>8} {:>7}  speedup vs 136-bit",
+        "context", "res", "method", "bits", "gpu ms", "floor ms", "ratio", "plan %", "hit %"
+    );
     for r in &rep.results {
         println!(
             "{:<9} {:<5} {:<10} {:>7.1} {:>10.3} {:>10} {:>8} {:>8.2} {:>7.1}  {}",
@@ -103,7 +123,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             r.floor_ratio.map_or("-".into(), |f| format!("{f:.2}")),
             100.0 * r.planner_share,
             100.0 * r.cache_hit_rate,
-            r.speedup_vs_136.iter().map(|(k, v)| format!("{k}={v:.2}x")).collect::<Vec<_>>().join(" ")
+            r.speedup_vs_136
+                .iter()
+                .map(|(k, v)| format!("{k}={v:.2}x"))
+                .collect::<Vec<_>>()
+                .join(" ")
         );
     }
     if let Some(p) = &a.json {
