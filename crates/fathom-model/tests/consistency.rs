@@ -1,0 +1,73 @@
+//! One-shot prefill == chunked prefill == prefill + decode steps (dense), on both models.
+//! Gemma's prompt is longer than its 512-token window so local layers really slide.
+//!
+//! Two regimes:
+//! * all weights dequantized to f32: the three paths differ only by f32 summation order, so
+//!   logits agree to [`EXACT_TOL`]; any masking, RoPE-position or cache error moves them by O(1).
+//! * default weights (Gemma keeps Q4_K/Q6_K/Q8_0 quantized, and candle quantizes each activation
+//!   row to 8 bits, as llama.cpp does): a 1e-6 difference can flip one activation's rounding, and
+//!   Gemma's large residual stream amplifies that to ≈0.3–0.8 in a logit (measured). There we
+//!   require the same argmax and log-probabilities of the top tokens within [`QUANT_LOGPROB_TOL`].
+
+mod common;
+
+use fathom_model::fetch::ModelId;
+use fathom_model::{log_softmax, Dense, Model, WeightMode};
+
+const EXACT_TOL: f32 = 2e-3;
+const QUANT_LOGPROB_TOL: f32 = 0.25;
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Logits from (one-shot, chunked, prefill + 3 decode steps).
+fn three_ways(m: &Model, n: usize) -> [Vec<f32>; 3] {
+    let ids = m.tokenizer().encode(common::LONG_TEXT).unwrap();
+    assert!(ids.len() >= n, "text too short");
+    let ids = &ids[..n];
+    let mut c1 = m.new_cache(n);
+    let one = m.prefill(ids, &mut c1, n, None).unwrap();
+    let mut c2 = m.new_cache(n);
+    let chunked = m.prefill(ids, &mut c2, 97, None).unwrap();
+    let mut c3 = m.new_cache(n);
+    m.prefill(&ids[..n - 3], &mut c3, 256, None).unwrap();
+    let mut stepped = Vec::new();
+    for &t in &ids[n - 3..] {
+        stepped = m.decode_step(t, &mut c3, &mut Dense, None).unwrap();
+    }
+    [one, chunked, stepped]
+}
+
+fn cases() -> [(ModelId, usize); 2] {
+    [(ModelId::Smollm2_135m, 300), (ModelId::Gemma3_270m, 700)]
+}
+
+#[test]
+fn exact_with_f32_weights() {
+    for (id, n) in cases() {
+        let Some(m) = common::load_with(id, WeightMode::Dequantized) else { continue };
+        let [one, chunked, stepped] = three_ways(&m, n);
+        let (d12, d13) = (max_abs_diff(&one, &chunked), max_abs_diff(&one, &stepped));
+        eprintln!("{id} f32 weights, n={n}: max|Δlogit| one−chunked {d12:.2e}, one−stepped {d13:.2e}");
+        assert!(d12 < EXACT_TOL && d13 < EXACT_TOL, "{id}: {d12} {d13}");
+    }
+}
+
+#[test]
+fn close_with_default_weights() {
+    for (id, n) in cases() {
+        let Some(m) = common::load_with(id, WeightMode::Auto) else { continue };
+        let [one, chunked, stepped] = three_ways(&m, n);
+        let lp = log_softmax(&one);
+        let mut top: Vec<usize> = (0..lp.len()).collect();
+        top.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
+        for (what, other) in [("chunked", &chunked), ("stepped", &stepped)] {
+            assert_eq!(fathom_model::argmax(&one), fathom_model::argmax(other), "{id} {what}");
+            let lq = log_softmax(other);
+            let d = top[..5].iter().map(|&i| (lp[i] - lq[i]).abs()).fold(0.0, f32::max);
+            eprintln!("{id} default weights, n={n}: one−{what} max|Δlogprob| top-5 {d:.3}");
+            assert!(d < QUANT_LOGPROB_TOL, "{id} {what}: {d}");
+        }
+    }
+}
