@@ -79,7 +79,8 @@ fn run() -> Result<()> {
             std::fs::create_dir_all(root().join(&out))
                 .with_context(|| format!("creating {out}"))?;
             let demo_json = format!("{out}/demo-synthetic.json");
-            fathom(&bin, &["demo", "--json", &demo_json])?;
+            let demo_png = format!("{out}/demo-synthetic.png");
+            fathom(&bin, &["demo", "--json", &demo_json, "--plot", &demo_png])?;
             if full {
                 eprintln!("xtask: --full: the real-model stages (capture, calibrate, fidelity, downstream) run through `fathom capture/calibrate/fidelity`; see README for the commands run and their results");
             }

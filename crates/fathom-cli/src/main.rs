@@ -2,6 +2,7 @@
 
 mod methods;
 mod offload_cmds;
+mod plot;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -113,6 +114,9 @@ struct DemoArgs {
     /// Also write the JSON report here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// PNG plot of error against bits.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -416,6 +420,10 @@ fn demo(a: DemoArgs) -> Result<()> {
         write_atomic(&path, serde_json::to_string_pretty(&doc)?.as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    if let Some(p) = a.plot {
+        plot::error_vs_bits(&rep, "SYNTHETIC workload: error against bits", &p)?;
+        eprintln!("wrote {}", p.display());
+    }
     Ok(())
 }
 
@@ -527,10 +535,12 @@ fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(p) = &a.plot {
-        eprintln!(
-            "note: --plot {} not written: PNG plotting is not implemented in this build",
-            p.display()
-        );
+        plot::error_vs_bits(
+            &rep,
+            &format!("{}: error against bits, k={k}", info.model),
+            p,
+        )?;
+        eprintln!("wrote {}", p.display());
     }
     Ok(())
 }

@@ -1,0 +1,130 @@
+//! Error-against-bits plots (PNG, log y): one curve per budgeted method family, one point per
+//! fixed method.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use fathom_bench::fidelity::FidelityReport;
+use plotters::prelude::*;
+
+const FONTS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+];
+
+fn register_font() -> Result<()> {
+    let path = std::env::var("FATHOM_FONT")
+        .ok()
+        .or_else(|| FONTS.iter().find(|p| Path::new(p).exists()).map(|s| s.to_string()))
+        .context("no TrueType font found for plot labels (install Debian's fonts-dejavu-core or set FATHOM_FONT)")?;
+    let bytes = std::fs::read(&path).with_context(|| format!("reading font {path}"))?;
+    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+        .map_err(|_| anyhow::anyhow!("font {path} could not be loaded"))?;
+    Ok(())
+}
+
+fn family(name: &str) -> &str {
+    name.split(':').next().unwrap_or(name)
+}
+
+/// Writes the plot to `path` atomically (rendered into a temporary PNG, then renamed).
+pub fn error_vs_bits(report: &FidelityReport, title: &str, path: &Path) -> Result<()> {
+    register_font()?;
+    let pts: Vec<(&str, f64, f64)> = report
+        .methods
+        .iter()
+        .filter(|m| m.error > 0.0 && m.bits > 0.0)
+        .map(|m| (m.name.as_str(), m.bits, m.error))
+        .collect();
+    if pts.is_empty() {
+        bail!("nothing to plot: every method has zero error or zero bits");
+    }
+    // Oracles that read full-precision keys (thousands of bits) are drawn as horizontal lines.
+    let xmax = pts
+        .iter()
+        .map(|p| p.1)
+        .filter(|&b| b <= 600.0)
+        .fold(16.0, f64::max)
+        * 1.08;
+    let ymin = pts.iter().map(|p| p.2).fold(f64::INFINITY, f64::min) / 1.5;
+    let ymax = pts.iter().map(|p| p.2).fold(0.0, f64::max) * 1.5;
+    let tmp = path.with_extension(format!("tmp-{}.png", std::process::id()));
+    {
+        let root = BitMapBackend::new(&tmp, (1000, 650)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..xmax, (ymin..ymax).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_desc("bits per token per KV head")
+            .y_desc("mean relative error of attention output")
+            .draw()?;
+        let mut families: Vec<&str> = pts.iter().map(|p| family(p.0)).collect();
+        families.dedup();
+        families.sort();
+        families.dedup();
+        for (i, fam) in families.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let mut series: Vec<(f64, f64)> = pts
+                .iter()
+                .filter(|p| family(p.0) == *fam && p.1 <= xmax)
+                .map(|p| (p.1, p.2))
+                .collect();
+            series.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let oracle = pts
+                .iter()
+                .filter(|p| family(p.0) == *fam && p.1 > xmax)
+                .map(|p| p.2)
+                .next();
+            if let Some(e) = oracle {
+                chart
+                    .draw_series(LineSeries::new(
+                        vec![(0.0, e), (xmax, e)],
+                        color.stroke_width(1),
+                    ))?
+                    .label(format!("{fam} (full-precision keys)"))
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(1))
+                    });
+                continue;
+            }
+            if series.len() > 1 {
+                chart
+                    .draw_series(LineSeries::new(series.clone(), color.stroke_width(2)))?
+                    .label(*fam)
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                    });
+                chart.draw_series(
+                    series
+                        .iter()
+                        .map(|&(x, y)| Circle::new((x, y), 3, color.filled())),
+                )?;
+            } else {
+                chart
+                    .draw_series(
+                        series
+                            .iter()
+                            .map(|&(x, y)| Circle::new((x, y), 6, color.filled())),
+                    )?
+                    .label(*fam)
+                    .legend(move |(x, y)| Circle::new((x + 9, y), 5, color.filled()));
+            }
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()?;
+        root.present().context("rendering the plot")?;
+    }
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
