@@ -113,13 +113,15 @@ pub fn dense_attention(
     debug_assert_eq!(q_scaled.len(), t * hq * d);
     debug_assert_eq!(out.len(), t * hq * d);
     debug_assert!(pos0 + t <= k.n);
-    out.par_chunks_mut(d).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
-        let ti = idx / hq;
-        let h = idx % hq;
-        let pos = pos0 + ti;
-        let q = &q_scaled[idx * d..(idx + 1) * d];
-        attend_one(q, k, v, h / g, window_start(pos, window), pos, scores, o);
-    });
+    out.par_chunks_mut(d)
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (idx, o)| {
+            let ti = idx / hq;
+            let h = idx % hq;
+            let pos = pos0 + ti;
+            let q = &q_scaled[idx * d..(idx + 1) * d];
+            attend_one(q, k, v, h / g, window_start(pos, window), pos, scores, o);
+        });
 }
 
 /// One query against keys `lo..=hi` of KV head `kvh`; `q` pre-scaled.
@@ -245,13 +247,25 @@ mod tests {
         let hq = hkv * g;
         let mut seed = 1u64;
         let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
         };
         let kd: Vec<f32> = (0..n * hkv * d).map(|_| rnd()).collect();
         let vd: Vec<f32> = (0..n * hkv * d).map(|_| rnd()).collect();
-        let k = KvSlice { data: &kd, n, n_kv_heads: hkv, head_dim: d };
-        let v = KvSlice { data: &vd, n, n_kv_heads: hkv, head_dim: d };
+        let k = KvSlice {
+            data: &kd,
+            n,
+            n_kv_heads: hkv,
+            head_dim: d,
+        };
+        let v = KvSlice {
+            data: &vd,
+            n,
+            n_kv_heads: hkv,
+            head_dim: d,
+        };
         for window in [None, Some(5)] {
             let t = 4;
             let pos0 = n - t;
@@ -264,7 +278,12 @@ mod tests {
                     let qi = &q[(ti * hq + h) * d..][..d];
                     let lo = window_start(pos, window);
                     let s: Vec<f64> = (lo..=pos)
-                        .map(|j| qi.iter().zip(k.row(j, h / g)).map(|(a, b)| (*a as f64) * (*b as f64)).sum())
+                        .map(|j| {
+                            qi.iter()
+                                .zip(k.row(j, h / g))
+                                .map(|(a, b)| (*a as f64) * (*b as f64))
+                                .sum()
+                        })
                         .collect();
                     let m = s.iter().cloned().fold(f64::MIN, f64::max);
                     let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
@@ -274,7 +293,10 @@ mod tests {
                             .map(|(j, x)| (x - m).exp() / z * v.row(j, h / g)[c] as f64)
                             .sum();
                         let got = out[(ti * hq + h) * d + c] as f64;
-                        assert!((got - want).abs() < 1e-5, "t{ti} h{h} c{c}: {got} vs {want}");
+                        assert!(
+                            (got - want).abs() < 1e-5,
+                            "t{ti} h{h} c{c}: {got} vs {want}"
+                        );
                     }
                 }
             }

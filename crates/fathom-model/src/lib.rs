@@ -24,8 +24,8 @@ pub mod tokenizer;
 pub use attention::{DecodeAttention, Dense, KvSlice};
 pub use error::{Error, Result};
 pub use model::{
-    argmax, generate_greedy, log_softmax, Arch, AttentionHook, Config, KvCache, LayerKind, LoadOptions, Model,
-    RopeStyle, WeightMode,
+    argmax, generate_greedy, log_softmax, Arch, AttentionHook, Config, KvCache, LayerKind,
+    LoadOptions, Model, RopeStyle, WeightMode,
 };
 pub use tokenizer::Tokenizer;
 

@@ -165,9 +165,13 @@ struct Linear {
 impl Linear {
     fn forward(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), t * self.n_in);
-        let xt = Tensor::from_slice(x, (t, self.n_in), &Device::Cpu).map_err(candle_err("input"))?;
+        let xt =
+            Tensor::from_slice(x, (t, self.n_in), &Device::Cpu).map_err(candle_err("input"))?;
         let y = self.mm.forward(&xt).map_err(candle_err("matmul"))?;
-        let y = y.flatten_all().and_then(|y| y.to_vec1::<f32>()).map_err(candle_err("output"))?;
+        let y = y
+            .flatten_all()
+            .and_then(|y| y.to_vec1::<f32>())
+            .map_err(candle_err("output"))?;
         debug_assert_eq!(y.len(), t * self.n_out);
         Ok(y)
     }
@@ -207,7 +211,9 @@ pub struct Model {
 
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model").field("config", &self.cfg).finish_non_exhaustive()
+        f.debug_struct("Model")
+            .field("config", &self.cfg)
+            .finish_non_exhaustive()
     }
 }
 
@@ -250,16 +256,26 @@ impl KvCache {
     }
     fn slice<'a>(&self, data: &'a [f32], n: usize) -> KvSlice<'a> {
         let w = self.n_kv_heads * self.head_dim;
-        KvSlice { data: &data[..n * w], n, n_kv_heads: self.n_kv_heads, head_dim: self.head_dim }
+        KvSlice {
+            data: &data[..n * w],
+            n,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        }
     }
 }
 
 fn gguf_err(what: &str, detail: impl std::fmt::Display) -> Error {
-    Error::Gguf { what: what.into(), detail: detail.to_string() }
+    Error::Gguf {
+        what: what.into(),
+        detail: detail.to_string(),
+    }
 }
 
 fn get<'a>(c: &'a Content, key: &str) -> Result<&'a Value> {
-    c.metadata.get(key).ok_or_else(|| gguf_err(key, "missing metadata key"))
+    c.metadata
+        .get(key)
+        .ok_or_else(|| gguf_err(key, "missing metadata key"))
 }
 
 fn get_usize(c: &Content, key: &str) -> Result<usize> {
@@ -283,7 +299,9 @@ fn get_f32(c: &Content, key: &str) -> Result<f32> {
 impl Config {
     /// Read the config from GGUF metadata.
     pub fn from_gguf(c: &Content) -> Result<Config> {
-        let arch_s = get(c, "general.architecture")?.to_string().map_err(|e| gguf_err("general.architecture", e))?;
+        let arch_s = get(c, "general.architecture")?
+            .to_string()
+            .map_err(|e| gguf_err("general.architecture", e))?;
         let arch = match arch_s.as_str() {
             "llama" => Arch::Llama,
             "gemma3" => Arch::Gemma3,
@@ -300,14 +318,20 @@ impl Config {
         let rms_eps = get_f32(c, &k("attention.layer_norm_rms_epsilon"))?;
         let rope_base = get_f32(c, &k("rope.freq_base")).unwrap_or(10_000.0);
         let context_length = get_usize(c, &k("context_length"))?;
-        let vocab_size = get(c, "tokenizer.ggml.tokens")?.to_vec().map_err(|e| gguf_err("tokens", e))?.len();
+        let vocab_size = get(c, "tokenizer.ggml.tokens")?
+            .to_vec()
+            .map_err(|e| gguf_err("tokens", e))?
+            .len();
         let name = c
             .metadata
             .get("general.name")
             .and_then(|v| v.to_string().ok().cloned())
             .unwrap_or_else(|| arch_s.clone());
         if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
-            return Err(gguf_err("attention.head_count_kv", format!("{n_heads} heads, {n_kv_heads} kv heads")));
+            return Err(gguf_err(
+                "attention.head_count_kv",
+                format!("{n_heads} heads, {n_kv_heads} kv heads"),
+            ));
         }
         let cfg = match arch {
             Arch::Llama => Config {
@@ -333,8 +357,15 @@ impl Config {
             Arch::Gemma3 => {
                 let w = get_usize(c, &k("attention.sliding_window"))?;
                 // llama.cpp: swa pattern 6 (every 6th layer global), local RoPE base 1e4.
-                let layer_kinds =
-                    (0..n_layers).map(|l| if (l + 1) % 6 == 0 { LayerKind::Global } else { LayerKind::Local(w) }).collect();
+                let layer_kinds = (0..n_layers)
+                    .map(|l| {
+                        if (l + 1) % 6 == 0 {
+                            LayerKind::Global
+                        } else {
+                            LayerKind::Local(w)
+                        }
+                    })
+                    .collect();
                 Config {
                     arch,
                     name,
@@ -369,13 +400,17 @@ struct Loader<'a> {
 
 impl Loader<'_> {
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
-        self.content.tensor(&mut self.file, name, &Device::Cpu).map_err(|e| gguf_err(name, e))
+        self.content
+            .tensor(&mut self.file, name, &Device::Cpu)
+            .map_err(|e| gguf_err(name, e))
     }
 
     fn vec(&mut self, name: &str) -> Result<Vec<f32>> {
         let t = self.qtensor(name)?;
         let t = t.dequantize(&Device::Cpu).map_err(|e| gguf_err(name, e))?;
-        t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(|e| gguf_err(name, e))
+        t.flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| gguf_err(name, e))
     }
 
     fn opt_vec(&mut self, name: &str) -> Result<Option<Vec<f32>>> {
@@ -395,7 +430,10 @@ impl Loader<'_> {
         let dequant = match self.mode {
             WeightMode::Quantized => false,
             WeightMode::Dequantized => true,
-            WeightMode::Auto => matches!(q.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1),
+            WeightMode::Auto => matches!(
+                q.dtype(),
+                GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
+            ),
         };
         let mm = if dequant {
             QMatMul::Tensor(q.dequantize(&Device::Cpu).map_err(|e| gguf_err(name, e))?)
@@ -419,13 +457,23 @@ impl Model {
         let content = Content::read(&mut file).map_err(|e| gguf_err("header", e))?;
         let cfg = Config::from_gguf(&content)?;
         let tokenizer = Tokenizer::from_gguf(&content)?;
-        let mut ld = Loader { content: &content, file, mode: opts.weights };
+        let mut ld = Loader {
+            content: &content,
+            file,
+            mode: opts.weights,
+        };
         let embd_q = Arc::new(ld.qtensor("token_embd.weight")?);
         let embd = match embd_q.dtype() {
             GgmlDType::Q8_0 => Embedding::Q8_0(embd_q.clone()),
             _ => {
-                let t = embd_q.dequantize(&Device::Cpu).map_err(|e| gguf_err("token_embd.weight", e))?;
-                Embedding::F32(t.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| gguf_err("token_embd", e))?)
+                let t = embd_q
+                    .dequantize(&Device::Cpu)
+                    .map_err(|e| gguf_err("token_embd.weight", e))?;
+                Embedding::F32(
+                    t.flatten_all()
+                        .and_then(|t| t.to_vec1())
+                        .map_err(|e| gguf_err("token_embd", e))?,
+                )
             }
         };
         let lm_head = if content.tensor_infos.contains_key("output.weight") {
@@ -433,7 +481,11 @@ impl Model {
         } else {
             // Tied embeddings: keep the LM head quantized (Q8_0 has a SIMD path) unless asked.
             let mode = ld.mode;
-            ld.mode = if mode == WeightMode::Dequantized { mode } else { WeightMode::Quantized };
+            ld.mode = if mode == WeightMode::Dequantized {
+                mode
+            } else {
+                WeightMode::Quantized
+            };
             let l = ld.linear_from("token_embd.weight", embd_q)?;
             ld.mode = mode;
             l
@@ -460,13 +512,27 @@ impl Model {
         }
         let (hq, hkv, d) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let l0 = &layers[0];
-        if l0.wq.n_out != hq * d || l0.wk.n_out != hkv * d || l0.wv.n_out != hkv * d || l0.wo.n_in != hq * d {
-            return Err(gguf_err("attention shapes", "q/k/v/o do not match heads × head_dim"));
+        if l0.wq.n_out != hq * d
+            || l0.wk.n_out != hkv * d
+            || l0.wv.n_out != hkv * d
+            || l0.wo.n_in != hq * d
+        {
+            return Err(gguf_err(
+                "attention shapes",
+                "q/k/v/o do not match heads × head_dim",
+            ));
         }
         if cfg.qk_norm && (l0.q_norm.is_none() || l0.k_norm.is_none()) {
             return Err(gguf_err("attn_q_norm", "gemma3 without QK-norm weights"));
         }
-        Ok(Model { cfg, tokenizer, embd, layers, out_norm, lm_head })
+        Ok(Model {
+            cfg,
+            tokenizer,
+            embd,
+            layers,
+            out_norm,
+            lm_head,
+        })
     }
 
     /// The config.
@@ -483,8 +549,12 @@ impl Model {
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         let w = self.cfg.n_kv_heads * self.cfg.head_dim;
         KvCache {
-            k: (0..self.cfg.n_layers).map(|_| vec![0.0; capacity * w]).collect(),
-            v: (0..self.cfg.n_layers).map(|_| vec![0.0; capacity * w]).collect(),
+            k: (0..self.cfg.n_layers)
+                .map(|_| vec![0.0; capacity * w])
+                .collect(),
+            v: (0..self.cfg.n_layers)
+                .map(|_| vec![0.0; capacity * w])
+                .collect(),
             len: 0,
             capacity,
             n_kv_heads: self.cfg.n_kv_heads,
@@ -493,7 +563,12 @@ impl Model {
     }
 
     /// Dense forward of `tokens` appended to `cache`; returns the logits of the last token.
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, hook: Option<&mut dyn AttentionHook>) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        hook: Option<&mut dyn AttentionHook>,
+    ) -> Result<Vec<f32>> {
         self.forward_impl(tokens, cache, None, hook, false)
     }
 
@@ -541,7 +616,10 @@ impl Model {
         let mut x = vec![0f32; tokens.len() * e];
         for (row, &tok) in x.chunks_mut(e).zip(tokens) {
             if tok as usize >= self.cfg.vocab_size {
-                return Err(Error::Invalid(format!("token id {tok} ≥ vocab {}", self.cfg.vocab_size)));
+                return Err(Error::Invalid(format!(
+                    "token id {tok} ≥ vocab {}",
+                    self.cfg.vocab_size
+                )));
             }
             match &self.embd {
                 Embedding::F32(w) => row.copy_from_slice(&w[tok as usize * e..][..e]),
@@ -580,7 +658,11 @@ impl Model {
             return Err(Error::Invalid("forward of zero tokens".into()));
         }
         if pos0 + t > cache.capacity {
-            return Err(Error::ContextFull { pos: pos0, add: t, capacity: cache.capacity });
+            return Err(Error::ContextFull {
+                pos: pos0,
+                add: t,
+                capacity: cache.capacity,
+            });
         }
         let (e, hq, hkv, d) = (cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let eps = cfg.rms_eps;
@@ -612,8 +694,18 @@ impl Model {
             cache.k[l][pos0 * kvw..(pos0 + t) * kvw].copy_from_slice(&k);
             cache.v[l][pos0 * kvw..(pos0 + t) * kvw].copy_from_slice(&v);
             let n = pos0 + t;
-            let ks = KvSlice { data: &cache.k[l][..n * kvw], n, n_kv_heads: hkv, head_dim: d };
-            let vs = KvSlice { data: &cache.v[l][..n * kvw], n, n_kv_heads: hkv, head_dim: d };
+            let ks = KvSlice {
+                data: &cache.k[l][..n * kvw],
+                n,
+                n_kv_heads: hkv,
+                head_dim: d,
+            };
+            let vs = KvSlice {
+                data: &cache.v[l][..n * kvw],
+                n,
+                n_kv_heads: hkv,
+                head_dim: d,
+            };
             let mut o = vec![0f32; t * hq * d];
             match attn.as_mut() {
                 Some(a) if t == 1 => a.attend(l, &q, ks, vs, pos0, kind.window(), &mut o),
@@ -635,7 +727,11 @@ impl Model {
             let u = layer.up.forward(&xn, t)?;
             let hmid: Vec<f32> = match cfg.arch {
                 Arch::Llama => g.par_iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect(),
-                Arch::Gemma3 => g.par_iter().zip(&u).map(|(&g, &u)| gelu_tanh(g) * u).collect(),
+                Arch::Gemma3 => g
+                    .par_iter()
+                    .zip(&u)
+                    .map(|(&g, &u)| gelu_tanh(g) * u)
+                    .collect(),
             };
             let mut dn = layer.down.forward(&hmid, t)?;
             if let Some(w) = &layer.post_ffn_norm {
@@ -734,7 +830,9 @@ struct RopeTable {
 impl RopeTable {
     fn new(base: f32, d: usize, pos0: usize, t: usize) -> RopeTable {
         let half = d / 2;
-        let inv: Vec<f64> = (0..half).map(|i| (base as f64).powf(-2.0 * i as f64 / d as f64)).collect();
+        let inv: Vec<f64> = (0..half)
+            .map(|i| (base as f64).powf(-2.0 * i as f64 / d as f64))
+            .collect();
         let mut cos = Vec::with_capacity(t * half);
         let mut sin = Vec::with_capacity(t * half);
         for p in pos0..pos0 + t {

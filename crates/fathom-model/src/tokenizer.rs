@@ -57,10 +57,21 @@ fn meta_u32(c: &Content, key: &str) -> Option<u32> {
 }
 
 fn meta_strings(c: &Content, key: &str) -> Result<Vec<String>> {
-    let v = meta(c, key).ok_or_else(|| Error::Gguf { what: key.into(), detail: "missing".into() })?;
-    let arr = v.to_vec().map_err(|e| Error::Gguf { what: key.into(), detail: e.to_string() })?;
+    let v = meta(c, key).ok_or_else(|| Error::Gguf {
+        what: key.into(),
+        detail: "missing".into(),
+    })?;
+    let arr = v.to_vec().map_err(|e| Error::Gguf {
+        what: key.into(),
+        detail: e.to_string(),
+    })?;
     arr.iter()
-        .map(|x| x.to_string().cloned().map_err(|e| Error::Gguf { what: key.into(), detail: e.to_string() }))
+        .map(|x| {
+            x.to_string().cloned().map_err(|e| Error::Gguf {
+                what: key.into(),
+                detail: e.to_string(),
+            })
+        })
         .collect()
 }
 
@@ -88,21 +99,34 @@ impl Tokenizer {
     pub fn from_gguf(c: &Content) -> Result<Self> {
         let model = meta(c, "tokenizer.ggml.model")
             .and_then(|v| v.to_string().ok().cloned())
-            .ok_or_else(|| Error::Gguf { what: "tokenizer.ggml.model".into(), detail: "missing".into() })?;
+            .ok_or_else(|| Error::Gguf {
+                what: "tokenizer.ggml.model".into(),
+                detail: "missing".into(),
+            })?;
         let tokens = meta_strings(c, "tokenizer.ggml.tokens")?;
-        let types = meta_ints(c, "tokenizer.ggml.token_type").unwrap_or_else(|| vec![1; tokens.len()]);
+        let types =
+            meta_ints(c, "tokenizer.ggml.token_type").unwrap_or_else(|| vec![1; tokens.len()]);
         let mut inner = match model.as_str() {
             "gpt2" => {
                 let merges_raw = meta_strings(c, "tokenizer.ggml.merges")?;
-                let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+                let vocab: Vocab = tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| (t.clone(), i as u32))
+                    .collect();
                 let merges = merges_raw
                     .iter()
                     .map(|m| {
-                        let (a, b) = m.split_once(' ').ok_or_else(|| tok_err(format!("bad merge {m:?}")))?;
+                        let (a, b) = m
+                            .split_once(' ')
+                            .ok_or_else(|| tok_err(format!("bad merge {m:?}")))?;
                         Ok((a.to_string(), b.to_string()))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+                let bpe = BPE::builder()
+                    .vocab_and_merges(vocab, merges)
+                    .build()
+                    .map_err(tok_err)?;
                 let mut t = HfTokenizer::new(bpe);
                 t.with_pre_tokenizer(Some(PreSequence::new(vec![
                     Digits::new(true).into(),
@@ -112,12 +136,16 @@ impl Tokenizer {
                 t
             }
             "llama" => {
-                let scores = meta_floats(c, "tokenizer.ggml.scores")
-                    .ok_or_else(|| Error::Gguf { what: "tokenizer.ggml.scores".into(), detail: "missing".into() })?;
+                let scores =
+                    meta_floats(c, "tokenizer.ggml.scores").ok_or_else(|| Error::Gguf {
+                        what: "tokenizer.ggml.scores".into(),
+                        detail: "missing".into(),
+                    })?;
                 let unk = meta_u32(c, "tokenizer.ggml.unknown_token_id").unwrap_or(0) as usize;
                 let bpe = spm_as_bpe(&tokens, &scores, &types, unk)?;
                 let mut t = HfTokenizer::new(bpe);
-                t.with_normalizer(Some(Replace::new(" ", "\u{2581}").map_err(tok_err)?)).map_err(tok_err)?;
+                t.with_normalizer(Some(Replace::new(" ", "\u{2581}").map_err(tok_err)?))
+                    .map_err(tok_err)?;
                 let dec: Vec<DecoderWrapper> = vec![
                     Replace::new("\u{2581}", " ").map_err(tok_err)?.into(),
                     ByteFallback::new().into(),
@@ -126,7 +154,11 @@ impl Tokenizer {
                 t.with_decoder(Some(DecoderSequence::new(dec)));
                 t
             }
-            other => return Err(Error::Tokenizer(format!("unsupported tokenizer model {other:?}"))),
+            other => {
+                return Err(Error::Tokenizer(format!(
+                    "unsupported tokenizer model {other:?}"
+                )))
+            }
         };
         let mut special = Vec::new();
         let mut user = Vec::new();
@@ -141,8 +173,14 @@ impl Tokenizer {
         inner.add_tokens(user).map_err(tok_err)?;
         let bos = meta_u32(c, "tokenizer.ggml.bos_token_id");
         let eos = meta_u32(c, "tokenizer.ggml.eos_token_id");
-        let add_bos = meta(c, "tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false);
-        let ids: HashMap<&str, u32> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
+        let add_bos = meta(c, "tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false);
+        let ids: HashMap<&str, u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.as_str(), i as u32))
+            .collect();
         let mut stop: Vec<u32> = eos.into_iter().collect();
         for name in ["<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<eos>"] {
             if let Some(&id) = ids.get(name) {
@@ -151,7 +189,14 @@ impl Tokenizer {
                 }
             }
         }
-        Ok(Tokenizer { inner, bos, add_bos, eos, stop, vocab_size: tokens.len() })
+        Ok(Tokenizer {
+            inner,
+            bos,
+            add_bos,
+            eos,
+            stop,
+            vocab_size: tokens.len(),
+        })
     }
 
     /// Encode text; prepends BOS when the model's metadata asks for it (`add_bos_token`).
@@ -222,8 +267,11 @@ impl Tokenizer {
 /// equivalent: Gemma's scores are `−rank`, which Viterbi turns into a preference for short
 /// pieces.)
 fn spm_as_bpe(tokens: &[String], scores: &[f32], types: &[i64], unk: usize) -> Result<BPE> {
-    let ids: std::collections::HashMap<&str, u32> =
-        tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
+    let ids: std::collections::HashMap<&str, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i as u32))
+        .collect();
     // (score, left id, right id, left, right)
     let mut merges: Vec<(f32, u32, u32, &str, &str)> = Vec::new();
     for (i, piece) in tokens.iter().enumerate() {
@@ -238,8 +286,15 @@ fn spm_as_bpe(tokens: &[String], scores: &[f32], types: &[i64], unk: usize) -> R
         }
     }
     merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
-    let merges: Vec<(String, String)> = merges.into_iter().map(|m| (m.3.to_string(), m.4.to_string())).collect();
-    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let merges: Vec<(String, String)> = merges
+        .into_iter()
+        .map(|m| (m.3.to_string(), m.4.to_string()))
+        .collect();
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
     BPE::builder()
         .vocab_and_merges(vocab, merges)
         .byte_fallback(true)

@@ -18,7 +18,10 @@ const EXACT_TOL: f32 = 2e-3;
 const QUANT_LOGPROB_TOL: f32 = 0.25;
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Logits from (one-shot, chunked, prefill + 3 decode steps).
@@ -46,10 +49,14 @@ fn cases() -> [(ModelId, usize); 2] {
 #[test]
 fn exact_with_f32_weights() {
     for (id, n) in cases() {
-        let Some(m) = common::load_with(id, WeightMode::Dequantized) else { continue };
+        let Some(m) = common::load_with(id, WeightMode::Dequantized) else {
+            continue;
+        };
         let [one, chunked, stepped] = three_ways(&m, n);
         let (d12, d13) = (max_abs_diff(&one, &chunked), max_abs_diff(&one, &stepped));
-        eprintln!("{id} f32 weights, n={n}: max|Δlogit| one−chunked {d12:.2e}, one−stepped {d13:.2e}");
+        eprintln!(
+            "{id} f32 weights, n={n}: max|Δlogit| one−chunked {d12:.2e}, one−stepped {d13:.2e}"
+        );
         assert!(d12 < EXACT_TOL && d13 < EXACT_TOL, "{id}: {d12} {d13}");
     }
 }
@@ -57,15 +64,24 @@ fn exact_with_f32_weights() {
 #[test]
 fn close_with_default_weights() {
     for (id, n) in cases() {
-        let Some(m) = common::load_with(id, WeightMode::Auto) else { continue };
+        let Some(m) = common::load_with(id, WeightMode::Auto) else {
+            continue;
+        };
         let [one, chunked, stepped] = three_ways(&m, n);
         let lp = log_softmax(&one);
         let mut top: Vec<usize> = (0..lp.len()).collect();
         top.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
         for (what, other) in [("chunked", &chunked), ("stepped", &stepped)] {
-            assert_eq!(fathom_model::argmax(&one), fathom_model::argmax(other), "{id} {what}");
+            assert_eq!(
+                fathom_model::argmax(&one),
+                fathom_model::argmax(other),
+                "{id} {what}"
+            );
             let lq = log_softmax(other);
-            let d = top[..5].iter().map(|&i| (lp[i] - lq[i]).abs()).fold(0.0, f32::max);
+            let d = top[..5]
+                .iter()
+                .map(|&i| (lp[i] - lq[i]).abs())
+                .fold(0.0, f32::max);
             eprintln!("{id} default weights, n={n}: one−{what} max|Δlogprob| top-5 {d:.3}");
             assert!(d < QUANT_LOGPROB_TOL, "{id} {what}: {d}");
         }

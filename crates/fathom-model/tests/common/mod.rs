@@ -13,7 +13,10 @@ fn load(id: ModelId) -> Option<Model> {
 
 /// Load from the cache (offline) with a weight mode; `None` (and a printed reason) if absent.
 pub fn load_with(id: ModelId, weights: WeightMode) -> Option<Model> {
-    let opts = FetchOptions { offline: true, ..Default::default() };
+    let opts = FetchOptions {
+        offline: true,
+        ..Default::default()
+    };
     match fetch_model(id, &opts) {
         Ok(path) => Some(Model::load(&path, &LoadOptions { weights }).expect("model loads")),
         Err(e) => {
