@@ -16,6 +16,8 @@
 #![deny(missing_docs)]
 
 pub mod attention;
+pub mod capture;
+pub mod corpus;
 pub mod error;
 pub mod fetch;
 pub mod model;
