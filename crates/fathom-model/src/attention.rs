@@ -96,7 +96,9 @@ pub fn window_start(pos: usize, window: Option<usize>) -> usize {
 /// Dense causal attention for `t` consecutive queries at positions `pos0..pos0+t`.
 ///
 /// `q_scaled` is `[t, Hq, D]` already multiplied by the softmax scale; `out` is `[t, Hq, D]`.
-/// Work is split over (token, query head) pairs with rayon.
+/// Few queries (decode): one rayon task per (token, query head). Many queries (prefill): tiles of
+/// [`TILE_TOKENS`] tokens × the `G` heads of one KV head, as two GEMMs (`S = Q Kᵀ` over the tile's
+/// key range, then `O = P V`) around a fused masked softmax, one rayon task per tile.
 pub fn dense_attention(
     q_scaled: &[f32],
     k: KvSlice<'_>,
@@ -110,18 +112,112 @@ pub fn dense_attention(
     let hkv = k.n_kv_heads;
     let hq = q_scaled.len() / (t * d);
     let g = hq / hkv;
-    debug_assert_eq!(q_scaled.len(), t * hq * d);
-    debug_assert_eq!(out.len(), t * hq * d);
-    debug_assert!(pos0 + t <= k.n);
-    out.par_chunks_mut(d)
-        .enumerate()
-        .for_each_init(Vec::new, |scores, (idx, o)| {
+    assert_eq!(q_scaled.len(), t * hq * d, "q shape");
+    assert_eq!(out.len(), t * hq * d, "out shape");
+    assert!(pos0 + t <= k.n && pos0 + t <= v.n, "keys 0..{} not in the cache of {}", pos0 + t, k.n);
+    if t < TILE_TOKENS / 2 {
+        out.par_chunks_mut(d).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
             let ti = idx / hq;
             let h = idx % hq;
             let pos = pos0 + ti;
             let q = &q_scaled[idx * d..(idx + 1) * d];
             attend_one(q, k, v, h / g, window_start(pos, window), pos, scores, o);
         });
+        return;
+    }
+    let n_tiles = t.div_ceil(TILE_TOKENS);
+    let tiles: Vec<(usize, usize, Vec<f32>)> = (0..hkv * n_tiles)
+        .into_par_iter()
+        .map(|task| {
+            let (kvh, tile) = (task / n_tiles, task % n_tiles);
+            let a = tile * TILE_TOKENS;
+            let b = (a + TILE_TOKENS).min(t);
+            (kvh, a, attend_tile(q_scaled, k, v, kvh, g, pos0, a, b, window))
+        })
+        .collect();
+    for (kvh, a, o) in tiles {
+        // o is [tokens, G, D]; scatter into out [t, Hq, D].
+        for (ti, rows) in o.chunks(g * d).enumerate() {
+            let dst = ((a + ti) * hq + kvh * g) * d;
+            out[dst..dst + g * d].copy_from_slice(rows);
+        }
+    }
+}
+
+/// Query tokens per prefill attention tile.
+pub const TILE_TOKENS: usize = 32;
+
+/// Tokens `a..b` of the chunk × the `g` query heads of KV head `kvh`: returns `[b−a, g, D]`.
+#[allow(clippy::too_many_arguments)]
+fn attend_tile(
+    q_scaled: &[f32],
+    k: KvSlice<'_>,
+    v: KvSlice<'_>,
+    kvh: usize,
+    g: usize,
+    pos0: usize,
+    a: usize,
+    b: usize,
+    window: Option<usize>,
+) -> Vec<f32> {
+    let d = k.head_dim;
+    let hq = g * k.n_kv_heads;
+    let row_stride = k.n_kv_heads * d;
+    let m = (b - a) * g;
+    let lo = window_start(pos0 + a, window);
+    let hi = pos0 + b - 1;
+    let nk = hi + 1 - lo;
+    // Q tile [m, D], rows (token, head-in-group).
+    let mut qt = Vec::with_capacity(m * d);
+    for ti in a..b {
+        let off = (ti * hq + kvh * g) * d;
+        qt.extend_from_slice(&q_scaled[off..off + g * d]);
+    }
+    let mut s = vec![0f32; m * nk];
+    let kbase = &k.data[lo * row_stride + kvh * d..];
+    let vbase = &v.data[lo * row_stride + kvh * d..];
+    debug_assert!(kbase.len() >= (nk - 1) * row_stride + d && vbase.len() >= (nk - 1) * row_stride + d);
+    // SAFETY: S is m × nk (row-major), Q is m × D (row-major), and the key matrix read as D × nk
+    // with column stride `row_stride` stays inside `kbase` (checked above); no aliasing.
+    unsafe {
+        gemm::gemm(
+            m, nk, d,
+            s.as_mut_ptr(), 1, nk as isize,
+            false,
+            qt.as_ptr(), 1, d as isize,
+            kbase.as_ptr(), row_stride as isize, 1,
+            0.0, 1.0, false, false, false,
+            gemm::Parallelism::None,
+        );
+    }
+    let mut inv = vec![0f32; m];
+    for (r, row) in s.chunks_mut(nk).enumerate() {
+        let pos = pos0 + a + r / g;
+        let (rlo, rhi) = (window_start(pos, window) - lo, pos - lo);
+        row[..rlo].fill(0.0);
+        row[rhi + 1..].fill(0.0);
+        let vis = &mut row[rlo..=rhi];
+        let max = vis.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        inv[r] = 1.0 / exp_sub_sum(vis, max);
+    }
+    let mut o = vec![0f32; m * d];
+    // SAFETY: O is m × D, P (= S) is m × nk, the value matrix nk × D with row stride
+    // `row_stride` stays inside `vbase` (checked above); no aliasing.
+    unsafe {
+        gemm::gemm(
+            m, d, nk,
+            o.as_mut_ptr(), 1, d as isize,
+            false,
+            s.as_ptr(), 1, nk as isize,
+            vbase.as_ptr(), 1, row_stride as isize,
+            0.0, 1.0, false, false, false,
+            gemm::Parallelism::None,
+        );
+    }
+    for (row, &f) in o.chunks_mut(d).zip(&inv) {
+        row.iter_mut().for_each(|x| *x *= f);
+    }
+    o
 }
 
 /// One query against keys `lo..=hi` of KV head `kvh`; `q` pre-scaled.
@@ -243,7 +339,7 @@ mod tests {
 
     #[test]
     fn dense_matches_naive() {
-        let (n, hkv, g, d) = (37usize, 2usize, 3usize, 24usize);
+        let (n, hkv, g, d) = (80usize, 2usize, 3usize, 24usize);
         let hq = hkv * g;
         let mut seed = 1u64;
         let mut rnd = || {
@@ -267,7 +363,7 @@ mod tests {
             head_dim: d,
         };
         for window in [None, Some(5)] {
-            let t = 4;
+            for t in [4usize, 37] {
             let pos0 = n - t;
             let q: Vec<f32> = (0..t * hq * d).map(|_| rnd()).collect();
             let mut out = vec![0.0; t * hq * d];
@@ -299,6 +395,7 @@ mod tests {
                         );
                     }
                 }
+            }
             }
         }
     }
