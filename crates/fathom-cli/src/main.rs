@@ -4,6 +4,7 @@ mod methods;
 mod offload_cmds;
 mod plot;
 mod report;
+mod repro_report;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -45,6 +46,8 @@ enum Cmd {
     Fidelity(FidelityArgs),
     /// Time the offloaded decode step on the GPU (SPEC §6; needs a build with `--features cuda`).
     OffloadBench(offload_cmds::OffloadBenchArgs),
+    /// Render REPORT.md (one section per paper claim) from a results directory.
+    Report(repro_report::ReportArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -201,6 +204,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Calibrate(a) => calibrate_cmd(a),
         Cmd::Fidelity(a) => fidelity_cmd(a),
         Cmd::OffloadBench(a) => offload_cmds::run_offload_bench(a),
+        Cmd::Report(a) => repro_report::run_report(a),
     }
 }
 
@@ -416,7 +420,13 @@ fn demo(a: DemoArgs) -> Result<()> {
     print!("{}", report::markdown(&rep, &eq, &label));
     println!("\n({:.1} s)", t0.elapsed().as_secs_f64());
     if let Some(path) = a.json {
-        let doc = report::json_doc(&rep, "synthetic", a.k, eq, json!({"synthetic": true}));
+        let doc = report::json_doc(
+            &rep,
+            "synthetic",
+            a.k,
+            eq,
+            json!({"synthetic": true, "model": "synthetic-gqa", "d": params.d, "n": params.n}),
+        );
         write_atomic(&path, serde_json::to_string_pretty(&doc)?.as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
     }
@@ -529,6 +539,10 @@ fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
             "model": info.model,
             "basis": calib.as_ref().and_then(|c| c.basis_rule.as_ref()).map(|r| format!("{:?}", r.choice)),
             "synthetic": info.model.contains("synthetic"),
+            "d": info.d,
+            "n": info.n,
+            "hkv": info.hkv,
+            "g": info.g(),
         });
         let doc = report::json_doc(&rep, &a.capture.display().to_string(), k, eq, extra);
         write_atomic(path, serde_json::to_string_pretty(&doc)?.as_bytes())

@@ -56,6 +56,10 @@ pub struct OffloadBenchArgs {
     /// Generator seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Head groups pipelined per layer (host residency): the copy stream gathers group i+1
+    /// while group i is scanned; 0 = auto (4 from 128k tokens), 1 = sequential.
+    #[arg(long, default_value_t = 0)]
+    pub groups: usize,
     /// Size of the pinned H2D memcpy that measures the link, MiB.
     #[arg(long, default_value_t = 2048)]
     pub probe_mib: usize,
@@ -103,6 +107,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         source_tokens: a.source_tokens,
         seed: a.seed,
         h2d_probe_bytes: a.probe_mib << 20,
+        groups: a.groups,
         json: a.json.clone(),
     };
     let rep = fathom_cuda::bench::run_offload_bench(&cfg, |s| eprintln!("{s}"))
