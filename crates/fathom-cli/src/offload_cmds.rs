@@ -57,7 +57,7 @@ pub struct OffloadBenchArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Head groups pipelined per layer (host residency): the copy stream gathers group i+1
-    /// while group i is scanned; 0 = auto (4 from 128k tokens), 1 = sequential.
+    /// while group i is scanned; 0 = auto (1), 1 = sequential.
     #[arg(long, default_value_t = 0)]
     pub groups: usize,
     /// Size of the pinned H2D memcpy that measures the link, MiB.

@@ -2,18 +2,51 @@
 #include "common.cuh"
 #define BPC 32   // 64-token blocks per CTA; 8 threads per block, 8 tokens per thread
 
+// Spreads the 8 bits of a byte into the 8 nibbles of a word (bit j -> bit 4j).
+__device__ __forceinline__ u32 spread_nibbles(u32 x) {
+    x = (x | (x << 12)) & 0x000F000Fu;
+    x = (x | (x << 6)) & 0x03030303u;
+    return (x | (x << 3)) & 0x11111111u;
+}
+
+// Level-1 top-k histogram fused into the scan when it fits in shared memory (topk.cu).
+#define HBINS 1024
+#ifndef HIST_MATCH
+#define HIST_MATCH 0  // 1: warp-aggregate same-bin updates with __match_any_sync
+#endif
+#if GQ <= 8
+#define FUSED_HIST 1
+#else
+#define FUSED_HIST 0
+#endif
+
 // Bit-plane scan (SPEC §2, §3): score_g(i) = sum over active channels c (ascending) of
 // q_gc * k̂_t(i, c), k̂_t = (q_t - 2^(t-1) + 1/2) * m * 2^(1-t), t = depth of c.
-// `base` holds one layer in the store layout: planes [H][D][4][nb] u64, scales [H][D][nb] fp16.
+// A CTA covers BPC blocks; for every CHS active channels it first stages their plane words
+// and scales in shared memory with one cooperative load (all loads independent, coalesced),
+// then each thread (8 per block, 8 tokens each) spreads the t plane bytes of its tokens into
+// one word of 8 nibbles (the t-bit codes q_t), turns each into (q_t - 2^(t-1) + 1/2) exactly
+// with the 2^22 magic-number trick, and does one FMA per query head with q_gc * m * 2^(1-t).
+// planes: [H][D][4][nb] u64 and scales: [H][D][nb] fp16 of this head group (head = blockIdx.y).
 // grid = (ceil(nb / BPC), heads), block = 8 * BPC (>= DIM). scores: [heads][GQ][n] f32.
-extern "C" __global__ void scan_planes(const u8* __restrict__ base, int heads, u64 nb, u64 n,
-                                       const u8* __restrict__ depths, const float* __restrict__ q,
-                                       float* __restrict__ scores) {
+// hist ([heads*GQ][HBINS], zeroed by the caller): histogram of the top 10 key bits of the
+// middle tokens (when FUSED_HIST).
+#define CHS 8
+extern "C" __global__ void scan_planes(const u64* __restrict__ planes, const u16* __restrict__ scales,
+                                       u64 nb, u64 n, const u8* __restrict__ depths,
+                                       const float* __restrict__ q, float* __restrict__ scores,
+                                       u32* __restrict__ hist) {
     __shared__ int act_c[DIM];
     __shared__ int act_t[DIM];
     __shared__ float qa[GQ][DIM];
     __shared__ int wcnt[32];
     __shared__ int nact;
+    __shared__ u64 sw[CHS][4][BPC];
+    __shared__ float sm[CHS][BPC];
+#if FUSED_HIST
+    __shared__ u32 sh[GQ][HBINS];
+    for (int i = threadIdx.x; i < GQ * HBINS; i += blockDim.x) sh[i / HBINS][i % HBINS] = 0;
+#endif
     const int h = blockIdx.y;
     const int tid = threadIdx.x;
     // Order-preserving compaction of the active channels.
@@ -35,50 +68,99 @@ extern "C" __global__ void scan_planes(const u8* __restrict__ base, int heads, u
         if (tid == DIM - 1) nact = off + (on ? 1 : 0);
     }
     __syncthreads();
-    const u64 b = (u64)blockIdx.x * BPC + (tid >> 3);
-    const int sub = tid & 7;
-    if (b >= nb) return;
-    const u64* planes = (const u64*)base;
-    const u16* scales = (const u16*)(base + (u64)heads * DIM * 4 * nb * 8);
+    const u64 b0 = (u64)blockIdx.x * BPC;
+    const int lb = tid >> 3, sub = tid & 7;
+    const u64 b = b0 + lb;
+    const bool live = b < nb;
     float acc[GQ][8];
 #pragma unroll
     for (int g = 0; g < GQ; g++)
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[g][j] = 0.0f;
     const int na = nact;
-    for (int a = 0; a < na; a++) {
-        const int c = act_c[a], t = act_t[a];
-        const u64 hc = (u64)h * DIM + c;
-        const float m = f16_to_f32(scales[hc * nb + b]);
-        const float step = t == 1 ? m * 2.0f : t == 2 ? m : t == 3 ? m * 0.5f : m * 0.25f;
-        const float half_range = (float)(1 << (t - 1));
-        u32 by[4];
-#pragma unroll
-        for (int p = 0; p < 4; p++)
-            by[p] = p < t ? (u32)(planes[(hc * 4 + p) * nb + b] >> (sub * 8)) & 0xffu : 0u;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            u32 qt = 0;
-#pragma unroll
-            for (int p = 0; p < 4; p++)
-                if (p < t) qt = (qt << 1) | ((by[p] >> j) & 1u);
-            const float kv = __fmul_rn(__fadd_rn(__fsub_rn((float)qt, half_range), 0.5f), step);
-#pragma unroll
-            for (int g = 0; g < GQ; g++) acc[g][j] = __fadd_rn(acc[g][j], __fmul_rn(qa[g][a], kv));
+    for (int a0 = 0; a0 < na; a0 += CHS) {
+        for (int i = tid; i < CHS * 4 * BPC; i += blockDim.x) {
+            const int s = i / (4 * BPC), p = (i / BPC) % 4, j = i % BPC;
+            const int a = a0 + s;
+            if (a < na && p < act_t[a] && b0 + j < nb)
+                sw[s][p][j] = planes[(((u64)h * DIM + act_c[a]) * 4 + p) * nb + b0 + j];
         }
+        for (int i = tid; i < CHS * BPC; i += blockDim.x) {
+            const int s = i / BPC, j = i % BPC;
+            const int a = a0 + s;
+            if (a < na && b0 + j < nb) sm[s][j] = f16_to_f32(scales[((u64)h * DIM + act_c[a]) * nb + b0 + j]);
+        }
+        __syncthreads();
+        const int ns = min(CHS, na - a0);
+        if (live) {
+            for (int s = 0; s < ns; s++) {
+                const int a = a0 + s, t = act_t[a];
+                const float m = sm[s][lb];
+                u32 code = 0;
+#pragma unroll
+                for (int p = 0; p < 4; p++)
+                    if (p < t) code |= spread_nibbles((u32)(sw[s][p][lb] >> (sub * 8)) & 0xffu) << (t - 1 - p);
+                const float step = t == 1 ? m : t == 2 ? m * 0.5f : t == 3 ? m * 0.25f : m * 0.125f;  // m * 2^(1-t)
+                // Floats in [2^22, 2^23) step by 1/2: the bits 0x4A800000 | (2 q_t + 1) are
+                // 2^22 + q_t + 1/2, and subtracting 2^22 + 2^(t-1) leaves q_t - 2^(t-1) + 1/2
+                // exactly.
+                const float off = 4194304.0f + (float)(1 << (t - 1));
+                float A[GQ];
+#pragma unroll
+                for (int g = 0; g < GQ; g++) A[g] = qa[g][a] * step;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const float kv = __int_as_float(0x4A800000u | (((code >> (4 * j)) & 0xFu) << 1) | 1u) - off;
+#pragma unroll
+                    for (int g = 0; g < GQ; g++) acc[g][j] = fmaf(A[g], kv, acc[g][j]);
+                }
+            }
+        }
+        __syncthreads();
     }
     const u64 tok0 = b * 64 + (u64)sub * 8;
+    if (live) {
 #pragma unroll
-    for (int g = 0; g < GQ; g++) {
-        float* out = scores + ((u64)h * GQ + g) * n;
-        if (tok0 + 8 <= n && (n & 3) == 0) {
-            *(float4*)(out + tok0) = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-            *(float4*)(out + tok0 + 4) = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
-        } else {
+        for (int g = 0; g < GQ; g++) {
+            float* out = scores + ((u64)h * GQ + g) * n;
+            if (tok0 + 8 <= n && (n & 3) == 0) {
+                *(float4*)(out + tok0) = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+                *(float4*)(out + tok0 + 4) = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+            } else {
 #pragma unroll
-            for (int j = 0; j < 8; j++) if (tok0 + j < n) out[tok0 + j] = acc[g][j];
+                for (int j = 0; j < 8; j++) if (tok0 + j < n) out[tok0 + j] = acc[g][j];
+            }
         }
     }
+#if FUSED_HIST
+    // Middle tokens [lo, hi) as in topk.cu; shared-memory atomics.
+    const u64 lo = n < 4 ? n : 4;
+    const u64 hi0 = n > 32 ? n - 32 : 0;
+    const u64 hi = hi0 > lo ? hi0 : lo;
+#if HIST_MATCH
+    const int lane = tid & 31;
+#endif
+#pragma unroll
+    for (int g = 0; g < GQ; g++) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const u64 tok = tok0 + j;
+            const bool in = live && tok >= lo && tok < hi;
+            const u32 bin = in ? (f32_key(acc[g][j]) >> 22) : 0xffffffffu;
+#if HIST_MATCH
+            const unsigned same = __match_any_sync(0xffffffffu, bin);
+            if (in && lane == __ffs(same) - 1) atomicAdd(&sh[g][bin], (u32)__popc(same));
+#else
+            if (in) atomicAdd(&sh[g][bin], 1u);
+#endif
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < GQ * HBINS; i += blockDim.x) {
+        const u32 v = sh[i / HBINS][i % HBINS];
+        if (v) atomicAdd(&hist[((u64)h * GQ + i / HBINS) * HBINS + i % HBINS], v);
+    }
+#endif
 }
 
 // Block-landmark scan (ShadowKV-style): the fp16 mean key of each 8-token group; every token

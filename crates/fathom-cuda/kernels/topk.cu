@@ -5,7 +5,8 @@
 #include "common.cuh"
 #define SINK 4
 #define LOCAL 32
-#define BINS 2048
+#define BINS 2048   // bins of the refinement passes (select_bin)
+#define HBINS 1024  // level-1 bins: top 10 key bits
 #define ELEMS 4096   // elements per CTA in the streaming passes
 
 struct Sel { int bucket; u32 need; };
@@ -17,20 +18,21 @@ __device__ __forceinline__ void middle(u64 n, u64* lo, u64* hi) {
     *hi = h > l ? h : l;
 }
 
-// Histogram of the top 11 key bits of each row's middle tokens. grid = (chunks, rows).
+// Histogram of the top 10 key bits of each row's middle tokens (for the table scans; the
+// plane scan builds it itself). grid = (chunks, rows).
 extern "C" __global__ void topk_hist(const float* __restrict__ scores, u64 n, u32* __restrict__ hist) {
-    __shared__ u32 sh[BINS];
-    for (int i = threadIdx.x; i < BINS; i += blockDim.x) sh[i] = 0;
+    __shared__ u32 sh[HBINS];
+    for (int i = threadIdx.x; i < HBINS; i += blockDim.x) sh[i] = 0;
     __syncthreads();
     u64 lo, hi;
     middle(n, &lo, &hi);
     const int r = blockIdx.y;
     const float* row = scores + (u64)r * n;
     const u64 s = lo + (u64)blockIdx.x * ELEMS, e = min(s + ELEMS, hi);
-    for (u64 i = s + threadIdx.x; i < e; i += blockDim.x) atomicAdd(&sh[f32_key(row[i]) >> 21], 1u);
+    for (u64 i = s + threadIdx.x; i < e; i += blockDim.x) atomicAdd(&sh[f32_key(row[i]) >> 22], 1u);
     __syncthreads();
-    for (int i = threadIdx.x; i < BINS; i += blockDim.x)
-        if (sh[i]) atomicAdd(&hist[(u64)r * BINS + i], sh[i]);
+    for (int i = threadIdx.x; i < HBINS; i += blockDim.x)
+        if (sh[i]) atomicAdd(&hist[(u64)r * HBINS + i], sh[i]);
 }
 
 // Finds, over BINS bins in descending order, the bin holding the k-th largest element.
@@ -64,10 +66,12 @@ extern "C" __global__ void topk_select(const u32* __restrict__ hist, u32 k, Sel*
                                        u32* __restrict__ tcount, u32* __restrict__ ucount) {
     __shared__ int bin;
     __shared__ u32 above, total;
+    __shared__ u32 cnt[BINS];
     const int r = blockIdx.x;
     if (threadIdx.x == 0) { bin = -1; above = 0; }
+    for (int i = threadIdx.x; i < BINS; i += blockDim.x) cnt[i] = i < HBINS ? hist[(u64)r * HBINS + i] : 0u;
     __syncthreads();
-    select_bin(hist + (u64)r * BINS, k, &bin, &above, &total);
+    select_bin(cnt, k, &bin, &above, &total);
     if (threadIdx.x == 0) {
         Sel s;
         if (total <= k) { s.bucket = -1; s.need = 0; }
@@ -92,7 +96,7 @@ extern "C" __global__ void topk_collect(const float* __restrict__ scores, u64 n,
     const u64 st = lo + (u64)blockIdx.x * ELEMS, e = min(st + ELEMS, hi);
     for (u64 i = st + threadIdx.x; i < e; i += blockDim.x) {
         const u32 key = f32_key(row[i]);
-        const int bk = (int)(key >> 21);
+        const int bk = (int)(key >> 22);
         if (bk > s.bucket) {
             u32 p = atomicAdd(&wcount[r], 1u);
             if (p < k) win[(u64)r * k + p] = (u32)i;
@@ -103,8 +107,8 @@ extern "C" __global__ void topk_collect(const float* __restrict__ scores, u64 n,
     }
 }
 
-// Per row: selects the `need` largest candidates by the remaining 21 key bits (passes of 11
-// and 10 bits); ties at the final key are taken in arrival order. grid = rows, block = 1024.
+// Per row: selects the `need` largest candidates by the remaining 22 key bits (two passes of
+// 11 bits); ties at the final key are taken in arrival order. grid = rows, block = 1024.
 extern "C" __global__ void topk_finish(const Sel* __restrict__ sel, u32 k, const u32* __restrict__ cand_key,
                                        const u32* __restrict__ cand_idx, u64 ccap,
                                        const u32* __restrict__ ccount, u32* __restrict__ win,
@@ -119,9 +123,9 @@ extern "C" __global__ void topk_finish(const Sel* __restrict__ sel, u32 k, const
     const u32* keys = cand_key + (u64)r * ccap;
     const u32* idx = cand_idx + (u64)r * ccap;
     u32 need = s.need;
-    u32 prefix = (u32)s.bucket << 21, pmask = 0xffe00000u;
-    const int shifts[2] = {10, 0};
-    const u32 widths[2] = {0x7ffu, 0x3ffu};
+    u32 prefix = (u32)s.bucket << 22, pmask = 0xffc00000u;
+    const int shifts[2] = {11, 0};
+    const u32 widths[2] = {0x7ffu, 0x7ffu};
     for (int pass = 0; pass < 2; pass++) {
         for (int i = threadIdx.x; i < BINS; i += blockDim.x) hist[i] = 0;
         if (threadIdx.x == 0) { bin = -1; above = 0; }

@@ -50,6 +50,8 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Bytes of the pinned H2D `memcpy` that measures the link (2 GiB by default).
     pub h2d_probe_bytes: usize,
+    /// Head groups pipelined per layer (0 = auto; see [`SessionConfig::groups`]).
+    pub groups: usize,
     /// Write the report here after every (context, residency).
     pub json: Option<PathBuf>,
 }
@@ -86,6 +88,8 @@ pub struct BenchResult {
     pub method: String,
     /// Top-k per query head.
     pub k: usize,
+    /// Head groups pipelined per layer in the timed steps (instrumented steps use 1).
+    pub groups: usize,
     /// Nominal scan bits.
     pub bits_nominal: f64,
     /// Measured mean plan bits.
@@ -179,7 +183,11 @@ pub fn parse_context(s: &str) -> Result<usize> {
 /// allocation and driver failures.
 pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchReport> {
     let gpu = Gpu::open(0)?;
-    let shape = ModelShape { kv_heads: c.shape.kv_heads * c.batch.max(1), ..c.shape }.validate()?;
+    let shape = ModelShape {
+        kv_heads: c.shape.kv_heads * c.batch.max(1),
+        ..c.shape
+    }
+    .validate()?;
     let mut rep = BenchReport {
         command: c.command.clone(),
         version: env!("CARGO_PKG_VERSION").into(),
@@ -193,15 +201,28 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
     progress(&format!("device: {:?}", gpu.info()));
     rep.h2d_gbps = gpu.h2d_bandwidth(c.h2d_probe_bytes)?;
     rep.gather_gbps = gpu.gather_bandwidth(c.h2d_probe_bytes / 2)?;
-    progress(&format!("H2D memcpy {:.1} GB/s, zero-copy gather {:.1} GB/s", rep.h2d_gbps, rep.gather_gbps));
+    progress(&format!(
+        "H2D memcpy {:.1} GB/s, zero-copy gather {:.1} GB/s",
+        rep.h2d_gbps, rep.gather_gbps
+    ));
     let min_ctx = c.contexts.iter().copied().min().unwrap_or(0);
     let n0 = (c.source_tokens.min(min_ctx) / 64 * 64).max(64);
-    let params = SynthParams { heads: shape.kv_heads, group: shape.group, dim: shape.dim, tokens: n0, seed: c.seed };
+    let params = SynthParams {
+        heads: shape.kv_heads,
+        group: shape.group,
+        dim: shape.dim,
+        tokens: n0,
+        seed: c.seed,
+    };
     let t = std::time::Instant::now();
     let sources: Vec<_> = (0..c.source_layers.clamp(1, shape.layers))
         .map(|l| synth_layer(&params, l))
         .collect::<Result<_>>()?;
-    progress(&format!("generated {} source layers of {n0} tokens in {:.1}s", sources.len(), t.elapsed().as_secs_f64()));
+    progress(&format!(
+        "generated {} source layers of {n0} tokens in {:.1}s",
+        sources.len(),
+        t.elapsed().as_secs_f64()
+    ));
     rep.notes.push(format!(
         "keys: {SYNTH_LABEL}; {} distinct source layers of {n0} tokens tiled to each context (tiles after the first get ±3% block-scale jitter) and reused cyclically over the {} layers",
         sources.len(), shape.layers
@@ -209,7 +230,10 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
     rep.notes.push("exact = the full 4-bit store (all channels at 4 planes, 544 bits), read through the same gather; loki reads channels 0..r of the store (the timing store is in the raw basis, bytes identical to a KLT store); ds uses channels chosen offline by mean|q|·mean|k| on the synthetic calibration; landmark and quest read their own fp16 tables".into());
     rep.notes.push("every step scores all n tokens with that step's queries (n is not grown between steps); weights are not modelled (W = 0 in SPEC §6's traffic model)".into());
     if c.batch > 1 {
-        rep.notes.push(format!("batch {}: the B sequences are laid out as B·Hkv = {} KV heads per layer", c.batch, shape.kv_heads));
+        rep.notes.push(format!(
+            "batch {}: the B sequences are laid out as B·Hkv = {} KV heads per layer",
+            c.batch, shape.kv_heads
+        ));
     }
     let total_steps = c.warmup + c.steps + c.instrumented_steps;
     for &n in &c.contexts {
@@ -224,6 +248,7 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
                 row_bytes_budget: c.row_bytes_budget,
                 tables: c.methods.iter().any(|m| !m.uses_planes()),
                 steps: total_steps,
+                groups: c.groups,
             };
             progress(&format!("context {n}, {}: allocating", res.label()));
             let mut s = Session::new(&gpu, &cfg, &sources, &c.methods)?;
@@ -251,11 +276,15 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
                 }
                 let r = summarize(&rep, &cfg, m, &timed, &inst);
                 progress(&format!(
-                    "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  plan {:5.2}%  hit {:4.1}%  stages {:?}",
+                    "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  plan {:5.2}%  hit {:4.1}%  stages ms: {}",
                     r.method, r.bits, r.gpu_ms, r.wall_ms,
                     r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
                     100.0 * r.planner_share, 100.0 * r.cache_hit_rate,
-                    r.stage_ms.values().map(|x| (x * 1000.0).round() / 1000.0).collect::<Vec<_>>()
+                    STAGES
+                        .iter()
+                        .map(|k| format!("{k}={:.3}", r.stage_ms[*k]))
+                        .collect::<Vec<_>>()
+                        .join(" ")
                 ));
                 rep.results.push(r);
             }
@@ -280,13 +309,26 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
 }
 
 fn write_json(rep: &BenchReport, p: &PathBuf) -> Result<()> {
-    let txt = serde_json::to_string_pretty(rep).map_err(|e| CudaError::invalid("report", e.to_string()))?;
-    std::fs::write(p, txt).map_err(|e| CudaError::invalid("json path", format!("{}: {e}", p.display())))
+    let txt = serde_json::to_string_pretty(rep)
+        .map_err(|e| CudaError::invalid("report", e.to_string()))?;
+    std::fs::write(p, txt)
+        .map_err(|e| CudaError::invalid("json path", format!("{}: {e}", p.display())))
 }
 
-fn summarize(rep: &BenchReport, cfg: &SessionConfig, m: Method, timed: &[StepStats], inst: &[StepStats]) -> BenchResult {
+fn summarize(
+    rep: &BenchReport,
+    cfg: &SessionConfig,
+    m: Method,
+    timed: &[StepStats],
+    inst: &[StepStats],
+) -> BenchResult {
     let sh = cfg.shape;
-    let (l_n, hn, g, d) = (sh.layers as u64, sh.kv_heads as u64, sh.group as u64, sh.dim as u64);
+    let (l_n, hn, g, d) = (
+        sh.layers as u64,
+        sh.kv_heads as u64,
+        sh.group as u64,
+        sh.dim as u64,
+    );
     let n = cfg.context as u64;
     let nb = n.div_ceil(64);
     let gpu: Vec<f64> = timed.iter().map(|s| s.gpu_ms).collect();
@@ -297,7 +339,10 @@ fn summarize(rep: &BenchReport, cfg: &SessionConfig, m: Method, timed: &[StepSta
     let hits = median(&all.iter().map(|s| s.cache_hits as f64).collect::<Vec<_>>());
     let mut stage_ms = BTreeMap::new();
     for (i, name) in STAGES.iter().enumerate() {
-        let v: Vec<f64> = inst.iter().filter_map(|s| s.stage_ms.map(|a| a[i])).collect();
+        let v: Vec<f64> = inst
+            .iter()
+            .filter_map(|s| s.stage_ms.map(|a| a[i]))
+            .collect();
         stage_ms.insert(name.to_string(), median(&v));
     }
     let rec = sh.record_bytes() as u64;
@@ -310,12 +355,21 @@ fn summarize(rep: &BenchReport, cfg: &SessionConfig, m: Method, timed: &[StepSta
     };
     let host = cfg.residency == Residency::Host;
     let row = (union * rec as f64) as u64;
-    let row_pcie = if host { ((union - hits).max(0.0) * rec as f64) as u64 } else { 0 };
+    let row_pcie = if host {
+        ((union - hits).max(0.0) * rec as f64) as u64
+    } else {
+        0
+    };
     let bytes = StageBytes {
-        plan: if matches!(m, Method::Fathom(_) | Method::SparQ(_)) { l_n * hn * (g * d * 4 + d * 4 + 2 * d * 16) } else { 0 },
+        plan: if matches!(m, Method::Fathom(_) | Method::SparQ(_)) {
+            l_n * hn * (g * d * 4 + d * 4 + 2 * d * 16)
+        } else {
+            0
+        },
         gather: if host { gather } else { 0 },
         scan: gather + r_n * n * 4 * l_n,
-        topk: 2 * r_n * n * 4 * l_n,
+        // Plane scans build the level-1 histogram themselves (G ≤ 8): one read of the scores.
+        topk: if m.uses_planes() && g <= 8 { 1 } else { 2 } * r_n * n * 4 * l_n,
         row_gather: row,
         row_gather_pcie: row_pcie,
         attention: row,
@@ -330,6 +384,11 @@ fn summarize(rep: &BenchReport, cfg: &SessionConfig, m: Method, timed: &[StepSta
         residency: cfg.residency.label().into(),
         method: m.label(),
         k: cfg.k,
+        groups: if cfg.residency == Residency::Host {
+            cfg.pipeline_groups()
+        } else {
+            1
+        },
         bits_nominal: m.bits(sh.dim) as f64,
         bits,
         gpu_ms,
@@ -339,7 +398,11 @@ fn summarize(rep: &BenchReport, cfg: &SessionConfig, m: Method, timed: &[StepSta
         bytes,
         link_floor_ms,
         floor_ratio: link_floor_ms.map(|f| gpu_ms / f),
-        planner_share: if inst_total > 0.0 { plan_ms / inst_total } else { 0.0 },
+        planner_share: if inst_total > 0.0 {
+            plan_ms / inst_total
+        } else {
+            0.0
+        },
         union_rows: union,
         cache_hit_rate: if union > 0.0 { hits / union } else { 0.0 },
         speedup_vs_136: BTreeMap::new(),

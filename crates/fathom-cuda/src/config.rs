@@ -29,19 +29,47 @@ impl ModelShape {
     /// ```
     pub fn parse(s: &str) -> Result<Self> {
         let shape = match s.to_ascii_lowercase().as_str() {
-            "qwen3-8b" => ModelShape { layers: 36, kv_heads: 8, group: 4, dim: 128 },
-            "llama3.1-8b" | "llama-3.1-8b" => ModelShape { layers: 32, kv_heads: 8, group: 4, dim: 128 },
-            "qwen2.5-7b" => ModelShape { layers: 28, kv_heads: 4, group: 7, dim: 128 },
+            "qwen3-8b" => ModelShape {
+                layers: 36,
+                kv_heads: 8,
+                group: 4,
+                dim: 128,
+            },
+            "llama3.1-8b" | "llama-3.1-8b" => ModelShape {
+                layers: 32,
+                kv_heads: 8,
+                group: 4,
+                dim: 128,
+            },
+            "qwen2.5-7b" => ModelShape {
+                layers: 28,
+                kv_heads: 4,
+                group: 7,
+                dim: 128,
+            },
             other => {
                 let v: Vec<usize> = other
                     .split(',')
                     .map(|x| x.trim().parse::<usize>())
                     .collect::<std::result::Result<_, _>>()
-                    .map_err(|e| CudaError::invalid("shape", format!("`{s}`: {e} (want a name or L,HKV,G,D)")))?;
+                    .map_err(|e| {
+                        CudaError::invalid(
+                            "shape",
+                            format!("`{s}`: {e} (want a name or L,HKV,G,D)"),
+                        )
+                    })?;
                 if v.len() != 4 {
-                    return Err(CudaError::invalid("shape", format!("`{s}`: want L,HKV,G,D")));
+                    return Err(CudaError::invalid(
+                        "shape",
+                        format!("`{s}`: want L,HKV,G,D"),
+                    ));
                 }
-                ModelShape { layers: v[0], kv_heads: v[1], group: v[2], dim: v[3] }
+                ModelShape {
+                    layers: v[0],
+                    kv_heads: v[1],
+                    group: v[2],
+                    dim: v[3],
+                }
             }
         };
         shape.validate()
@@ -50,13 +78,25 @@ impl ModelShape {
     /// Checks the limits the kernels assume: `D` a multiple of 32 in `32..=256`, `1 ≤ G ≤ 16`.
     pub fn validate(self) -> Result<Self> {
         if self.layers == 0 || self.kv_heads == 0 {
-            return Err(CudaError::invalid("shape", "layers and KV heads must be positive"));
+            return Err(CudaError::invalid(
+                "shape",
+                "layers and KV heads must be positive",
+            ));
         }
         if self.dim % 32 != 0 || !(32..=256).contains(&self.dim) {
-            return Err(CudaError::invalid("shape", format!("D = {} (kernels need a multiple of 32 in 32..=256)", self.dim)));
+            return Err(CudaError::invalid(
+                "shape",
+                format!(
+                    "D = {} (kernels need a multiple of 32 in 32..=256)",
+                    self.dim
+                ),
+            ));
         }
         if !(1..=16).contains(&self.group) {
-            return Err(CudaError::invalid("shape", format!("G = {} (kernels take 1..=16)", self.group)));
+            return Err(CudaError::invalid(
+                "shape",
+                format!("G = {} (kernels take 1..=16)", self.group),
+            ));
         }
         Ok(self)
     }
@@ -116,7 +156,12 @@ impl Method {
             "landmark" => Method::Landmark,
             "quest" => Method::Quest,
             "exact" => Method::Exact,
-            _ => return Err(CudaError::invalid("method", format!("unknown method `{s}`"))),
+            _ => {
+                return Err(CudaError::invalid(
+                    "method",
+                    format!("unknown method `{s}`"),
+                ))
+            }
         })
     }
 
@@ -140,7 +185,9 @@ impl Method {
         let d = dim as f32;
         match *self {
             Method::Fathom(b) => b,
-            Method::SparQ(r) | Method::DoubleSparsity(r) | Method::Loki(r) => r.min(dim) as f32 * 4.25,
+            Method::SparQ(r) | Method::DoubleSparsity(r) | Method::Loki(r) => {
+                r.min(dim) as f32 * 4.25
+            }
             Method::Thumb2 => 2.25 * d,
             Method::Landmark => 16.0 * d / 8.0,
             Method::Quest => 2.0 * 16.0 * d / 16.0,
@@ -169,7 +216,10 @@ impl Residency {
         match s.to_ascii_lowercase().as_str() {
             "host" => Ok(Residency::Host),
             "hbm" => Ok(Residency::Hbm),
-            _ => Err(CudaError::invalid("residency", format!("`{s}` (want host or hbm)"))),
+            _ => Err(CudaError::invalid(
+                "residency",
+                format!("`{s}` (want host or hbm)"),
+            )),
         }
     }
     /// `host` or `hbm`.
@@ -201,11 +251,23 @@ pub struct SessionConfig {
     pub tables: bool,
     /// Decode steps whose queries are uploaded (warm-ups included).
     pub steps: usize,
+    /// Head groups pipelined per layer in host residency (the copy stream gathers group
+    /// `i + 1` while the compute stream works on group `i`); 0 = auto (currently 1: on the H200
+    /// the pipelined variant measured slower, see the README), 1 = no pipelining.
+    pub groups: usize,
 }
 
 impl SessionConfig {
     /// `G·k + sink + local`: the most rows a KV head's union can hold.
     pub fn union_max(&self) -> usize {
         self.shape.group * self.k + 36
+    }
+
+    /// The head groups actually used (resolves `groups = 0`).
+    pub fn pipeline_groups(&self) -> usize {
+        match self.groups {
+            0 => 1,
+            g => g.min(self.shape.kv_heads),
+        }
     }
 }

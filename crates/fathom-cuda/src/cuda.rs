@@ -6,7 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::driver::sys::{self, CUdeviceptr};
-use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    result, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig,
+    PushKernelArg,
+};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -34,8 +37,8 @@ const GATHER_THREADS: u32 = 512;
 const TOPK_ELEMS: u64 = 4096;
 /// Rows per CTA of the attention kernel (`CH` in attention.cu).
 const ATTN_CHUNK: usize = 64;
-/// Histogram bins of the top-k passes (`BINS` in topk.cu).
-const BINS: usize = 2048;
+/// Level-1 histogram bins of the top-k (`HBINS` in topk.cu and scan.cu).
+const HBINS: usize = 1024;
 
 /// One entry of the fixed-size run list (`struct Run` in common.cuh).
 #[repr(C)]
@@ -47,7 +50,10 @@ struct Run {
 const _: () = assert!(std::mem::size_of::<Run>() == 16);
 
 fn drv(op: &'static str) -> impl FnOnce(DriverError) -> CudaError {
-    move |e| CudaError::Driver { op, message: e.to_string() }
+    move |e| CudaError::Driver {
+        op,
+        message: e.to_string(),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -64,11 +70,12 @@ impl DevBuf {
     fn new(bytes: usize, what: &'static str) -> Result<Self> {
         // SAFETY: a plain allocation of `bytes.max(16)` bytes; the pointer is owned by the
         // returned value and freed once in `Drop`.
-        let ptr = unsafe { result::malloc_sync(bytes.max(16)) }.map_err(|e| CudaError::DeviceOom {
-            what,
-            bytes: bytes as u64,
-            message: e.to_string(),
-        })?;
+        let ptr =
+            unsafe { result::malloc_sync(bytes.max(16)) }.map_err(|e| CudaError::DeviceOom {
+                what,
+                bytes: bytes as u64,
+                message: e.to_string(),
+            })?;
         Ok(DevBuf { ptr, bytes })
     }
     fn zeroed(bytes: usize, what: &'static str) -> Result<Self> {
@@ -116,10 +123,12 @@ impl HostBuf {
     fn new(bytes: usize, what: &'static str) -> Result<Self> {
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: allocation of `bytes` page-locked bytes; freed once in `Drop`.
-        let ptr = unsafe { result::malloc_host(bytes.max(16), flags) }.map_err(|e| CudaError::PinnedAlloc {
-            what,
-            bytes: bytes as u64,
-            message: e.to_string(),
+        let ptr = unsafe { result::malloc_host(bytes.max(16), flags) }.map_err(|e| {
+            CudaError::PinnedAlloc {
+                what,
+                bytes: bytes as u64,
+                message: e.to_string(),
+            }
         })? as *mut u8;
         let mut dptr: CUdeviceptr = 0;
         // SAFETY: `ptr` is a live mapped pinned allocation; the driver writes one pointer.
@@ -157,7 +166,12 @@ impl Mem {
     }
     /// Allocates `bytes` where `residency` says and fills them with `fill` (run on an 8-aligned
     /// host buffer: the pinned memory itself, or a staging vector copied to the device).
-    fn filled(residency: Residency, bytes: usize, what: &'static str, fill: impl FnOnce(&mut [u8])) -> Result<Self> {
+    fn filled(
+        residency: Residency,
+        bytes: usize,
+        what: &'static str,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<Self> {
         match residency {
             Residency::Host => {
                 let mut h = HostBuf::new(bytes, what)?;
@@ -178,7 +192,11 @@ impl Mem {
 /// Views 8-aligned bytes as `T`s.
 fn cast_mut<T>(b: &mut [u8]) -> &mut [T] {
     let n = b.len() / std::mem::size_of::<T>();
-    assert_eq!(b.as_ptr() as usize % std::mem::align_of::<T>(), 0, "unaligned buffer");
+    assert_eq!(
+        b.as_ptr() as usize % std::mem::align_of::<T>(),
+        0,
+        "unaligned buffer"
+    );
     // SAFETY: alignment checked; T is a plain integer/half type valid for any bits.
     unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, n) }
 }
@@ -215,6 +233,7 @@ impl std::fmt::Debug for Kernels {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    copy_stream: Arc<CudaStream>,
     info: DeviceInfo,
     arch: &'static str,
     modules: Mutex<HashMap<(usize, usize), Arc<Kernels>>>,
@@ -222,7 +241,9 @@ pub struct Gpu {
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gpu").field("info", &self.info).finish_non_exhaustive()
+        f.debug_struct("Gpu")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
     }
 }
 
@@ -237,7 +258,10 @@ fn driver_library_present() -> std::result::Result<(), String> {
             Err(e) => errs.push(format!("{n}: {e}")),
         }
     }
-    Err(format!("CUDA driver library not found ({})", errs.join("; ")))
+    Err(format!(
+        "CUDA driver library not found ({})",
+        errs.join("; ")
+    ))
 }
 
 impl Gpu {
@@ -256,12 +280,16 @@ impl Gpu {
                     .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "driver initialisation panicked".into()),
             })?
-            .map_err(|e| CudaError::NoDevice { message: e.to_string() })?;
+            .map_err(|e| CudaError::NoDevice {
+                message: e.to_string(),
+            })?;
         // One stream, raw pointers: no per-buffer event tracking.
         // SAFETY: this crate never shares CudaSlices across streams.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(drv("new_stream"))?;
-        let (major, minor) = ctx.compute_capability().map_err(drv("compute_capability"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(drv("compute_capability"))?;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
         let mut driver_version = 0i32;
         // SAFETY: writes one int.
@@ -276,7 +304,27 @@ impl Gpu {
             driver_version,
             arch: arch.to_string(),
         };
-        Ok(Gpu { ctx, stream, info, arch, modules: Mutex::new(HashMap::new()) })
+        // The gather stream gets the highest priority, so that pipelined gathers keep the
+        // link busy while compute kernels of earlier head groups run.
+        let (_, greatest) = {
+            let (mut lo, mut hi) = (0i32, 0i32);
+            // SAFETY: writes two ints.
+            unsafe { sys::cuCtxGetStreamPriorityRange(&mut lo, &mut hi) }
+                .result()
+                .map_err(drv("cuCtxGetStreamPriorityRange"))?;
+            (lo, hi)
+        };
+        let copy_stream = ctx
+            .new_stream_with_priority(greatest)
+            .map_err(drv("new_stream_with_priority"))?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            copy_stream,
+            info,
+            arch,
+            modules: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The device description.
@@ -327,16 +375,26 @@ impl Gpu {
     /// Allocation or driver failures.
     pub fn h2d_bandwidth(&self, bytes: usize) -> Result<f64> {
         let mut h = HostBuf::new(bytes, "H2D bandwidth source")?;
-        h.as_mut_bytes().par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| c.fill(i as u8));
+        h.as_mut_bytes()
+            .par_chunks_mut(1 << 20)
+            .enumerate()
+            .for_each(|(i, c)| c.fill(i as u8));
         let d = DevBuf::new(bytes, "H2D bandwidth destination")?;
         let mut best = f64::INFINITY;
         for _ in 0..3 {
             let (a, b) = (self.event()?, self.event()?);
             a.record(&self.stream)?;
             // SAFETY: both buffers hold `bytes` bytes and outlive the synchronisation below.
-            unsafe { sys::cuMemcpyHtoDAsync_v2(d.ptr, h.ptr as *const c_void, bytes, self.stream.cu_stream()) }
-                .result()
-                .map_err(drv("cuMemcpyHtoDAsync"))?;
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    d.ptr,
+                    h.ptr as *const c_void,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(drv("cuMemcpyHtoDAsync"))?;
             b.record(&self.stream)?;
             self.stream.synchronize().map_err(drv("synchronize"))?;
             best = best.min(a.elapsed_ms(&b)?);
@@ -352,9 +410,18 @@ impl Gpu {
     pub fn gather_bandwidth(&self, bytes: usize) -> Result<f64> {
         let k = self.kernels(1, 128)?;
         let mut h = HostBuf::new(bytes, "gather bandwidth source")?;
-        h.as_mut_bytes().par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| c.fill(i as u8));
+        h.as_mut_bytes()
+            .par_chunks_mut(1 << 20)
+            .enumerate()
+            .for_each(|(i, c)| c.fill(i as u8));
         let d = DevBuf::new(bytes, "gather bandwidth destination")?;
-        let runs = DevBuf::from_slice(&[Run { off: 0, len: bytes as u64 }], "runs")?;
+        let runs = DevBuf::from_slice(
+            &[Run {
+                off: 0,
+                len: bytes as u64,
+            }],
+            "runs",
+        )?;
         let mut best = f64::INFINITY;
         for _ in 0..3 {
             let (a, b) = (self.event()?, self.event()?);
@@ -367,31 +434,56 @@ impl Gpu {
         Ok(bytes as f64 / (best * 1e-3) / 1e9)
     }
 
-    fn launch_gather(&self, k: &Kernels, src: u64, dst: u64, runs: u64, nruns: usize, max_len: u64) -> Result<()> {
+    fn launch_gather(
+        &self,
+        k: &Kernels,
+        src: u64,
+        dst: u64,
+        runs: u64,
+        nruns: usize,
+        max_len: u64,
+    ) -> Result<()> {
         let chunks = max_len.div_ceil(GATHER_CHUNK).max(1) as u32;
         let chunk = GATHER_CHUNK;
         let mut b = self.stream.launch_builder(&k.gather_runs);
         b.arg(&src).arg(&dst).arg(&runs).arg(&chunk);
         // SAFETY: the run list holds `nruns` runs inside both buffers (built by the planner
         // kernels or on the host from the same layout).
-        unsafe { b.launch(cfg((chunks, nruns as u32, 1), GATHER_THREADS)) }.map_err(drv("launch gather_runs"))?;
+        unsafe { b.launch(cfg((chunks, nruns as u32, 1), GATHER_THREADS)) }
+            .map_err(drv("launch gather_runs"))?;
         Ok(())
     }
 }
 
-fn compile_all(arch: &'static str, g: usize, d: usize) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>> {
+fn compile_all(
+    arch: &'static str,
+    g: usize,
+    d: usize,
+) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>> {
     let mut out = Vec::new();
     for (name, src) in KERNELS {
         let src = src.replace("#include \"common.cuh\"", COMMON);
         let opts = CompileOptions {
             arch: Some(arch),
-            options: vec![format!("-DGQ={g}"), format!("-DDIM={d}")],
+            options: {
+                let mut o = vec![format!("-DGQ={g}"), format!("-DDIM={d}")];
+                // Experiment switch: warp-aggregated histogram updates in the scan.
+                if std::env::var("FATHOM_SCAN_HIST").is_ok_and(|v| v == "match") {
+                    o.push("-DHIST_MATCH=1".into());
+                }
+                o
+            },
             name: Some(name.to_string()),
             ..Default::default()
         };
         let ptx = std::panic::catch_unwind(|| compile_ptx_with_opts(&src, opts))
-            .map_err(|_| CudaError::NoDevice { message: "NVRTC library (libnvrtc) not found".into() })?
-            .map_err(|e| CudaError::Compile { kernel: name, log: format!("{e:?}") })?;
+            .map_err(|_| CudaError::NoDevice {
+                message: "NVRTC library (libnvrtc) not found".into(),
+            })?
+            .map_err(|e| CudaError::Compile {
+                kernel: name,
+                log: format!("{e:?}"),
+            })?;
         out.push((name, ptx));
     }
     Ok(out)
@@ -403,19 +495,49 @@ fn compile_all(arch: &'static str, g: usize, d: usize) -> Result<Vec<(&'static s
 /// # Errors
 /// [`CudaError::Compile`] with the compiler log; [`CudaError::NoDevice`] without libnvrtc.
 pub fn compile_kernels(arch: &'static str, g: usize, d: usize) -> Result<usize> {
-    Ok(compile_all(arch, g, d)?.len())
+    let all = compile_all(arch, g, d)?;
+    if let Some(dir) = std::env::var_os("FATHOM_PTX_DIR") {
+        for (name, ptx) in &all {
+            let path = std::path::Path::new(&dir).join(format!("{name}.G{g}.D{d}.ptx"));
+            let _ = std::fs::write(path, ptx.to_src());
+        }
+    }
+    Ok(all.len())
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// A timing event (raw, so that no tracking syncs are involved).
 struct Event(sys::CUevent);
 
 impl Event {
+    /// An event for ordering only (no timing).
+    fn sync_only() -> Result<Self> {
+        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(drv("event create"))?;
+        Ok(Event(e))
+    }
+    /// Makes stream `s` wait for the work recorded in this event.
+    fn wait_on(&self, s: &CudaStream) -> Result<()> {
+        // SAFETY: a live event and a live stream of the current context.
+        unsafe {
+            result::stream::wait_event(
+                s.cu_stream(),
+                self.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(drv("stream wait event"))
+    }
     fn new() -> Result<Self> {
-        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(drv("event create"))?;
+        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(drv("event create"))?;
         Ok(Event(e))
     }
     fn record(&self, s: &CudaStream) -> Result<()> {
@@ -439,16 +561,25 @@ impl Drop for Event {
 // Host-side layout of the session (tiling synthetic sources to the context)
 
 fn hash01(a: u64, b: u64, c: u64) -> f32 {
-    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ c.wrapping_mul(0x1656_67B1_9E37_79F9);
+    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        ^ c.wrapping_mul(0x1656_67B1_9E37_79F9);
     x ^= x >> 31;
     x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x ^= x >> 29;
     ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
+/// Whether tile `t ≥ 1` of channel `hc` of `layer` is negated (half of them are).
+fn tile_flips(layer: usize, hc: usize, tile: usize) -> bool {
+    tile > 0 && hash01(layer as u64 ^ 0xF1, hc as u64, tile as u64) < 0.0
+}
+
 /// Writes one layer's store for `nb` blocks into `dst` (planes `[H][D][4][nb]` then scales
-/// `[H][D][nb]`), tiling the source's `nb0` blocks; tiles after the first get their block
-/// scales jittered by up to ±3% so that tiled tokens do not tie.
+/// `[H][D][nb]`), tiling the source's `nb0` blocks. Tiles after the first are made distinct
+/// tokens: half of their channels are negated (all plane bits inverted: `q → 15 − q`, an exact
+/// negation of the value) and their block scales are jittered by up to ±3%, so that tiled
+/// copies neither tie nor win together.
 fn fill_store(dst: &mut [u8], src: &LayerSource, nb: usize, layer: usize) {
     let v = src.store.view();
     let (hn, d) = (v.dims().heads, v.dims().channels);
@@ -457,17 +588,23 @@ fn fill_store(dst: &mut [u8], src: &LayerSource, nb: usize, layer: usize) {
     let (pl, sc) = dst.split_at_mut(plane_bytes);
     let planes: &mut [u64] = cast_mut(pl);
     let scales: &mut [f16] = cast_mut(&mut sc[..hn * d * nb * 2]);
-    planes.par_chunks_mut(4 * nb).enumerate().for_each(|(hc, out)| {
-        let (h, c) = (hc / d, hc % d);
-        for p in 0..4 {
-            let s = v.plane(h, c, p);
-            let o = &mut out[p * nb..(p + 1) * nb];
-            for (t, chunk) in o.chunks_mut(nb0).enumerate() {
-                let _ = t;
-                chunk.copy_from_slice(&s[..chunk.len()]);
+    planes
+        .par_chunks_mut(4 * nb)
+        .enumerate()
+        .for_each(|(hc, out)| {
+            let (h, c) = (hc / d, hc % d);
+            for p in 0..4 {
+                let s = v.plane(h, c, p);
+                let o = &mut out[p * nb..(p + 1) * nb];
+                for (t, chunk) in o.chunks_mut(nb0).enumerate() {
+                    chunk.copy_from_slice(&s[..chunk.len()]);
+                    if tile_flips(layer, hc, t) {
+                        // Code q -> 15 - q negates the channel's value exactly.
+                        chunk.iter_mut().for_each(|w| *w = !*w);
+                    }
+                }
             }
-        }
-    });
+        });
     scales.par_chunks_mut(nb).enumerate().for_each(|(hc, out)| {
         let (h, c) = (hc / d, hc % d);
         let s = v.channel_scales(h, c);
@@ -495,44 +632,68 @@ fn fill_records(dst: &mut [u8], recs: &[bf16], _hn: usize, n0: usize, n: usize, 
 
 /// Landmark (`[H][n/8][D]`, mean of 8 keys) or Quest (`[H][n/16][2][D]`, min and max of 16
 /// keys) tables in fp16, from the bf16 keys of the records, tiled to `n`.
-fn fill_table(dst: &mut [u8], recs: &[bf16], hn: usize, d: usize, n0: usize, n: usize, quest: bool) {
+fn fill_table(
+    dst: &mut [u8],
+    recs: &[bf16],
+    hn: usize,
+    d: usize,
+    n0: usize,
+    n: usize,
+    quest: bool,
+    layer: usize,
+) {
     let span = if quest { 16 } else { 8 };
     let width = if quest { 2 * d } else { d };
     let (g0, g) = (n0.div_ceil(span), n.div_ceil(span));
     let out: &mut [f16] = cast_mut(dst);
-    out[..hn * g * width].par_chunks_mut(g * width).enumerate().for_each(|(h, o)| {
-        let mut base = vec![f16::ZERO; g0 * width];
-        for gi in 0..g0 {
-            for c in 0..d {
-                let (mut s, mut lo, mut hi) = (0f32, f32::INFINITY, f32::NEG_INFINITY);
-                let toks = (gi * span)..((gi + 1) * span).min(n0);
-                let cnt = toks.len() as f32;
-                for i in toks {
-                    let k = recs[(h * n0 + i) * 2 * d + c].to_f32();
-                    s += k;
-                    lo = lo.min(k);
-                    hi = hi.max(k);
-                }
-                if quest {
-                    base[gi * width + c] = f16::from_f32(lo);
-                    base[gi * width + d + c] = f16::from_f32(hi);
-                } else {
-                    base[gi * width + c] = f16::from_f32(s / cnt);
+    out[..hn * g * width]
+        .par_chunks_mut(g * width)
+        .enumerate()
+        .for_each(|(h, o)| {
+            let mut base = vec![f16::ZERO; g0 * width];
+            for gi in 0..g0 {
+                for c in 0..d {
+                    let (mut s, mut lo, mut hi) = (0f32, f32::INFINITY, f32::NEG_INFINITY);
+                    let toks = (gi * span)..((gi + 1) * span).min(n0);
+                    let cnt = toks.len() as f32;
+                    for i in toks {
+                        let k = recs[(h * n0 + i) * 2 * d + c].to_f32();
+                        s += k;
+                        lo = lo.min(k);
+                        hi = hi.max(k);
+                    }
+                    if quest {
+                        base[gi * width + c] = f16::from_f32(lo);
+                        base[gi * width + d + c] = f16::from_f32(hi);
+                    } else {
+                        base[gi * width + c] = f16::from_f32(s / cnt);
+                    }
                 }
             }
-        }
-        for chunk in o.chunks_mut(g0 * width) {
-            chunk.copy_from_slice(&base[..chunk.len()]);
-        }
-    });
+            for (t, chunk) in o.chunks_mut(g0 * width).enumerate() {
+                chunk.copy_from_slice(&base[..chunk.len()]);
+                // The same channel negations as the plane store's tiles.
+                for c in (0..d).filter(|&c| tile_flips(layer, h * d + c, t)) {
+                    for row in chunk.chunks_mut(width) {
+                        if quest {
+                            let (lo, hi) = (row[c], row[d + c]);
+                            row[c] = -hi;
+                            row[d + c] = -lo;
+                        } else {
+                            row[c] = -row[c];
+                        }
+                    }
+                }
+            }
+        });
 }
 
 // ---------------------------------------------------------------------------------------------
 // The session
 
 struct StaticPlan {
-    depths: DevBuf,  // [L][H][D] u8
-    runs: DevBuf,    // [L][nruns] Run
+    depths: DevBuf, // [L][H][D] u8
+    runs: DevBuf,   // [L][nruns] Run
     nruns: usize,
     max_len: u64,
     bits: f64,
@@ -540,7 +701,10 @@ struct StaticPlan {
 
 impl std::fmt::Debug for StaticPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StaticPlan").field("nruns", &self.nruns).field("bits", &self.bits).finish()
+        f.debug_struct("StaticPlan")
+            .field("nruns", &self.nruns)
+            .field("bits", &self.bits)
+            .finish()
     }
 }
 
@@ -548,6 +712,10 @@ impl std::fmt::Debug for StaticPlan {
 /// and every working buffer of the step, allocated once.
 pub struct Session {
     stream: Arc<CudaStream>,
+    copy_stream: Arc<CudaStream>,
+    ev_plan: Event,
+    ev_gather: Vec<Event>,
+    groups: usize,
     k: Arc<Kernels>,
     cfg: SessionConfig,
     n: usize,
@@ -592,7 +760,10 @@ pub struct Session {
 
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("cfg", &self.cfg).field("layout", &self.layout).finish_non_exhaustive()
+        f.debug_struct("Session")
+            .field("cfg", &self.cfg)
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
     }
 }
 
@@ -604,7 +775,12 @@ impl Session {
     ///
     /// # Errors
     /// Allocation failures (with sizes), compile errors, or inconsistent sources.
-    pub fn new(gpu: &Gpu, cfg: &SessionConfig, sources: &[LayerSource], methods: &[Method]) -> Result<Self> {
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &SessionConfig,
+        sources: &[LayerSource],
+        methods: &[Method],
+    ) -> Result<Self> {
         let t0 = Instant::now();
         let shape = cfg.shape.validate()?;
         let (hn, g, d, l_n) = (shape.kv_heads, shape.group, shape.dim, shape.layers);
@@ -615,15 +791,24 @@ impl Session {
         for s in sources {
             let p = s.params();
             if (p.heads, p.group, p.dim, p.tokens) != (hn, g, d, n0) {
-                return Err(CudaError::invalid("sources", "source shapes differ from the session shape"));
+                return Err(CudaError::invalid(
+                    "sources",
+                    "source shapes differ from the session shape",
+                ));
             }
         }
         if n0 % 64 != 0 && cfg.context != n0 {
-            return Err(CudaError::invalid("sources", format!("base tokens {n0} must be a multiple of 64 to tile")));
+            return Err(CudaError::invalid(
+                "sources",
+                format!("base tokens {n0} must be a multiple of 64 to tile"),
+            ));
         }
         let n = cfg.context;
         if n == 0 || n > u32::MAX as usize || cfg.k == 0 {
-            return Err(CudaError::invalid("context", format!("n = {n}, k = {}", cfg.k)));
+            return Err(CudaError::invalid(
+                "context",
+                format!("n = {n}, k = {}", cfg.k),
+            ));
         }
         let nb = n.div_ceil(64);
         let k = gpu.kernels(g, d)?;
@@ -638,21 +823,41 @@ impl Session {
         let mut quest = Vec::new();
         for l in 0..l_n {
             let src = &sources[l % sources.len()];
-            stores.push(Mem::filled(cfg.residency, store_bytes, "scan store", |b| fill_store(b, src, nb, l))?);
+            stores.push(Mem::filled(
+                cfg.residency,
+                store_bytes,
+                "scan store",
+                |b| fill_store(b, src, nb, l),
+            )?);
         }
         let recs: Vec<Vec<bf16>> = sources.iter().map(|s| s.records()).collect();
         if cfg.tables {
             for l in 0..l_n {
                 let r = &recs[l % sources.len()];
-                landmark.push(Mem::filled(cfg.residency, lm_bytes, "landmark table", |b| fill_table(b, r, hn, d, n0, n, false))?);
-                quest.push(Mem::filled(cfg.residency, quest_bytes, "quest table", |b| fill_table(b, r, hn, d, n0, n, true))?);
+                landmark.push(Mem::filled(
+                    cfg.residency,
+                    lm_bytes,
+                    "landmark table",
+                    |b| fill_table(b, r, hn, d, n0, n, false, l),
+                )?);
+                quest.push(Mem::filled(
+                    cfg.residency,
+                    quest_bytes,
+                    "quest table",
+                    |b| fill_table(b, r, hn, d, n0, n, true, l),
+                )?);
             }
         }
         let row_layers = ((cfg.row_bytes_budget / row_layer_bytes as u64) as usize).clamp(1, l_n);
         let mut rows = Vec::with_capacity(row_layers);
         for l in 0..row_layers {
             let r = &recs[l % sources.len()];
-            rows.push(Mem::filled(cfg.residency, row_layer_bytes, "K/V records", |b| fill_records(b, r, hn, n0, n, rec))?);
+            rows.push(Mem::filled(
+                cfg.residency,
+                row_layer_bytes,
+                "K/V records",
+                |b| fill_records(b, r, hn, n0, n, rec),
+            )?);
         }
 
         let mut sigma2 = Vec::with_capacity(l_n * hn * d);
@@ -671,20 +876,25 @@ impl Session {
         let nsplit = umax.div_ceil(ATTN_CHUNK);
         let mid = n.saturating_sub(36).max(1);
         let staging_bytes = if cfg.residency == Residency::Host {
-            store_bytes.max(if cfg.tables { lm_bytes.max(quest_bytes) } else { 0 })
+            store_bytes.max(if cfg.tables {
+                lm_bytes.max(quest_bytes)
+            } else {
+                0
+            })
         } else {
             16
         };
-        let (cache_tags, cache_data, cache_claim) = if cfg.cache_rows > 0 && cfg.residency == Residency::Host {
-            let slots = l_n * hn * cfg.cache_rows;
-            (
-                Some(DevBuf::zeroed(slots * 4, "row cache tags")?),
-                Some(DevBuf::new(slots * rec, "row cache data")?),
-                Some(DevBuf::zeroed(slots * 8, "row cache claims")?),
-            )
-        } else {
-            (None, None, None)
-        };
+        let (cache_tags, cache_data, cache_claim) =
+            if cfg.cache_rows > 0 && cfg.residency == Residency::Host {
+                let slots = l_n * hn * cfg.cache_rows;
+                (
+                    Some(DevBuf::zeroed(slots * 4, "row cache tags")?),
+                    Some(DevBuf::new(slots * rec, "row cache data")?),
+                    Some(DevBuf::zeroed(slots * 8, "row cache claims")?),
+                )
+            } else {
+                (None, None, None)
+            };
 
         let mut statics = HashMap::new();
         for m in methods {
@@ -698,13 +908,21 @@ impl Session {
             source_tokens: n0,
             row_layers,
             store_bytes: (store_bytes * l_n) as u64,
-            table_bytes: if cfg.tables { ((lm_bytes + quest_bytes) * l_n) as u64 } else { 0 },
+            table_bytes: if cfg.tables {
+                ((lm_bytes + quest_bytes) * l_n) as u64
+            } else {
+                0
+            },
             row_bytes: (row_layer_bytes * row_layers) as u64,
             cache_bytes: cache_data.as_ref().map_or(0, |c| c.bytes as u64),
             setup_s: 0.0,
         };
         let mut s = Session {
             stream: gpu.stream.clone(),
+            copy_stream: gpu.copy_stream.clone(),
+            ev_plan: Event::sync_only()?,
+            ev_gather: (0..hn).map(|_| Event::sync_only()).collect::<Result<_>>()?,
+            groups: cfg.pipeline_groups(),
             k,
             cfg: cfg.clone(),
             n,
@@ -718,7 +936,7 @@ impl Session {
             queries: DevBuf::from_slice(&q, "queries")?,
             staging: DevBuf::new(staging_bytes, "HBM staging")?,
             scores: DevBuf::new(r_n * n * 4, "scores")?,
-            hist: DevBuf::new(r_n * BINS * 4, "top-k histogram")?,
+            hist: DevBuf::new(r_n * HBINS * 4, "top-k histogram")?,
             sel: DevBuf::new(r_n * 8, "top-k selection")?,
             win: DevBuf::new(r_n * cfg.k * 4, "winners")?,
             wcount: DevBuf::zeroed(r_n * 4, "winner counts")?,
@@ -786,7 +1004,11 @@ impl Session {
         let t0 = Instant::now();
         begin.record(&self.stream)?;
         for l in 0..l_n {
-            let ev = if instrument { Some(&stage_events[l * 7..(l + 1) * 7]) } else { None };
+            let ev = if instrument {
+                Some(&stage_events[l * 7..(l + 1) * 7])
+            } else {
+                None
+            };
             self.launch_layer(method, l, step, ev)?;
         }
         end.record(&self.stream)?;
@@ -806,10 +1028,22 @@ impl Session {
         };
         let c: Vec<u32> = self.counters.read(4)?;
         let bits = match method {
-            Method::Fathom(_) => f32::from_bits(c[2]) as f64 / (l_n * self.cfg.shape.kv_heads) as f64,
-            m => self.statics.get(&m.label()).map_or(m.bits(self.cfg.shape.dim) as f64, |s| s.bits),
+            Method::Fathom(_) => {
+                f32::from_bits(c[2]) as f64 / (l_n * self.cfg.shape.kv_heads) as f64
+            }
+            m => self
+                .statics
+                .get(&m.label())
+                .map_or(m.bits(self.cfg.shape.dim) as f64, |s| s.bits),
         };
-        Ok(StepStats { gpu_ms, wall_ms, stage_ms, union_rows: c[1] as u64, cache_hits: c[0] as u64, bits })
+        Ok(StepStats {
+            gpu_ms,
+            wall_ms,
+            stage_ms,
+            union_rows: c[1] as u64,
+            cache_hits: c[0] as u64,
+            bits,
+        })
     }
 
     /// Runs layer `layer`'s step with the queries of `step` and reads back every
@@ -818,7 +1052,11 @@ impl Session {
     /// # Errors
     /// As [`Session::run_step`].
     pub fn layer_debug(&mut self, method: Method, layer: usize, step: usize) -> Result<LayerDebug> {
-        let (hn, g, d) = (self.cfg.shape.kv_heads, self.cfg.shape.group, self.cfg.shape.dim);
+        let (hn, g, d) = (
+            self.cfg.shape.kv_heads,
+            self.cfg.shape.group,
+            self.cfg.shape.dim,
+        );
         let (n, kk, umax) = (self.n, self.cfg.k, self.cfg.union_max());
         self.memset(self.counters.ptr, 16)?;
         self.launch_layer(method, layer, step, None)?;
@@ -846,29 +1084,52 @@ impl Session {
             })
             .collect();
         let out: Vec<f32> = self.out.read(hn * g * d)?;
-        Ok(LayerDebug { depths, bits, scores, winners, unions, out })
+        Ok(LayerDebug {
+            depths,
+            bits,
+            scores,
+            winners,
+            unions,
+            out,
+        })
     }
 
     fn memset(&self, ptr: u64, bytes: usize) -> Result<()> {
         // SAFETY: callers pass a live device allocation of at least `bytes` bytes.
-        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }.map_err(drv("memset"))
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(drv("memset"))
     }
 
     /// Enqueues one layer's step. `ev`, if given, holds 7 events recorded at the stage
-    /// boundaries.
-    fn launch_layer(&mut self, method: Method, l: usize, step: usize, ev: Option<&[Event]>) -> Result<()> {
+    /// boundaries; the layer then runs as one head group so that stages do not overlap.
+    /// Otherwise (host residency) the KV heads are split into `groups` head groups: the copy
+    /// stream gathers group after group over PCIe while the compute stream scans, selects,
+    /// fetches rows and attends for the groups already gathered (SPEC §6 step order per group;
+    /// no host synchronisation).
+    fn launch_layer(
+        &mut self,
+        method: Method,
+        l: usize,
+        step: usize,
+        ev: Option<&[Event]>,
+    ) -> Result<()> {
         let sh = self.cfg.shape;
         let (hn, g, d) = (sh.kv_heads, sh.group, sh.dim);
         let (n, nb) = (self.n as u64, self.nb as u64);
         let heads = hn as i32;
-        let r_n = (hn * g) as u32;
         let kk = self.cfg.k as u32;
         let umax = self.cfg.union_max() as u64;
         let host = self.cfg.residency == Residency::Host;
         let steps = self.cfg.steps.max(1);
-        let qptr = self.queries.ptr + (((step % steps) * sh.layers + l) * hn * g * d * 4) as u64;
+        let qbase = self.queries.ptr + (((step % steps) * sh.layers + l) * hn * g * d * 4) as u64;
         let k = self.k.clone();
         let st = self.stream.clone();
+        let cs = self.copy_stream.clone();
+        let groups = if ev.is_some() || !host {
+            1
+        } else {
+            self.groups.clamp(1, hn)
+        };
         let mark = |i: usize| -> Result<()> {
             if let Some(e) = ev {
                 e[i].record(&st)?;
@@ -876,135 +1137,115 @@ impl Session {
             Ok(())
         };
         mark(0)?;
-        // 1. Plan.
+        // 1. Plan (all heads at once).
         let bits_acc = self.counters.ptr + 8;
-        let (depths_ptr, runs_ptr, nruns, max_len) = match method {
+        let (depths_ptr, runs_ptr, runs_per_head, max_len) = match method {
             Method::Fathom(budget) => {
                 let sig = self.sigma2.ptr + (l * hn * d * 4) as u64;
                 let steps_i = fathom_plan::waterfill::BISECTION_STEPS as i32;
                 let mut b = st.launch_builder(&k.fathom_plan);
-                b.arg(&qptr).arg(&sig).arg(&budget).arg(&steps_i).arg(&heads).arg(&nb)
-                    .arg(&self.depths.ptr).arg(&self.bits.ptr).arg(&self.runs.ptr).arg(&bits_acc);
-                // SAFETY: q [H][G][D], sigma2 [H][D], depths [H][D], bits [H], runs [2HD] are
-                // allocated at those sizes; one CTA of D threads per head.
-                unsafe { b.launch(cfg((hn as u32, 1, 1), d as u32)) }.map_err(drv("launch fathom_plan"))?;
-                (self.depths.ptr, self.runs.ptr, 2 * hn * d, 4 * nb * 8)
+                b.arg(&qbase)
+                    .arg(&sig)
+                    .arg(&budget)
+                    .arg(&steps_i)
+                    .arg(&heads)
+                    .arg(&nb)
+                    .arg(&self.depths.ptr)
+                    .arg(&self.bits.ptr)
+                    .arg(&self.runs.ptr)
+                    .arg(&bits_acc);
+                // SAFETY: q [H][G][D], sigma2 [H][D], depths [H][D], bits [H], runs [H][2D] are
+                // allocated at those sizes; one warp per head.
+                unsafe { b.launch(cfg((hn as u32, 1, 1), 32)) }
+                    .map_err(drv("launch fathom_plan"))?;
+                (self.depths.ptr, self.runs.ptr, 2 * d, 4 * nb * 8)
             }
             Method::SparQ(r) => {
                 let r = r as i32;
                 let mut b = st.launch_builder(&k.sparq_plan);
-                b.arg(&qptr).arg(&r).arg(&heads).arg(&nb).arg(&self.depths.ptr).arg(&self.bits.ptr)
-                    .arg(&self.runs.ptr).arg(&bits_acc);
-                // SAFETY: as for fathom_plan.
-                unsafe { b.launch(cfg((hn as u32, 1, 1), d as u32)) }.map_err(drv("launch sparq_plan"))?;
-                (self.depths.ptr, self.runs.ptr, 2 * hn * d, 4 * nb * 8)
+                b.arg(&qbase)
+                    .arg(&r)
+                    .arg(&heads)
+                    .arg(&nb)
+                    .arg(&self.depths.ptr)
+                    .arg(&self.bits.ptr)
+                    .arg(&self.runs.ptr)
+                    .arg(&bits_acc);
+                // SAFETY: as for fathom_plan; one CTA of D threads per head.
+                unsafe { b.launch(cfg((hn as u32, 1, 1), d as u32)) }
+                    .map_err(drv("launch sparq_plan"))?;
+                (self.depths.ptr, self.runs.ptr, 2 * d, 4 * nb * 8)
             }
             m => {
                 let sp = self.statics.get(&m.label()).ok_or_else(|| {
-                    CudaError::invalid("method", format!("{} was not prepared for this session", m.label()))
+                    CudaError::invalid(
+                        "method",
+                        format!("{} was not prepared for this session", m.label()),
+                    )
                 })?;
                 let dp = sp.depths.ptr + (l * hn * d) as u64;
                 let rp = sp.runs.ptr + (l * sp.nruns * 16) as u64;
                 if m.uses_planes() {
                     // Debug readback and scans read the session's depth buffer.
                     // SAFETY: both buffers hold H·D bytes.
-                    unsafe { result::memcpy_dtod_async(self.depths.ptr, dp, hn * d, st.cu_stream()) }
-                        .map_err(drv("memcpy_dtod"))?;
+                    unsafe {
+                        result::memcpy_dtod_async(self.depths.ptr, dp, hn * d, st.cu_stream())
+                    }
+                    .map_err(drv("memcpy_dtod"))?;
                 }
-                (self.depths.ptr, rp, sp.nruns, sp.max_len)
+                (self.depths.ptr, rp, sp.nruns / hn, sp.max_len)
             }
         };
         mark(1)?;
-        // 2. Gather (host residency) into HBM staging at the same offsets.
-        let src_base = match method {
-            Method::Landmark => self.landmark.get(l).map(Mem::dptr),
-            Method::Quest => self.quest.get(l).map(Mem::dptr),
-            _ => Some(self.stores[l].dptr()),
-        }
-        .ok_or_else(|| CudaError::invalid("method", "landmark/quest need a session built with tables"))?;
-        let base = if host {
-            let chunks = max_len.div_ceil(GATHER_CHUNK).max(1) as u32;
-            let chunk = GATHER_CHUNK;
-            let dst = self.staging.ptr;
-            let mut b = st.launch_builder(&k.gather_runs);
-            b.arg(&src_base).arg(&dst).arg(&runs_ptr).arg(&chunk);
-            // SAFETY: every run lies inside the layer's source buffer and the staging buffer
-            // (same layout, staging sized to the largest layer buffer).
-            unsafe { b.launch(cfg((chunks, nruns as u32, 1), GATHER_THREADS)) }.map_err(drv("launch gather_runs"))?;
-            dst
-        } else {
-            src_base
+        let (src_base, table_head_bytes) = match method {
+            Method::Landmark => (
+                self.landmark.get(l).map(Mem::dptr),
+                n.div_ceil(8) * d as u64 * 2,
+            ),
+            Method::Quest => (
+                self.quest.get(l).map(Mem::dptr),
+                n.div_ceil(16) * 2 * d as u64 * 2,
+            ),
+            _ => (Some(self.stores[l].dptr()), 0),
         };
+        let src_base = src_base.ok_or_else(|| {
+            CudaError::invalid("method", "landmark/quest need a session built with tables")
+        })?;
+        let hpg = hn.div_ceil(groups);
+        let ranges: Vec<(usize, usize)> = (0..hn)
+            .step_by(hpg)
+            .map(|h0| (h0, (h0 + hpg).min(hn)))
+            .collect();
+        // 2. Gather (host residency) into HBM staging at the same offsets, group by group.
+        let base = if host { self.staging.ptr } else { src_base };
+        if host {
+            let gs = if groups > 1 { &cs } else { &st };
+            if groups > 1 {
+                self.ev_plan.record(&st)?;
+                self.ev_plan.wait_on(&cs)?;
+            }
+            for (i, &(h0, h1)) in ranges.iter().enumerate() {
+                let chunks = max_len.div_ceil(GATHER_CHUNK).max(1) as u32;
+                let chunk = GATHER_CHUNK;
+                let rp = runs_ptr + (h0 * runs_per_head * 16) as u64;
+                let nr = ((h1 - h0) * runs_per_head) as u32;
+                let mut b = gs.launch_builder(&k.gather_runs);
+                b.arg(&src_base).arg(&base).arg(&rp).arg(&chunk);
+                // SAFETY: every run lies inside the layer's source buffer and the staging
+                // buffer (same layout, staging sized to the largest layer buffer).
+                unsafe { b.launch(cfg((chunks, nr, 1), GATHER_THREADS)) }
+                    .map_err(drv("launch gather_runs"))?;
+                if groups > 1 {
+                    self.ev_gather[i].record(&cs)?;
+                }
+            }
+        }
         mark(2)?;
-        // 3. Scan.
-        let scores = self.scores.ptr;
-        match method {
-            Method::Landmark | Method::Quest => {
-                let span = if method == Method::Landmark { 8 } else { 16 };
-                let groups = n.div_ceil(span);
-                let f = if method == Method::Landmark { &k.scan_landmark } else { &k.scan_quest };
-                let mut b = st.launch_builder(f);
-                b.arg(&base).arg(&n).arg(&qptr).arg(&scores);
-                // SAFETY: the table holds [H][groups] rows; scores [H][G][n].
-                unsafe { b.launch(cfg((groups.div_ceil(256) as u32, hn as u32, 1), 256)) }
-                    .map_err(drv("launch scan_table"))?;
-            }
-            _ => {
-                let mut b = st.launch_builder(&k.scan_planes);
-                b.arg(&base).arg(&heads).arg(&nb).arg(&n).arg(&depths_ptr).arg(&qptr).arg(&scores);
-                // SAFETY: base holds a layer in the store layout for nb blocks; scores [H][G][n].
-                unsafe { b.launch(cfg((nb.div_ceil(32) as u32, hn as u32, 1), 256)) }.map_err(drv("launch scan_planes"))?;
-            }
-        }
-        mark(3)?;
-        // 4. Top-k per query head, union per KV head.
-        let mid = n.saturating_sub(36).max(1);
-        let chunks = mid.div_ceil(TOPK_ELEMS) as u32;
-        self.memset(self.hist.ptr, r_n as usize * BINS * 4)?;
-        {
-            let mut b = st.launch_builder(&k.topk_hist);
-            b.arg(&scores).arg(&n).arg(&self.hist.ptr);
-            // SAFETY: scores [R][n], hist [R][BINS].
-            unsafe { b.launch(cfg((chunks, r_n, 1), 256)) }.map_err(drv("launch topk_hist"))?;
-        }
-        {
-            let mut b = st.launch_builder(&k.topk_select);
-            b.arg(&self.hist.ptr).arg(&kk).arg(&self.sel.ptr).arg(&self.wcount.ptr).arg(&self.ccount.ptr)
-                .arg(&self.tcount.ptr).arg(&self.ucount.ptr);
-            // SAFETY: per-row buffers of R entries, ucount [H].
-            unsafe { b.launch(cfg((r_n, 1, 1), 1024)) }.map_err(drv("launch topk_select"))?;
-        }
-        let ccap = mid;
-        {
-            let mut b = st.launch_builder(&k.topk_collect);
-            b.arg(&scores).arg(&n).arg(&kk).arg(&self.sel.ptr).arg(&self.win.ptr).arg(&self.wcount.ptr)
-                .arg(&self.cand_key.ptr).arg(&self.cand_idx.ptr).arg(&ccap).arg(&self.ccount.ptr);
-            // SAFETY: win [R][k], candidates [R][ccap].
-            unsafe { b.launch(cfg((chunks, r_n, 1), 256)) }.map_err(drv("launch topk_collect"))?;
-        }
-        {
-            let mut b = st.launch_builder(&k.topk_finish);
-            b.arg(&self.sel.ptr).arg(&kk).arg(&self.cand_key.ptr).arg(&self.cand_idx.ptr).arg(&ccap)
-                .arg(&self.ccount.ptr).arg(&self.win.ptr).arg(&self.wcount.ptr).arg(&self.tcount.ptr);
-            // SAFETY: as topk_collect.
-            unsafe { b.launch(cfg((r_n, 1, 1), 1024)) }.map_err(drv("launch topk_finish"))?;
-        }
-        {
-            self.tag = self.tag.wrapping_add(1).max(1);
-            let tag = self.tag;
-            let total = (g * self.cfg.k + 36) as u64;
-            let mut b = st.launch_builder(&k.topk_union);
-            b.arg(&self.win.ptr).arg(&self.wcount.ptr).arg(&kk).arg(&n).arg(&tag).arg(&self.stamp.ptr)
-                .arg(&self.ulist.ptr).arg(&umax).arg(&self.ucount.ptr);
-            // SAFETY: stamp [H][n], ulist [H][umax].
-            unsafe { b.launch(cfg((total.div_ceil(256) as u32, hn as u32, 1), 256)) }.map_err(drv("launch topk_union"))?;
-        }
-        mark(4)?;
-        // 5. Row gather (cache first), then cache update.
         let rec = sh.record_bytes() as u64;
         let rows_src = self.rows[l % self.rows.len()].dptr();
         let cache_rows = self.cfg.cache_rows as u64;
-        let (tags, cdata, claim) = match (&self.cache_tags, &self.cache_data, &self.cache_claim) {
+        let (tags0, cdata0, claim0) = match (&self.cache_tags, &self.cache_data, &self.cache_claim)
+        {
             (Some(t), Some(c), Some(cl)) => {
                 let slot0 = (l * hn) as u64 * cache_rows;
                 (t.ptr + slot0 * 4, c.ptr + slot0 * rec, cl.ptr + slot0 * 8)
@@ -1014,58 +1255,251 @@ impl Session {
         let c_arg = cache_rows.max(1);
         let hits = self.counters.ptr;
         let utot = self.counters.ptr + 4;
-        {
-            let mut b = st.launch_builder(&k.rows_gather);
-            b.arg(&rows_src).arg(&n).arg(&self.ulist.ptr).arg(&self.ucount.ptr).arg(&umax).arg(&tags)
-                .arg(&cdata).arg(&c_arg).arg(&self.gathered.ptr).arg(&hits).arg(&utot);
-            // SAFETY: records [H][n][REC]; cache [H][C]; gathered [H][umax][REC].
-            unsafe { b.launch(cfg((umax.div_ceil(8) as u32, hn as u32, 1), 256)) }.map_err(drv("launch rows_gather"))?;
-        }
-        if tags != 0 {
-            self.stamp_ctr += 1;
-            let stamp = self.stamp_ctr;
-            let mut b = st.launch_builder(&k.rows_claim);
-            b.arg(&self.ulist.ptr).arg(&self.ucount.ptr).arg(&umax).arg(&tags).arg(&c_arg).arg(&claim).arg(&stamp);
-            // SAFETY: cache arrays of this layer hold [H][C] slots.
-            unsafe { b.launch(cfg((umax.div_ceil(256) as u32, hn as u32, 1), 256)) }.map_err(drv("launch rows_claim"))?;
-            let mut b = st.launch_builder(&k.rows_fill);
-            b.arg(&self.ulist.ptr).arg(&self.ucount.ptr).arg(&umax).arg(&tags).arg(&cdata).arg(&c_arg)
-                .arg(&claim).arg(&stamp).arg(&self.gathered.ptr);
-            // SAFETY: as rows_claim; gathered rows [H][umax][REC].
-            unsafe { b.launch(cfg((umax.div_ceil(8) as u32, hn as u32, 1), 256)) }.map_err(drv("launch rows_fill"))?;
-        }
-        mark(5)?;
-        // 6. Exact attention over the gathered rows.
+        let mid = n.saturating_sub(36).max(1);
+        let chunks = mid.div_ceil(TOPK_ELEMS) as u32;
+        let ccap = mid;
+        let fused_hist = method.uses_planes() && g <= 8;
         let scale = 1.0f32 / (d as f32).sqrt();
-        {
-            let mut b = st.launch_builder(&k.attn_partial);
-            b.arg(&self.gathered.ptr).arg(&self.ucount.ptr).arg(&umax).arg(&qptr).arg(&scale)
-                .arg(&self.pm.ptr).arg(&self.pl.ptr).arg(&self.pacc.ptr);
-            // SAFETY: partials sized [H][nsplit][G](×D).
-            unsafe { b.launch(cfg((self.nsplit as u32, hn as u32, 1), 128)) }.map_err(drv("launch attn_partial"))?;
+        let ns = self.nsplit as u64;
+        self.tag = self.tag.wrapping_add(1).max(1);
+        let tag = self.tag;
+        self.stamp_ctr += 1;
+        let stamp = self.stamp_ctr;
+        for (i, &(h0, h1)) in ranges.iter().enumerate() {
+            if groups > 1 {
+                self.ev_gather[i].wait_on(&st)?;
+            }
+            let (h0u, hg) = (h0 as u64, (h1 - h0) as u32);
+            let r0 = h0u * g as u64;
+            let rg = hg * g as u32;
+            let q = qbase + h0u * (g * d * 4) as u64;
+            let scores = self.scores.ptr + r0 * n * 4;
+            let hist = self.hist.ptr + r0 * HBINS as u64 * 4;
+            let sel = self.sel.ptr + r0 * 8;
+            let win = self.win.ptr + r0 * kk as u64 * 4;
+            let wcount = self.wcount.ptr + r0 * 4;
+            let ccount = self.ccount.ptr + r0 * 4;
+            let tcount = self.tcount.ptr + r0 * 4;
+            let ckey = self.cand_key.ptr + r0 * ccap * 4;
+            let cidx = self.cand_idx.ptr + r0 * ccap * 4;
+            let ucount = self.ucount.ptr + h0u * 4;
+            let ulist = self.ulist.ptr + h0u * umax * 4;
+            let stampp = self.stamp.ptr + h0u * n * 4;
+            let gathered = self.gathered.ptr + h0u * umax * rec;
+            // 3. Scan (the plane scan also builds the level-1 top-k histogram when G ≤ 8).
+            self.memset(hist, rg as usize * HBINS * 4)?;
+            match method {
+                Method::Landmark | Method::Quest => {
+                    let span = if method == Method::Landmark { 8 } else { 16 };
+                    let ngroups = n.div_ceil(span);
+                    let table = base + h0u * table_head_bytes;
+                    let f = if method == Method::Landmark {
+                        &k.scan_landmark
+                    } else {
+                        &k.scan_quest
+                    };
+                    let mut b = st.launch_builder(f);
+                    b.arg(&table).arg(&n).arg(&q).arg(&scores);
+                    // SAFETY: the table holds [hg][ngroups] rows; scores [hg][G][n].
+                    unsafe { b.launch(cfg((ngroups.div_ceil(256) as u32, hg, 1), 256)) }
+                        .map_err(drv("launch scan_table"))?;
+                }
+                _ => {
+                    let planes = base + h0u * (d as u64) * 4 * nb * 8;
+                    let scales =
+                        base + (hn as u64) * (d as u64) * 4 * nb * 8 + h0u * (d as u64) * nb * 2;
+                    let dp = depths_ptr + h0u * d as u64;
+                    let mut b = st.launch_builder(&k.scan_planes);
+                    b.arg(&planes)
+                        .arg(&scales)
+                        .arg(&nb)
+                        .arg(&n)
+                        .arg(&dp)
+                        .arg(&q)
+                        .arg(&scores)
+                        .arg(&hist);
+                    // SAFETY: planes/scales point at head h0 of a layer in the store layout for
+                    // nb blocks; scores [hg][G][n]; hist [hg·G][HBINS].
+                    unsafe { b.launch(cfg((nb.div_ceil(32) as u32, hg, 1), 256)) }
+                        .map_err(drv("launch scan_planes"))?;
+                }
+            }
+            mark(3)?;
+            // 4. Top-k per query head, union per KV head.
+            if !fused_hist {
+                let mut b = st.launch_builder(&k.topk_hist);
+                b.arg(&scores).arg(&n).arg(&hist);
+                // SAFETY: scores [rg][n], hist [rg][HBINS].
+                unsafe { b.launch(cfg((chunks, rg, 1), 256)) }.map_err(drv("launch topk_hist"))?;
+            }
+            {
+                let mut b = st.launch_builder(&k.topk_select);
+                b.arg(&hist)
+                    .arg(&kk)
+                    .arg(&sel)
+                    .arg(&wcount)
+                    .arg(&ccount)
+                    .arg(&tcount)
+                    .arg(&ucount);
+                // SAFETY: per-row buffers of rg entries, ucount [hg].
+                unsafe { b.launch(cfg((rg, 1, 1), 1024)) }.map_err(drv("launch topk_select"))?;
+            }
+            {
+                let mut b = st.launch_builder(&k.topk_collect);
+                b.arg(&scores)
+                    .arg(&n)
+                    .arg(&kk)
+                    .arg(&sel)
+                    .arg(&win)
+                    .arg(&wcount)
+                    .arg(&ckey)
+                    .arg(&cidx)
+                    .arg(&ccap)
+                    .arg(&ccount);
+                // SAFETY: win [rg][k], candidates [rg][ccap].
+                unsafe { b.launch(cfg((chunks, rg, 1), 256)) }
+                    .map_err(drv("launch topk_collect"))?;
+            }
+            {
+                let mut b = st.launch_builder(&k.topk_finish);
+                b.arg(&sel)
+                    .arg(&kk)
+                    .arg(&ckey)
+                    .arg(&cidx)
+                    .arg(&ccap)
+                    .arg(&ccount)
+                    .arg(&win)
+                    .arg(&wcount)
+                    .arg(&tcount);
+                // SAFETY: as topk_collect.
+                unsafe { b.launch(cfg((rg, 1, 1), 1024)) }.map_err(drv("launch topk_finish"))?;
+            }
+            {
+                let total = (g * self.cfg.k + 36) as u64;
+                let mut b = st.launch_builder(&k.topk_union);
+                b.arg(&win)
+                    .arg(&wcount)
+                    .arg(&kk)
+                    .arg(&n)
+                    .arg(&tag)
+                    .arg(&stampp)
+                    .arg(&ulist)
+                    .arg(&umax)
+                    .arg(&ucount);
+                // SAFETY: stamp [hg][n], ulist [hg][umax].
+                unsafe { b.launch(cfg((total.div_ceil(256) as u32, hg, 1), 256)) }
+                    .map_err(drv("launch topk_union"))?;
+            }
+            mark(4)?;
+            // 5. Row gather (cache first), then cache update.
+            let src = rows_src + h0u * n * rec;
+            let (tags, cdata, claim) = if tags0 != 0 {
+                (
+                    tags0 + h0u * cache_rows * 4,
+                    cdata0 + h0u * cache_rows * rec,
+                    claim0 + h0u * cache_rows * 8,
+                )
+            } else {
+                (0, 0, 0)
+            };
+            {
+                let mut b = st.launch_builder(&k.rows_gather);
+                b.arg(&src)
+                    .arg(&n)
+                    .arg(&ulist)
+                    .arg(&ucount)
+                    .arg(&umax)
+                    .arg(&tags)
+                    .arg(&cdata)
+                    .arg(&c_arg)
+                    .arg(&gathered)
+                    .arg(&hits)
+                    .arg(&utot);
+                // SAFETY: records [hg][n][REC]; cache [hg][C]; gathered [hg][umax][REC].
+                unsafe { b.launch(cfg((umax.div_ceil(8) as u32, hg, 1), 256)) }
+                    .map_err(drv("launch rows_gather"))?;
+            }
+            if tags != 0 {
+                let mut b = st.launch_builder(&k.rows_claim);
+                b.arg(&ulist)
+                    .arg(&ucount)
+                    .arg(&umax)
+                    .arg(&tags)
+                    .arg(&c_arg)
+                    .arg(&claim)
+                    .arg(&stamp);
+                // SAFETY: cache arrays of this group hold [hg][C] slots.
+                unsafe { b.launch(cfg((umax.div_ceil(256) as u32, hg, 1), 256)) }
+                    .map_err(drv("launch rows_claim"))?;
+                let mut b = st.launch_builder(&k.rows_fill);
+                b.arg(&ulist)
+                    .arg(&ucount)
+                    .arg(&umax)
+                    .arg(&tags)
+                    .arg(&cdata)
+                    .arg(&c_arg)
+                    .arg(&claim)
+                    .arg(&stamp)
+                    .arg(&gathered);
+                // SAFETY: as rows_claim; gathered rows [hg][umax][REC].
+                unsafe { b.launch(cfg((umax.div_ceil(8) as u32, hg, 1), 256)) }
+                    .map_err(drv("launch rows_fill"))?;
+            }
+            mark(5)?;
+            // 6. Exact attention over the gathered rows.
+            let pm = self.pm.ptr + h0u * ns * g as u64 * 4;
+            let pl = self.pl.ptr + h0u * ns * g as u64 * 4;
+            let pacc = self.pacc.ptr + h0u * ns * (g * d) as u64 * 4;
+            let out = self.out.ptr + r0 * d as u64 * 4;
+            {
+                let mut b = st.launch_builder(&k.attn_partial);
+                b.arg(&gathered)
+                    .arg(&ucount)
+                    .arg(&umax)
+                    .arg(&q)
+                    .arg(&scale)
+                    .arg(&pm)
+                    .arg(&pl)
+                    .arg(&pacc);
+                // SAFETY: partials sized [hg][nsplit][G](×D).
+                unsafe { b.launch(cfg((self.nsplit as u32, hg, 1), 128)) }
+                    .map_err(drv("launch attn_partial"))?;
+            }
+            {
+                let nsi = self.nsplit as i32;
+                let mut b = st.launch_builder(&k.attn_combine);
+                b.arg(&pm).arg(&pl).arg(&pacc).arg(&nsi).arg(&out);
+                // SAFETY: out [hg][G][D].
+                unsafe { b.launch(cfg((rg, 1, 1), d as u32)) }
+                    .map_err(drv("launch attn_combine"))?;
+            }
+            mark(6)?;
         }
-        {
-            let ns = self.nsplit as i32;
-            let mut b = st.launch_builder(&k.attn_combine);
-            b.arg(&self.pm.ptr).arg(&self.pl.ptr).arg(&self.pacc.ptr).arg(&ns).arg(&self.out.ptr);
-            // SAFETY: out [H][G][D].
-            unsafe { b.launch(cfg((r_n, 1, 1), d as u32)) }.map_err(drv("launch attn_combine"))?;
-        }
-        mark(6)?;
         Ok(())
     }
 }
 
 /// Host-built plans of the methods whose channels do not depend on the query.
-fn static_plan(m: &Method, sources: &[LayerSource], shape: &crate::ModelShape, nb: usize, n: usize) -> Result<Option<StaticPlan>> {
+fn static_plan(
+    m: &Method,
+    sources: &[LayerSource],
+    shape: &crate::ModelShape,
+    nb: usize,
+    n: usize,
+) -> Result<Option<StaticPlan>> {
     let (hn, d, l_n) = (shape.kv_heads, shape.dim, shape.layers);
     let nb64 = nb as u64;
     let plane_runs = |depths: &[u8]| -> Vec<Run> {
         let mut runs = vec![Run::default(); 2 * hn * d];
         for hc in 0..hn * d {
             let t = depths[hc] as u64;
-            runs[hc] = Run { off: hc as u64 * 4 * nb64 * 8, len: t * nb64 * 8 };
-            runs[hn * d + hc] = Run {
+            // Layout [H][2][D]: a head group's runs are one contiguous slice.
+            let (h, c) = (hc / d, hc % d);
+            runs[h * 2 * d + c] = Run {
+                off: hc as u64 * 4 * nb64 * 8,
+                len: t * nb64 * 8,
+            };
+            runs[h * 2 * d + d + c] = Run {
                 off: (hn * d) as u64 * 4 * nb64 * 8 + hc as u64 * nb64 * 2,
                 len: if t > 0 { nb64 * 2 } else { 0 },
             };
@@ -1076,7 +1510,12 @@ fn static_plan(m: &Method, sources: &[LayerSource], shape: &crate::ModelShape, n
         Method::Fathom(_) | Method::SparQ(_) => return Ok(None),
         Method::Thumb2 => vec![vec![2u8; hn * d]; l_n],
         Method::Exact => vec![vec![4u8; hn * d]; l_n],
-        Method::Loki(r) => vec![(0..hn * d).map(|hc| if hc % d < r { 4 } else { 0 }).collect(); l_n],
+        Method::Loki(r) => vec![
+            (0..hn * d)
+                .map(|hc| if hc % d < r { 4 } else { 0 })
+                .collect();
+            l_n
+        ],
         Method::DoubleSparsity(r) => (0..l_n)
             .map(|l| {
                 let s = &sources[l % sources.len()].ds_score;
@@ -1092,8 +1531,19 @@ fn static_plan(m: &Method, sources: &[LayerSource], shape: &crate::ModelShape, n
             })
             .collect(),
         Method::Landmark | Method::Quest => {
-            let per_head = if *m == Method::Landmark { n.div_ceil(8) * d * 2 } else { n.div_ceil(16) * 2 * d * 2 } as u64;
-            let runs: Vec<Run> = (0..l_n).flat_map(|_| (0..hn).map(move |h| Run { off: h as u64 * per_head, len: per_head })).collect();
+            let per_head = if *m == Method::Landmark {
+                n.div_ceil(8) * d * 2
+            } else {
+                n.div_ceil(16) * 2 * d * 2
+            } as u64;
+            let runs: Vec<Run> = (0..l_n)
+                .flat_map(|_| {
+                    (0..hn).map(move |h| Run {
+                        off: h as u64 * per_head,
+                        len: per_head,
+                    })
+                })
+                .collect();
             return Ok(Some(StaticPlan {
                 depths: DevBuf::zeroed(l_n * hn * d, "static depths")?,
                 runs: DevBuf::from_slice(&runs, "static runs")?,
@@ -1110,7 +1560,14 @@ fn static_plan(m: &Method, sources: &[LayerSource], shape: &crate::ModelShape, n
         depths.extend_from_slice(dep);
     }
     let bits = fathom_plan::plan_bits(&per_layer_depths[0][..d]) as f64;
-    let max_len = per_layer_depths.iter().flatten().map(|&t| t as u64).max().unwrap_or(0) * nb64 * 8;
+    let max_len = per_layer_depths
+        .iter()
+        .flatten()
+        .map(|&t| t as u64)
+        .max()
+        .unwrap_or(0)
+        * nb64
+        * 8;
     Ok(Some(StaticPlan {
         depths: DevBuf::from_slice(&depths, "static depths")?,
         runs: DevBuf::from_slice(&runs, "static runs")?,

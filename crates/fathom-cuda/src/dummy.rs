@@ -51,7 +51,12 @@ impl Session {
     ///
     /// # Errors
     /// Always [`CudaError::NotCompiledWithCuda`] in this build.
-    pub fn new(_gpu: &Gpu, _cfg: &SessionConfig, _sources: &[LayerSource], _methods: &[Method]) -> Result<Self> {
+    pub fn new(
+        _gpu: &Gpu,
+        _cfg: &SessionConfig,
+        _sources: &[LayerSource],
+        _methods: &[Method],
+    ) -> Result<Self> {
         Err(CudaError::NotCompiledWithCuda)
     }
     /// Where the data lives.
@@ -69,14 +74,24 @@ impl Session {
     ///
     /// # Errors
     /// Always [`CudaError::NotCompiledWithCuda`] in this build.
-    pub fn run_step(&mut self, _method: Method, _step: usize, _instrument: bool) -> Result<StepStats> {
+    pub fn run_step(
+        &mut self,
+        _method: Method,
+        _step: usize,
+        _instrument: bool,
+    ) -> Result<StepStats> {
         Err(CudaError::NotCompiledWithCuda)
     }
     /// Runs one layer's step and reads back every intermediate.
     ///
     /// # Errors
     /// Always [`CudaError::NotCompiledWithCuda`] in this build.
-    pub fn layer_debug(&mut self, _method: Method, _layer: usize, _step: usize) -> Result<LayerDebug> {
+    pub fn layer_debug(
+        &mut self,
+        _method: Method,
+        _layer: usize,
+        _step: usize,
+    ) -> Result<LayerDebug> {
         Err(CudaError::NotCompiledWithCuda)
     }
 }

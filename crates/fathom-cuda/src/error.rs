@@ -69,6 +69,9 @@ pub type Result<T> = std::result::Result<T, CudaError>;
 
 impl CudaError {
     pub(crate) fn invalid(what: &'static str, detail: impl Into<String>) -> Self {
-        CudaError::Invalid { what, detail: detail.into() }
+        CudaError::Invalid {
+            what,
+            detail: detail.into(),
+        }
     }
 }

@@ -26,7 +26,7 @@
 //! };
 //! let cfg = SessionConfig {
 //!     shape, context: 4096, k: 128, residency: Residency::Host, cache_rows: 1024,
-//!     row_bytes_budget: 1 << 30, tables: false, steps: 1,
+//!     row_bytes_budget: 1 << 30, tables: false, steps: 1, groups: 0,
 //! };
 //! let mut session = Session::new(&gpu, &cfg, &[src], &[Method::Fathom(48.0)])?;
 //! let stats = session.run_step(Method::Fathom(48.0), 0, true)?;

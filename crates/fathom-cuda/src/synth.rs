@@ -111,14 +111,23 @@ pub fn synth_layer(p: &SynthParams, layer: usize) -> Result<LayerSource> {
                 let a = &q_amp[h * d..(h + 1) * d];
                 let v: Vec<f32> = (0..d).map(|c| u[c] * a[c]).collect();
                 let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
-                (0..d).map(|c| v[c] / norm * sigma[h * d..(h + 1) * d].iter().sum::<f32>() / d as f32 * 3.0).collect()
+                (0..d)
+                    .map(|c| {
+                        v[c] / norm * sigma[h * d..(h + 1) * d].iter().sum::<f32>() / d as f32 * 3.0
+                    })
+                    .collect()
             };
             let mut k = vec![0f32; n * d];
             let mut v = vec![0f32; n * d];
             for i in 0..n {
-                let alpha = if r.gen::<f32>() < 0.02 { 3.0 * nz.sample(&mut r).abs() } else { 0.0 };
+                let alpha = if r.gen::<f32>() < 0.02 {
+                    3.0 * nz.sample(&mut r).abs()
+                } else {
+                    0.0
+                };
                 for c in 0..d {
-                    k[i * d + c] = mu[h * d + c] + sigma[h * d + c] * nz.sample(&mut r) + alpha * dir[c];
+                    k[i * d + c] =
+                        mu[h * d + c] + sigma[h * d + c] * nz.sample(&mut r) + alpha * dir[c];
                     v[i * d + c] = nz.sample(&mut r);
                 }
             }
@@ -147,21 +156,44 @@ pub fn synth_layer(p: &SynthParams, layer: usize) -> Result<LayerSource> {
             let mean = s / n as f64;
             sigma2[h * d + c] = (s2 / n as f64 - mean * mean).max(0.0) as f32;
             let qa: f64 = (0..g)
-                .map(|gg| (q_amp[h * d + c] * (q_shared[h * d + c] + 0.6 * q_head[(h * g + gg) * d + c])).abs() as f64)
+                .map(|gg| {
+                    (q_amp[h * d + c] * (q_shared[h * d + c] + 0.6 * q_head[(h * g + gg) * d + c]))
+                        .abs() as f64
+                })
                 .sum::<f64>()
                 / g as f64;
             ds_score[h * d + c] = (qa * sa / n as f64) as f32;
         }
     }
-    let store = KeyStore::from_keys(Dims { heads: hn, channels: d }, &keys, None)?;
-    Ok(LayerSource { store, keys, values, sigma2, ds_score, q_amp, q_shared, q_head, params: *p, layer })
+    let store = KeyStore::from_keys(
+        Dims {
+            heads: hn,
+            channels: d,
+        },
+        &keys,
+        None,
+    )?;
+    Ok(LayerSource {
+        store,
+        keys,
+        values,
+        sigma2,
+        ds_score,
+        q_amp,
+        q_shared,
+        q_head,
+        params: *p,
+        layer,
+    })
 }
 
 impl LayerSource {
     /// The queries of decode step `step`, `[H][G][D]`.
     pub fn queries(&self, step: usize) -> Vec<f32> {
         let (hn, g, d) = (self.params.heads, self.params.group, self.params.dim);
-        let mut r = StdRng::seed_from_u64(self.params.seed ^ (self.layer as u64) << 20 ^ (step as u64 + 7) << 44);
+        let mut r = StdRng::seed_from_u64(
+            self.params.seed ^ (self.layer as u64) << 20 ^ (step as u64 + 7) << 44,
+        );
         let nz = normal();
         let mut q = vec![0f32; hn * g * d];
         for h in 0..hn {
@@ -169,7 +201,9 @@ impl LayerSource {
                 for c in 0..d {
                     let e: f32 = nz.sample(&mut r);
                     q[(h * g + gg) * d + c] = self.q_amp[h * d + c]
-                        * (self.q_shared[h * d + c] + 0.6 * self.q_head[(h * g + gg) * d + c] + 0.35 * e);
+                        * (self.q_shared[h * d + c]
+                            + 0.6 * self.q_head[(h * g + gg) * d + c]
+                            + 0.35 * e);
                 }
             }
         }
@@ -181,15 +215,17 @@ impl LayerSource {
         let (hn, d) = (self.params.heads, self.params.dim);
         let n = self.params.tokens;
         let mut out = vec![bf16::ZERO; hn * n * 2 * d];
-        out.par_chunks_mut(n * 2 * d).enumerate().for_each(|(h, dst)| {
-            for i in 0..n {
-                let src = (i * hn + h) * d;
-                for c in 0..d {
-                    dst[i * 2 * d + c] = bf16::from_f32(self.keys[src + c]);
-                    dst[i * 2 * d + d + c] = bf16::from_f32(self.values[src + c]);
+        out.par_chunks_mut(n * 2 * d)
+            .enumerate()
+            .for_each(|(h, dst)| {
+                for i in 0..n {
+                    let src = (i * hn + h) * d;
+                    for c in 0..d {
+                        dst[i * 2 * d + c] = bf16::from_f32(self.keys[src + c]);
+                        dst[i * 2 * d + d + c] = bf16::from_f32(self.values[src + c]);
+                    }
                 }
-            }
-        });
+            });
         out
     }
 

@@ -1,7 +1,10 @@
 //! Device correctness: every kernel against fathom-plan's CPU references, one test body per
 //! method. Skips (printing why) when there is no GPU path: CI has no GPU.
 
-use fathom_cuda::{synth_layer, CudaError, Gpu, LayerDebug, LayerSource, Method, ModelShape, Residency, Session, SessionConfig, SynthParams};
+use fathom_cuda::{
+    synth_layer, CudaError, Gpu, LayerDebug, LayerSource, Method, ModelShape, Residency, Session,
+    SessionConfig, SynthParams,
+};
 use fathom_plan::{attend, importance, water_fill, KvView, SelectParams};
 use half::bf16;
 
@@ -39,13 +42,25 @@ fn bf(x: f32) -> f32 {
 }
 
 /// Checks one layer's readback against the CPU references.
-fn check_layer(src: &LayerSource, shape: &ModelShape, n: usize, k: usize, m: Method, step: usize, dbg: &LayerDebug) {
+fn check_layer(
+    src: &LayerSource,
+    shape: &ModelShape,
+    n: usize,
+    k: usize,
+    m: Method,
+    step: usize,
+    dbg: &LayerDebug,
+) {
     let (hn, g, d) = (shape.kv_heads, shape.group, shape.dim);
     let q = src.queries(step);
     let view = src.store.view();
     let kb: Vec<f32> = src.keys.iter().map(|&x| bf(x)).collect();
     let vb: Vec<f32> = src.values.iter().map(|&x| bf(x)).collect();
-    let params = SelectParams { sink: 4, local: 32, k };
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k,
+    };
     for h in 0..hn {
         let qh = &q[h * g * d..(h + 1) * g * d];
         // Plan: exact.
@@ -57,7 +72,9 @@ fn check_layer(src: &LayerSource, shape: &ModelShape, n: usize, k: usize, m: Met
                 plan.depths
             }
             Method::SparQ(r) => {
-                let s: Vec<f32> = (0..d).map(|c| (0..g).map(|gg| qh[gg * d + c].abs()).sum()).collect();
+                let s: Vec<f32> = (0..d)
+                    .map(|c| (0..g).map(|gg| qh[gg * d + c].abs()).sum())
+                    .collect();
                 let mut o: Vec<usize> = (0..d).collect();
                 o.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
                 let mut dep = vec![0u8; d];
@@ -67,7 +84,11 @@ fn check_layer(src: &LayerSource, shape: &ModelShape, n: usize, k: usize, m: Met
             _ => dbg.depths[h * d..(h + 1) * d].to_vec(),
         };
         if m.uses_planes() {
-            assert_eq!(&dbg.depths[h * d..(h + 1) * d], &depths[..], "{m:?} head {h}: depths");
+            assert_eq!(
+                &dbg.depths[h * d..(h + 1) * d],
+                &depths[..],
+                "{m:?} head {h}: depths"
+            );
         }
         // Scores within SCORE_TOL of the magnitude Σ|q·k̂|.
         let (refs, mag): (Vec<f64>, Vec<f64>) = match m {
@@ -79,12 +100,24 @@ fn check_layer(src: &LayerSource, shape: &ModelShape, n: usize, k: usize, m: Met
                     let toks = grp * span..((grp + 1) * span).min(n);
                     for c in 0..d {
                         let ks: Vec<f32> = toks.clone().map(|i| kb[(i * hn + h) * d + c]).collect();
-                        let (lo, hi) = ks.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(l, u), &x| (l.min(x), u.max(x)));
-                        let mean = half::f16::from_f32(ks.iter().sum::<f32>() / ks.len() as f32).to_f64();
-                        let (lo, hi) = (half::f16::from_f32(lo).to_f64(), half::f16::from_f32(hi).to_f64());
+                        let (lo, hi) = ks
+                            .iter()
+                            .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, u), &x| {
+                                (l.min(x), u.max(x))
+                            });
+                        let mean =
+                            half::f16::from_f32(ks.iter().sum::<f32>() / ks.len() as f32).to_f64();
+                        let (lo, hi) = (
+                            half::f16::from_f32(lo).to_f64(),
+                            half::f16::from_f32(hi).to_f64(),
+                        );
                         for gg in 0..g {
                             let qq = qh[gg * d + c] as f64;
-                            let x = if m == Method::Landmark { qq * mean } else { (qq * lo).max(qq * hi) };
+                            let x = if m == Method::Landmark {
+                                qq * mean
+                            } else {
+                                (qq * lo).max(qq * hi)
+                            };
                             for i in toks.clone() {
                                 s[gg * n + i] += x;
                                 a[gg * n + i] += x.abs();
@@ -117,12 +150,22 @@ fn check_layer(src: &LayerSource, shape: &ModelShape, n: usize, k: usize, m: Met
             assert_eq!(win.len(), want_k, "{m:?} head {h} q {gg}: winner count");
             let mut cpu = Vec::new();
             fathom_plan::select_per_head(n - 1, row, &params, &mut cpu).unwrap();
-            let cpu_mid: Vec<u32> = cpu.iter().copied().filter(|&i| mid.contains(&(i as usize))).collect();
+            let cpu_mid: Vec<u32> = cpu
+                .iter()
+                .copied()
+                .filter(|&i| mid.contains(&(i as usize)))
+                .collect();
             if win != &cpu_mid {
                 // Allowed only where scores tie at the threshold.
-                let thr = cpu_mid.iter().map(|&i| row[i as usize]).fold(f32::INFINITY, f32::min);
+                let thr = cpu_mid
+                    .iter()
+                    .map(|&i| row[i as usize])
+                    .fold(f32::INFINITY, f32::min);
                 for &i in win.iter().filter(|i| !cpu_mid.contains(i)) {
-                    assert_eq!(row[i as usize], thr, "{m:?} head {h} q {gg}: token {i} is not a tie");
+                    assert_eq!(
+                        row[i as usize], thr,
+                        "{m:?} head {h} q {gg}: token {i} is not a tie"
+                    );
                 }
             }
             let mut sel = win.clone();
@@ -137,20 +180,53 @@ fn check_layer(src: &LayerSource, shape: &ModelShape, n: usize, k: usize, m: Met
         let vv = KvView::head(&vb, hn, d, h);
         for gg in 0..g {
             let mut want = vec![0f32; d];
-            attend(&qh[gg * d..(gg + 1) * d], kv, vv, &union, 1.0 / (d as f32).sqrt(), None, &mut want).unwrap();
+            attend(
+                &qh[gg * d..(gg + 1) * d],
+                kv,
+                vv,
+                &union,
+                1.0 / (d as f32).sqrt(),
+                None,
+                &mut want,
+            )
+            .unwrap();
             let got = &dbg.out[(h * g + gg) * d..(h * g + gg + 1) * d];
             let err = fathom_plan::relative_error(got, &want);
-            assert!(err <= ATTN_TOL, "{m:?} head {h} q {gg}: attention relative error {err}");
+            assert!(
+                err <= ATTN_TOL,
+                "{m:?} head {h} q {gg}: attention relative error {err}"
+            );
         }
     }
 }
 
-fn run_case(gpu: &Gpu, n: usize, residency: Residency, cache_rows: usize) {
-    let shape = ModelShape { layers: 2, kv_heads: 2, group: 4, dim: 128 };
+fn run_case(gpu: &Gpu, n: usize, residency: Residency, cache_rows: usize, groups: usize) {
+    let shape = ModelShape {
+        layers: 2,
+        kv_heads: 2,
+        group: 4,
+        dim: 128,
+    };
     let k = 64;
-    let p = SynthParams { heads: 2, group: 4, dim: 128, tokens: n, seed: 11 };
+    let p = SynthParams {
+        heads: 2,
+        group: 4,
+        dim: 128,
+        tokens: n,
+        seed: 11,
+    };
     let sources: Vec<LayerSource> = (0..2).map(|l| synth_layer(&p, l).unwrap()).collect();
-    let cfg = SessionConfig { shape, context: n, k, residency, cache_rows, row_bytes_budget: 1 << 30, tables: true, steps: 3 };
+    let cfg = SessionConfig {
+        shape,
+        context: n,
+        k,
+        residency,
+        cache_rows,
+        row_bytes_budget: 1 << 30,
+        tables: true,
+        steps: 3,
+        groups,
+    };
     let mut s = Session::new(gpu, &cfg, &sources, &METHODS).unwrap();
     for m in METHODS {
         s.reset_cache().unwrap();
@@ -171,13 +247,15 @@ fn run_case(gpu: &Gpu, n: usize, residency: Residency, cache_rows: usize) {
 fn kernels_match_cpu_references_host_resident() {
     let Some(gpu) = gpu() else { return };
     // 5000 tokens: a partial last block.
-    run_case(&gpu, 5000, Residency::Host, 256);
+    run_case(&gpu, 5000, Residency::Host, 256, 1);
+    // Two head groups: the copy stream gathers head 1 while head 0 is scanned.
+    run_case(&gpu, 4096, Residency::Host, 256, 2);
 }
 
 #[test]
 fn kernels_match_cpu_references_hbm_resident() {
     let Some(gpu) = gpu() else { return };
-    run_case(&gpu, 4096, Residency::Hbm, 0);
+    run_case(&gpu, 4096, Residency::Hbm, 0, 1);
 }
 
 #[test]
