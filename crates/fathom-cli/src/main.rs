@@ -1,5 +1,6 @@
 //! `fathom`: the command-line tool of the Fathom workspace.
 
+mod eval_cmds;
 mod methods;
 mod model_cmds;
 mod offload_cmds;
@@ -49,6 +50,10 @@ enum Cmd {
     OffloadBench(offload_cmds::OffloadBenchArgs),
     /// Render REPORT.md (one section per paper claim) from a results directory.
     Report(repro_report::ReportArgs),
+    /// RULER-style tasks with sparse attention on every generated token, branched per method (SPEC §7).
+    Ruler(eval_cmds::RulerArgs),
+    /// Agent-session step agreement: each method's teacher-forced argmax against exact top-k and dense (SPEC §7).
+    AgentSteps(eval_cmds::AgentStepsArgs),
     /// Greedy generation with a real GGUF model (SmolLM2-135M or Gemma 3 270M).
     Generate(model_cmds::GenerateArgs),
     /// Capture a model's q, k, v and attention output on real text (SPEC §8).
@@ -214,6 +219,8 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Fidelity(a) => fidelity_cmd(a),
         Cmd::OffloadBench(a) => offload_cmds::run_offload_bench(a),
         Cmd::Report(a) => repro_report::run_report(a),
+        Cmd::Ruler(a) => eval_cmds::run_ruler(a),
+        Cmd::AgentSteps(a) => eval_cmds::run_agent_steps(a),
         Cmd::Generate(a) => model_cmds::run_generate(a),
         Cmd::Capture(a) => model_cmds::run_capture(a),
         Cmd::FetchModels(a) => model_cmds::run_fetch_models(a),

@@ -1,0 +1,428 @@
+//! Downstream evaluation subcommands (fathom-eval, SPEC §7): `ruler` and `agent-steps`.
+//!
+//! Wiring in `main.rs`:
+//!
+//! ```text
+//! mod eval_cmds;
+//! Ruler(eval_cmds::RulerArgs)           => eval_cmds::run_ruler(a)
+//! AgentSteps(eval_cmds::AgentStepsArgs) => eval_cmds::run_agent_steps(a)
+//! ```
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use fathom_eval::agent::{agreement, session};
+use fathom_eval::decode::{calibrate, decode_branch, default_k, forced_branch, loki_r, LayerCalib, Prefill};
+use fathom_eval::ruler::{generate, score, Haystack, Task, TaskParams};
+use fathom_eval::words::{WordList, DICT_PATH};
+use fathom_model::corpus::{context_tokens, load_split, CorpusKind, CorpusOptions, Split};
+use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
+use fathom_model::{LoadOptions, Model, Tokenizer};
+use fathom_plan::scanner::Scanner;
+use fathom_plan::SelectParams;
+use fathom_store::write_atomic;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+
+use crate::methods::{parse_methods, BasisArg};
+
+const DEFAULT_METHODS: &str =
+    "dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
+
+/// Options shared by both subcommands.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EvalCommon {
+    /// Model: smollm2-135m or gemma3-270m.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: String,
+    /// Context length in tokens.
+    #[arg(long, default_value_t = 4096)]
+    pub context: usize,
+    /// Methods (as `fathom fidelity`); `dense` and `exact` are added when absent.
+    #[arg(long, default_value = DEFAULT_METHODS)]
+    pub methods: String,
+    /// Top-k per query head (default: 128 below 16k, 256 below 32k, else 512).
+    #[arg(long)]
+    pub k: Option<usize>,
+    /// Store basis of the Fathom methods.
+    #[arg(long, value_enum, default_value_t = BasisArg::Raw)]
+    pub basis: BasisArg,
+    /// Calibration queries: the last this many positions of the calibration document.
+    #[arg(long, default_value_t = 128)]
+    pub calib_queries: usize,
+    /// Base seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write every per-sample result here (atomically).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Cache directory (default: `$FATHOM_CACHE`, else `~/.cache/fathom`).
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// Never download; use only what is cached.
+    #[arg(long)]
+    pub offline: bool,
+}
+
+/// `fathom ruler`: RULER-style tasks with branched sparse decoding.
+#[derive(clap::Args, Debug)]
+pub struct RulerArgs {
+    #[command(flatten)]
+    pub common: EvalCommon,
+    /// Tasks.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe"
+    )]
+    pub tasks: Vec<String>,
+    /// Samples per task.
+    #[arg(long, default_value_t = 20)]
+    pub samples: usize,
+    /// Tokens to generate (and to reserve when sizing); default RULER's per task (128, vt 30, fwe 50).
+    #[arg(long)]
+    pub max_new: Option<usize>,
+    /// Keep generating past the first completed line (by default a branch stops at the first
+    /// newline that follows alphanumeric output: the answer prefix asks for one line).
+    #[arg(long)]
+    pub no_line_stop: bool,
+}
+
+/// `fathom agent-steps`: teacher-forced step agreement on agent-transcript coding contexts.
+#[derive(clap::Args, Debug)]
+pub struct AgentStepsArgs {
+    #[command(flatten)]
+    pub common: EvalCommon,
+    /// Sessions.
+    #[arg(long, default_value_t = 8)]
+    pub sessions: usize,
+    /// Teacher-forced steps per session.
+    #[arg(long, default_value_t = 64)]
+    pub steps: usize,
+}
+
+struct Setup {
+    model: Model,
+    model_id: ModelId,
+    methods: Vec<Box<dyn Scanner>>,
+    params: SelectParams,
+    corpus: CorpusOptions,
+    load_s: f64,
+}
+
+fn setup(c: &EvalCommon) -> Result<Setup> {
+    let t0 = Instant::now();
+    let id: ModelId = c.model.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let fopts = FetchOptions {
+        cache_dir: c.cache_dir.clone(),
+        offline: c.offline,
+        ..Default::default()
+    };
+    let path = fetch_model(id, &fopts).with_context(|| format!("fetching {id}"))?;
+    let model = Model::load(&path, &LoadOptions::default()).with_context(|| format!("loading {}", path.display()))?;
+    let d = model.config().head_dim;
+    let mut list = c.methods.clone();
+    for must in ["exact", "dense"] {
+        if !list.split(',').any(|m| m.trim() == must) {
+            list = format!("{must},{list}");
+        }
+    }
+    let methods = parse_methods(&list, d, c.basis, None)?;
+    let k = c.k.unwrap_or_else(|| default_k(c.context));
+    Ok(Setup {
+        model,
+        model_id: id,
+        methods,
+        params: SelectParams { sink: 4, local: 32, k },
+        corpus: CorpusOptions {
+            cache_dir: c.cache_dir.clone(),
+            offline: c.offline,
+        },
+        load_s: t0.elapsed().as_secs_f64(),
+    })
+}
+
+fn needs_calib(methods: &[Box<dyn Scanner>]) -> bool {
+    methods.iter().any(|m| {
+        let n = m.name();
+        !(n == "dense" || n == "exact" || n.starts_with("sparq") || n == "thumb2" || n == "landmark" || n == "quest")
+    })
+}
+
+fn calibration(s: &Setup, kind: CorpusKind, context: usize, queries: usize) -> Result<(Option<LayerCalib>, Value)> {
+    if !needs_calib(&s.methods) {
+        return Ok((None, json!(null)));
+    }
+    let t0 = Instant::now();
+    let docs = load_split(kind, Split::Calib, &s.corpus).context("loading the calibration split")?;
+    let (ids, used) = context_tokens(&docs, s.model.tokenizer(), context, 0)?;
+    let cal = calibrate(&s.model, &ids, queries)?;
+    let info = json!({
+        "corpus": kind.name(), "split": "calib", "tokens": ids.len(), "documents": used,
+        "queries": queries, "seconds": t0.elapsed().as_secs_f64(),
+        "what": "sigma2, KLT, Loki PCA basis and DS channels per global (layer, KV head) from the keys of one held-out calibration context and the queries of its last positions",
+    });
+    Ok((Some(cal), info))
+}
+
+fn bar(total: u64) -> ProgressBar {
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg} (eta {eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb
+}
+
+fn first_line_done(tok: &Tokenizer, ids: &[u32]) -> bool {
+    match tok.decode(ids) {
+        // A newline after some alphanumeric output ends the answer line (`:\n` does not).
+        Ok(t) => t
+            .find(|c: char| c.is_alphanumeric())
+            .is_some_and(|i| t[i..].contains('\n')),
+        Err(_) => false,
+    }
+}
+
+fn write_json(path: &Option<PathBuf>, v: &Value) -> Result<()> {
+    if let Some(p) = path {
+        let bytes = serde_json::to_vec_pretty(v)?;
+        write_atomic(p, &bytes).with_context(|| format!("writing {}", p.display()))?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn header(s: &Setup, c: &EvalCommon) -> Value {
+    let cfg = s.model.config();
+    json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "version": env!("CARGO_PKG_VERSION"),
+        "model": s.model_id.name(),
+        "layers": cfg.n_layers,
+        "global_layers": cfg.layer_kinds.iter().filter(|k| **k == fathom_model::LayerKind::Global).count(),
+        "layer_kinds": cfg.layer_kinds.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
+        "hq": cfg.n_heads, "hkv": cfg.n_kv_heads, "d": cfg.head_dim,
+        "context": c.context,
+        "select": {"sink": s.params.sink, "local": s.params.local, "k": s.params.k},
+        "methods": s.methods.iter().map(|m| m.name()).collect::<Vec<_>>(),
+        "seed": c.seed,
+        "device": format!("cpu ({} threads)", rayon::current_num_threads()),
+        "protocol": "one dense prefill per sample; per method a greedy (or teacher-forced) decode from a clone of its KV cache with the method's sink 4 + local 32 + top-k per query head and exact attention on every generated token of every global layer; sliding-window layers keep their window and stay dense",
+        "load_seconds": s.load_s,
+    })
+}
+
+/// Runs `fathom ruler`.
+pub fn run_ruler(a: RulerArgs) -> Result<()> {
+    let t_all = Instant::now();
+    let c = &a.common;
+    let s = setup(c)?;
+    let tasks: Vec<Task> = a
+        .tasks
+        .iter()
+        .map(|t| t.trim().parse::<Task>().map_err(|e| anyhow::anyhow!("{e}")))
+        .collect::<Result<_>>()?;
+    if tasks.is_empty() || a.samples == 0 {
+        bail!("nothing to run: give --tasks and --samples ≥ 1");
+    }
+    let tok = s.model.tokenizer();
+    let docs = load_split(CorpusKind::Prose, Split::Eval, &s.corpus).context("loading the prose corpus")?;
+    let haystack = Haystack::new(docs.iter().map(|d| d.text.as_str()), "prose corpus, eval split")?;
+    let words = match WordList::system() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("note: {e}; falling back to words of the prose corpus (install wamerican for {DICT_PATH})");
+            let text: String = docs.iter().map(|d| d.text.as_str()).collect::<Vec<_>>().join(" ");
+            WordList::from_text(&text, "prose corpus words (fallback)")?
+        }
+    };
+    let (calib, calib_info) = calibration(&s, CorpusKind::Prose, c.context, c.calib_queries)?;
+    let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());
+    let tp = TaskParams {
+        context: c.context,
+        tokens_to_generate: a.max_new,
+        seed: c.seed,
+    };
+    let nm = s.methods.len();
+    let pb = bar((tasks.len() * a.samples * nm) as u64);
+    let mut records = Vec::new();
+    // sums[task][method] = (score, agree-with-exact text, bits)
+    let mut sums = vec![vec![(0f64, 0usize, 0f64); nm]; tasks.len()];
+    let exact_i = s.methods.iter().position(|m| m.name() == "exact").context("exact missing")?;
+    let mut per_task_secs = vec![0f64; tasks.len()];
+    for (ti, &task) in tasks.iter().enumerate() {
+        for i in 0..a.samples {
+            let t0 = Instant::now();
+            let sample = generate(task, &tp, tok, &haystack, &words, i)?;
+            let pre = Prefill::new(&s.model, &sample.prompt_ids, sample.max_new, calib.as_ref(), with_loki)?;
+            let prefill_s = t0.elapsed().as_secs_f64();
+            let mut outs = Vec::new();
+            for m in &s.methods {
+                pb.set_message(format!("{} #{i} {}", task.name(), m.name()));
+                let tm = Instant::now();
+                let stop = |ids: &[u32]| !a.no_line_stop && first_line_done(tok, ids);
+                let br = decode_branch(&s.model, &pre, m.as_ref(), calib.as_ref(), s.params, sample.max_new, &stop)
+                    .with_context(|| format!("{} sample {i}, method {}", task.name(), m.name()))?;
+                let text = tok.decode(&br.tokens)?;
+                let sc = score(&text, &sample.gold);
+                outs.push((m.name(), br, text, sc, tm.elapsed().as_secs_f64()));
+                pb.inc(1);
+            }
+            let exact_tokens = outs[exact_i].1.tokens.clone();
+            let mut methods_json = serde_json::Map::new();
+            for (mi, (name, br, text, sc, secs)) in outs.iter().enumerate() {
+                let same = br.tokens == exact_tokens;
+                let diverge = br.tokens.iter().zip(&exact_tokens).position(|(x, y)| x != y)
+                    .or_else(|| (br.tokens.len() != exact_tokens.len()).then(|| br.tokens.len().min(exact_tokens.len())));
+                sums[ti][mi].0 += sc;
+                sums[ti][mi].1 += same as usize;
+                sums[ti][mi].2 += br.stats.mean_bits();
+                methods_json.insert(name.clone(), json!({
+                    "generation": text, "score": sc, "tokens": br.tokens.len(),
+                    "same_as_exact": same, "first_divergence_from_exact": diverge,
+                    "mean_bits": br.stats.mean_bits(), "density": br.stats.density(), "seconds": secs,
+                }));
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            per_task_secs[ti] += secs;
+            records.push(json!({
+                "sample": sample, "prefill_seconds": prefill_s, "seconds": secs, "methods": methods_json,
+            }));
+        }
+    }
+    pb.finish_and_clear();
+    // Markdown table: task × method (mean score; † marks tasks where some sample differs from exact).
+    let names: Vec<String> = s.methods.iter().map(|m| m.name()).collect();
+    let n = a.samples as f64;
+    println!(
+        "RULER-style, {} at {} tokens, k = {}, {} samples per task (score = mean fraction of gold strings found; `a/b` after a score: samples whose generation equals exact top-k's)\n",
+        s.model_id, c.context, s.params.k, a.samples
+    );
+    println!("| task | {} |", names.join(" | "));
+    println!("|---|{}", "---|".repeat(nm));
+    let mut summary = serde_json::Map::new();
+    for (ti, task) in tasks.iter().enumerate() {
+        let cells: Vec<String> = (0..nm)
+            .map(|mi| {
+                let (sc, same, _) = sums[ti][mi];
+                format!("{:.3} ({}/{})", sc / n, same, a.samples)
+            })
+            .collect();
+        println!("| {} | {} |", task.name(), cells.join(" | "));
+        let row: serde_json::Map<String, Value> = names
+            .iter()
+            .enumerate()
+            .map(|(mi, m)| {
+                let (sc, same, bits) = sums[ti][mi];
+                (m.clone(), json!({"score": sc / n, "same_as_exact": same, "mean_bits": bits / n}))
+            })
+            .collect();
+        summary.insert(task.name().into(), json!({"methods": row, "seconds": per_task_secs[ti]}));
+    }
+    let mean_cells: Vec<String> = (0..nm)
+        .map(|mi| {
+            let t: f64 = sums.iter().map(|r| r[mi].0).sum::<f64>() / (n * tasks.len() as f64);
+            format!("{t:.3}")
+        })
+        .collect();
+    println!("| **mean** | {} |", mean_cells.join(" | "));
+    let total = t_all.elapsed().as_secs_f64();
+    println!("\nwall time {total:.0} s");
+    let mut out = header(&s, c);
+    out["task"] = json!("ruler");
+    out["tasks"] = json!(tasks.iter().map(|t| t.name()).collect::<Vec<_>>());
+    out["samples_per_task"] = json!(a.samples);
+    out["line_stop"] = json!(!a.no_line_stop);
+    out["haystack"] = json!(haystack.source);
+    out["words"] = json!(words.source);
+    out["calibration"] = calib_info;
+    out["summary"] = Value::Object(summary);
+    out["results"] = Value::Array(records);
+    out["seconds"] = json!(total);
+    write_json(&c.json, &out)
+}
+
+/// Runs `fathom agent-steps`.
+pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
+    let t_all = Instant::now();
+    let c = &a.common;
+    let s = setup(c)?;
+    if a.sessions == 0 || a.steps == 0 {
+        bail!("nothing to run: give --sessions and --steps ≥ 1");
+    }
+    let tok = s.model.tokenizer();
+    let docs = load_split(CorpusKind::Code, Split::Eval, &s.corpus).context("loading the code corpus")?;
+    let (calib, calib_info) = calibration(&s, CorpusKind::Code, c.context, c.calib_queries)?;
+    let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());
+    let nm = s.methods.len();
+    let names: Vec<String> = s.methods.iter().map(|m| m.name()).collect();
+    let exact_i = names.iter().position(|m| m == "exact").context("exact missing")?;
+    let dense_i = names.iter().position(|m| m == "dense").context("dense missing")?;
+    let pb = bar((a.sessions * nm) as u64);
+    let mut records = Vec::new();
+    let mut sums = vec![(0f64, 0f64, 0f64, 0f64); nm];
+    for i in 0..a.sessions {
+        let t0 = Instant::now();
+        let ses = session(&docs, tok, c.context, a.steps, c.seed, i)?;
+        let pre = Prefill::new(&s.model, &ses.prompt_ids, a.steps, calib.as_ref(), with_loki)?;
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let mut preds = Vec::new();
+        for m in &s.methods {
+            pb.set_message(format!("session {i} {}", m.name()));
+            let tm = Instant::now();
+            let br = forced_branch(&s.model, &pre, m.as_ref(), calib.as_ref(), s.params, &ses.continuation)
+                .with_context(|| format!("session {i}, method {}", m.name()))?;
+            preds.push((br, tm.elapsed().as_secs_f64()));
+            pb.inc(1);
+        }
+        let truth = &ses.continuation[1..];
+        let mut mj = serde_json::Map::new();
+        for (mi, (br, secs)) in preds.iter().enumerate() {
+            let ae = agreement(&br.tokens, &preds[exact_i].0.tokens);
+            let ad = agreement(&br.tokens, &preds[dense_i].0.tokens);
+            let top1 = agreement(&br.tokens[..truth.len()], truth);
+            let differ: Vec<usize> = br.tokens.iter().zip(&preds[exact_i].0.tokens)
+                .enumerate().filter(|(_, (x, y))| x != y).map(|(j, _)| j).collect();
+            sums[mi].0 += ae;
+            sums[mi].1 += ad;
+            sums[mi].2 += top1;
+            sums[mi].3 += br.stats.mean_bits();
+            mj.insert(names[mi].clone(), json!({
+                "agree_exact": ae, "agree_dense": ad, "top1_vs_truth": top1,
+                "steps_differing_from_exact": differ, "argmax": br.tokens,
+                "mean_bits": br.stats.mean_bits(), "density": br.stats.density(), "seconds": secs,
+            }));
+        }
+        records.push(json!({
+            "session": ses, "continuation": ses.continuation, "prefill_seconds": prefill_s,
+            "seconds": t0.elapsed().as_secs_f64(), "methods": mj,
+        }));
+    }
+    pb.finish_and_clear();
+    let n = a.sessions as f64;
+    println!(
+        "Agent-session step agreement, {} at {} tokens, k = {}, {} sessions × {} teacher-forced steps\n",
+        s.model_id, c.context, s.params.k, a.sessions, a.steps
+    );
+    println!("| method | bits | agree w/ exact | agree w/ dense | top-1 vs truth |");
+    println!("|---|---|---|---|---|");
+    let mut summary = serde_json::Map::new();
+    for (mi, m) in names.iter().enumerate() {
+        let (ae, ad, t1, bits) = sums[mi];
+        println!("| {m} | {:.1} | {:.4} | {:.4} | {:.4} |", bits / n, ae / n, ad / n, t1 / n);
+        summary.insert(m.clone(), json!({"agree_exact": ae / n, "agree_dense": ad / n, "top1_vs_truth": t1 / n, "mean_bits": bits / n}));
+    }
+    let total = t_all.elapsed().as_secs_f64();
+    println!("\nwall time {total:.0} s");
+    let mut out = header(&s, c);
+    out["task"] = json!("agent-steps");
+    out["sessions"] = json!(a.sessions);
+    out["steps"] = json!(a.steps);
+    out["calibration"] = calib_info;
+    out["summary"] = Value::Object(summary);
+    out["results"] = Value::Array(records);
+    out["seconds"] = json!(total);
+    write_json(&c.json, &out)
+}

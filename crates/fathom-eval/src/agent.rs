@@ -1,0 +1,157 @@
+//! Agent-session contexts: real source files framed as a coding agent's transcript (SPEC §7).
+//!
+//! A session is a system prompt, a user request naming the files, then one
+//! `read_file` tool call and its result (the file's full text) per file, in turn, until the
+//! target length. The last file is cut at a line boundary inside it; the prompt is everything
+//! up to the cut (at most `context − steps` tokens) and the **continuation** is the next
+//! `steps` tokens of that real file, which the evaluation teacher-forces.
+//!
+//! Files come from the project's code corpus (the CPython standard library, held-out split),
+//! in corpus order from a seeded starting document; each piece is tokenized on its own and
+//! the pieces are joined (BOS only at the start), as `fathom_model::corpus::context_tokens`
+//! does.
+
+use fathom_model::corpus::Document;
+use fathom_model::Tokenizer;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::EvalError;
+
+/// One session.
+#[derive(Debug, Clone, Serialize)]
+pub struct Session {
+    /// Session index.
+    pub index: usize,
+    /// Its seed.
+    pub seed: u64,
+    /// Files read, in order (the last is the one being continued).
+    pub files: Vec<String>,
+    /// The prompt's tokens.
+    #[serde(skip)]
+    pub prompt_ids: Vec<u32>,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// The true continuation (teacher-forced).
+    #[serde(skip)]
+    pub continuation: Vec<u32>,
+    /// Its text.
+    pub continuation_text: String,
+}
+
+const SYSTEM: &str = "System: You are a coding agent working in a checkout of the CPython 3.11 standard library. You can call the tool read_file(path), which returns the file's contents as a tool message. Read the files the user asks about before you answer.\n\n";
+
+fn display_path(p: &str) -> String {
+    match p.find("python3.11/") {
+        Some(i) => format!("Lib/{}", &p[i + "python3.11/".len()..]),
+        None => p.to_string(),
+    }
+}
+
+fn call(path: &str) -> String {
+    format!(
+        "Assistant: <tool_call>{{\"name\": \"read_file\", \"arguments\": {{\"path\": \"{path}\"}}}}</tool_call>\n\nTool (read_file {path}):\n"
+    )
+}
+
+/// Builds session `index` at `context` tokens with `steps` forced tokens (module docs).
+pub fn session(
+    docs: &[Document],
+    tok: &Tokenizer,
+    context: usize,
+    steps: usize,
+    seed: u64,
+    index: usize,
+) -> Result<Session, EvalError> {
+    if docs.is_empty() {
+        return Err(EvalError::Invalid("no code documents".into()));
+    }
+    let s = seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut rng = StdRng::seed_from_u64(s);
+    let budget = context
+        .checked_sub(steps)
+        .filter(|b| *b > 512)
+        .ok_or_else(|| EvalError::Invalid(format!("context {context} too short for {steps} steps")))?;
+    let start = rng.gen_range(0..docs.len());
+    // Pick files: full ones while they fit, then one long enough to hold the cut and `steps`.
+    let header_est = 200; // system + user request, re-measured below
+    let mut files: Vec<(String, Vec<u32>, Vec<u32>)> = Vec::new(); // (path, call ids, text ids)
+    let mut total = header_est;
+    let mut i = start;
+    let mut tried = 0;
+    loop {
+        if tried > docs.len() {
+            return Err(EvalError::Invalid("no code file is long enough to end the session".into()));
+        }
+        let d = &docs[i % docs.len()];
+        i += 1;
+        tried += 1;
+        let path = display_path(&d.path);
+        let c = tok.encode_raw(&call(&path))?;
+        let t = tok.encode_raw(&format!("{}\n\n", d.text))?;
+        let len = c.len() + t.len();
+        if total + len < budget {
+            total += len;
+            files.push((path, c, t));
+            continue;
+        }
+        // The last file: the cut must leave ≥ 64 tokens of it before and `steps` after.
+        let room = budget.saturating_sub(total + c.len());
+        if room >= 64 && t.len() >= room + steps {
+            files.push((path, c, t));
+            break;
+        }
+    }
+    let names: Vec<String> = files.iter().map(|f| f.0.clone()).collect();
+    let request = match names.as_slice() {
+        [one] => one.clone(),
+        [init @ .., last] => format!("{} and then {last}", init.join(", ")),
+        [] => String::new(),
+    };
+    let user = format!(
+        "User: I am reviewing some modules of the standard library. Please read {request}, in that order, and keep their code in mind.\n\n"
+    );
+    let mut ids = Vec::with_capacity(context);
+    if tok.add_bos() {
+        ids.extend(tok.bos());
+    }
+    ids.extend(tok.encode_raw(SYSTEM)?);
+    ids.extend(tok.encode_raw(&user)?);
+    let (last, full) = files.split_last().expect("at least one file");
+    for (_, c, t) in full {
+        ids.extend(c);
+        ids.extend(t);
+    }
+    ids.extend(&last.1);
+    if ids.len() + 64 > budget {
+        return Err(EvalError::Invalid(
+            "the files before the last one overflow the budget (header longer than estimated)".into(),
+        ));
+    }
+    // Cut the last file at a line boundary at or before `budget`.
+    let mut cut = (budget - ids.len()).min(last.2.len() - steps);
+    while cut > 1 && !tok.decode(&last.2[cut - 1..cut])?.contains('\n') {
+        cut -= 1;
+    }
+    ids.extend(&last.2[..cut]);
+    let continuation = last.2[cut..cut + steps].to_vec();
+    Ok(Session {
+        index,
+        seed: s,
+        files: names,
+        prompt_tokens: ids.len(),
+        prompt_ids: ids,
+        continuation_text: tok.decode(&continuation)?,
+        continuation,
+    })
+}
+
+/// Agreement of two prediction sequences: the fraction of equal positions.
+pub fn agreement(a: &[u32], b: &[u32]) -> f64 {
+    let n = a.len().min(b.len());
+    if n == 0 {
+        return 0.0;
+    }
+    a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / n as f64
+}

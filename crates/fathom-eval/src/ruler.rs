@@ -1,0 +1,476 @@
+//! RULER-style synthetic tasks over real-text haystacks, reimplemented from the public
+//! generation rules of NVIDIA/RULER (`scripts/data/synthetic/`: `niah.py`,
+//! `variable_tracking.py`, `freq_words_extraction.py`).
+//!
+//! | task | RULER config | what is planted | gold |
+//! |---|---|---|---|
+//! | `niah_single` | `niah_single_2` (essay haystack, word key, number value) | 1 needle | its value |
+//! | `niah_multikey` | `niah_multikey_1` | 4 needles, distinct keys | the queried key's value |
+//! | `niah_multivalue` | `niah_multivalue` | 4 needles, one key | all 4 values |
+//! | `niah_multiquery` | `niah_multiquery` | 4 needles, distinct keys | all 4 values |
+//! | `vt` | `vt` (1 chain, 4 hops) | `VAR ABCDE = 12345`, then `VAR X = VAR Y` ×4, in order | the 5 names |
+//! | `fwe` | `fwe` (α = 2) | coded 6-letter words, Zipf counts | words of rank 2–4 |
+//!
+//! Needles read `One of the special magic numbers for {key} is: {value}.`, keys are
+//! adjective-noun pairs from [`WordList`], values 7-digit numbers; each needle goes at a depth
+//! drawn without replacement from RULER's 40 evenly spaced depths (0–100 %), at a sentence
+//! boundary. Question templates and answer prefixes are RULER's (the prompt ends with the
+//! answer prefix, so the model continues it).
+//!
+//! **Haystacks** are real text: the words of the project's prose corpus (Python documentation,
+//! held-out split), from a seeded offset; `vt` uses the same real text as its filler (RULER's
+//! default filler is a repeated sentence; the chain is still inserted in order at random
+//! sentence boundaries). `fwe` has no haystack by construction.
+//!
+//! **Sizing** is RULER's: the haystack (words, or coded words for `fwe`) is the largest that
+//! keeps the whole prompt within `context − tokens_to_generate` tokens of the model's own
+//! tokenizer (binary search on the word count; RULER searches in steps). RULER's in-context
+//! example for `vt` and `fwe` is not prepended.
+//!
+//! Everything is drawn from one [`StdRng`] seeded per (task, sample), so a seed fixes the
+//! prompt exactly. **Score** (RULER's `string_match_all`): the fraction of gold strings that
+//! occur in the generation, case-insensitively.
+
+use fathom_model::Tokenizer;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::words::WordList;
+use crate::EvalError;
+
+/// A task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Task {
+    /// One needle.
+    NiahSingle,
+    /// Four keys, one queried.
+    NiahMultikey,
+    /// One key, four values.
+    NiahMultivalue,
+    /// Four keys, all queried.
+    NiahMultiquery,
+    /// Variable tracking.
+    Vt,
+    /// Frequent-word extraction.
+    Fwe,
+}
+
+impl Task {
+    /// Every task, in the table's order.
+    pub const ALL: [Task; 6] = [
+        Task::NiahSingle,
+        Task::NiahMultikey,
+        Task::NiahMultivalue,
+        Task::NiahMultiquery,
+        Task::Vt,
+        Task::Fwe,
+    ];
+
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Task::NiahSingle => "niah_single",
+            Task::NiahMultikey => "niah_multikey",
+            Task::NiahMultivalue => "niah_multivalue",
+            Task::NiahMultiquery => "niah_multiquery",
+            Task::Vt => "vt",
+            Task::Fwe => "fwe",
+        }
+    }
+
+    /// RULER's `tokens_to_generate`.
+    pub fn tokens_to_generate(self) -> usize {
+        match self {
+            Task::Vt => 30,
+            Task::Fwe => 50,
+            _ => 128,
+        }
+    }
+
+    fn index(self) -> u64 {
+        Task::ALL.iter().position(|t| *t == self).unwrap_or(0) as u64
+    }
+}
+
+impl std::str::FromStr for Task {
+    type Err = EvalError;
+    fn from_str(s: &str) -> Result<Self, EvalError> {
+        Task::ALL
+            .into_iter()
+            .find(|t| t.name() == s)
+            .ok_or_else(|| {
+                EvalError::Invalid(format!(
+                    "unknown task {s:?}; expected one of {}",
+                    Task::ALL.map(|t| t.name()).join(", ")
+                ))
+            })
+    }
+}
+
+/// Generation parameters.
+#[derive(Debug, Clone)]
+pub struct TaskParams {
+    /// Context length in tokens (prompt + tokens to generate).
+    pub context: usize,
+    /// Tokens to generate (and reserved by the sizing); `None` means RULER's per task.
+    pub tokens_to_generate: Option<usize>,
+    /// Base seed; a sample's seed mixes it with the task and sample index.
+    pub seed: u64,
+}
+
+impl TaskParams {
+    /// RULER's defaults at `context` tokens, seed 0.
+    pub fn new(context: usize) -> Self {
+        TaskParams {
+            context,
+            tokens_to_generate: None,
+            seed: 0,
+        }
+    }
+}
+
+/// The real text needles are hidden in: whitespace-separated words, in corpus order.
+#[derive(Debug, Clone)]
+pub struct Haystack {
+    words: Vec<String>,
+    /// Where it came from.
+    pub source: String,
+}
+
+impl Haystack {
+    /// From documents' texts, joined in order.
+    pub fn new<'a>(texts: impl Iterator<Item = &'a str>, source: &str) -> Result<Self, EvalError> {
+        let words: Vec<String> = texts
+            .flat_map(|t| t.split_whitespace())
+            .map(str::to_string)
+            .collect();
+        if words.len() < 1000 {
+            return Err(EvalError::Invalid(format!(
+                "haystack {source}: only {} words",
+                words.len()
+            )));
+        }
+        Ok(Haystack {
+            words,
+            source: source.into(),
+        })
+    }
+
+    /// `m` words from `start` on, wrapping around.
+    fn take(&self, start: usize, m: usize) -> impl Iterator<Item = &str> {
+        let n = self.words.len();
+        (0..m).map(move |i| self.words[(start + i) % n].as_str())
+    }
+}
+
+/// One generated prompt.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    /// Task.
+    pub task: Task,
+    /// Sample index.
+    pub index: usize,
+    /// The seed it was drawn with.
+    pub seed: u64,
+    /// The prompt text (ends with the answer prefix).
+    #[serde(skip)]
+    pub prompt: String,
+    /// Its tokens (BOS included when the model adds one).
+    #[serde(skip)]
+    pub prompt_ids: Vec<u32>,
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Tokens to generate.
+    pub max_new: usize,
+    /// Gold strings.
+    pub gold: Vec<String>,
+    /// The question part (after the haystack), for readers.
+    pub question: String,
+    /// Haystack words used, and the word offset they start at.
+    pub haystack_words: usize,
+    /// Offset into the haystack.
+    pub haystack_offset: usize,
+    /// Depths (percent) of the planted needles, in planting order (NIAH only).
+    pub depths: Vec<u32>,
+}
+
+/// RULER's 40 evenly spaced needle depths, `round(linspace(0, 100, 40))`.
+pub fn depths() -> Vec<u32> {
+    (0..40).map(|i| (i as f64 * 100.0 / 39.0).round() as u32).collect()
+}
+
+const NIAH_TEMPLATE: &str = "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you about the numbers afterwards.\n{context}\nWhat are all the special magic numbers for {query} mentioned in the provided text?";
+const NIAH_ANSWER: &str = " The special magic numbers for {query} mentioned in the provided text are";
+const VT_TEMPLATE: &str = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.";
+const VT_ANSWER: &str = " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined the value {query}, they are: ";
+const FWE_TEMPLATE: &str = "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?";
+const FWE_ANSWER: &str = " Answer: According to the coded text above, the three most frequently appeared words are:";
+
+/// RULER's needle sentence.
+pub fn needle(key: &str, value: &str) -> String {
+    format!("One of the special magic numbers for {key} is: {value}.")
+}
+
+/// The seed of sample `index` of `task` under base seed `seed` (SplitMix64 of the three).
+pub fn sample_seed(seed: u64, task: Task, index: usize) -> u64 {
+    let mut z = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(task.index() << 32)
+        .wrapping_add(index as u64 + 1);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Splits text into sentences (a sentence ends at a word ending in `.`, `!` or `?`).
+fn sentences<'a>(words: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for w in words {
+        if !cur.is_empty() {
+            cur.push(' ');
+        }
+        cur.push_str(w);
+        if w.ends_with(['.', '!', '?']) {
+            out.push(std::mem::take(&mut cur));
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Inserts `items[i]` before sentence `⌊frac_i · S⌋` (fractions sorted; ties keep order).
+fn plant(sents: &[String], items: &[(f64, String)]) -> String {
+    let s = sents.len();
+    let mut at: Vec<(usize, &str)> = items
+        .iter()
+        .map(|(f, t)| (((f * s as f64) as usize).min(s), t.as_str()))
+        .collect();
+    at.sort_by_key(|x| x.0);
+    let mut parts: Vec<&str> = Vec::with_capacity(s + items.len());
+    let mut j = 0;
+    for (i, sent) in sents.iter().enumerate() {
+        while j < at.len() && at[j].0 == i {
+            parts.push(at[j].1);
+            j += 1;
+        }
+        parts.push(sent);
+    }
+    while j < at.len() {
+        parts.push(at[j].1);
+        j += 1;
+    }
+    parts.join(" ")
+}
+
+/// The largest `m` in `0..=hi` with `fits(m)` (monotone), or an error if not even 0 fits.
+fn largest_fitting(
+    hi: usize,
+    mut fits: impl FnMut(usize) -> Result<bool, EvalError>,
+) -> Result<usize, EvalError> {
+    if !fits(0)? {
+        return Err(EvalError::Invalid(
+            "the context is too short for the task's template".into(),
+        ));
+    }
+    let (mut lo, mut hi) = (0usize, hi);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid)? {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Ok(lo)
+}
+
+fn random_number(rng: &mut StdRng, digits: u32) -> String {
+    let lo = 10u64.pow(digits - 1);
+    rng.gen_range(lo..lo * 10).to_string()
+}
+
+fn join_query(keys: &[String]) -> String {
+    match keys {
+        [one] => one.clone(),
+        [init @ .., last] => format!("{}, and {last}", init.join(", ")),
+        [] => String::new(),
+    }
+}
+
+/// Generates sample `index` of `task` (see the [module docs](self)).
+pub fn generate(
+    task: Task,
+    params: &TaskParams,
+    tok: &Tokenizer,
+    haystack: &Haystack,
+    words: &WordList,
+    index: usize,
+) -> Result<Sample, EvalError> {
+    let seed = sample_seed(params.seed, task, index);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let max_new = params.tokens_to_generate.unwrap_or(task.tokens_to_generate());
+    let budget = params.context.checked_sub(max_new).ok_or_else(|| {
+        EvalError::Invalid(format!(
+            "context {} is shorter than the {max_new} tokens to generate",
+            params.context
+        ))
+    })?;
+    let offset = rng.gen_range(0..haystack.words.len());
+    let count = |text: &str| -> Result<usize, EvalError> { Ok(tok.encode(text)?.len()) };
+    let (prompt, gold, question, m, depths_used) = match task {
+        Task::Fwe => {
+            let (template, gold, m) = fwe(&mut rng, budget, &count)?;
+            let q = template.rsplit_once("\nQuestion:").map_or(String::new(), |x| format!("Question:{}", x.1));
+            (template, gold, q, m, Vec::new())
+        }
+        Task::Vt => {
+            let vars: Vec<String> = {
+                let mut v: Vec<String> = Vec::new();
+                while v.len() < 5 {
+                    let s: String = (0..5).map(|_| rng.gen_range(b'A'..=b'Z') as char).collect();
+                    if !v.contains(&s) {
+                        v.push(s);
+                    }
+                }
+                v
+            };
+            let value = random_number(&mut rng, 5);
+            let mut chain = vec![format!("VAR {} = {value}", vars[0])];
+            for j in 0..4 {
+                chain.push(format!("VAR {} = VAR {} ", vars[j + 1], vars[j]));
+            }
+            let mut fracs: Vec<f64> = (0..chain.len()).map(|_| rng.gen::<f64>()).collect();
+            fracs.sort_by(f64::total_cmp);
+            let items: Vec<(f64, String)> = fracs.into_iter().zip(chain).collect();
+            let question = VT_TEMPLATE
+                .rsplit_once("{context}")
+                .map_or("", |x| x.1)
+                .replace("{query}", &value);
+            let build = |m: usize| -> String {
+                let ctx = plant(&sentences(haystack.take(offset, m)), &items);
+                let t = VT_TEMPLATE.replace("{context}", &ctx).replace("{query}", &value);
+                let a = VT_ANSWER.replace("{num_v}", "5").replace("{query}", &value);
+                t + &a
+            };
+            let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
+            (build(m), vars, question, m, Vec::new())
+        }
+        _ => {
+            let (n_keys, n_values, n_queries) = match task {
+                Task::NiahSingle => (1, 1, 1),
+                Task::NiahMultikey => (4, 1, 1),
+                Task::NiahMultivalue => (1, 4, 1),
+                _ => (4, 1, 4),
+            };
+            let mut keys: Vec<String> = Vec::new();
+            while keys.len() < n_keys {
+                let a = words.adjectives.choose(&mut rng).cloned().unwrap_or_default();
+                let n = words.nouns.choose(&mut rng).cloned().unwrap_or_default();
+                let k = format!("{a}-{n}");
+                if !keys.contains(&k) {
+                    keys.push(k);
+                }
+            }
+            let mut needles: Vec<(String, String)> = Vec::new();
+            let mut values: Vec<Vec<String>> = Vec::new();
+            for k in &keys {
+                let mut vs = Vec::new();
+                while vs.len() < n_values {
+                    let v = random_number(&mut rng, 7);
+                    if !vs.contains(&v) {
+                        vs.push(v);
+                    }
+                }
+                for v in &vs {
+                    needles.push((k.clone(), v.clone()));
+                }
+                values.push(vs);
+            }
+            needles.shuffle(&mut rng);
+            let all = depths();
+            let chosen: Vec<u32> = all.choose_multiple(&mut rng, needles.len()).copied().collect();
+            let items: Vec<(f64, String)> = chosen
+                .iter()
+                .zip(&needles)
+                .map(|(d, (k, v))| (*d as f64 / 100.0, needle(k, v)))
+                .collect();
+            let queries = &keys[..n_queries];
+            let query = join_query(queries);
+            let gold: Vec<String> = values[..n_queries].iter().flatten().cloned().collect();
+            let question = NIAH_TEMPLATE
+                .rsplit_once("{context}")
+                .map_or("", |x| x.1)
+                .replace("{query}", &query);
+            let build = |m: usize| -> String {
+                let ctx = plant(&sentences(haystack.take(offset, m)), &items);
+                NIAH_TEMPLATE.replace("{context}", &ctx).replace("{query}", &query)
+                    + &NIAH_ANSWER.replace("{query}", &query)
+            };
+            let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
+            (build(m), gold, question, m, chosen)
+        }
+    };
+    let prompt_ids = tok.encode(&prompt)?;
+    Ok(Sample {
+        task,
+        index,
+        seed,
+        prompt_tokens: prompt_ids.len(),
+        prompt,
+        prompt_ids,
+        max_new,
+        gold,
+        question,
+        haystack_words: m,
+        haystack_offset: if task == Task::Fwe { 0 } else { offset },
+        depths: depths_used,
+    })
+}
+
+/// Frequent-word extraction: RULER's vocabulary of random 6-letter words, the first (after a
+/// seeded shuffle) replaced by `...`, word `k` repeated `⌊W·k^{−α}/ζ(α)⌋` times (α = 2),
+/// shuffled; `W` is the largest that fits. Gold: the words of rank 2–4.
+fn fwe(
+    rng: &mut StdRng,
+    budget: usize,
+    count: &dyn Fn(&str) -> Result<usize, EvalError>,
+) -> Result<(String, Vec<String>, usize), EvalError> {
+    const VOCAB: usize = 2000;
+    const ALPHA: f64 = 2.0;
+    let zeta2 = std::f64::consts::PI * std::f64::consts::PI / 6.0;
+    let mut vocab = std::collections::BTreeSet::new();
+    while vocab.len() < VOCAB {
+        let w: String = (0..6).map(|_| rng.gen_range(b'a'..=b'z') as char).collect();
+        vocab.insert(w);
+    }
+    let mut vocab: Vec<String> = vocab.into_iter().collect();
+    vocab.shuffle(rng);
+    vocab[0] = "...".into();
+    let shuffle_seed: u64 = rng.gen();
+    let build = |w: usize| -> String {
+        let mut words: Vec<&str> = Vec::new();
+        for (k, v) in vocab.iter().enumerate() {
+            let c = (w as f64 * ((k + 1) as f64).powf(-ALPHA) / zeta2) as usize;
+            words.extend(std::iter::repeat_n(v.as_str(), c));
+        }
+        words.shuffle(&mut StdRng::seed_from_u64(shuffle_seed));
+        FWE_TEMPLATE.replace("{context}", &words.join(" ")) + FWE_ANSWER
+    };
+    let w = largest_fitting(budget, |w| Ok(count(&build(w))? <= budget))?;
+    Ok((build(w), vocab[1..4].to_vec(), w))
+}
+
+/// RULER's `string_match_all`: the fraction of `gold` found in `generation`, ignoring case.
+pub fn score(generation: &str, gold: &[String]) -> f64 {
+    if gold.is_empty() {
+        return 0.0;
+    }
+    let g = generation.to_lowercase();
+    gold.iter().filter(|s| g.contains(&s.to_lowercase())).count() as f64 / gold.len() as f64
+}
