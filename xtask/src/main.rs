@@ -1,21 +1,21 @@
 //! `cargo xtask`: drives `cargo` and the `fathom` CLI; never reimplements them.
 //!
-//! - `cargo xtask repro [--quick | --full] [--out DIR]`: builds the CLI in release and runs the
-//!   pipeline, writing results under DIR (default `results/`).
-//! - `cargo xtask fetch-models`: downloads and verifies the pinned GGUF models (through the CLI).
-//! - `cargo xtask fuzz [--seconds N] [--target T]`: runs each `cargo fuzz` target under `fuzz/`
-//!   for N seconds (default 600) and prints the executions and crashes (docs/RELIABILITY.md).
-//! - `cargo xtask stress [--seconds N]`: the 16-session append/scan stress test in release for
-//!   N seconds (default 600).
+//! - `cargo xtask repro [--quick | --full] [--gpu] [--out DIR]`: the whole pipeline (models,
+//!   corpora, captures, calibration, fidelity sweeps, ablations, downstream tasks, device
+//!   timing when asked and possible) and `DIR/REPORT.md` (default `results/`).
+//! - `cargo xtask fetch-models`, `cargo xtask fetch-corpus`: through the CLI.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
 fn main() -> ExitCode {
     match run() {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("xtask: error: {}", format!("{e:#}").replace('\n', " "));
             ExitCode::FAILURE
@@ -36,145 +36,441 @@ fn cargo() -> Command {
     c
 }
 
-fn build_cli() -> Result<PathBuf> {
-    let st = cargo()
-        .args(["build", "--release", "-p", "fathom-cli"])
-        .status()
-        .context("running cargo build")?;
+fn build_cli(features: &[&str]) -> Result<PathBuf> {
+    let mut c = cargo();
+    c.args(["build", "--release", "-p", "fathom-cli"]);
+    if !features.is_empty() {
+        c.args(["--features", &features.join(",")]);
+    }
+    let st = c.status().context("running cargo build")?;
     if !st.success() {
         bail!("cargo build --release -p fathom-cli failed");
     }
     Ok(root().join("target/release/fathom"))
 }
 
-fn fathom(bin: &Path, args: &[&str]) -> Result<()> {
-    eprintln!("xtask: fathom {}", args.join(" "));
-    let st = Command::new(bin)
-        .args(args)
-        .current_dir(root())
-        .status()
-        .context("running fathom")?;
-    if !st.success() {
-        bail!("`fathom {}` failed ({st})", args.join(" "));
+fn json_str(s: &str) -> String {
+    let mut o = String::from("\"");
+    for ch in s.chars() {
+        match ch {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            '\n' => o.push_str("\\n"),
+            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
+            c => o.push(c),
+        }
     }
-    Ok(())
+    o.push('"');
+    o
 }
 
-fn run() -> Result<()> {
+/// One stage: a `fathom` command line, its name and a rough duration estimate (s).
+struct Stage {
+    name: String,
+    args: Vec<String>,
+    estimate: f64,
+}
+
+fn stage(name: &str, estimate: f64, args: &[&str]) -> Stage {
+    Stage {
+        name: name.into(),
+        args: args.iter().map(|s| s.to_string()).collect(),
+        estimate,
+    }
+}
+
+/// Runs every stage; a failing stage is logged and the rest continue.
+fn run_stages(bin: &Path, stages: &[Stage], log: &Path) -> Result<bool> {
+    let mut f =
+        std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let total: f64 = stages.iter().map(|s| s.estimate).sum();
+    let t0 = Instant::now();
+    let mut done_est = 0.0;
+    let mut all_ok = true;
+    for (i, s) in stages.iter().enumerate() {
+        let el = t0.elapsed().as_secs_f64();
+        let eta = if done_est > 0.0 {
+            (total - done_est) * el / done_est
+        } else {
+            total
+        };
+        eprintln!(
+            "xtask: [{}/{}] {} — elapsed {:.0}s, ETA ~{:.0}s\n        fathom {}",
+            i + 1,
+            stages.len(),
+            s.name,
+            el,
+            eta,
+            s.args.join(" ")
+        );
+        let ts = Instant::now();
+        let out = Command::new(bin).args(&s.args).current_dir(root()).status();
+        let secs = ts.elapsed().as_secs_f64();
+        let (ok, err) = match out {
+            Ok(st) if st.success() => (true, String::new()),
+            Ok(st) => (false, format!("exit status {st}")),
+            Err(e) => (false, e.to_string()),
+        };
+        if !ok {
+            eprintln!("xtask: stage {} FAILED ({err}); continuing", s.name);
+            all_ok = false;
+        }
+        writeln!(
+            f,
+            "{{\"stage\": {}, \"ok\": {ok}, \"seconds\": {secs:.2}, \"command\": {}, \"error\": {}}}",
+            json_str(&s.name),
+            json_str(&format!("fathom {}", s.args.join(" "))),
+            json_str(&err)
+        )?;
+        done_est += s.estimate;
+    }
+    eprintln!(
+        "xtask: all stages done in {:.0}s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(all_ok)
+}
+
+/// One (model, context) setting of the pipeline.
+struct Setting {
+    model: &'static str,
+    context: usize,
+    positions: usize,
+    k: usize,
+    /// Evaluate the plan calibrated here at this other context too (cross-context ablation).
+    cross: Option<usize>,
+}
+
+const MAIN_METHODS: &str = "dense,exact,fathom-sweep:24-136/8,fathom-layer:48,fathom-layer:64,fathom-uniform:48,fathom-uniform:64,sparq:16,sparq:32,sparq-union:16,sparq-union:32,ds:32,loki:32,thumb2,landmark,quest";
+const ABLATION_METHODS: &str = "exact,fathom-raw:32,fathom-raw:48,fathom-raw:64,fathom-raw:92,fathom-raw:136,fathom-klt:32,fathom-klt:48,fathom-klt:64,fathom-klt:92,fathom-klt:136,fathom-blockmax:48,fathom-blockmax:64,loki:32,loki-f16:32,loki-f16:8";
+const K_METHODS: &str = "exact,fathom:48,fathom:64,fathom:92,sparq:32,ds:32,loki:32";
+
+fn pipeline(
+    settings: &[Setting],
+    ks: &[usize],
+    out: &str,
+    cache: &str,
+    downstream: &[String],
+) -> Vec<Stage> {
+    let mut st = vec![
+        stage("fetch models", 5.0, &["fetch-models"]),
+        stage("fetch corpus", 10.0, &["fetch-corpus"]),
+    ];
+    for s in settings {
+        let tag = format!("{}-{}k", s.model, s.context / 1024);
+        let dir = format!("{out}/{tag}");
+        let cap = |split: &str, ctx: usize| {
+            format!("{cache}/{}-{split}-{}k.safetensors", s.model, ctx / 1024)
+        };
+        let est = s.context as f64 / 150.0;
+        let (ctx, pos, k) = (
+            s.context.to_string(),
+            s.positions.to_string(),
+            s.k.to_string(),
+        );
+        for split in ["calib", "eval"] {
+            st.push(stage(
+                &format!("{tag}: capture {split}"),
+                est,
+                &[
+                    "capture",
+                    "--model",
+                    s.model,
+                    "--corpus",
+                    "prose",
+                    "--split",
+                    split,
+                    "--context",
+                    &ctx,
+                    "--positions",
+                    &pos,
+                    "--dtype",
+                    "f16",
+                    "--out",
+                    &cap(split, s.context),
+                ],
+            ));
+        }
+        let calib = format!("{dir}/calibration.json");
+        st.push(stage(
+            &format!("{tag}: calibrate"),
+            est / 2.0,
+            &[
+                "calibrate",
+                "--capture",
+                &cap("calib", s.context),
+                "--out",
+                &calib,
+                "--targets",
+                "48,64",
+                "--k",
+                &k,
+            ],
+        ));
+        st.push(stage(
+            &format!("{tag}: fidelity"),
+            est,
+            &[
+                "fidelity",
+                "--capture",
+                &cap("eval", s.context),
+                "--calib",
+                &calib,
+                "--methods",
+                MAIN_METHODS,
+                "--k",
+                &k,
+                "--json",
+                &format!("{dir}/fidelity.json"),
+                "--plot",
+                &format!("{dir}/fidelity.png"),
+            ],
+        ));
+        st.push(stage(
+            &format!("{tag}: ablations (basis, proxy, Loki fp16)"),
+            est,
+            &[
+                "fidelity",
+                "--capture",
+                &cap("eval", s.context),
+                "--calib",
+                &calib,
+                "--methods",
+                ABLATION_METHODS,
+                "--k",
+                &k,
+                "--json",
+                &format!("{dir}/ablations.json"),
+                "--plot",
+                &format!("{dir}/ablations.png"),
+            ],
+        ));
+        for &kk in ks {
+            let kk = kk.to_string();
+            st.push(stage(
+                &format!("{tag}: k = {kk}"),
+                est / 3.0,
+                &[
+                    "fidelity",
+                    "--capture",
+                    &cap("eval", s.context),
+                    "--calib",
+                    &calib,
+                    "--methods",
+                    K_METHODS,
+                    "--k",
+                    &kk,
+                    "--json",
+                    &format!("{dir}/k{kk}.json"),
+                ],
+            ));
+        }
+        if let Some(c2) = s.cross {
+            let c2s = c2.to_string();
+            st.push(stage(
+                &format!("{tag}: capture eval at {}k (cross-context)", c2 / 1024),
+                c2 as f64 / 150.0,
+                &[
+                    "capture",
+                    "--model",
+                    s.model,
+                    "--corpus",
+                    "prose",
+                    "--split",
+                    "eval",
+                    "--context",
+                    &c2s,
+                    "--positions",
+                    &pos,
+                    "--dtype",
+                    "f16",
+                    "--out",
+                    &cap("eval", c2),
+                ],
+            ));
+            st.push(stage(
+                &format!(
+                    "{tag}: plan calibrated at {}k, evaluated at {}k",
+                    s.context / 1024,
+                    c2 / 1024
+                ),
+                c2 as f64 / 150.0,
+                &[
+                    "fidelity",
+                    "--capture",
+                    &cap("eval", c2),
+                    "--calib",
+                    &calib,
+                    "--methods",
+                    "exact,fathom:48,fathom:64,fathom-layer:48,fathom-layer:64,ds:32",
+                    "--k",
+                    &k,
+                    "--json",
+                    &format!("{dir}/cross-context-{}k.json", c2 / 1024),
+                ],
+            ));
+        }
+        for d in downstream {
+            let mut args: Vec<&str> = d.split(' ').collect();
+            let json = format!("{dir}/{}.json", args[0]);
+            args.extend(["--model", s.model, "--context", &ctx, "--json", &json]);
+            st.push(stage(
+                &format!("{tag}: {}", d.split(' ').next().unwrap_or("")),
+                est * 2.0,
+                &args,
+            ));
+        }
+    }
+    st
+}
+
+fn run() -> Result<bool> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first() else {
-        bail!("usage: cargo xtask <repro [--quick|--full] [--out DIR] | fetch-models | fuzz [--seconds N] [--target T] | stress [--seconds N]>");
+        bail!("usage: cargo xtask <repro [--quick|--full] [--gpu] [--out DIR] | fetch-models | fetch-corpus>");
     };
     match cmd.as_str() {
         "repro" => {
             let mut out = "results".to_string();
-            let mut full = false;
+            let (mut full, mut gpu) = (false, false);
             let mut it = args.iter().skip(1);
             while let Some(a) = it.next() {
                 match a.as_str() {
                     "--quick" => full = false,
                     "--full" => full = true,
+                    "--gpu" => gpu = true,
                     "--out" => out = it.next().context("--out needs a directory")?.clone(),
-                    "--gpu" => eprintln!("xtask: --gpu: the offload timing runs on the device through `fathom offload-bench`; it is skipped here (no device on this machine); see results/device/ for the last committed device results"),
                     other => bail!("unknown repro flag {other:?}"),
                 }
             }
-            let bin = build_cli()?;
-            std::fs::create_dir_all(root().join(&out))
-                .with_context(|| format!("creating {out}"))?;
-            let demo_json = format!("{out}/demo-synthetic.json");
-            let demo_png = format!("{out}/demo-synthetic.png");
-            fathom(&bin, &["demo", "--json", &demo_json, "--plot", &demo_png])?;
-            if full {
-                eprintln!("xtask: --full: the real-model stages (capture, calibrate, fidelity, downstream) run through `fathom capture/calibrate/fidelity`; see README for the commands run and their results");
+            let bin = build_cli(&[])?;
+            let mode = if full { "full" } else { "quick" };
+            let run_dir = format!("{out}/{mode}");
+            std::fs::create_dir_all(root().join(&run_dir))
+                .with_context(|| format!("creating {run_dir}"))?;
+            let cache = ".cache/captures".to_string();
+            std::fs::create_dir_all(root().join(&cache))?;
+            let help = Command::new(&bin)
+                .arg("--help")
+                .output()
+                .context("running fathom --help")?;
+            let help = String::from_utf8_lossy(&help.stdout).to_string();
+            let mut downstream = Vec::new();
+            let samples = if full { "20" } else { "2" };
+            if help.contains("ruler") {
+                downstream.push(format!("ruler --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples {samples} --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark"));
             }
-            eprintln!("xtask: wrote {demo_json}");
-            Ok(())
+            if help.contains("agent-steps") {
+                let (sess, steps) = if full { ("4", "64") } else { ("1", "16") };
+                downstream.push(format!("agent-steps --sessions {sess} --steps {steps} --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:32,ds:32,loki:32"));
+            }
+            let (settings, ks): (Vec<Setting>, Vec<usize>) = if full {
+                (
+                    vec![
+                        Setting {
+                            model: "smollm2-135m",
+                            context: 4096,
+                            positions: 128,
+                            k: 128,
+                            cross: Some(8192),
+                        },
+                        Setting {
+                            model: "smollm2-135m",
+                            context: 8192,
+                            positions: 128,
+                            k: 256,
+                            cross: None,
+                        },
+                        Setting {
+                            model: "gemma3-270m",
+                            context: 8192,
+                            positions: 128,
+                            k: 256,
+                            cross: None,
+                        },
+                        Setting {
+                            model: "gemma3-270m",
+                            context: 16384,
+                            positions: 64,
+                            k: 256,
+                            cross: None,
+                        },
+                        Setting {
+                            model: "gemma3-270m",
+                            context: 32768,
+                            positions: 64,
+                            k: 512,
+                            cross: None,
+                        },
+                    ],
+                    vec![64, 128, 256, 512, 1024],
+                )
+            } else {
+                (
+                    vec![Setting {
+                        model: "smollm2-135m",
+                        context: 2048,
+                        positions: 16,
+                        k: 128,
+                        cross: Some(4096),
+                    }],
+                    vec![64, 256],
+                )
+            };
+            let mut stages = pipeline(&settings, &ks, &run_dir, &cache, &downstream);
+            if gpu {
+                stages.push(stage(
+                    "offload timing (device)",
+                    120.0,
+                    &[
+                        "offload-bench",
+                        "--context",
+                        "32k,256k,1m",
+                        "--residency",
+                        "host,hbm",
+                        "--json",
+                        &format!("{run_dir}/device-offload.json"),
+                    ],
+                ));
+            } else {
+                eprintln!("xtask: device timing skipped: --gpu not given (this machine has no GPU); the report lists the last committed device results under results/device/, labelled as such");
+            }
+            let log = root().join(&run_dir).join("stages.jsonl");
+            let ok = run_stages(&bin, &stages, &log)?;
+            // The report: this run plus the last committed device results.
+            let report = format!("{out}/REPORT.md");
+            let mut report_stage = vec![stage(
+                "report",
+                1.0,
+                &[
+                    "report",
+                    "--dir",
+                    &out,
+                    "--out",
+                    &report,
+                    "--stages",
+                    &log.display().to_string(),
+                ],
+            )];
+            let ok2 = run_stages(
+                &bin,
+                &report_stage,
+                &root().join(&run_dir).join("report-stage.jsonl"),
+            )?;
+            report_stage.clear();
+            eprintln!("xtask: report at {report}");
+            Ok(ok && ok2)
         }
         "fetch-models" => {
-            let bin = build_cli()?;
-            fathom(&bin, &["fetch-models"])
+            let bin = build_cli(&[])?;
+            Ok(Command::new(bin).arg("fetch-models").status()?.success())
         }
-        "fuzz" => fuzz(&args[1..]),
-        "stress" => {
-            let secs = seconds_flag(&args[1..], 600)?;
-            let st = cargo()
-                .args(["test", "--release", "-p", "fathom-plan", "--test", "stress", "--", "--nocapture"])
-                .env("FATHOM_STRESS_SECS", secs.to_string())
-                .status()
-                .context("running cargo test")?;
-            if !st.success() {
-                bail!("the stress test failed ({st})");
-            }
-            Ok(())
+        "fetch-corpus" => {
+            let bin = build_cli(&[])?;
+            Ok(Command::new(bin).arg("fetch-corpus").status()?.success())
         }
-        other => bail!("unknown xtask command {other:?}; expected repro, fetch-models, fuzz or stress"),
-    }
-}
-
-/// The fuzz targets under `fuzz/fuzz_targets/`.
-const FUZZ_TARGETS: [&str; 4] = ["store", "capture", "calib", "gguf"];
-
-fn seconds_flag(args: &[String], default: u64) -> Result<u64> {
-    let mut secs = default;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--seconds" => {
-                let v = it.next().context("--seconds needs a number")?;
-                secs = v.parse().with_context(|| format!("--seconds {v:?} is not a number"))?;
-            }
-            "--target" => {
-                it.next();
-            }
-            other => bail!("unknown flag {other:?}"),
+        other => {
+            bail!("unknown xtask command {other:?}; expected repro, fetch-models or fetch-corpus")
         }
     }
-    Ok(secs)
-}
-
-/// `cargo fuzz` needs nightly flags (`-Zsanitizer`, `-Cpasses=sancov-module`): on the stable
-/// toolchain it runs with `RUSTC_BOOTSTRAP=1`. No sanitizer (`-s none`: the readers are safe
-/// Rust; debug assertions (`-a`) catch overflow), libFuzzer's own crash and timeout detection.
-fn fuzz(args: &[String]) -> Result<()> {
-    let secs = seconds_flag(args, 600)?;
-    let only = args.iter().position(|a| a == "--target").and_then(|i| args.get(i + 1));
-    let targets: Vec<&str> = FUZZ_TARGETS
-        .iter()
-        .copied()
-        .filter(|t| only.is_none_or(|o| o == t))
-        .collect();
-    if targets.is_empty() {
-        bail!("unknown fuzz target {only:?}; expected one of {FUZZ_TARGETS:?}");
-    }
-    let logs = root().join("target/fuzz-logs");
-    std::fs::create_dir_all(&logs).context("creating target/fuzz-logs")?;
-    let mut summary = Vec::new();
-    for t in targets {
-        let log = logs.join(format!("{t}.log"));
-        eprintln!("xtask: fuzzing {t} for {secs} s (log: {})", log.display());
-        let st = cargo()
-            .env("RUSTC_BOOTSTRAP", "1")
-            .args(["fuzz", "run", "-s", "none", "-a", "-O", t, "--"])
-            .arg(format!("-max_total_time={secs}"))
-            .args(["-timeout=10", "-rss_limit_mb=4096", "-print_final_stats=1"])
-            .stderr(std::fs::File::create(&log).context("creating the log")?)
-            .status()
-            .context("running cargo fuzz (install it with `cargo install cargo-fuzz`)")?;
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        let runs = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("stat::number_of_executed_units:"))
-            .filter_map(|v| v.trim().parse::<u64>().ok())
-            .next_back();
-        summary.push((t, runs, st.success()));
-        eprintln!("xtask: {t}: {} executions, {}", runs.map_or("?".into(), |r| r.to_string()), if st.success() { "no crash" } else { "CRASH (see the log and fuzz/artifacts/)" });
-    }
-    let total: u64 = summary.iter().filter_map(|s| s.1).sum();
-    let crashed: Vec<&str> = summary.iter().filter(|s| !s.2).map(|s| s.0).collect();
-    eprintln!("xtask: fuzz total: {total} executions over {} targets, {} crashed {crashed:?}", summary.len(), crashed.len());
-    if !crashed.is_empty() {
-        bail!("fuzz targets crashed: {crashed:?}");
-    }
-    Ok(())
 }
