@@ -136,10 +136,14 @@ pub fn write_atomic_with(
     let name = path.file_name().ok_or_else(|| {
         std::io::Error::new(std::io::ErrorKind::InvalidInput, "path has no file name")
     })?;
+    // Unique per process and per call, so that threads writing the same path concurrently
+    // never share a temporary file (the last rename wins with a whole file).
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let tmp = dir.join(format!(
-        ".{}.tmp-{}",
+        ".{}.tmp-{}-{}",
         name.to_string_lossy(),
-        std::process::id()
+        std::process::id(),
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     let result = (|| {
         let f = File::create(&tmp)?;
@@ -313,6 +317,14 @@ fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<Parsed<'a>> {
     if header.heads == 0 || header.channels == 0 {
         return Err(corrupt("zero heads or channels".into()));
     }
+    // The same bound as in-memory stores: a 64-byte empty store claiming 2³² × 2³² channels
+    // would otherwise make loaders and scans loop (or overflow) over nothing (fuzz: store).
+    Dims {
+        heads: header.heads as usize,
+        channels: header.channels as usize,
+    }
+    .validate()
+    .map_err(|e| corrupt(e.to_string()))?;
     if header.nblocks != blocks_for(header.tokens) {
         return Err(corrupt(format!(
             "{} blocks for {} tokens",
@@ -384,10 +396,11 @@ impl KeyStore {
         let hc = dims.row();
         let mut planes = vec![0u64; hc * PLANES * cap];
         let mut scales = vec![f16::ZERO; hc * cap];
-        for i in 0..hc * PLANES {
+        // (No blocks, nothing to copy: skip the heads × channels loop; fuzz: store.)
+        for i in 0..if nb == 0 { 0 } else { hc * PLANES } {
             planes[i * cap..i * cap + nb].copy_from_slice(&p.planes[i * nb..(i + 1) * nb]);
         }
-        for i in 0..hc {
+        for i in 0..if nb == 0 { 0 } else { hc } {
             scales[i * cap..i * cap + nb].copy_from_slice(&p.scales[i * nb..(i + 1) * nb]);
         }
         let basis = match BasisKind::from_u32(h.basis_kind) {
