@@ -25,6 +25,22 @@ fn register_font() -> Result<()> {
     Ok(())
 }
 
+/// Distinct colours (Okabe–Ito plus extras), so neighbouring families never look alike.
+const PALETTE: [RGBColor; 12] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(86, 180, 233),
+    RGBColor(230, 159, 0),
+    RGBColor(0, 0, 0),
+    RGBColor(240, 228, 66),
+    RGBColor(120, 60, 160),
+    RGBColor(160, 40, 40),
+    RGBColor(100, 100, 100),
+    RGBColor(40, 120, 40),
+];
+
 fn family(name: &str) -> &str {
     name.split(':').next().unwrap_or(name)
 }
@@ -51,6 +67,7 @@ pub fn error_vs_bits(report: &FidelityReport, title: &str, path: &Path) -> Resul
     let ymin = pts.iter().map(|p| p.2).fold(f64::INFINITY, f64::min) / 1.5;
     let ymax = pts.iter().map(|p| p.2).fold(0.0, f64::max) * 1.5;
     let tmp = path.with_extension(format!("tmp-{}.png", std::process::id()));
+    let _cleanup = RemoveOnDrop(&tmp);
     {
         let root = BitMapBackend::new(&tmp, (1000, 650)).into_drawing_area();
         root.fill(&WHITE)?;
@@ -64,13 +81,15 @@ pub fn error_vs_bits(report: &FidelityReport, title: &str, path: &Path) -> Resul
             .configure_mesh()
             .x_desc("bits per token per KV head")
             .y_desc("mean relative error of attention output")
+            .y_label_formatter(&|y| format!("{y:.3}"))
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .draw()?;
         let mut families: Vec<&str> = pts.iter().map(|p| family(p.0)).collect();
         families.dedup();
         families.sort();
         families.dedup();
         for (i, fam) in families.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
+            let color = PALETTE[i % PALETTE.len()].to_rgba();
             let mut series: Vec<(f64, f64)> = pts
                 .iter()
                 .filter(|p| family(p.0) == *fam && p.1 <= xmax)
@@ -123,8 +142,21 @@ pub fn error_vs_bits(report: &FidelityReport, title: &str, path: &Path) -> Resul
             .border_style(BLACK)
             .position(SeriesLabelPosition::UpperRight)
             .draw()?;
-        root.present().context("rendering the plot")?;
+        root.present()
+            .with_context(|| format!("rendering the plot into {}", path.display()))?;
     }
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
+}
+
+/// Removes a temporary file on every exit (after a successful rename it is already gone).
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
 }
