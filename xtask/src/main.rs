@@ -4,6 +4,10 @@
 //!   corpora, captures, calibration, fidelity sweeps, ablations, downstream tasks, device
 //!   timing when asked and possible) and `DIR/REPORT.md` (default `results/`).
 //! - `cargo xtask fetch-models`, `cargo xtask fetch-corpus`: through the CLI.
+//! - `cargo xtask fuzz [--seconds N] [--target T]`: runs each `cargo fuzz` target under `fuzz/`
+//!   for N seconds (default 600) and prints the executions and crashes (docs/RELIABILITY.md).
+//! - `cargo xtask stress [--seconds N]`: the 16-session append/scan stress test in release for
+//!   N seconds (default 600).
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -327,7 +331,7 @@ fn pipeline(
 fn run() -> Result<bool> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first() else {
-        bail!("usage: cargo xtask <repro [--quick|--full] [--gpu] [--out DIR] | fetch-models | fetch-corpus>");
+        bail!("usage: cargo xtask <repro [--quick|--full] [--gpu] [--out DIR] | fetch-models | fetch-corpus | fuzz [--seconds N] [--target T] | stress [--seconds N]>");
     };
     match cmd.as_str() {
         "repro" => {
@@ -473,4 +477,87 @@ fn run() -> Result<bool> {
             bail!("unknown xtask command {other:?}; expected repro, fetch-models or fetch-corpus")
         }
     }
+}
+/// The fuzz targets under `fuzz/fuzz_targets/`.
+const FUZZ_TARGETS: [&str; 4] = ["store", "capture", "calib", "gguf"];
+
+fn seconds_flag(args: &[String], default: u64) -> Result<u64> {
+    let mut secs = default;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--seconds" => {
+                let v = it.next().context("--seconds needs a number")?;
+                secs = v
+                    .parse()
+                    .with_context(|| format!("--seconds {v:?} is not a number"))?;
+            }
+            "--target" => {
+                it.next();
+            }
+            other => bail!("unknown flag {other:?}"),
+        }
+    }
+    Ok(secs)
+}
+
+/// `cargo fuzz` needs nightly flags (`-Zsanitizer`, `-Cpasses=sancov-module`): on the stable
+/// toolchain it runs with `RUSTC_BOOTSTRAP=1`. No sanitizer (`-s none`: the readers are safe
+/// Rust; debug assertions (`-a`) catch overflow), libFuzzer's own crash and timeout detection.
+fn fuzz(args: &[String]) -> Result<()> {
+    let secs = seconds_flag(args, 600)?;
+    let only = args
+        .iter()
+        .position(|a| a == "--target")
+        .and_then(|i| args.get(i + 1));
+    let targets: Vec<&str> = FUZZ_TARGETS
+        .iter()
+        .copied()
+        .filter(|t| only.is_none_or(|o| o == t))
+        .collect();
+    if targets.is_empty() {
+        bail!("unknown fuzz target {only:?}; expected one of {FUZZ_TARGETS:?}");
+    }
+    let logs = root().join("target/fuzz-logs");
+    std::fs::create_dir_all(&logs).context("creating target/fuzz-logs")?;
+    let mut summary = Vec::new();
+    for t in targets {
+        let log = logs.join(format!("{t}.log"));
+        eprintln!("xtask: fuzzing {t} for {secs} s (log: {})", log.display());
+        let st = cargo()
+            .env("RUSTC_BOOTSTRAP", "1")
+            .args(["fuzz", "run", "-s", "none", "-a", "-O", t, "--"])
+            .arg(format!("-max_total_time={secs}"))
+            .args(["-timeout=10", "-rss_limit_mb=4096", "-print_final_stats=1"])
+            .stderr(std::fs::File::create(&log).context("creating the log")?)
+            .status()
+            .context("running cargo fuzz (install it with `cargo install cargo-fuzz`)")?;
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let runs = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("stat::number_of_executed_units:"))
+            .filter_map(|v| v.trim().parse::<u64>().ok())
+            .next_back();
+        summary.push((t, runs, st.success()));
+        eprintln!(
+            "xtask: {t}: {} executions, {}",
+            runs.map_or("?".into(), |r| r.to_string()),
+            if st.success() {
+                "no crash"
+            } else {
+                "CRASH (see the log and fuzz/artifacts/)"
+            }
+        );
+    }
+    let total: u64 = summary.iter().filter_map(|s| s.1).sum();
+    let crashed: Vec<&str> = summary.iter().filter(|s| !s.2).map(|s| s.0).collect();
+    eprintln!(
+        "xtask: fuzz total: {total} executions over {} targets, {} crashed {crashed:?}",
+        summary.len(),
+        crashed.len()
+    );
+    if !crashed.is_empty() {
+        bail!("fuzz targets crashed: {crashed:?}");
+    }
+    Ok(())
 }
