@@ -473,9 +473,20 @@ fn run() -> Result<bool> {
             let bin = build_cli(&[])?;
             Ok(Command::new(bin).arg("fetch-corpus").status()?.success())
         }
-        other => {
-            bail!("unknown xtask command {other:?}; expected repro, fetch-models or fetch-corpus")
+        "fuzz" => fuzz(&args[1..]).map(|()| true),
+        "stress" => {
+            let secs = seconds_flag(&args[1..], 600)?;
+            let st = cargo()
+                .args(["test", "--release", "-p", "fathom-plan", "--test", "stress", "--", "--nocapture"])
+                .env("FATHOM_STRESS_SECS", secs.to_string())
+                .status()
+                .context("running cargo test")?;
+            if !st.success() {
+                bail!("the stress test failed ({st})");
+            }
+            Ok(true)
         }
+        other => bail!("unknown xtask command {other:?}; expected repro, fetch-models, fetch-corpus, fuzz or stress"),
     }
 }
 /// The fuzz targets under `fuzz/fuzz_targets/`.
