@@ -190,6 +190,20 @@ fn write_json(path: &Option<PathBuf>, v: &Value) -> Result<()> {
         let bytes = serde_json::to_vec_pretty(v)?;
         write_atomic(p, &bytes).with_context(|| format!("writing {}", p.display()))?;
         eprintln!("wrote {}", p.display());
+        let mut q = p.clone().into_os_string();
+        q.push(".partial");
+        let _ = std::fs::remove_file(q);
+    }
+    Ok(())
+}
+
+/// The results so far, next to the final file (`OUT.partial`), so an interrupted run keeps them.
+fn partial(path: &Option<PathBuf>, records: &[Value]) -> Result<()> {
+    if let Some(p) = path {
+        let mut q = p.clone().into_os_string();
+        q.push(".partial");
+        let bytes = serde_json::to_vec(&json!({"complete": false, "results": records}))?;
+        write_atomic(std::path::Path::new(&q), &bytes).context("writing partial results")?;
     }
     Ok(())
 }
@@ -287,13 +301,18 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
             }
             let secs = t0.elapsed().as_secs_f64();
             per_task_secs[ti] += secs;
+            if pb.is_hidden() {
+                let scores: Vec<String> = outs.iter().map(|o| format!("{} {:.2}", o.0, o.3)).collect();
+                eprintln!("{} #{i}: {} tokens, prefill {prefill_s:.0} s, total {secs:.0} s; {}", task.name(), sample.prompt_tokens, scores.join(", "));
+            }
             records.push(json!({
                 "sample": sample, "prefill_seconds": prefill_s, "seconds": secs, "methods": methods_json,
             }));
+            partial(&c.json, &records)?;
         }
     }
     pb.finish_and_clear();
-    // Markdown table: task × method (mean score; † marks tasks where some sample differs from exact).
+    // Markdown table: task × method.
     let names: Vec<String> = s.methods.iter().map(|m| m.name()).collect();
     let n = a.samples as f64;
     println!(
@@ -395,10 +414,14 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
                 "mean_bits": br.stats.mean_bits(), "density": br.stats.density(), "seconds": secs,
             }));
         }
+        if pb.is_hidden() {
+            eprintln!("session {i}: {} tokens, prefill {prefill_s:.0} s, total {:.0} s", ses.prompt_tokens, t0.elapsed().as_secs_f64());
+        }
         records.push(json!({
             "session": ses, "continuation": ses.continuation, "prefill_seconds": prefill_s,
             "seconds": t0.elapsed().as_secs_f64(), "methods": mj,
         }));
+        partial(&c.json, &records)?;
     }
     pb.finish_and_clear();
     let n = a.sessions as f64;
