@@ -43,10 +43,14 @@ p = xl.CommonParams(); p.model.path = sys.argv[1]; p.n_ctx = req["n_ctx"]
 p.n_batch = 512; p.n_ubatch = 512; p.cpuparams.n_threads = 2; p.cpuparams_batch.n_threads = 2; p.warmup = False
 s = xl.Server(p)
 r = s.handle_completions({"prompt": req["ids"], "n_predict": req["n_predict"], "temperature": 0, "ignore_eos": True, "cache_prompt": False})
-t = r["timings"]; print(f"llama.cpp: prefill {t['prompt_per_second']:.1f} tok/s, decode {t['predicted_per_second']:.2f} tok/s")
+t = r.get("timings") or sys.exit(f"no timings: {r.get('error')}"); print(f"llama.cpp: prefill {t['prompt_per_second']:.1f} tok/s, decode {t['predicted_per_second']:.2f} tok/s")
 "#;
         let out = std::process::Command::new("python3").arg("-c").arg(script).arg(&path).arg(&dir).output()?;
         print!("{}", String::from_utf8_lossy(&out.stdout));
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            eprintln!("llama.cpp failed: {}", err.lines().rev().take(3).collect::<Vec<_>>().join(" | "));
+        }
     }
     Ok(())
 }

