@@ -152,9 +152,10 @@ impl Calibration {
                 )));
             }
             for h in hs {
+                let dd = c.d.checked_mul(c.d);
                 let bad = h.sigma2.len() != c.d
-                    || (!h.klt.is_empty() && h.klt.len() != c.d * c.d)
-                    || (!h.loki.is_empty() && h.loki.len() != c.d * c.d)
+                    || (!h.klt.is_empty() && Some(h.klt.len()) != dd)
+                    || (!h.loki.is_empty() && Some(h.loki.len()) != dd)
                     || h.sigma2
                         .iter()
                         .chain(&h.klt)
@@ -168,6 +169,18 @@ impl Calibration {
                         c.layers[slot]
                     )));
                 }
+            }
+        }
+        let max = 4.25 * c.d as f32;
+        for b in &c.budgets {
+            if let Some(x) = std::iter::once(&b.target)
+                .chain(&b.per_layer)
+                .find(|x| !(0.0..=max).contains(*x))
+            {
+                return Err(inv(format!(
+                    "budget {x} bits (target {}) is outside [0, {max}] (4.25 × D)",
+                    b.target
+                )));
             }
         }
         Ok(c)

@@ -1,0 +1,101 @@
+//! Durability (issue 8): no truncated capture or calibration file loads as valid. Checked at
+//! every 4 KiB offset and at odd offsets in between.
+
+use fathom_bench::calib::Calibration;
+use fathom_bench::capture::{capture_bytes, Capture};
+use fathom_bench::synthetic::{generate, SyntheticParams};
+use fathom_bench::tensors::WriteDtype;
+
+fn offsets(len: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..len).step_by(4096).collect();
+    v.extend((1..len).step_by(4093));
+    v.extend([1, 7, 8, 9, len - 1]);
+    v
+}
+
+#[test]
+fn no_truncated_capture_opens() {
+    let (info, layers) = generate(&SyntheticParams {
+        layers: 2,
+        hkv: 2,
+        g: 2,
+        d: 16,
+        n: 512,
+        p: 4,
+        channel_sigma: 1.0,
+        seed: 3,
+    });
+    let bytes = capture_bytes(&info, &layers, WriteDtype::F16).unwrap();
+    assert!(bytes.len() > 16 * 4096);
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("cut.safetensors");
+    let offs = offsets(bytes.len());
+    for &cut in &offs {
+        std::fs::write(&p, &bytes[..cut]).unwrap();
+        // Opening checks the schema; reading every layer checks the data.
+        let loaded = Capture::open(&p).and_then(|c| {
+            for &l in &c.info().layers.clone() {
+                c.layer(l)?;
+            }
+            Ok(())
+        });
+        assert!(loaded.is_err(), "a capture cut at {cut} of {} bytes loads", bytes.len());
+    }
+    std::fs::write(&p, &bytes).unwrap();
+    assert!(Capture::open(&p).is_ok());
+    eprintln!("durability: {} truncated captures rejected", offs.len());
+}
+
+#[test]
+fn no_truncated_calibration_loads() {
+    // A real calibration document: statistics of a small synthetic capture, written by the
+    // same serializer `fathom calibrate` uses.
+    let (info, layers) = generate(&SyntheticParams {
+        layers: 2,
+        hkv: 2,
+        g: 2,
+        d: 32,
+        n: 256,
+        p: 4,
+        channel_sigma: 1.0,
+        seed: 4,
+    });
+    let heads = layers
+        .iter()
+        .map(|data| {
+            (0..info.hkv)
+                .map(|h| {
+                    let keys = fathom_plan::KvView::head(&data.k, info.hkv, info.d, h);
+                    let q = &data.q[..info.g() * info.d];
+                    fathom_bench::calib::head_calib(&keys, q)
+                })
+                .collect()
+        })
+        .collect();
+    let cal = Calibration {
+        format: fathom_bench::calib::FORMAT.into(),
+        version: fathom_bench::calib::VERSION,
+        model: "synthetic".into(),
+        capture: "synthetic".into(),
+        n: info.n,
+        hkv: info.hkv,
+        g: info.g(),
+        d: info.d,
+        layers: info.layers.clone(),
+        heads,
+        budgets: Vec::new(),
+        basis_rule: None,
+    };
+    let bytes = serde_json::to_vec(&cal).unwrap();
+    assert!(bytes.len() > 8 * 4096, "{} bytes", bytes.len());
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("cut.json");
+    let offs = offsets(bytes.len());
+    for &cut in &offs {
+        std::fs::write(&p, &bytes[..cut]).unwrap();
+        assert!(Calibration::load(&p).is_err(), "a calibration cut at {cut} of {} bytes loads", bytes.len());
+    }
+    std::fs::write(&p, &bytes).unwrap();
+    assert!(Calibration::load(&p).is_ok());
+    eprintln!("durability: {} truncated calibrations rejected", offs.len());
+}
