@@ -2,13 +2,6 @@
 #include "common.cuh"
 #define BPC 32   // 64-token blocks per CTA; 8 threads per block, 8 tokens per thread
 
-// Spreads the 8 bits of a byte into the 8 nibbles of a word (bit j -> bit 4j).
-__device__ __forceinline__ u32 spread_nibbles(u32 x) {
-    x = (x | (x << 12)) & 0x000F000Fu;
-    x = (x | (x << 6)) & 0x03030303u;
-    return (x | (x << 3)) & 0x11111111u;
-}
-
 // Level-1 top-k histogram fused into the scan when it fits in shared memory (topk.cu).
 #define HBINS 1024
 #ifndef HIST_MATCH
@@ -25,8 +18,9 @@ __device__ __forceinline__ u32 spread_nibbles(u32 x) {
 // A CTA covers BPC blocks; for every CHS active channels it first stages their plane words
 // and scales in shared memory with one cooperative load (all loads independent, coalesced),
 // then each thread (8 per block, 8 tokens each) spreads the t plane bytes of its tokens into
-// one word of 8 nibbles (the t-bit codes q_t), turns each into (q_t - 2^(t-1) + 1/2) exactly
-// with the 2^22 magic-number trick, and does one FMA per query head with q_gc * m * 2^(1-t).
+// 8 bytes (the t-bit codes q_t), turns each into (q_t - 2^(t-1) + 1/2) exactly with one byte
+// permute and the 2^22 magic-number trick, and does one FMA per query head with
+// q_gc * m * 2^(1-t).
 // planes: [H][D][4][nb] u64 and scales: [H][D][nb] fp16 of this head group (head = blockIdx.y).
 // grid = (ceil(nb / BPC), heads), block = 8 * BPC (>= DIM). scores: [heads][GQ][n] f32.
 // hist ([heads*GQ][HBINS], zeroed by the caller): histogram of the top 10 key bits of the
@@ -96,21 +90,31 @@ extern "C" __global__ void scan_planes(const u64* __restrict__ planes, const u16
             for (int s = 0; s < ns; s++) {
                 const int a = a0 + s, t = act_t[a];
                 const float m = sm[s][lb];
-                u32 code = 0;
+                // Codes of tokens 0..3 in the bytes of c0, 4..7 in c1 (bit i of a nibble goes
+                // to byte i by one magic multiply: the shifted copies never overlap).
+                u32 c0 = 0, c1 = 0;
 #pragma unroll
-                for (int p = 0; p < 4; p++)
-                    if (p < t) code |= spread_nibbles((u32)(sw[s][p][lb] >> (sub * 8)) & 0xffu) << (t - 1 - p);
+                for (int p = 0; p < 4; p++) {
+                    if (p < t) {
+                        const u32 by = (u32)(sw[s][p][lb] >> (sub * 8)) & 0xffu;
+                        c0 |= (((by & 0xFu) * 0x00204081u) & 0x01010101u) << (t - 1 - p);
+                        c1 |= (((by >> 4) * 0x00204081u) & 0x01010101u) << (t - 1 - p);
+                    }
+                }
+                // Bytes now hold 2 q_t + 1 (<= 31).
+                c0 = (c0 << 1) | 0x01010101u;
+                c1 = (c1 << 1) | 0x01010101u;
                 const float step = t == 1 ? m : t == 2 ? m * 0.5f : t == 3 ? m * 0.25f : m * 0.125f;  // m * 2^(1-t)
-                // Floats in [2^22, 2^23) step by 1/2: the bits 0x4A800000 | (2 q_t + 1) are
-                // 2^22 + q_t + 1/2, and subtracting 2^22 + 2^(t-1) leaves q_t - 2^(t-1) + 1/2
-                // exactly.
+                // Floats in [2^22, 2^23) step by 1/2: the bits 0x4A8000xx with xx = 2 q_t + 1 are
+                // 2^22 + q_t + 1/2 (one byte permute per token), and subtracting 2^22 + 2^(t-1)
+                // leaves q_t - 2^(t-1) + 1/2 exactly.
                 const float off = 4194304.0f + (float)(1 << (t - 1));
                 float A[GQ];
 #pragma unroll
                 for (int g = 0; g < GQ; g++) A[g] = qa[g][a] * step;
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
-                    const float kv = __int_as_float(0x4A800000u | (((code >> (4 * j)) & 0xFu) << 1) | 1u) - off;
+                    const float kv = __int_as_float(__byte_perm(j < 4 ? c0 : c1, 0x4A800000u, 0x7650u | (j & 3))) - off;
 #pragma unroll
                     for (int g = 0; g < GQ; g++) acc[g][j] = fmaf(A[g], kv, acc[g][j]);
                 }
