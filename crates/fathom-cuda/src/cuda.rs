@@ -632,6 +632,7 @@ fn fill_records(dst: &mut [u8], recs: &[bf16], _hn: usize, n0: usize, n: usize, 
 
 /// Landmark (`[H][n/8][D]`, mean of 8 keys) or Quest (`[H][n/16][2][D]`, min and max of 16
 /// keys) tables in fp16, from the bf16 keys of the records, tiled to `n`.
+#[allow(clippy::too_many_arguments)]
 fn fill_table(
     dst: &mut [u8],
     recs: &[bf16],
@@ -1491,8 +1492,8 @@ fn static_plan(
     let nb64 = nb as u64;
     let plane_runs = |depths: &[u8]| -> Vec<Run> {
         let mut runs = vec![Run::default(); 2 * hn * d];
-        for hc in 0..hn * d {
-            let t = depths[hc] as u64;
+        for (hc, &t) in depths.iter().enumerate().take(hn * d) {
+            let t = t as u64;
             // Layout [H][2][D]: a head group's runs are one contiguous slice.
             let (h, c) = (hc / d, hc % d);
             runs[h * 2 * d + c] = Run {

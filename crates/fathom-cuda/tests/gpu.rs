@@ -262,9 +262,13 @@ fn kernels_match_cpu_references_hbm_resident() {
 fn missing_gpu_path_is_a_typed_error() {
     match Gpu::open(0) {
         Ok(g) => eprintln!("device present: {:?}", g.info()),
-        Err(CudaError::NotCompiledWithCuda) => assert!(!cfg!(feature = "cuda")),
+        Err(CudaError::NotCompiledWithCuda) => {
+            let built_with_cuda = cfg!(feature = "cuda");
+            assert!(!built_with_cuda, "NotCompiledWithCuda from a cuda build");
+        }
         Err(CudaError::NoDevice { message }) => {
-            assert!(cfg!(feature = "cuda"));
+            let built_with_cuda = cfg!(feature = "cuda");
+            assert!(built_with_cuda, "NoDevice from a build without cuda");
             assert!(!message.is_empty());
         }
         Err(e) => panic!("unexpected {e}"),
