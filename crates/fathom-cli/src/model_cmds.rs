@@ -15,7 +15,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use fathom_model::capture::{capture, CaptureDtype, CaptureOptions};
-use fathom_model::corpus::{context_tokens, fetch_corpus, load_split, CorpusKind, CorpusOptions, Split};
+use fathom_model::corpus::{
+    context_tokens, fetch_corpus, load_split, CorpusKind, CorpusOptions, Split,
+};
 use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
 use fathom_model::{argmax, Dense, LoadOptions, Model, WeightMode};
 
@@ -32,10 +34,17 @@ pub struct CacheArgs {
 
 impl CacheArgs {
     fn fetch_options(&self) -> FetchOptions {
-        FetchOptions { cache_dir: self.cache_dir.clone(), offline: self.offline, ..Default::default() }
+        FetchOptions {
+            cache_dir: self.cache_dir.clone(),
+            offline: self.offline,
+            ..Default::default()
+        }
     }
     fn corpus_options(&self) -> CorpusOptions {
-        CorpusOptions { cache_dir: self.cache_dir.clone(), offline: self.offline }
+        CorpusOptions {
+            cache_dir: self.cache_dir.clone(),
+            offline: self.offline,
+        }
     }
 }
 
@@ -124,8 +133,13 @@ pub struct FetchCorpusArgs {
 fn load_model(name: &str, cache: &CacheArgs, f32_weights: bool) -> Result<(ModelId, Model)> {
     let id: ModelId = name.parse()?;
     let path = fetch_model(id, &cache.fetch_options())?;
-    let weights = if f32_weights { WeightMode::Dequantized } else { WeightMode::Auto };
-    let model = Model::load(&path, &LoadOptions { weights }).with_context(|| format!("loading {}", path.display()))?;
+    let weights = if f32_weights {
+        WeightMode::Dequantized
+    } else {
+        WeightMode::Auto
+    };
+    let model = Model::load(&path, &LoadOptions { weights })
+        .with_context(|| format!("loading {}", path.display()))?;
     Ok((id, model))
 }
 
@@ -172,21 +186,34 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
     let docs = load_split(kind, split, &a.cache.corpus_options())?;
     let (tokens, used) = context_tokens(&docs, model.tokenizer(), a.context, a.doc_start)?;
     let t0 = Instant::now();
-    let opts = CaptureOptions { positions: a.positions, layers: a.layers.clone(), chunk: a.chunk };
+    let opts = CaptureOptions {
+        positions: a.positions,
+        layers: a.layers.clone(),
+        chunk: a.chunk,
+    };
     let mut cap = capture(&model, id.name(), &tokens, &opts)?;
     let secs = t0.elapsed().as_secs_f64();
     let manifest = fetch_corpus(kind, &a.cache.corpus_options())?;
     cap.metadata.insert("corpus".into(), kind.name().into());
     cap.metadata.insert("split".into(), split.name().into());
-    cap.metadata.insert("corpus_package".into(), format!("{}={}", manifest.package, manifest.version));
-    cap.metadata.insert("corpus_sha256".into(), manifest.corpus_sha256.clone());
-    cap.metadata.insert("documents".into(), serde_json::to_string(&used)?);
-    cap.metadata.insert("doc_start".into(), a.doc_start.to_string());
+    cap.metadata.insert(
+        "corpus_package".into(),
+        format!("{}={}", manifest.package, manifest.version),
+    );
+    cap.metadata
+        .insert("corpus_sha256".into(), manifest.corpus_sha256.clone());
+    cap.metadata
+        .insert("documents".into(), serde_json::to_string(&used)?);
+    cap.metadata
+        .insert("doc_start".into(), a.doc_start.to_string());
     cap.metadata.insert("tokens_sha256".into(), {
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         fathom_model::fetch::sha256_bytes(&bytes)
     });
-    cap.metadata.insert("command".into(), std::env::args().collect::<Vec<_>>().join(" "));
+    cap.metadata.insert(
+        "command".into(),
+        std::env::args().collect::<Vec<_>>().join(" "),
+    );
     if let Some(parent) = a.out.parent() {
         if !parent.as_os_str().is_empty() {
             std::fs::create_dir_all(parent)?;
@@ -218,7 +245,12 @@ pub fn run_fetch_models(a: FetchModelsArgs) -> Result<()> {
     for id in ids {
         let t0 = Instant::now();
         let path = fetch_model(id, &opts)?;
-        println!("{id}: {} (sha256 {} verified, {:.1} s)", path.display(), id.spec().sha256, t0.elapsed().as_secs_f64());
+        println!(
+            "{id}: {} (sha256 {} verified, {:.1} s)",
+            path.display(),
+            id.spec().sha256,
+            t0.elapsed().as_secs_f64()
+        );
     }
     Ok(())
 }
@@ -231,7 +263,11 @@ pub fn run_fetch_corpus(a: FetchCorpusArgs) -> Result<()> {
     };
     for kind in kinds {
         let m = fetch_corpus(kind, &a.cache.corpus_options())?;
-        let n_eval = m.documents.iter().filter(|d| d.split == Split::Eval).count();
+        let n_eval = m
+            .documents
+            .iter()
+            .filter(|d| d.split == Split::Eval)
+            .count();
         let bytes: usize = m.documents.iter().map(|d| d.bytes).sum();
         println!(
             "{}: {}={} (deb sha256 {}), {} documents ({} calib, {} eval), {:.1} MB, corpus sha256 {}",
