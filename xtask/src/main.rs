@@ -50,7 +50,9 @@ fn build_cli(features: &[&str]) -> Result<PathBuf> {
     if !st.success() {
         bail!("cargo build --release -p fathom-cli failed");
     }
-    Ok(root().join("target/release/fathom"))
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
+    Ok(target.join("release/fathom"))
 }
 
 fn json_str(s: &str) -> String {
