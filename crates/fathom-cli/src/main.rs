@@ -84,7 +84,7 @@ enum StoreCmd {
         #[arg(long)]
         store: PathBuf,
         /// Planes read, 0..=4.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         planes: u32,
         /// Output safetensors file (written atomically).
         #[arg(long)]
@@ -126,7 +126,7 @@ struct DemoArgs {
     #[arg(long, default_value_t = 128)]
     k: usize,
     /// Budgets for Fathom.
-    #[arg(long, default_value = "24,32,48,64,92,136", value_delimiter = ',')]
+    #[arg(long, default_value = "24,32,48,64,92,136", value_delimiter = ',', allow_negative_numbers = true)]
     budgets: Vec<f32>,
     /// Also write the JSON report here.
     #[arg(long)]
@@ -145,7 +145,7 @@ struct CalibrateArgs {
     #[arg(long)]
     out: PathBuf,
     /// Target mean budgets for per-layer plans.
-    #[arg(long, default_value = "48,64", value_delimiter = ',')]
+    #[arg(long, default_value = "48,64", value_delimiter = ',', allow_negative_numbers = true)]
     targets: Vec<f32>,
     /// Top-k used for the calibration error (default: by context, SPEC §5).
     #[arg(long)]
@@ -195,7 +195,18 @@ fn main() -> ExitCode {
             .unwrap_or_default();
         eprintln!("error: internal error (a bug in fathom): {msg}");
     }));
-    let cli = Cli::parse();
+    // Argument errors on one line too (clap's own rendering adds usage lines).
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("error: {first} (see `fathom --help`)");
+            return ExitCode::from(2);
+        }
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -408,6 +419,13 @@ fn demo(a: DemoArgs) -> Result<()> {
     if a.context < 64 {
         bail!("--context {} is too short (at least 64 tokens)", a.context);
     }
+    if a.k == 0 || a.k > a.context {
+        bail!("--k {} is out of range 1..={} (the context)", a.k, a.context);
+    }
+    // Fail before the run if an output path cannot be written.
+    for p in [&a.json, &a.plot].into_iter().flatten() {
+        check_writable(p)?;
+    }
     let t0 = std::time::Instant::now();
     let params = SyntheticParams {
         n: a.context,
@@ -469,7 +487,11 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
             );
         }
     }
-    let k = a.k.unwrap_or_else(|| default_k(n));
+    let k = a.k.unwrap_or_else(|| default_k(n).min(n));
+    if k == 0 || k > n {
+        bail!("--k {k} is out of range 1..={n} (the capture's N)");
+    }
+    check_writable(&a.out)?;
     let params = CalibParams {
         targets: a.targets.clone(),
         fidelity: FidelityParams {
