@@ -311,7 +311,9 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
 fn write_json(rep: &BenchReport, p: &PathBuf) -> Result<()> {
     let txt = serde_json::to_string_pretty(rep)
         .map_err(|e| CudaError::invalid("report", e.to_string()))?;
-    std::fs::write(p, txt)
+    // Atomic (temporary file, fsync, rename): the report is rewritten after every context, and
+    // a crash mid-write must leave the previous whole report, not a partial one.
+    fathom_store::write_atomic(p, txt.as_bytes())
         .map_err(|e| CudaError::invalid("json path", format!("{}: {e}", p.display())))
 }
 
