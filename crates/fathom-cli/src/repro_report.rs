@@ -284,7 +284,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
     // Other results (downstream, device timing): listed with their source.
     let others: Vec<&(PathBuf, Value)> = docs
         .iter()
-        .filter(|(_, v)| !is_fid(v) && v["format"] != "fathom-calibration")
+        .filter(|(_, v)| !is_fid(v) && !is_calib(v))
         .collect();
     if !others.is_empty() {
         writeln!(s, "## Other results in this directory\n")?;
