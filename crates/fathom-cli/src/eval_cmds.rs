@@ -114,6 +114,17 @@ struct Setup {
 fn setup(c: &EvalCommon) -> Result<Setup> {
     let t0 = Instant::now();
     let id: ModelId = c.model.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Arguments first: a bad one fails in milliseconds, not after the model loads.
+    let k = c.k.unwrap_or_else(|| default_k(c.context));
+    if c.context < 4 + 32 + 1 {
+        bail!("--context {} is shorter than sink + local = 36 (+1 query)", c.context);
+    }
+    if k == 0 || k > c.context {
+        bail!("--k {k} is out of range 1..={} (the context)", c.context);
+    }
+    if let Some(p) = &c.json {
+        crate::check_writable(p)?;
+    }
     let fopts = FetchOptions {
         cache_dir: c.cache_dir.clone(),
         offline: c.offline,
@@ -129,7 +140,6 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
         }
     }
     let methods = parse_methods(&list, d, c.basis, None)?;
-    let k = c.k.unwrap_or_else(|| default_k(c.context));
     Ok(Setup {
         model,
         model_id: id,

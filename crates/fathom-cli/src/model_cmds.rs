@@ -182,6 +182,14 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
     let kind: CorpusKind = a.corpus.parse()?;
     let split: Split = a.split.parse()?;
     let dtype: CaptureDtype = a.dtype.parse()?;
+    // Arguments and the output path first: a bad one fails before the model runs.
+    if a.positions == 0 || a.positions > a.context {
+        bail!("--positions {} is out of range 1..={} (positions beyond the context)", a.positions, a.context);
+    }
+    if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("output {} is not writable", a.out.display()))?;
+    }
+    crate::check_writable(&a.out)?;
     let (id, model) = load_model(&a.model, &a.cache, false)?;
     let docs = load_split(kind, split, &a.cache.corpus_options())?;
     let (tokens, used) = context_tokens(&docs, model.tokenizer(), a.context, a.doc_start)?;

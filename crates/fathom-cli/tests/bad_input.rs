@@ -770,7 +770,7 @@ fn cases(fx: &Fx) -> Vec<Case> {
     let out = fx.p("capture.safetensors");
     let capture = |extra: &[&str]| {
         let model = if extra.contains(&"--model") { vec![] } else { s(["--model", "smollm2-135m"]) };
-        let mut a = s(["capture", "--context", "64", "--out", &out]);
+        let mut a = s(["capture", "--context", "256", "--out", &out]);
         a.extend(model);
         a.extend(s(extra));
         off(a)
@@ -779,6 +779,9 @@ fn cases(fx: &Fx) -> Vec<Case> {
     case("wrong dtype", "capture", capture(&["--dtype", "f8"]), "dtype", Some(out.clone()));
     case("unknown corpus", "capture", capture(&["--corpus", "nope"]), "corpus", Some(out.clone()));
     case("missing model", "capture", capture(&[]), "offline", Some(out.clone()));
+    case("positions beyond N", "capture", capture(&["--positions", "257"]), "--positions 257", Some(out.clone()));
+    let uw = unwritable("capture.safetensors");
+    case("unwritable output", "capture", off(s(["capture", "--model", "smollm2-135m", "--context", "256", "--out", &uw])), "capture.safetensors", Some(uw));
     case("unknown model", "fetch-models", off(s(["fetch-models", "--model", "nope"])), "unknown model", None);
     case("missing model", "fetch-models", off(s(["fetch-models"])), "offline", None);
     case("unknown corpus", "fetch-corpus", off(s(["fetch-corpus", "--corpus", "nope"])), "unknown corpus", None);
@@ -786,6 +789,10 @@ fn cases(fx: &Fx) -> Vec<Case> {
     let out = fx.p("eval.json");
     for cmd in ["ruler", "agent-steps"] {
         case("missing model", cmd, off(s([cmd, "--json", &out])), "offline", Some(out.clone()));
+        case("context shorter than sink + local", cmd, off(s([cmd, "--context", "20", "--json", &out])), "sink + local", Some(out.clone()));
+        case("k > n", cmd, off(s([cmd, "--context", "512", "--k", "513", "--json", &out])), "--k 513", Some(out.clone()));
+        let uw = unwritable("eval.json");
+        case("unwritable output", cmd, off(s([cmd, "--json", &uw])), "eval.json", Some(uw));
     }
     v
 }
