@@ -862,7 +862,10 @@ fn every_command_rejects_bad_input_cleanly() {
             ));
         }
     }
-    let commands: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.cmd).collect();
+    let mut commands = std::collections::BTreeMap::<&str, usize>::new();
+    for c in &cases {
+        *commands.entry(c.cmd).or_default() += 1;
+    }
     eprintln!(
         "bad-input matrix: {} cases over {} commands ({:?}), {} failed",
         cases.len(),
