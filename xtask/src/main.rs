@@ -423,6 +423,10 @@ fn run() -> Result<bool> {
                     vec![64, 256],
                 )
             };
+            for s in &settings {
+                let dir = root().join(&run_dir).join(format!("{}-{}k", s.model, s.context / 1024));
+                std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            }
             let mut stages = pipeline(&settings, &ks, &run_dir, &cache, &downstream);
             if gpu {
                 stages.push(stage(
