@@ -189,7 +189,11 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
     if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).with_context(|| format!("output {} is not writable", a.out.display()))?;
     }
-    crate::check_writable(&a.out)?;
+    // (A probe file rather than `crate::check_writable`: this module is also compiled into
+    // fathom-model's `cli` example.)
+    let probe = a.out.with_file_name(format!(".fathom-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").with_context(|| format!("output {} is not writable", a.out.display()))?;
+    let _ = std::fs::remove_file(&probe);
     let (id, model) = load_model(&a.model, &a.cache, false)?;
     let docs = load_split(kind, split, &a.cache.corpus_options())?;
     let (tokens, used) = context_tokens(&docs, model.tokenizer(), a.context, a.doc_start)?;
