@@ -13,7 +13,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use fathom_eval::agent::{agreement, session};
-use fathom_eval::decode::{calibrate, decode_branch, default_k, forced_branch, loki_r, LayerCalib, Prefill};
+use fathom_eval::decode::{
+    calibrate, decode_branch, default_k, forced_branch, loki_r, LayerCalib, Prefill,
+};
 use fathom_eval::ruler::{generate, score, Haystack, Task, TaskParams};
 use fathom_eval::words::{WordList, DICT_PATH};
 use fathom_model::corpus::{context_tokens, load_split, CorpusKind, CorpusOptions, Split};
@@ -117,7 +119,10 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
     // Arguments first: a bad one fails in milliseconds, not after the model loads.
     let k = c.k.unwrap_or_else(|| default_k(c.context));
     if c.context < 4 + 32 + 1 {
-        bail!("--context {} is shorter than sink + local = 36 (+1 query)", c.context);
+        bail!(
+            "--context {} is shorter than sink + local = 36 (+1 query)",
+            c.context
+        );
     }
     if k == 0 || k > c.context {
         bail!("--k {k} is out of range 1..={} (the context)", c.context);
@@ -131,7 +136,8 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
         ..Default::default()
     };
     let path = fetch_model(id, &fopts).with_context(|| format!("fetching {id}"))?;
-    let model = Model::load(&path, &LoadOptions::default()).with_context(|| format!("loading {}", path.display()))?;
+    let model = Model::load(&path, &LoadOptions::default())
+        .with_context(|| format!("loading {}", path.display()))?;
     let d = model.config().head_dim;
     let mut list = c.methods.clone();
     for must in ["exact", "dense"] {
@@ -144,7 +150,11 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
         model,
         model_id: id,
         methods,
-        params: SelectParams { sink: 4, local: 32, k },
+        params: SelectParams {
+            sink: 4,
+            local: 32,
+            k,
+        },
         corpus: CorpusOptions {
             cache_dir: c.cache_dir.clone(),
             offline: c.offline,
@@ -156,16 +166,27 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
 fn needs_calib(methods: &[Box<dyn Scanner>]) -> bool {
     methods.iter().any(|m| {
         let n = m.name();
-        !(n == "dense" || n == "exact" || n.starts_with("sparq") || n == "thumb2" || n == "landmark" || n == "quest")
+        !(n == "dense"
+            || n == "exact"
+            || n.starts_with("sparq")
+            || n == "thumb2"
+            || n == "landmark"
+            || n == "quest")
     })
 }
 
-fn calibration(s: &Setup, kind: CorpusKind, context: usize, queries: usize) -> Result<(Option<LayerCalib>, Value)> {
+fn calibration(
+    s: &Setup,
+    kind: CorpusKind,
+    context: usize,
+    queries: usize,
+) -> Result<(Option<LayerCalib>, Value)> {
     if !needs_calib(&s.methods) {
         return Ok((None, json!(null)));
     }
     let t0 = Instant::now();
-    let docs = load_split(kind, Split::Calib, &s.corpus).context("loading the calibration split")?;
+    let docs =
+        load_split(kind, Split::Calib, &s.corpus).context("loading the calibration split")?;
     let (ids, used) = context_tokens(&docs, s.model.tokenizer(), context, 0)?;
     let cal = calibrate(&s.model, &ids, queries)?;
     let info = json!({
@@ -252,13 +273,21 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         bail!("nothing to run: give --tasks and --samples ≥ 1");
     }
     let tok = s.model.tokenizer();
-    let docs = load_split(CorpusKind::Prose, Split::Eval, &s.corpus).context("loading the prose corpus")?;
-    let haystack = Haystack::new(docs.iter().map(|d| d.text.as_str()), "prose corpus, eval split")?;
+    let docs = load_split(CorpusKind::Prose, Split::Eval, &s.corpus)
+        .context("loading the prose corpus")?;
+    let haystack = Haystack::new(
+        docs.iter().map(|d| d.text.as_str()),
+        "prose corpus, eval split",
+    )?;
     let words = match WordList::system() {
         Ok(w) => w,
         Err(e) => {
             eprintln!("note: {e}; falling back to words of the prose corpus (install wamerican for {DICT_PATH})");
-            let text: String = docs.iter().map(|d| d.text.as_str()).collect::<Vec<_>>().join(" ");
+            let text: String = docs
+                .iter()
+                .map(|d| d.text.as_str())
+                .collect::<Vec<_>>()
+                .join(" ");
             WordList::from_text(&text, "prose corpus words (fallback)")?
         }
     };
@@ -274,21 +303,39 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     let mut records = Vec::new();
     // sums[task][method] = (score, agree-with-exact text, bits)
     let mut sums = vec![vec![(0f64, 0usize, 0f64); nm]; tasks.len()];
-    let exact_i = s.methods.iter().position(|m| m.name() == "exact").context("exact missing")?;
+    let exact_i = s
+        .methods
+        .iter()
+        .position(|m| m.name() == "exact")
+        .context("exact missing")?;
     let mut per_task_secs = vec![0f64; tasks.len()];
     for (ti, &task) in tasks.iter().enumerate() {
         for i in 0..a.samples {
             let t0 = Instant::now();
             let sample = generate(task, &tp, tok, &haystack, &words, i)?;
-            let pre = Prefill::new(&s.model, &sample.prompt_ids, sample.max_new, calib.as_ref(), with_loki)?;
+            let pre = Prefill::new(
+                &s.model,
+                &sample.prompt_ids,
+                sample.max_new,
+                calib.as_ref(),
+                with_loki,
+            )?;
             let prefill_s = t0.elapsed().as_secs_f64();
             let mut outs = Vec::new();
             for m in &s.methods {
                 pb.set_message(format!("{} #{i} {}", task.name(), m.name()));
                 let tm = Instant::now();
                 let stop = |ids: &[u32]| !a.no_line_stop && first_line_done(tok, ids);
-                let br = decode_branch(&s.model, &pre, m.as_ref(), calib.as_ref(), s.params, sample.max_new, &stop)
-                    .with_context(|| format!("{} sample {i}, method {}", task.name(), m.name()))?;
+                let br = decode_branch(
+                    &s.model,
+                    &pre,
+                    m.as_ref(),
+                    calib.as_ref(),
+                    s.params,
+                    sample.max_new,
+                    &stop,
+                )
+                .with_context(|| format!("{} sample {i}, method {}", task.name(), m.name()))?;
                 let text = tok.decode(&br.tokens)?;
                 let sc = score(&text, &sample.gold);
                 outs.push((m.name(), br, text, sc, tm.elapsed().as_secs_f64()));
@@ -298,8 +345,15 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
             let mut methods_json = serde_json::Map::new();
             for (mi, (name, br, text, sc, secs)) in outs.iter().enumerate() {
                 let same = br.tokens == exact_tokens;
-                let diverge = br.tokens.iter().zip(&exact_tokens).position(|(x, y)| x != y)
-                    .or_else(|| (br.tokens.len() != exact_tokens.len()).then(|| br.tokens.len().min(exact_tokens.len())));
+                let diverge = br
+                    .tokens
+                    .iter()
+                    .zip(&exact_tokens)
+                    .position(|(x, y)| x != y)
+                    .or_else(|| {
+                        (br.tokens.len() != exact_tokens.len())
+                            .then(|| br.tokens.len().min(exact_tokens.len()))
+                    });
                 sums[ti][mi].0 += sc;
                 sums[ti][mi].1 += same as usize;
                 sums[ti][mi].2 += br.stats.mean_bits();
@@ -312,8 +366,14 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
             let secs = t0.elapsed().as_secs_f64();
             per_task_secs[ti] += secs;
             if pb.is_hidden() {
-                let scores: Vec<String> = outs.iter().map(|o| format!("{} {:.2}", o.0, o.3)).collect();
-                eprintln!("{} #{i}: {} tokens, prefill {prefill_s:.0} s, total {secs:.0} s; {}", task.name(), sample.prompt_tokens, scores.join(", "));
+                let scores: Vec<String> =
+                    outs.iter().map(|o| format!("{} {:.2}", o.0, o.3)).collect();
+                eprintln!(
+                    "{} #{i}: {} tokens, prefill {prefill_s:.0} s, total {secs:.0} s; {}",
+                    task.name(),
+                    sample.prompt_tokens,
+                    scores.join(", ")
+                );
             }
             records.push(json!({
                 "sample": sample, "prefill_seconds": prefill_s, "seconds": secs, "methods": methods_json,
@@ -345,10 +405,16 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
             .enumerate()
             .map(|(mi, m)| {
                 let (sc, same, bits) = sums[ti][mi];
-                (m.clone(), json!({"score": sc / n, "same_as_exact": same, "mean_bits": bits / n}))
+                (
+                    m.clone(),
+                    json!({"score": sc / n, "same_as_exact": same, "mean_bits": bits / n}),
+                )
             })
             .collect();
-        summary.insert(task.name().into(), json!({"methods": row, "seconds": per_task_secs[ti]}));
+        summary.insert(
+            task.name().into(),
+            json!({"methods": row, "seconds": per_task_secs[ti]}),
+        );
     }
     let mean_cells: Vec<String> = (0..nm)
         .map(|mi| {
@@ -382,27 +448,47 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
         bail!("nothing to run: give --sessions and --steps ≥ 1");
     }
     let tok = s.model.tokenizer();
-    let docs = load_split(CorpusKind::Code, Split::Eval, &s.corpus).context("loading the code corpus")?;
+    let docs =
+        load_split(CorpusKind::Code, Split::Eval, &s.corpus).context("loading the code corpus")?;
     let (calib, calib_info) = calibration(&s, CorpusKind::Code, c.context, c.calib_queries)?;
     let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());
     let nm = s.methods.len();
     let names: Vec<String> = s.methods.iter().map(|m| m.name()).collect();
-    let exact_i = names.iter().position(|m| m == "exact").context("exact missing")?;
-    let dense_i = names.iter().position(|m| m == "dense").context("dense missing")?;
+    let exact_i = names
+        .iter()
+        .position(|m| m == "exact")
+        .context("exact missing")?;
+    let dense_i = names
+        .iter()
+        .position(|m| m == "dense")
+        .context("dense missing")?;
     let pb = bar((a.sessions * nm) as u64);
     let mut records = Vec::new();
     let mut sums = vec![(0f64, 0f64, 0f64, 0f64); nm];
     for i in 0..a.sessions {
         let t0 = Instant::now();
         let ses = session(&docs, tok, c.context, a.steps, c.seed, i)?;
-        let pre = Prefill::new(&s.model, &ses.prompt_ids, a.steps, calib.as_ref(), with_loki)?;
+        let pre = Prefill::new(
+            &s.model,
+            &ses.prompt_ids,
+            a.steps,
+            calib.as_ref(),
+            with_loki,
+        )?;
         let prefill_s = t0.elapsed().as_secs_f64();
         let mut preds = Vec::new();
         for m in &s.methods {
             pb.set_message(format!("session {i} {}", m.name()));
             let tm = Instant::now();
-            let br = forced_branch(&s.model, &pre, m.as_ref(), calib.as_ref(), s.params, &ses.continuation)
-                .with_context(|| format!("session {i}, method {}", m.name()))?;
+            let br = forced_branch(
+                &s.model,
+                &pre,
+                m.as_ref(),
+                calib.as_ref(),
+                s.params,
+                &ses.continuation,
+            )
+            .with_context(|| format!("session {i}, method {}", m.name()))?;
             preds.push((br, tm.elapsed().as_secs_f64()));
             pb.inc(1);
         }
@@ -412,8 +498,14 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
             let ae = agreement(&br.tokens, &preds[exact_i].0.tokens);
             let ad = agreement(&br.tokens, &preds[dense_i].0.tokens);
             let top1 = agreement(&br.tokens[..truth.len()], truth);
-            let differ: Vec<usize> = br.tokens.iter().zip(&preds[exact_i].0.tokens)
-                .enumerate().filter(|(_, (x, y))| x != y).map(|(j, _)| j).collect();
+            let differ: Vec<usize> = br
+                .tokens
+                .iter()
+                .zip(&preds[exact_i].0.tokens)
+                .enumerate()
+                .filter(|(_, (x, y))| x != y)
+                .map(|(j, _)| j)
+                .collect();
             sums[mi].0 += ae;
             sums[mi].1 += ad;
             sums[mi].2 += top1;
@@ -425,7 +517,11 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
             }));
         }
         if pb.is_hidden() {
-            eprintln!("session {i}: {} tokens, prefill {prefill_s:.0} s, total {:.0} s", ses.prompt_tokens, t0.elapsed().as_secs_f64());
+            eprintln!(
+                "session {i}: {} tokens, prefill {prefill_s:.0} s, total {:.0} s",
+                ses.prompt_tokens,
+                t0.elapsed().as_secs_f64()
+            );
         }
         records.push(json!({
             "session": ses, "continuation": ses.continuation, "prefill_seconds": prefill_s,
@@ -444,7 +540,13 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     let mut summary = serde_json::Map::new();
     for (mi, m) in names.iter().enumerate() {
         let (ae, ad, t1, bits) = sums[mi];
-        println!("| {m} | {:.1} | {:.4} | {:.4} | {:.4} |", bits / n, ae / n, ad / n, t1 / n);
+        println!(
+            "| {m} | {:.1} | {:.4} | {:.4} | {:.4} |",
+            bits / n,
+            ae / n,
+            ad / n,
+            t1 / n
+        );
         summary.insert(m.clone(), json!({"agree_exact": ae / n, "agree_dense": ad / n, "top1_vs_truth": t1 / n, "mean_bits": bits / n}));
     }
     let total = t_all.elapsed().as_secs_f64();

@@ -119,14 +119,22 @@ struct PlanArgs {
 
 #[derive(clap::Args, Debug)]
 struct DemoArgs {
-    /// Tokens of context.
+    /// Use the labelled synthetic GQA workload instead of the embedded real capture.
+    #[arg(long)]
+    synthetic: bool,
+    /// Tokens of context (synthetic workload only).
     #[arg(long, default_value_t = 4096)]
     context: usize,
     /// Top-k per query head.
     #[arg(long, default_value_t = 128)]
     k: usize,
     /// Budgets for Fathom.
-    #[arg(long, default_value = "24,32,48,64,92,136", value_delimiter = ',', allow_negative_numbers = true)]
+    #[arg(
+        long,
+        default_value = "24,32,48,64,92,136",
+        value_delimiter = ',',
+        allow_negative_numbers = true
+    )]
     budgets: Vec<f32>,
     /// Also write the JSON report here.
     #[arg(long)]
@@ -145,7 +153,12 @@ struct CalibrateArgs {
     #[arg(long)]
     out: PathBuf,
     /// Target mean budgets for per-layer plans.
-    #[arg(long, default_value = "48,64", value_delimiter = ',', allow_negative_numbers = true)]
+    #[arg(
+        long,
+        default_value = "48,64",
+        value_delimiter = ',',
+        allow_negative_numbers = true
+    )]
     targets: Vec<f32>,
     /// Top-k used for the calibration error (default: by context, SPEC §5).
     #[arg(long)]
@@ -415,24 +428,78 @@ fn stats_only(src: &InMemory) -> Calibration {
     }
 }
 
+/// The real capture embedded in the binary: SmolLM2-135M, layers 4/14/24, N = 2048, 16
+/// positions, f16 (provenance: `crates/fathom-model/tests/data/PROVENANCE.md`).
+const EMBEDDED_CAPTURE: &[u8] = fathom_model::fixtures::SMOLLM2_PROSE_EVAL_2K;
+
+fn embedded_capture() -> Result<InMemory> {
+    let tmp = std::env::temp_dir().join(format!(
+        "fathom-embedded-{}.safetensors",
+        std::process::id()
+    ));
+    std::fs::write(&tmp, EMBEDDED_CAPTURE).with_context(|| format!("writing {}", tmp.display()))?;
+    let loaded = (|| -> Result<InMemory> {
+        let cap = Capture::open(&tmp)?;
+        let info = cap.info().clone();
+        let layers = info
+            .layers
+            .iter()
+            .map(|&l| cap.layer(l))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(InMemory { info, layers })
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    loaded
+}
+
 fn demo(a: DemoArgs) -> Result<()> {
     if a.context < 64 {
         bail!("--context {} is too short (at least 64 tokens)", a.context);
     }
     if a.k == 0 || a.k > a.context {
-        bail!("--k {} is out of range 1..={} (the context)", a.k, a.context);
+        bail!(
+            "--k {} is out of range 1..={} (the context)",
+            a.k,
+            a.context
+        );
     }
     // Fail before the run if an output path cannot be written.
     for p in [&a.json, &a.plot].into_iter().flatten() {
         check_writable(p)?;
     }
     let t0 = std::time::Instant::now();
-    let params = SyntheticParams {
-        n: a.context,
-        ..Default::default()
+    let (src, label_head) = if a.synthetic {
+        let params = SyntheticParams {
+            n: a.context,
+            ..Default::default()
+        };
+        let (info, layers) = generate(&params);
+        let head = format!(
+            "SYNTHETIC workload (labelled: not model activations): {} layers, Hkv={}, G={}, D={}, n={}, {} positions",
+            params.layers, params.hkv, params.g, params.d, params.n, params.p
+        );
+        (InMemory { info, layers }, head)
+    } else {
+        let src = embedded_capture()?;
+        if a.k > src.info.n {
+            bail!(
+                "--k {} is out of range 1..={} (the embedded capture's N)",
+                a.k,
+                src.info.n
+            );
+        }
+        let head = format!(
+            "EMBEDDED REAL CAPTURE: {} (layers {:?}, Hkv={}, G={}, D={}, n={}, {} positions; Python 3.11 docs, eval split); σ² from the capture's own keys",
+            src.info.model,
+            src.info.layers,
+            src.info.hkv,
+            src.info.g(),
+            src.info.d,
+            src.info.n,
+            src.info.positions.len()
+        );
+        (src, head)
     };
-    let (info, layers) = generate(&params);
-    let src = InMemory { info, layers };
     let calib = stats_only(&src);
     let list = std::iter::once("exact".to_string())
         .chain(a.budgets.iter().map(|b| format!("fathom:{b}")))
@@ -451,25 +518,31 @@ fn demo(a: DemoArgs) -> Result<()> {
     let rep = fidelity::run(&src, Some(&calib), &methods, &fp, &|_| pb.inc(1))?;
     pb.finish_and_clear();
     let eq = report::equal_error(&rep);
-    let label = format!(
-        "SYNTHETIC workload (labelled: not model activations): {} layers, Hkv={}, G={}, D={}, n={}, {} positions, k={}, sink 4, local 32",
-        params.layers, params.hkv, params.g, params.d, params.n, params.p, a.k
-    );
+    let label = format!("{label_head}, k={}, sink 4, local 32", a.k);
     print!("{}", report::markdown(&rep, &eq, &label));
     println!("\n({:.1} s)", t0.elapsed().as_secs_f64());
     if let Some(path) = a.json {
         let doc = report::json_doc(
             &rep,
-            "synthetic",
+            if a.synthetic {
+                "synthetic"
+            } else {
+                "embedded:smollm2-prose-eval-2k"
+            },
             a.k,
             eq,
-            json!({"synthetic": true, "model": "synthetic-gqa", "d": params.d, "n": params.n}),
+            json!({"synthetic": a.synthetic, "model": src.info.model, "d": src.info.d, "n": src.info.n}),
         );
         write_atomic(&path, serde_json::to_string_pretty(&doc)?.as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(p) = a.plot {
-        plot::error_vs_bits(&rep, "SYNTHETIC workload: error against bits", &p)?;
+        let title = if a.synthetic {
+            "SYNTHETIC workload: error against bits".to_string()
+        } else {
+            format!("{} (embedded capture): error against bits", src.info.model)
+        };
+        plot::error_vs_bits(&rep, &title, &p)?;
         eprintln!("wrote {}", p.display());
     }
     Ok(())

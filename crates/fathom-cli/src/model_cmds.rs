@@ -184,15 +184,23 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
     let dtype: CaptureDtype = a.dtype.parse()?;
     // Arguments and the output path first: a bad one fails before the model runs.
     if a.positions == 0 || a.positions > a.context {
-        bail!("--positions {} is out of range 1..={} (positions beyond the context)", a.positions, a.context);
+        bail!(
+            "--positions {} is out of range 1..={} (positions beyond the context)",
+            a.positions,
+            a.context
+        );
     }
     if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).with_context(|| format!("output {} is not writable", a.out.display()))?;
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("output {} is not writable", a.out.display()))?;
     }
     // (A probe file rather than `crate::check_writable`: this module is also compiled into
     // fathom-model's `cli` example.)
-    let probe = a.out.with_file_name(format!(".fathom-write-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"").with_context(|| format!("output {} is not writable", a.out.display()))?;
+    let probe = a
+        .out
+        .with_file_name(format!(".fathom-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("output {} is not writable", a.out.display()))?;
     let _ = std::fs::remove_file(&probe);
     let (id, model) = load_model(&a.model, &a.cache, false)?;
     let docs = load_split(kind, split, &a.cache.corpus_options())?;

@@ -92,10 +92,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
     let is_fid = |v: &Value| v["methods"].is_array() && v["equal_error"].is_array();
     let is_calib = |v: &Value| v["basis_rule"].is_object();
     let fid: Vec<&(PathBuf, Value)> = docs.iter().filter(|(_, v)| is_fid(v)).collect();
-    let calib: Vec<&(PathBuf, Value)> = docs
-        .iter()
-        .filter(|(_, v)| is_calib(v))
-        .collect();
+    let calib: Vec<&(PathBuf, Value)> = docs.iter().filter(|(_, v)| is_calib(v)).collect();
     let mut s = String::new();
     writeln!(s, "# Fathom: reproduction report\n")?;
     writeln!(

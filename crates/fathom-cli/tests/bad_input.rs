@@ -336,13 +336,7 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "version 7",
         None,
     );
-    case(
-        "empty file",
-        "store info",
-        info(&empty),
-        "truncated",
-        None,
-    );
+    case("empty file", "store info", info(&empty), "truncated", None);
     case(
         "missing file",
         "store info",
@@ -466,7 +460,17 @@ fn cases(fx: &Fx) -> Vec<Case> {
     case(
         "budget below 0",
         "demo",
-        s(["demo", "--context", "64", "--k", "32", "--budgets", "-4", "--json", &out]),
+        s([
+            "demo",
+            "--context",
+            "64",
+            "--k",
+            "32",
+            "--budgets",
+            "-4",
+            "--json",
+            &out,
+        ]),
         "-4",
         Some(out.clone()),
     );
@@ -765,34 +769,142 @@ fn cases(fx: &Fx) -> Vec<Case> {
         a.extend(s(["--offline", "--cache-dir", &cache]));
         a
     };
-    case("unknown model", "generate", off(s(["generate", "--model", "nope", "--prompt", "hi"])), "unknown model", None);
-    case("missing model", "generate", off(s(["generate", "--prompt", "hi"])), "offline", None);
+    case(
+        "unknown model",
+        "generate",
+        off(s(["generate", "--model", "nope", "--prompt", "hi"])),
+        "unknown model",
+        None,
+    );
+    case(
+        "missing model",
+        "generate",
+        off(s(["generate", "--prompt", "hi"])),
+        "offline",
+        None,
+    );
     let out = fx.p("capture.safetensors");
     let capture = |extra: &[&str]| {
-        let model = if extra.contains(&"--model") { vec![] } else { s(["--model", "smollm2-135m"]) };
+        let model = if extra.contains(&"--model") {
+            vec![]
+        } else {
+            s(["--model", "smollm2-135m"])
+        };
         let mut a = s(["capture", "--context", "256", "--out", &out]);
         a.extend(model);
         a.extend(s(extra));
         off(a)
     };
-    case("unknown model", "capture", capture(&["--model", "nope"]), "unknown model", Some(out.clone()));
-    case("wrong dtype", "capture", capture(&["--dtype", "f8"]), "dtype", Some(out.clone()));
-    case("unknown corpus", "capture", capture(&["--corpus", "nope"]), "corpus", Some(out.clone()));
-    case("missing model", "capture", capture(&[]), "offline", Some(out.clone()));
-    case("positions beyond N", "capture", capture(&["--positions", "257"]), "--positions 257", Some(out.clone()));
+    case(
+        "unknown model",
+        "capture",
+        capture(&["--model", "nope"]),
+        "unknown model",
+        Some(out.clone()),
+    );
+    case(
+        "wrong dtype",
+        "capture",
+        capture(&["--dtype", "f8"]),
+        "dtype",
+        Some(out.clone()),
+    );
+    case(
+        "unknown corpus",
+        "capture",
+        capture(&["--corpus", "nope"]),
+        "corpus",
+        Some(out.clone()),
+    );
+    case(
+        "missing model",
+        "capture",
+        capture(&[]),
+        "offline",
+        Some(out.clone()),
+    );
+    case(
+        "positions beyond N",
+        "capture",
+        capture(&["--positions", "257"]),
+        "--positions 257",
+        Some(out.clone()),
+    );
     let uw = unwritable("capture.safetensors");
-    case("unwritable output", "capture", off(s(["capture", "--model", "smollm2-135m", "--context", "256", "--out", &uw])), "capture.safetensors", Some(uw));
-    case("unknown model", "fetch-models", off(s(["fetch-models", "--model", "nope"])), "unknown model", None);
-    case("missing model", "fetch-models", off(s(["fetch-models"])), "offline", None);
-    case("unknown corpus", "fetch-corpus", off(s(["fetch-corpus", "--corpus", "nope"])), "unknown corpus", None);
-    case("missing corpus", "fetch-corpus", off(s(["fetch-corpus"])), "offline", None);
+    case(
+        "unwritable output",
+        "capture",
+        off(s([
+            "capture",
+            "--model",
+            "smollm2-135m",
+            "--context",
+            "256",
+            "--out",
+            &uw,
+        ])),
+        "capture.safetensors",
+        Some(uw),
+    );
+    case(
+        "unknown model",
+        "fetch-models",
+        off(s(["fetch-models", "--model", "nope"])),
+        "unknown model",
+        None,
+    );
+    case(
+        "missing model",
+        "fetch-models",
+        off(s(["fetch-models"])),
+        "offline",
+        None,
+    );
+    case(
+        "unknown corpus",
+        "fetch-corpus",
+        off(s(["fetch-corpus", "--corpus", "nope"])),
+        "unknown corpus",
+        None,
+    );
+    case(
+        "missing corpus",
+        "fetch-corpus",
+        off(s(["fetch-corpus"])),
+        "offline",
+        None,
+    );
     let out = fx.p("eval.json");
     for cmd in ["ruler", "agent-steps"] {
-        case("missing model", cmd, off(s([cmd, "--json", &out])), "offline", Some(out.clone()));
-        case("context shorter than sink + local", cmd, off(s([cmd, "--context", "20", "--json", &out])), "sink + local", Some(out.clone()));
-        case("k > n", cmd, off(s([cmd, "--context", "512", "--k", "513", "--json", &out])), "--k 513", Some(out.clone()));
+        case(
+            "missing model",
+            cmd,
+            off(s([cmd, "--json", &out])),
+            "offline",
+            Some(out.clone()),
+        );
+        case(
+            "context shorter than sink + local",
+            cmd,
+            off(s([cmd, "--context", "20", "--json", &out])),
+            "sink + local",
+            Some(out.clone()),
+        );
+        case(
+            "k > n",
+            cmd,
+            off(s([cmd, "--context", "512", "--k", "513", "--json", &out])),
+            "--k 513",
+            Some(out.clone()),
+        );
         let uw = unwritable("eval.json");
-        case("unwritable output", cmd, off(s([cmd, "--json", &uw])), "eval.json", Some(uw));
+        case(
+            "unwritable output",
+            cmd,
+            off(s([cmd, "--json", &uw])),
+            "eval.json",
+            Some(uw),
+        );
     }
     v
 }

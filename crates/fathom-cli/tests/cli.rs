@@ -337,6 +337,7 @@ fn bad_input_gets_one_line_errors_and_no_partial_files() {
 fn demo_runs_and_labels_synthetic() {
     let (ok, out, err) = fathom(&[
         "demo",
+        "--synthetic",
         "--context",
         "512",
         "--k",
@@ -347,4 +348,21 @@ fn demo_runs_and_labels_synthetic() {
     assert!(ok, "{err}");
     assert!(out.contains("SYNTHETIC"));
     assert!(out.contains("| fathom:32 |") && out.contains("| exact |"));
+}
+
+#[test]
+fn demo_defaults_to_the_embedded_real_capture() {
+    let (ok, out, err) = fathom(&["demo", "--budgets", "48"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("EMBEDDED REAL CAPTURE: smollm2-135m") && !out.contains("SYNTHETIC"),
+        "{out}"
+    );
+    // Fathom at 48 bits ranks better than reading nothing: a finite error below 1.
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("| fathom:48 |"))
+        .expect("fathom row");
+    let e: f64 = line.split('|').nth(3).unwrap().trim().parse().unwrap();
+    assert!(e > 0.0 && e < 1.0, "{line}");
 }

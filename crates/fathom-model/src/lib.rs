@@ -25,6 +25,7 @@ pub mod capture;
 pub mod corpus;
 pub mod error;
 pub mod fetch;
+pub mod fixtures;
 pub mod model;
 pub mod tokenizer;
 
