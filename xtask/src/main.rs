@@ -362,13 +362,19 @@ fn run() -> Result<bool> {
                 .context("running fathom --help")?;
             let help = String::from_utf8_lossy(&help.stdout).to_string();
             let mut downstream = Vec::new();
-            let samples = if full { "20" } else { "2" };
             if help.contains("ruler") {
-                downstream.push(format!("ruler --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples {samples} --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark"));
+                downstream.push(if full {
+                    "ruler --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples 20 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark".to_string()
+                } else {
+                    "ruler --tasks niah_single,niah_multikey,vt --samples 1 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32".to_string()
+                });
             }
             if help.contains("agent-steps") {
-                let (sess, steps) = if full { ("4", "64") } else { ("1", "16") };
-                downstream.push(format!("agent-steps --sessions {sess} --steps {steps} --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:32,ds:32,loki:32"));
+                downstream.push(if full {
+                    "agent-steps --sessions 4 --steps 64 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark".to_string()
+                } else {
+                    "agent-steps --sessions 1 --steps 16 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32".to_string()
+                });
             }
             let (settings, ks): (Vec<Setting>, Vec<usize>) = if full {
                 (
