@@ -38,6 +38,16 @@
 //!
 //! **Architecture invariant:** this crate knows nothing of GPUs or files; it works on plain
 //! slices, and the GPU planner mirrors [`waterfill`] step by step.
+//!
+//! # Thread safety
+//!
+//! Every public type is `Send + Sync`; the functions are pure over shared borrows and write
+//! only a caller-owned `&mut` output, so any number of threads may plan and scan the same
+//! store view at once ([`scan::scan`] parallelises over blocks on the global rayon pool and is
+//! re-entrant). [`MeanAccumulator::push`] takes `&mut self`. `Scanner` and `HeadScanner` are
+//! `Send + Sync` and score through `&self`. Checked by `tests/stress.rs` (16 sessions appending
+//! and scanning concurrently against a single-thread replay); the full contract is in
+//! `docs/RELIABILITY.md`.
 
 #![deny(missing_docs)]
 

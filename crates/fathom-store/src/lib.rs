@@ -22,6 +22,17 @@
 //!
 //! **Invariant:** this crate knows nothing of queries, plans or GPUs. It depends on no other
 //! workspace crate.
+//!
+//! # Thread safety
+//!
+//! Every public type is `Send + Sync`. [`KeyStore::append`] and [`KeyStore::set_flags`] take
+//! `&mut self`; everything else, including [`KeyStore::view`] and [`KeyStore::save`], takes
+//! `&self`. A store that is appended to while other threads scan therefore sits behind a lock
+//! (e.g. `RwLock`): a [`StoreView`] (`Copy`, read-only) cannot outlive an append, so no scan
+//! sees a half-written block. [`MappedStore`] is immutable after [`MappedStore::open`] (the
+//! file must not be rewritten in place while mapped; [`write_atomic`] replaces files by
+//! rename). [`write_atomic`] may be called from many threads, even for one path: each call has
+//! its own temporary file. See `docs/RELIABILITY.md`.
 #![deny(missing_docs)]
 
 pub mod basis;
