@@ -9,6 +9,17 @@ def ruler(d):
     out.append(f"model {d['model']}, context {d['context']}, k {d['select']['k']}, "
                f"{d['samples_per_task']} sample(s) per task, {len(d['results'])} samples run, wall {d['seconds']:.0f} s "
                f"(calibration {d['calibration']['seconds']:.0f} s)\n" if d.get('calibration') else "")
+    tasks = []
+    for r in d["results"]:
+        if r["sample"]["task"] not in tasks:
+            tasks.append(r["sample"]["task"])
+    out.append("| task (samples) | " + " | ".join(names) + " |")
+    out.append("|---|" + "---|" * len(names))
+    for t in tasks:
+        rs = [r for r in d["results"] if r["sample"]["task"] == t]
+        cells = [f"{sum(r['methods'][m]['score'] for r in rs) / len(rs):.3f}" for m in names]
+        out.append(f"| {t} ({len(rs)}) | " + " | ".join(cells) + " |")
+    out.append("")
     out.append("Departures from exact top-k (token-identical generations / samples; samples that differ: task#index exact-score→method-score @first differing token):\n")
     out.append("| method | identical to exact | mean score | differing samples |")
     out.append("|---|---|---|---|")
