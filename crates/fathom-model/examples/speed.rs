@@ -9,7 +9,11 @@ use fathom_model::{argmax, Dense, LoadOptions, Model};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let id: ModelId = args.get(1).map(|s| s.as_str()).unwrap_or("smollm2-135m").parse()?;
+    let id: ModelId = args
+        .get(1)
+        .map(|s| s.as_str())
+        .unwrap_or("smollm2-135m")
+        .parse()?;
     let n: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(2048);
     let steps: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(16);
     let llama = args.iter().any(|a| a == "--llama");
@@ -45,11 +49,19 @@ s = xl.Server(p)
 r = s.handle_completions({"prompt": req["ids"], "n_predict": req["n_predict"], "temperature": 0, "ignore_eos": True, "cache_prompt": False})
 t = r.get("timings") or sys.exit(f"no timings: {r.get('error')}"); print(f"llama.cpp: prefill {t['prompt_per_second']:.1f} tok/s, decode {t['predicted_per_second']:.2f} tok/s")
 "#;
-        let out = std::process::Command::new("python3").arg("-c").arg(script).arg(&path).arg(&dir).output()?;
+        let out = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .arg(&path)
+            .arg(&dir)
+            .output()?;
         print!("{}", String::from_utf8_lossy(&out.stdout));
         if !out.status.success() {
             let err = String::from_utf8_lossy(&out.stderr);
-            eprintln!("llama.cpp failed: {}", err.lines().rev().take(3).collect::<Vec<_>>().join(" | "));
+            eprintln!(
+                "llama.cpp failed: {}",
+                err.lines().rev().take(3).collect::<Vec<_>>().join(" | ")
+            );
         }
     }
     Ok(())

@@ -115,7 +115,12 @@ pub fn dense_attention(
     let g = hq / hkv;
     assert_eq!(q_scaled.len(), t * hq * d, "q shape");
     assert_eq!(out.len(), t * hq * d, "out shape");
-    assert!(pos0 + t <= k.n && pos0 + t <= v.n, "keys 0..{} not in the cache of {}", pos0 + t, k.n);
+    assert!(
+        pos0 + t <= k.n && pos0 + t <= v.n,
+        "keys 0..{} not in the cache of {}",
+        pos0 + t,
+        k.n
+    );
     let n_tiles = t.div_ceil(TILE_TOKENS);
     let tiles: Vec<(usize, usize, Vec<f32>)> = (0..hkv * n_tiles)
         .into_par_iter()
@@ -123,7 +128,11 @@ pub fn dense_attention(
             let (kvh, tile) = (task / n_tiles, task % n_tiles);
             let a = tile * TILE_TOKENS;
             let b = (a + TILE_TOKENS).min(t);
-            (kvh, a, attend_tile(q_scaled, k, v, kvh, g, pos0, a, b, window))
+            (
+                kvh,
+                a,
+                attend_tile(q_scaled, k, v, kvh, g, pos0, a, b, window),
+            )
         })
         .collect();
     for (kvh, a, o) in tiles {
@@ -167,17 +176,31 @@ fn attend_tile(
     let mut s = vec![0f32; m * nk];
     let kbase = &k.data[lo * row_stride + kvh * d..];
     let vbase = &v.data[lo * row_stride + kvh * d..];
-    debug_assert!(kbase.len() >= (nk - 1) * row_stride + d && vbase.len() >= (nk - 1) * row_stride + d);
+    debug_assert!(
+        kbase.len() >= (nk - 1) * row_stride + d && vbase.len() >= (nk - 1) * row_stride + d
+    );
     // SAFETY: S is m × nk (row-major), Q is m × D (row-major), and the key matrix read as D × nk
     // with column stride `row_stride` stays inside `kbase` (checked above); no aliasing.
     unsafe {
         gemm::gemm(
-            m, nk, d,
-            s.as_mut_ptr(), 1, nk as isize,
+            m,
+            nk,
+            d,
+            s.as_mut_ptr(),
+            1,
+            nk as isize,
             false,
-            qt.as_ptr(), 1, d as isize,
-            kbase.as_ptr(), row_stride as isize, 1,
-            0.0, 1.0, false, false, false,
+            qt.as_ptr(),
+            1,
+            d as isize,
+            kbase.as_ptr(),
+            row_stride as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
             gemm::Parallelism::None,
         );
     }
@@ -196,12 +219,24 @@ fn attend_tile(
     // `row_stride` stays inside `vbase` (checked above); no aliasing.
     unsafe {
         gemm::gemm(
-            m, d, nk,
-            o.as_mut_ptr(), 1, d as isize,
+            m,
+            d,
+            nk,
+            o.as_mut_ptr(),
+            1,
+            d as isize,
             false,
-            s.as_ptr(), 1, nk as isize,
-            vbase.as_ptr(), 1, row_stride as isize,
-            0.0, 1.0, false, false, false,
+            s.as_ptr(),
+            1,
+            nk as isize,
+            vbase.as_ptr(),
+            1,
+            row_stride as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
             gemm::Parallelism::None,
         );
     }
@@ -355,38 +390,38 @@ mod tests {
         };
         for window in [None, Some(5)] {
             for t in [4usize, 37] {
-            let pos0 = n - t;
-            let q: Vec<f32> = (0..t * hq * d).map(|_| rnd()).collect();
-            let mut out = vec![0.0; t * hq * d];
-            dense_attention(&q, k, v, pos0, t, window, &mut out);
-            for ti in 0..t {
-                for h in 0..hq {
-                    let pos = pos0 + ti;
-                    let qi = &q[(ti * hq + h) * d..][..d];
-                    let lo = window_start(pos, window);
-                    let s: Vec<f64> = (lo..=pos)
-                        .map(|j| {
-                            qi.iter()
-                                .zip(k.row(j, h / g))
-                                .map(|(a, b)| (*a as f64) * (*b as f64))
-                                .sum()
-                        })
-                        .collect();
-                    let m = s.iter().cloned().fold(f64::MIN, f64::max);
-                    let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
-                    for c in 0..d {
-                        let want: f64 = (lo..=pos)
-                            .zip(&s)
-                            .map(|(j, x)| (x - m).exp() / z * v.row(j, h / g)[c] as f64)
-                            .sum();
-                        let got = out[(ti * hq + h) * d + c] as f64;
-                        assert!(
-                            (got - want).abs() < 1e-5,
-                            "t{ti} h{h} c{c}: {got} vs {want}"
-                        );
+                let pos0 = n - t;
+                let q: Vec<f32> = (0..t * hq * d).map(|_| rnd()).collect();
+                let mut out = vec![0.0; t * hq * d];
+                dense_attention(&q, k, v, pos0, t, window, &mut out);
+                for ti in 0..t {
+                    for h in 0..hq {
+                        let pos = pos0 + ti;
+                        let qi = &q[(ti * hq + h) * d..][..d];
+                        let lo = window_start(pos, window);
+                        let s: Vec<f64> = (lo..=pos)
+                            .map(|j| {
+                                qi.iter()
+                                    .zip(k.row(j, h / g))
+                                    .map(|(a, b)| (*a as f64) * (*b as f64))
+                                    .sum()
+                            })
+                            .collect();
+                        let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                        let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                        for c in 0..d {
+                            let want: f64 = (lo..=pos)
+                                .zip(&s)
+                                .map(|(j, x)| (x - m).exp() / z * v.row(j, h / g)[c] as f64)
+                                .sum();
+                            let got = out[(ti * hq + h) * d + c] as f64;
+                            assert!(
+                                (got - want).abs() < 1e-5,
+                                "t{ti} h{h} c{c}: {got} vs {want}"
+                            );
+                        }
                     }
                 }
-            }
             }
         }
     }

@@ -49,7 +49,9 @@ impl std::str::FromStr for CaptureDtype {
             "f32" => Ok(CaptureDtype::F32),
             "f16" => Ok(CaptureDtype::F16),
             "bf16" => Ok(CaptureDtype::Bf16),
-            o => Err(Error::Invalid(format!("unknown dtype {o:?} (f32, f16, bf16)"))),
+            o => Err(Error::Invalid(format!(
+                "unknown dtype {o:?} (f32, f16, bf16)"
+            ))),
         }
     }
 }
@@ -67,7 +69,11 @@ pub struct CaptureOptions {
 
 impl Default for CaptureOptions {
     fn default() -> Self {
-        CaptureOptions { positions: 128, layers: None, chunk: 512 }
+        CaptureOptions {
+            positions: 128,
+            layers: None,
+            chunk: 512,
+        }
     }
 }
 
@@ -118,28 +124,54 @@ impl AttentionHook for Collector {
         for ti in 0..t {
             let pos = pos0 + ti;
             if pos >= self.first {
-                self.q.entry(layer).or_default().extend_from_slice(&q[ti * self.row..(ti + 1) * self.row]);
-                self.o.entry(layer).or_default().extend_from_slice(&o[ti * self.row..(ti + 1) * self.row]);
+                self.q
+                    .entry(layer)
+                    .or_default()
+                    .extend_from_slice(&q[ti * self.row..(ti + 1) * self.row]);
+                self.o
+                    .entry(layer)
+                    .or_default()
+                    .extend_from_slice(&o[ti * self.row..(ti + 1) * self.row]);
             }
         }
     }
 }
 
 /// Run a dense prefill of `tokens` and capture the SPEC §8 tensors.
-pub fn capture(model: &Model, model_name: &str, tokens: &[u32], opts: &CaptureOptions) -> Result<Capture> {
+pub fn capture(
+    model: &Model,
+    model_name: &str,
+    tokens: &[u32],
+    opts: &CaptureOptions,
+) -> Result<Capture> {
     let cfg = model.config();
     let n = tokens.len();
     if opts.positions == 0 || opts.positions > n {
-        return Err(Error::Invalid(format!("positions {} must be in 1..={n}", opts.positions)));
+        return Err(Error::Invalid(format!(
+            "positions {} must be in 1..={n}",
+            opts.positions
+        )));
     }
-    let layers: Vec<usize> = opts.layers.clone().unwrap_or_else(|| (0..cfg.n_layers).collect());
+    let layers: Vec<usize> = opts
+        .layers
+        .clone()
+        .unwrap_or_else(|| (0..cfg.n_layers).collect());
     if let Some(&bad) = layers.iter().find(|&&l| l >= cfg.n_layers) {
-        return Err(Error::Invalid(format!("layer {bad} ≥ {} layers", cfg.n_layers)));
+        return Err(Error::Invalid(format!(
+            "layer {bad} ≥ {} layers",
+            cfg.n_layers
+        )));
     }
     let mut wanted = vec![false; cfg.n_layers];
     layers.iter().for_each(|&l| wanted[l] = true);
     let first = n - opts.positions;
-    let mut col = Collector { wanted, first, row: cfg.n_heads * cfg.head_dim, q: HashMap::new(), o: HashMap::new() };
+    let mut col = Collector {
+        wanted,
+        first,
+        row: cfg.n_heads * cfg.head_dim,
+        q: HashMap::new(),
+        o: HashMap::new(),
+    };
     let mut cache = model.new_cache(n);
     model.prefill(tokens, &mut cache, opts.chunk, Some(&mut col))?;
     let mut out = Vec::with_capacity(layers.len());
@@ -175,7 +207,13 @@ pub fn capture(model: &Model, model_name: &str, tokens: &[u32], opts: &CaptureOp
     if let Some(s) = cfg.attn_softcap {
         metadata.insert("softcap".into(), s.to_string());
     }
-    Ok(Capture { positions, n_tokens: n, layers: out, shape: (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), metadata })
+    Ok(Capture {
+        positions,
+        n_tokens: n,
+        layers: out,
+        shape: (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+        metadata,
+    })
 }
 
 mod erased {
@@ -212,11 +250,28 @@ impl View for &Blob {
 
 fn blob(x: &[f32], shape: Vec<usize>, dt: CaptureDtype) -> Blob {
     let (dtype, bytes) = match dt {
-        CaptureDtype::F32 => (StDtype::F32, x.iter().flat_map(|v| v.to_le_bytes()).collect()),
-        CaptureDtype::F16 => (StDtype::F16, x.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect()),
-        CaptureDtype::Bf16 => (StDtype::BF16, x.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect()),
+        CaptureDtype::F32 => (
+            StDtype::F32,
+            x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ),
+        CaptureDtype::F16 => (
+            StDtype::F16,
+            x.iter()
+                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                .collect(),
+        ),
+        CaptureDtype::Bf16 => (
+            StDtype::BF16,
+            x.iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+        ),
     };
-    Blob { dtype, shape, bytes }
+    Blob {
+        dtype,
+        shape,
+        bytes,
+    }
 }
 
 impl Capture {
@@ -236,8 +291,15 @@ impl Capture {
         }
         let meta: HashMap<String, String> = self.metadata.clone().into_iter().collect();
         crate::fetch::write_atomic_with(path, |tmp| {
-            safetensors::serialize_to_file(blobs.iter().map(|(k, b)| (k.as_str(), b)), &Some(meta), tmp)
-                .map_err(|e| Error::Safetensors { path: path.to_path_buf(), detail: e.to_string() })
+            safetensors::serialize_to_file(
+                blobs.iter().map(|(k, b)| (k.as_str(), b)),
+                &Some(meta),
+                tmp,
+            )
+            .map_err(|e| Error::Safetensors {
+                path: path.to_path_buf(),
+                detail: e.to_string(),
+            })
         })
     }
 }
@@ -257,18 +319,36 @@ pub fn max_relative_o_error(
     let g = hq / hkv;
     let scale = 1.0 / (d as f32).sqrt();
     let n = k.len() / (hkv * d);
-    let ks = crate::KvSlice { data: k, n, n_kv_heads: hkv, head_dim: d };
-    let vs = crate::KvSlice { data: v, n, n_kv_heads: hkv, head_dim: d };
+    let ks = crate::KvSlice {
+        data: k,
+        n,
+        n_kv_heads: hkv,
+        head_dim: d,
+    };
+    let vs = crate::KvSlice {
+        data: v,
+        n,
+        n_kv_heads: hkv,
+        head_dim: d,
+    };
     let mut worst = 0f32;
     let mut scores = Vec::new();
     let mut re = vec![0f32; d];
     for (pi, &pos) in positions.iter().enumerate() {
         for h in 0..hq {
-            let qrow: Vec<f32> = q[(pi * hq + h) * d..][..d].iter().map(|x| x * scale).collect();
+            let qrow: Vec<f32> = q[(pi * hq + h) * d..][..d]
+                .iter()
+                .map(|x| x * scale)
+                .collect();
             let lo = crate::attention::window_start(pos, window);
             crate::attention::attend_one(&qrow, ks, vs, h / g, lo, pos, &mut scores, &mut re);
             let orow = &o[(pi * hq + h) * d..][..d];
-            let num: f32 = re.iter().zip(orow).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+            let num: f32 = re
+                .iter()
+                .zip(orow)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f32>()
+                .sqrt();
             let den: f32 = orow.iter().map(|a| a * a).sum::<f32>().sqrt().max(1e-12);
             worst = worst.max(num / den);
         }

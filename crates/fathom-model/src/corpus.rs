@@ -60,7 +60,9 @@ impl std::str::FromStr for CorpusKind {
         match s {
             "prose" => Ok(CorpusKind::Prose),
             "code" => Ok(CorpusKind::Code),
-            o => Err(Error::Invalid(format!("unknown corpus {o:?} (prose, code)"))),
+            o => Err(Error::Invalid(format!(
+                "unknown corpus {o:?} (prose, code)"
+            ))),
         }
     }
 }
@@ -118,8 +120,14 @@ struct DebSource {
 static PROSE: DebSource = DebSource {
     package: "python3.11-doc",
     versions: &[
-        ("3.11.2-6+deb12u8", "50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b"),
-        ("3.11.2-6+deb12u9", "5b3594189d6ef9a6963ce0347fd307a1cc67620ad697e144db366070e2e146be"),
+        (
+            "3.11.2-6+deb12u8",
+            "50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b",
+        ),
+        (
+            "3.11.2-6+deb12u9",
+            "5b3594189d6ef9a6963ce0347fd307a1cc67620ad697e144db366070e2e146be",
+        ),
     ],
     root: "usr/share/doc/python3.11/html/_sources/",
     suffix: ".rst.txt",
@@ -128,8 +136,14 @@ static PROSE: DebSource = DebSource {
 static CODE: DebSource = DebSource {
     package: "libpython3.11-stdlib",
     versions: &[
-        ("3.11.2-6+deb12u8", "890b3540dad8a1ccc0deeca025db735bcc82629a76adacbe3b50fcc06ed528ca"),
-        ("3.11.2-6+deb12u9", "10f13e000ee757f5f2d2d3569f9e30546214a0c850acd78695feae373bfa3e53"),
+        (
+            "3.11.2-6+deb12u8",
+            "890b3540dad8a1ccc0deeca025db735bcc82629a76adacbe3b50fcc06ed528ca",
+        ),
+        (
+            "3.11.2-6+deb12u9",
+            "10f13e000ee757f5f2d2d3569f9e30546214a0c850acd78695feae373bfa3e53",
+        ),
     ],
     root: "usr/lib/python3.11/",
     suffix: ".py",
@@ -186,7 +200,11 @@ pub struct CorpusOptions {
 }
 
 fn corpus_dir(kind: CorpusKind, opts: &CorpusOptions) -> PathBuf {
-    opts.cache_dir.clone().unwrap_or_else(default_cache_dir).join("corpus").join(kind.name())
+    opts.cache_dir
+        .clone()
+        .unwrap_or_else(default_cache_dir)
+        .join("corpus")
+        .join(kind.name())
 }
 
 /// Build the corpus if needed; returns its manifest.
@@ -201,7 +219,12 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
     let src = kind.source();
     let fail = |detail: String| Error::Download {
         package: src.package.into(),
-        version: src.versions.iter().map(|v| v.0).collect::<Vec<_>>().join(" or "),
+        version: src
+            .versions
+            .iter()
+            .map(|v| v.0)
+            .collect::<Vec<_>>()
+            .join(" or "),
         python: "apt-get download".into(),
         wheel_dir: dir.clone(),
         detail,
@@ -222,7 +245,10 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
             .output()
             .map_err(|e| fail(format!("cannot run apt-get: {e}")))?;
         if !out.status.success() {
-            errors.push(format!("{ver}: {}", String::from_utf8_lossy(&out.stderr).trim()));
+            errors.push(format!(
+                "{ver}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
             continue;
         }
         let deb = fs::read_dir(&work)
@@ -266,7 +292,11 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
     files.sort();
     let mut docs: Vec<(Split, Document)> = Vec::new();
     for f in files {
-        let rel = f.strip_prefix(&tree).unwrap_or(&f).to_string_lossy().to_string();
+        let rel = f
+            .strip_prefix(&tree)
+            .unwrap_or(&f)
+            .to_string_lossy()
+            .to_string();
         if !rel.ends_with(src.suffix) {
             continue;
         }
@@ -274,13 +304,23 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
         if bytes.len() < MIN_DOC_BYTES {
             continue;
         }
-        let Ok(text) = String::from_utf8(bytes) else { continue };
-        docs.push((split_of(&rel), Document { sha256: sha256_bytes(text.as_bytes()), path: rel, text }));
+        let Ok(text) = String::from_utf8(bytes) else {
+            continue;
+        };
+        docs.push((
+            split_of(&rel),
+            Document {
+                sha256: sha256_bytes(text.as_bytes()),
+                path: rel,
+                text,
+            },
+        ));
     }
     for split in [Split::Calib, Split::Eval] {
         let p = dir.join(format!("{}.jsonl", split.name()));
         crate::fetch::write_atomic_with(&p, |tmp| {
-            let mut w = std::io::BufWriter::new(fs::File::create(tmp).map_err(io_err("create", tmp))?);
+            let mut w =
+                std::io::BufWriter::new(fs::File::create(tmp).map_err(io_err("create", tmp))?);
             for (_, d) in docs.iter().filter(|(s, _)| *s == split) {
                 let line = serde_json::to_string(d).map_err(|e| Error::Invalid(e.to_string()))?;
                 writeln!(w, "{line}").map_err(io_err("write", tmp))?;
@@ -288,7 +328,10 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
             w.flush().map_err(io_err("write", tmp))
         })?;
     }
-    let listing: String = docs.iter().map(|(_, d)| format!("{} {}\n", d.path, d.sha256)).collect();
+    let listing: String = docs
+        .iter()
+        .map(|(_, d)| format!("{} {}\n", d.path, d.sha256))
+        .collect();
     let manifest = Manifest {
         kind,
         package: src.package.into(),
@@ -297,7 +340,12 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
         corpus_sha256: sha256_bytes(listing.as_bytes()),
         documents: docs
             .iter()
-            .map(|(s, d)| ManifestEntry { path: d.path.clone(), sha256: d.sha256.clone(), bytes: d.text.len(), split: *s })
+            .map(|(s, d)| ManifestEntry {
+                path: d.path.clone(),
+                sha256: d.sha256.clone(),
+                bytes: d.text.len(),
+                split: *s,
+            })
             .collect(),
     };
     let js = serde_json::to_string_pretty(&manifest).map_err(|e| Error::Invalid(e.to_string()))?;
@@ -326,9 +374,14 @@ pub fn load_split(kind: CorpusKind, split: Split, opts: &CorpusOptions) -> Resul
     let mut docs = Vec::new();
     for line in BufReader::new(f).lines() {
         let line = line.map_err(io_err("read", &p))?;
-        let d: Document = serde_json::from_str(&line).map_err(|e| Error::Invalid(format!("{}: {e}", p.display())))?;
+        let d: Document = serde_json::from_str(&line)
+            .map_err(|e| Error::Invalid(format!("{}: {e}", p.display())))?;
         if sha256_bytes(d.text.as_bytes()) != d.sha256 {
-            return Err(Error::Invalid(format!("{}: document {} fails its sha256; delete the corpus dir", p.display(), d.path)));
+            return Err(Error::Invalid(format!(
+                "{}: document {} fails its sha256; delete the corpus dir",
+                p.display(),
+                d.path
+            )));
         }
         docs.push(d);
     }
@@ -362,7 +415,9 @@ pub fn context_tokens(
         if i == start % docs.len() {
             rounds += 1;
             if rounds > 1 {
-                return Err(Error::Invalid(format!("split too small for {n_tokens} tokens")));
+                return Err(Error::Invalid(format!(
+                    "split too small for {n_tokens} tokens"
+                )));
             }
         }
     }

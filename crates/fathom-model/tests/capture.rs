@@ -9,20 +9,29 @@ use std::collections::BTreeMap;
 use fathom_model::capture::{capture, max_relative_o_error, CaptureDtype, CaptureOptions};
 use safetensors::SafeTensors;
 
-const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/smollm2-prose-eval-2k.safetensors");
+const FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/smollm2-prose-eval-2k.safetensors"
+);
 
 fn f32s(st: &SafeTensors<'_>, name: &str) -> (Vec<f32>, Vec<usize>) {
     let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
     let v = match t.dtype() {
-        safetensors::Dtype::F16 => {
-            t.data().chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-        }
-        safetensors::Dtype::BF16 => {
-            t.data().chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-        }
-        safetensors::Dtype::F32 => {
-            t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-        }
+        safetensors::Dtype::F16 => t
+            .data()
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        safetensors::Dtype::BF16 => t
+            .data()
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        safetensors::Dtype::F32 => t
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
         d => panic!("{name}: dtype {d:?}"),
     };
     (v, t.shape().to_vec())
@@ -45,7 +54,9 @@ fn check_file(bytes: &[u8], tol: f32) -> Vec<(usize, f32)> {
         let (o, os) = f32s(&st, &format!("layers.{l}.o"));
         assert_eq!(qs, os);
         assert_eq!(qs[0], positions.len());
-        let window = kinds[l].strip_prefix("local:").map(|w| w.parse::<usize>().unwrap());
+        let window = kinds[l]
+            .strip_prefix("local:")
+            .map(|w| w.parse::<usize>().unwrap());
         let err = max_relative_o_error(&q, &k, &v, &o, &positions, (qs[1], ks[1], qs[2]), window);
         assert!(err < tol, "layer {l}: relative error {err}");
         out.push((l, err));
@@ -77,7 +88,11 @@ fn fresh_gemma_capture_is_consistent_on_local_and_global_layers() {
     let Some(m) = common::gemma3() else { return };
     let ids = m.tokenizer().encode(common::LONG_TEXT).unwrap();
     let ids = &ids[..700];
-    let opts = CaptureOptions { positions: 4, layers: Some(vec![0, 5]), chunk: 256 };
+    let opts = CaptureOptions {
+        positions: 4,
+        layers: Some(vec![0, 5]),
+        chunk: 256,
+    };
     let cap = capture(m, "gemma3-270m", ids, &opts).unwrap();
     let dir = tempfile::tempdir().unwrap();
     for (dt, tol) in [(CaptureDtype::F32, F32_TOL), (CaptureDtype::F16, F16_TOL)] {

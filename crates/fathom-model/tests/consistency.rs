@@ -77,7 +77,11 @@ fn close_with_default_weights() {
         for (what, other) in [("chunked", &chunked), ("stepped", &stepped)] {
             let margin = lp[top[0]] - lp[top[1]];
             if margin >= TIE_MARGIN {
-                assert_eq!(fathom_model::argmax(&one), fathom_model::argmax(other), "{id} {what}");
+                assert_eq!(
+                    fathom_model::argmax(&one),
+                    fathom_model::argmax(other),
+                    "{id} {what}"
+                );
             }
             let lq = log_softmax(other);
             let d: Vec<f32> = top[..5].iter().map(|&i| (lp[i] - lq[i]).abs()).collect();

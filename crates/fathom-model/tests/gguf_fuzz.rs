@@ -14,7 +14,9 @@ fn s(x: &str) -> Value {
 
 /// A tiny llama GGUF (no tensors) with an SPM tokenizer; `edit` changes the metadata.
 fn gguf(edit: impl FnOnce(&mut Vec<(&'static str, Value)>)) -> Vec<u8> {
-    let vocab = ["<unk>", "<s>", "</s>", "▁", "H", "e", "l", "o", "▁H", "ll", "▁Hello"];
+    let vocab = [
+        "<unk>", "<s>", "</s>", "▁", "H", "e", "l", "o", "▁H", "ll", "▁Hello",
+    ];
     let mut meta: Vec<(&'static str, Value)> = vec![
         ("general.architecture", s("llama")),
         ("llama.block_count", Value::U32(2)),
@@ -25,7 +27,10 @@ fn gguf(edit: impl FnOnce(&mut Vec<(&'static str, Value)>)) -> Vec<u8> {
         ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
         ("llama.context_length", Value::U32(64)),
         ("tokenizer.ggml.model", s("llama")),
-        ("tokenizer.ggml.tokens", Value::Array(vocab.iter().map(|t| s(t)).collect())),
+        (
+            "tokenizer.ggml.tokens",
+            Value::Array(vocab.iter().map(|t| s(t)).collect()),
+        ),
         (
             "tokenizer.ggml.scores",
             Value::Array((0..vocab.len()).map(|i| Value::F32(-(i as f32))).collect()),
@@ -59,21 +64,35 @@ fn alignment_zero_is_an_error_not_a_division_by_zero() {
 
 #[test]
 fn zero_heads_is_an_error_not_a_division_by_zero() {
-    let c = read_gguf(&mut Cursor::new(gguf(|m| set(m, "llama.attention.head_count", Value::U32(0))))).unwrap();
+    let c = read_gguf(&mut Cursor::new(gguf(|m| {
+        set(m, "llama.attention.head_count", Value::U32(0))
+    })))
+    .unwrap();
     let e = Config::from_gguf(&c).unwrap_err().to_string();
     assert!(e.contains("head_count"), "{e}");
 }
 
 #[test]
 fn implausible_sizes_are_errors_not_huge_allocations() {
-    for key in ["llama.block_count", "llama.attention.head_count", "llama.embedding_length"] {
-        let c = read_gguf(&mut Cursor::new(gguf(|m| set(m, key, Value::U32(0x3d00_0002))))).unwrap();
+    for key in [
+        "llama.block_count",
+        "llama.attention.head_count",
+        "llama.embedding_length",
+    ] {
+        let c = read_gguf(&mut Cursor::new(gguf(|m| {
+            set(m, key, Value::U32(0x3d00_0002))
+        })))
+        .unwrap();
         let e = Config::from_gguf(&c).unwrap_err().to_string();
         assert!(e.contains("implausible"), "{key}: {e}");
     }
     // The fuzzer's own input (block_count 0x3d000002 = 1 023 410 178 layers): it asked for
     // 16 GB before this check.
-    let b = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/fuzz/gguf-oom-block-count.gguf")).unwrap();
+    let b = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/fuzz/gguf-oom-block-count.gguf"
+    ))
+    .unwrap();
     let t = std::time::Instant::now();
     let c = read_gguf(&mut Cursor::new(b)).unwrap();
     assert!(Config::from_gguf(&c).is_err());
@@ -84,7 +103,11 @@ fn implausible_sizes_are_errors_not_huge_allocations() {
 #[test]
 fn fewer_scores_than_tokens_is_an_error_not_an_index_panic() {
     let c = read_gguf(&mut Cursor::new(gguf(|m| {
-        set(m, "tokenizer.ggml.scores", Value::Array(vec![Value::F32(0.0); 3]))
+        set(
+            m,
+            "tokenizer.ggml.scores",
+            Value::Array(vec![Value::F32(0.0); 3]),
+        )
     })))
     .unwrap();
     let e = Tokenizer::from_gguf(&c).unwrap_err().to_string();

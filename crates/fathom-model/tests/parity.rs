@@ -112,8 +112,11 @@ fn check(id: fathom_model::fetch::ModelId) {
         // flips near-ties between its own cache types); measured mean 0.18–0.23 over the
         // 900-token prompt, with single steps off by up to 1.0. Checked looser, see module docs.
         let long_gemma = id == fathom_model::fetch::ModelId::Gemma3_270m && ids.len() > 512;
-        let (strict_steps, mean_tol, min_agree) =
-            if long_gemma { (0, LONG_GEMMA_MEAN_TOL, 12) } else { (ARGMAX_STEPS, MEAN_LOGPROB_TOL, 14) };
+        let (strict_steps, mean_tol, min_agree) = if long_gemma {
+            (0, LONG_GEMMA_MEAN_TOL, 12)
+        } else {
+            (ARGMAX_STEPS, MEAN_LOGPROB_TOL, 14)
+        };
         let mut cache = m.new_cache(ids.len() + N_PREDICT);
         let mut logits = m.prefill(ids, &mut cache, 256, None).unwrap();
         let (mut agree, mut sum, mut cnt, mut worst) = (0usize, 0f64, 0usize, 0f64);
@@ -159,7 +162,11 @@ fn check(id: fathom_model::fetch::ModelId) {
             steps.len()
         );
         assert!(mean <= mean_tol, "{id}: mean |Δlogprob| {mean}");
-        assert!(agree >= min_agree, "{id}: argmax agreement {agree}/{}", steps.len());
+        assert!(
+            agree >= min_agree,
+            "{id}: argmax agreement {agree}/{}",
+            steps.len()
+        );
     }
 }
 
