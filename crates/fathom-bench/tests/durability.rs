@@ -39,7 +39,11 @@ fn no_truncated_capture_opens() {
             }
             Ok(())
         });
-        assert!(loaded.is_err(), "a capture cut at {cut} of {} bytes loads", bytes.len());
+        assert!(
+            loaded.is_err(),
+            "a capture cut at {cut} of {} bytes loads",
+            bytes.len()
+        );
     }
     std::fs::write(&p, &bytes).unwrap();
     assert!(Capture::open(&p).is_ok());
@@ -93,7 +97,11 @@ fn no_truncated_calibration_loads() {
     let offs = offsets(bytes.len());
     for &cut in &offs {
         std::fs::write(&p, &bytes[..cut]).unwrap();
-        assert!(Calibration::load(&p).is_err(), "a calibration cut at {cut} of {} bytes loads", bytes.len());
+        assert!(
+            Calibration::load(&p).is_err(),
+            "a calibration cut at {cut} of {} bytes loads",
+            bytes.len()
+        );
     }
     std::fs::write(&p, &bytes).unwrap();
     assert!(Calibration::load(&p).is_ok());

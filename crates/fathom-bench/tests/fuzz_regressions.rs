@@ -20,7 +20,12 @@ fn doc(d: &str, klt: &str, budgets: &str) -> String {
 
 #[test]
 fn the_baseline_loads() {
-    load(&doc("2", "[1,0,0,1]", r#"[{"target":4.0,"basis":"Raw","per_layer":[4.0]}]"#)).unwrap();
+    load(&doc(
+        "2",
+        "[1,0,0,1]",
+        r#"[{"target":4.0,"basis":"Raw","per_layer":[4.0]}]"#,
+    ))
+    .unwrap();
 }
 
 #[test]
@@ -33,10 +38,19 @@ fn a_huge_d_is_an_error_not_an_overflow() {
 #[test]
 fn budgets_outside_0_to_max_are_errors() {
     for b in ["-1.0", "9.5", "1e30"] {
-        let e = load(&doc("2", "[]", &format!(r#"[{{"target":4.0,"basis":"Raw","per_layer":[{b}]}}]"#)))
-            .unwrap_err();
+        let e = load(&doc(
+            "2",
+            "[]",
+            &format!(r#"[{{"target":4.0,"basis":"Raw","per_layer":[{b}]}}]"#),
+        ))
+        .unwrap_err();
         assert!(e.contains("outside [0, 8.5]"), "{b}: {e}");
     }
-    let e = load(&doc("2", "[]", r#"[{"target":-3.0,"basis":"Raw","per_layer":[]}]"#)).unwrap_err();
+    let e = load(&doc(
+        "2",
+        "[]",
+        r#"[{"target":-3.0,"basis":"Raw","per_layer":[]}]"#,
+    ))
+    .unwrap_err();
     assert!(e.contains("outside"), "{e}");
 }

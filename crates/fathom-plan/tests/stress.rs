@@ -82,23 +82,36 @@ fn verify(id: usize, s: &Session, seed: usize, replay_pool: &rayon::ThreadPool) 
     let n = view.tokens();
     let (q, depths) = queries(seed);
     let got = scan_all(&view, &q, &depths);
-    assert_eq!(got.len(), DIMS.heads * G * n, "every appended token is scanned");
+    assert_eq!(
+        got.len(),
+        DIMS.heads * G * n,
+        "every appended token is scanned"
+    );
     let replay = KeyStore::from_keys(DIMS, &keys(id, *generation, 0, n), None).expect("replay");
     let rv = replay.view();
     let want = replay_pool.install(|| scan_all(&rv, &q, &depths));
     for h in 0..DIMS.heads {
         for c in 0..DIMS.channels {
             for p in 0..4 {
-                assert_eq!(view.plane(h, c, p), rv.plane(h, c, p), "session {id}: torn or lost plane word (h {h}, c {c}, p {p}, n {n})");
+                assert_eq!(
+                    view.plane(h, c, p),
+                    rv.plane(h, c, p),
+                    "session {id}: torn or lost plane word (h {h}, c {c}, p {p}, n {n})"
+                );
             }
             assert!(
-                view.channel_scales(h, c).iter().zip(rv.channel_scales(h, c)).all(|(a, b)| a.to_bits() == b.to_bits()),
+                view.channel_scales(h, c)
+                    .iter()
+                    .zip(rv.channel_scales(h, c))
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "session {id}: scale mismatch (h {h}, c {c}, n {n})"
             );
         }
     }
     assert!(
-        got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+        got.iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
         "session {id}: scores differ from the single-thread replay at n = {n}"
     );
     n
@@ -120,10 +133,14 @@ fn sixteen_sessions_append_and_scan_concurrently() {
     let verified_final = AtomicU64::new(0);
     let scans = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
-    let replay_pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let replay_pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
     std::thread::scope(|sc| {
         for (id, s) in sessions.iter().enumerate() {
-            let (appended, verified_final, scans, replay_pool) = (&appended, &verified_final, &scans, &replay_pool);
+            let (appended, verified_final, scans, replay_pool) =
+                (&appended, &verified_final, &scans, &replay_pool);
             sc.spawn(move || {
                 let mut step = 0usize;
                 loop {
@@ -173,7 +190,10 @@ fn sixteen_sessions_append_and_scan_concurrently() {
         let _ = &stop;
     });
     stop.store(true, Ordering::Relaxed);
-    let (a, s) = (appended.load(Ordering::Relaxed), scans.load(Ordering::Relaxed));
+    let (a, s) = (
+        appended.load(Ordering::Relaxed),
+        scans.load(Ordering::Relaxed),
+    );
     eprintln!(
         "stress: {SESSIONS} sessions + {OBSERVERS} observers for {secs} s: {a} tokens appended, {s} verified scans, {} tokens in the final stores",
         verified_final.load(Ordering::Relaxed)

@@ -20,11 +20,20 @@ fn assert_no_prefix_loads(bytes: &[u8], what: &str) -> usize {
     offsets.extend([1, 8, 63, 64, 65, bytes.len() - 1]);
     for &cut in &offsets {
         std::fs::write(&path, &bytes[..cut]).unwrap();
-        assert!(KeyStore::load(&path).is_err(), "{what}: a prefix of {cut} bytes loads");
-        assert!(MappedStore::open(&path).is_err(), "{what}: a prefix of {cut} bytes maps");
+        assert!(
+            KeyStore::load(&path).is_err(),
+            "{what}: a prefix of {cut} bytes loads"
+        );
+        assert!(
+            MappedStore::open(&path).is_err(),
+            "{what}: a prefix of {cut} bytes maps"
+        );
     }
     std::fs::write(&path, bytes).unwrap();
-    assert!(KeyStore::load(&path).is_ok(), "{what}: the whole file loads");
+    assert!(
+        KeyStore::load(&path).is_ok(),
+        "{what}: the whole file loads"
+    );
     offsets.len()
 }
 
@@ -33,7 +42,10 @@ fn no_truncated_store_loads() {
     let dir = tempfile::tempdir().unwrap();
     let mut checked = 0;
     // Raw with a partial last block (tail), and a rotated store (basis section at the end).
-    let dims = Dims { heads: 2, channels: 64 };
+    let dims = Dims {
+        heads: 2,
+        channels: 64,
+    };
     let raw = KeyStore::from_keys(dims, &keys(3001, dims.row()), None).unwrap();
     let mut id = vec![0f32; 2 * 64 * 64];
     for h in 0..2 {
@@ -47,7 +59,10 @@ fn no_truncated_store_loads() {
         let p = dir.path().join(format!("{name}.fks"));
         s.save(&p).unwrap();
         let bytes = std::fs::read(&p).unwrap();
-        assert!(bytes.len() > 8 * 4096, "{name}: the fixture spans many pages");
+        assert!(
+            bytes.len() > 8 * 4096,
+            "{name}: the fixture spans many pages"
+        );
         checked += assert_no_prefix_loads(&bytes, name);
     }
     eprintln!("durability: {checked} truncated stores rejected");
@@ -57,7 +72,10 @@ fn no_truncated_store_loads() {
 fn a_failed_save_leaves_the_old_file_and_no_temporary() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("s.fks");
-    let dims = Dims { heads: 1, channels: 8 };
+    let dims = Dims {
+        heads: 1,
+        channels: 8,
+    };
     let old = KeyStore::from_keys(dims, &keys(100, 8), None).unwrap();
     old.save(&p).unwrap();
     let before = std::fs::read(&p).unwrap();
@@ -73,7 +91,11 @@ fn a_failed_save_leaves_the_old_file_and_no_temporary() {
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names, vec!["s.fks".to_string()], "no temporary file is left");
+    assert_eq!(
+        names,
+        vec!["s.fks".to_string()],
+        "no temporary file is left"
+    );
     assert!(KeyStore::load(&p).is_ok());
 }
 
@@ -81,7 +103,10 @@ fn a_failed_save_leaves_the_old_file_and_no_temporary() {
 fn concurrent_saves_to_one_path_leave_one_whole_file() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("s.fks");
-    let dims = Dims { heads: 1, channels: 16 };
+    let dims = Dims {
+        heads: 1,
+        channels: 16,
+    };
     let stores: Vec<KeyStore> = (0..8)
         .map(|i| KeyStore::from_keys(dims, &keys(200 + 64 * i, 16), None).unwrap())
         .collect();
@@ -97,5 +122,9 @@ fn concurrent_saves_to_one_path_leave_one_whole_file() {
     });
     let loaded = KeyStore::load(&p).expect("a whole file");
     assert!(stores.iter().any(|s| s.tokens() == loaded.tokens()));
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file is left");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no temporary file is left"
+    );
 }

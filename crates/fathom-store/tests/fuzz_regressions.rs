@@ -38,8 +38,14 @@ fn an_empty_store_claiming_huge_shapes_is_rejected() {
     for (h, c) in [(u32::MAX, u32::MAX), (1 << 20, 1 << 20), (1, 1 << 25)] {
         std::fs::write(&p, header_only(h, c)).unwrap();
         let t = std::time::Instant::now();
-        assert!(matches!(KeyStore::load(&p), Err(StoreError::CorruptHeader { .. })), "{h} × {c}");
-        assert!(matches!(MappedStore::open(&p), Err(StoreError::CorruptHeader { .. })), "{h} × {c}");
+        assert!(
+            matches!(KeyStore::load(&p), Err(StoreError::CorruptHeader { .. })),
+            "{h} × {c}"
+        );
+        assert!(
+            matches!(MappedStore::open(&p), Err(StoreError::CorruptHeader { .. })),
+            "{h} × {c}"
+        );
         assert!(t.elapsed().as_secs() < 2);
     }
     // The fuzzer's input (a libFuzzer timeout): 1 head × 7 995 394 channels, no tokens. Within
