@@ -1,5 +1,5 @@
 use fathom_plan::scan::scan;
-use fathom_plan::scanner::{rotated_store, HeadInput, HeadScanner, Scanner, ScannerError};
+use fathom_plan::scanner::{rotated_store, HeadInput, HeadScanner, Held, Scanner, ScannerError};
 use fathom_plan::{plan_bits, KvView};
 use fathom_store::{BasisKind, KeyStore, StoreView};
 use half::f16;
@@ -157,20 +157,6 @@ impl Scanner for DoubleSparsity {
             store: Held::Borrowed(input.store),
             depths: depths_for(d, &chans, 4),
         }))
-    }
-}
-
-enum Held<'a> {
-    Borrowed(StoreView<'a>),
-    Owned(KeyStore),
-}
-
-impl Held<'_> {
-    fn view(&self) -> StoreView<'_> {
-        match self {
-            Held::Borrowed(v) => *v,
-            Held::Owned(s) => s.view(),
-        }
     }
 }
 

@@ -152,13 +152,18 @@ impl Fathom {
     }
 }
 
-enum Held<'a> {
+/// A store a head scanner reads: the shared raw store, or one it built (a rotated basis).
+#[derive(Debug)]
+pub enum Held<'a> {
+    /// The shared store of [`HeadInput::store`].
     Borrowed(StoreView<'a>),
+    /// A store owned by the head scanner.
     Owned(KeyStore),
 }
 
 impl Held<'_> {
-    fn view(&self) -> StoreView<'_> {
+    /// The view every scan takes.
+    pub fn view(&self) -> StoreView<'_> {
         match self {
             Held::Borrowed(v) => *v,
             Held::Owned(s) => s.view(),
