@@ -72,7 +72,9 @@ pub fn session(
     let budget = context
         .checked_sub(steps)
         .filter(|b| *b > 512)
-        .ok_or_else(|| EvalError::Invalid(format!("context {context} too short for {steps} steps")))?;
+        .ok_or_else(|| {
+            EvalError::Invalid(format!("context {context} too short for {steps} steps"))
+        })?;
     let start = rng.gen_range(0..docs.len());
     // Pick files: full ones while they fit, then one long enough to hold the cut and `steps`.
     let header_est = 200; // system + user request, re-measured below
@@ -82,7 +84,9 @@ pub fn session(
     let mut tried = 0;
     loop {
         if tried > docs.len() {
-            return Err(EvalError::Invalid("no code file is long enough to end the session".into()));
+            return Err(EvalError::Invalid(
+                "no code file is long enough to end the session".into(),
+            ));
         }
         let d = &docs[i % docs.len()];
         i += 1;
@@ -126,7 +130,8 @@ pub fn session(
     ids.extend(&last.1);
     if ids.len() + 64 > budget {
         return Err(EvalError::Invalid(
-            "the files before the last one overflow the budget (header longer than estimated)".into(),
+            "the files before the last one overflow the budget (header longer than estimated)"
+                .into(),
         ));
     }
     // Cut the last file at a line boundary at or before `budget`.

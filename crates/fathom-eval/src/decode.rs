@@ -103,7 +103,10 @@ pub fn calibrate(model: &Model, tokens: &[u32], n_queries: usize) -> Result<Laye
 
 /// If `scanner` is Loki (`loki:R`), its `R`: Loki is prepared incrementally (module docs).
 pub fn loki_r(scanner: &dyn Scanner) -> Option<usize> {
-    scanner.name().strip_prefix("loki:").and_then(|r| r.parse().ok())
+    scanner
+        .name()
+        .strip_prefix("loki:")
+        .and_then(|r| r.parse().ok())
 }
 
 /// Rows of KV head `h`, tokens `from..to`, of an `[n, Hkv, D]` slice, packed `[m, D]`.
@@ -161,10 +164,14 @@ impl Prefill {
                     .into_par_iter()
                     .map(|h| -> Result<HeadStores, EvalError> {
                         let rows = head_rows(&k, h, 0, n);
-                        let dims = Dims { heads: 1, channels: d };
+                        let dims = Dims {
+                            heads: 1,
+                            channels: d,
+                        };
                         let mut raw = KeyStore::with_capacity(dims, cap, None)?;
                         raw.append(&rows)?;
-                        let loki = match calib.and_then(|c| c.heads.get(l)).and_then(|hs| hs.get(h)) {
+                        let loki = match calib.and_then(|c| c.heads.get(l)).and_then(|hs| hs.get(h))
+                        {
                             Some(hc) if with_loki && hc.loki.len() == d * d => {
                                 let basis = Basis::new(BasisKind::Custom, 1, d, hc.loki.clone())?;
                                 let mut s = KeyStore::with_capacity(dims, cap, Some(basis))?;
@@ -179,7 +186,11 @@ impl Prefill {
                 Ok(Some(heads))
             })
             .collect::<Result<Vec<_>, EvalError>>()?;
-        Ok(Prefill { cache, logits, stores })
+        Ok(Prefill {
+            cache,
+            logits,
+            stores,
+        })
     }
 
     /// Prompt tokens.
@@ -513,11 +524,16 @@ mod tests {
     fn incremental_loki_matches_the_baseline() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for (n, d, g) in [(70usize, 16usize, 2usize), (300, 64, 3)] {
-            let keys: Vec<f32> = (0..n * d).map(|i| rng.gen_range(-1.0..1.0) * (1.0 + (i % d) as f32)).collect();
+            let keys: Vec<f32> = (0..n * d)
+                .map(|i| rng.gen_range(-1.0..1.0) * (1.0 + (i % d) as f32))
+                .collect();
             let qs: Vec<f32> = (0..8 * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let view = KvView::contiguous(&keys, d);
             let hc = head_calib(&view, &qs);
-            let dims = Dims { heads: 1, channels: d };
+            let dims = Dims {
+                heads: 1,
+                channels: d,
+            };
             let basis = Basis::new(BasisKind::Custom, 1, d, hc.loki.clone()).unwrap();
             let mut inc = KeyStore::with_capacity(dims, n, Some(basis)).unwrap();
             inc.append(&keys[..(n / 2) * d]).unwrap();
@@ -526,7 +542,12 @@ mod tests {
             }
             let raw = KeyStore::from_keys(dims, &keys, None).unwrap();
             let loki = Loki { r: d / 2 };
-            let input = HeadInput { layer: 0, keys: view, store: raw.view(), calib: Some(&hc) };
+            let input = HeadInput {
+                layer: 0,
+                keys: view,
+                store: raw.view(),
+                calib: Some(&hc),
+            };
             let hs = loki.prepare(&input).unwrap();
             let q: Vec<f32> = (0..g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let (mut want, mut got) = (vec![0f32; g * n], vec![0f32; g * n]);

@@ -199,15 +199,19 @@ pub struct Sample {
 
 /// RULER's 40 evenly spaced needle depths, `round(linspace(0, 100, 40))`.
 pub fn depths() -> Vec<u32> {
-    (0..40).map(|i| (i as f64 * 100.0 / 39.0).round() as u32).collect()
+    (0..40)
+        .map(|i| (i as f64 * 100.0 / 39.0).round() as u32)
+        .collect()
 }
 
 const NIAH_TEMPLATE: &str = "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you about the numbers afterwards.\n{context}\nWhat are all the special magic numbers for {query} mentioned in the provided text?";
-const NIAH_ANSWER: &str = " The special magic numbers for {query} mentioned in the provided text are";
+const NIAH_ANSWER: &str =
+    " The special magic numbers for {query} mentioned in the provided text are";
 const VT_TEMPLATE: &str = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.";
 const VT_ANSWER: &str = " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined the value {query}, they are: ";
 const FWE_TEMPLATE: &str = "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?";
-const FWE_ANSWER: &str = " Answer: According to the coded text above, the three most frequently appeared words are:";
+const FWE_ANSWER: &str =
+    " Answer: According to the coded text above, the three most frequently appeared words are:";
 
 /// RULER's needle sentence.
 pub fn needle(key: &str, value: &str) -> String {
@@ -314,7 +318,9 @@ pub fn generate(
 ) -> Result<Sample, EvalError> {
     let seed = sample_seed(params.seed, task, index);
     let mut rng = StdRng::seed_from_u64(seed);
-    let max_new = params.tokens_to_generate.unwrap_or(task.tokens_to_generate());
+    let max_new = params
+        .tokens_to_generate
+        .unwrap_or(task.tokens_to_generate());
     let budget = params.context.checked_sub(max_new).ok_or_else(|| {
         EvalError::Invalid(format!(
             "context {} is shorter than the {max_new} tokens to generate",
@@ -326,7 +332,9 @@ pub fn generate(
     let (prompt, gold, question, m, depths_used) = match task {
         Task::Fwe => {
             let (template, gold, m) = fwe(&mut rng, budget, &count)?;
-            let q = template.rsplit_once("\nQuestion:").map_or(String::new(), |x| format!("Question:{}", x.1));
+            let q = template
+                .rsplit_once("\nQuestion:")
+                .map_or(String::new(), |x| format!("Question:{}", x.1));
             (template, gold, q, m, Vec::new())
         }
         Task::Vt => {
@@ -354,7 +362,9 @@ pub fn generate(
                 .replace("{query}", &value);
             let build = |m: usize| -> String {
                 let ctx = plant(&sentences(haystack.take(offset, m)), &items);
-                let t = VT_TEMPLATE.replace("{context}", &ctx).replace("{query}", &value);
+                let t = VT_TEMPLATE
+                    .replace("{context}", &ctx)
+                    .replace("{query}", &value);
                 let a = VT_ANSWER.replace("{num_v}", "5").replace("{query}", &value);
                 t + &a
             };
@@ -370,7 +380,11 @@ pub fn generate(
             };
             let mut keys: Vec<String> = Vec::new();
             while keys.len() < n_keys {
-                let a = words.adjectives.choose(&mut rng).cloned().unwrap_or_default();
+                let a = words
+                    .adjectives
+                    .choose(&mut rng)
+                    .cloned()
+                    .unwrap_or_default();
                 let n = words.nouns.choose(&mut rng).cloned().unwrap_or_default();
                 let k = format!("{a}-{n}");
                 if !keys.contains(&k) {
@@ -394,7 +408,10 @@ pub fn generate(
             }
             needles.shuffle(&mut rng);
             let all = depths();
-            let chosen: Vec<u32> = all.choose_multiple(&mut rng, needles.len()).copied().collect();
+            let chosen: Vec<u32> = all
+                .choose_multiple(&mut rng, needles.len())
+                .copied()
+                .collect();
             let items: Vec<(f64, String)> = chosen
                 .iter()
                 .zip(&needles)
@@ -409,7 +426,9 @@ pub fn generate(
                 .replace("{query}", &query);
             let build = |m: usize| -> String {
                 let ctx = plant(&sentences(haystack.take(offset, m)), &items);
-                NIAH_TEMPLATE.replace("{context}", &ctx).replace("{query}", &query)
+                NIAH_TEMPLATE
+                    .replace("{context}", &ctx)
+                    .replace("{query}", &query)
                     + &NIAH_ANSWER.replace("{query}", &query)
             };
             let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
@@ -472,5 +491,8 @@ pub fn score(generation: &str, gold: &[String]) -> f64 {
         return 0.0;
     }
     let g = generation.to_lowercase();
-    gold.iter().filter(|s| g.contains(&s.to_lowercase())).count() as f64 / gold.len() as f64
+    gold.iter()
+        .filter(|s| g.contains(&s.to_lowercase()))
+        .count() as f64
+        / gold.len() as f64
 }

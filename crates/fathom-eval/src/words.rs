@@ -47,7 +47,10 @@ impl WordList {
 
     /// Words of a running text (the fallback when no word list is installed).
     pub fn from_text(text: &str, source: &str) -> Result<Self, EvalError> {
-        Self::build(text.split(|c: char| !c.is_ascii_alphabetic()), source.into())
+        Self::build(
+            text.split(|c: char| !c.is_ascii_alphabetic()),
+            source.into(),
+        )
     }
 
     fn build<'a>(words: impl Iterator<Item = &'a str>, source: String) -> Result<Self, EvalError> {
@@ -60,9 +63,7 @@ impl WordList {
             }
             if ADJ_SUFFIXES.iter().any(|s| w.ends_with(s)) {
                 adj.insert(w.to_string());
-            } else if w.len() <= 9
-                && !["ly", "ing", "ed", "s"].iter().any(|s| w.ends_with(s))
-            {
+            } else if w.len() <= 9 && !["ly", "ing", "ed", "s"].iter().any(|s| w.ends_with(s)) {
                 noun.insert(w.to_string());
             }
         }

@@ -17,11 +17,16 @@ use fathom_plan::SelectParams;
 fn model() -> Option<&'static Model> {
     static M: OnceLock<Option<Model>> = OnceLock::new();
     M.get_or_init(|| {
-        let opts = FetchOptions { offline: true, ..Default::default() };
+        let opts = FetchOptions {
+            offline: true,
+            ..Default::default()
+        };
         match fetch_model(ModelId::Smollm2_135m, &opts) {
             Ok(p) => Some(Model::load(&p, &LoadOptions::default()).expect("model loads")),
             Err(e) => {
-                eprintln!("SKIP: smollm2-135m is not in the cache ({e}); run `fathom fetch-models`");
+                eprintln!(
+                    "SKIP: smollm2-135m is not in the cache ({e}); run `fathom fetch-models`"
+                );
                 None
             }
         }
@@ -45,14 +50,20 @@ fn words() -> WordList {
     match WordList::system() {
         Ok(w) => w,
         Err(e) => {
-            eprintln!("note: {e}; using words of the workspace docs instead (apt-get install wamerican)");
+            eprintln!(
+                "note: {e}; using words of the workspace docs instead (apt-get install wamerican)"
+            );
             WordList::from_text(&TEXTS.join(" ").to_lowercase(), "docs").expect("words")
         }
     }
 }
 
 fn params(context: usize) -> TaskParams {
-    TaskParams { context, tokens_to_generate: None, seed: 42 }
+    TaskParams {
+        context,
+        tokens_to_generate: None,
+        seed: 42,
+    }
 }
 
 #[test]
@@ -64,14 +75,29 @@ fn generators_are_deterministic_and_fit() {
         let b = generate(task, &params(1024), m.tokenizer(), &h, &w, 3).expect("generate");
         assert_eq!(a.prompt, b.prompt, "{task:?}");
         assert_eq!(a.gold, b.gold, "{task:?}");
-        assert!(a.prompt_tokens + a.max_new <= 1024, "{task:?}: {} + {}", a.prompt_tokens, a.max_new);
-        assert!(a.prompt_tokens + a.max_new > 900, "{task:?}: haystack too small ({})", a.prompt_tokens);
+        assert!(
+            a.prompt_tokens + a.max_new <= 1024,
+            "{task:?}: {} + {}",
+            a.prompt_tokens,
+            a.max_new
+        );
+        assert!(
+            a.prompt_tokens + a.max_new > 900,
+            "{task:?}: haystack too small ({})",
+            a.prompt_tokens
+        );
         let c = generate(task, &params(1024), m.tokenizer(), &h, &w, 4).expect("generate");
-        assert_ne!(a.prompt, c.prompt, "{task:?}: another index gives another sample");
+        assert_ne!(
+            a.prompt, c.prompt,
+            "{task:?}: another index gives another sample"
+        );
         let mut p = params(1024);
         p.seed = 43;
         let d = generate(task, &p, m.tokenizer(), &h, &w, 3).expect("generate");
-        assert_ne!(a.prompt, d.prompt, "{task:?}: another seed gives another sample");
+        assert_ne!(
+            a.prompt, d.prompt,
+            "{task:?}: another seed gives another sample"
+        );
     }
 }
 
@@ -80,23 +106,56 @@ fn planted_needles_are_in_the_prompt() {
     let Some(m) = model() else { return };
     let (h, w) = (haystack(), words());
     for i in 0..3 {
-        for task in [Task::NiahSingle, Task::NiahMultikey, Task::NiahMultivalue, Task::NiahMultiquery] {
+        for task in [
+            Task::NiahSingle,
+            Task::NiahMultikey,
+            Task::NiahMultivalue,
+            Task::NiahMultiquery,
+        ] {
             let s = generate(task, &params(1024), m.tokenizer(), &h, &w, i).expect("generate");
-            let n_gold = if matches!(task, Task::NiahSingle | Task::NiahMultikey) { 1 } else { 4 };
+            let n_gold = if matches!(task, Task::NiahSingle | Task::NiahMultikey) {
+                1
+            } else {
+                4
+            };
             assert_eq!(s.gold.len(), n_gold, "{task:?}");
             let n_needles = if task == Task::NiahSingle { 1 } else { 4 };
-            assert_eq!(s.prompt.matches("One of the special magic numbers for").count(), n_needles, "{task:?}");
-            let query = s.question.split("numbers for ").nth(1).and_then(|q| q.split(" mentioned").next()).expect("query");
+            assert_eq!(
+                s.prompt
+                    .matches("One of the special magic numbers for")
+                    .count(),
+                n_needles,
+                "{task:?}"
+            );
+            let query = s
+                .question
+                .split("numbers for ")
+                .nth(1)
+                .and_then(|q| q.split(" mentioned").next())
+                .expect("query");
             let keys: Vec<&str> = query.split(", and ").flat_map(|x| x.split(", ")).collect();
             for v in &s.gold {
                 assert_eq!(v.len(), 7, "7-digit values");
-                assert!(keys.iter().any(|k| s.prompt.contains(&needle(k, v))), "{task:?}: needle for {v} not found by string search");
+                assert!(
+                    keys.iter().any(|k| s.prompt.contains(&needle(k, v))),
+                    "{task:?}: needle for {v} not found by string search"
+                );
             }
-            assert!(s.prompt.ends_with(&format!(" The special magic numbers for {query} mentioned in the provided text are")));
+            assert!(s.prompt.ends_with(&format!(
+                " The special magic numbers for {query} mentioned in the provided text are"
+            )));
         }
         let s = generate(Task::Vt, &params(1024), m.tokenizer(), &h, &w, i).expect("vt");
-        let value = s.question.split("assigned the value ").nth(1).and_then(|q| q.split(' ').next()).expect("value");
-        let mut at = s.prompt.find(&format!("VAR {} = {value}", s.gold[0])).expect("chain head");
+        let value = s
+            .question
+            .split("assigned the value ")
+            .nth(1)
+            .and_then(|q| q.split(' ').next())
+            .expect("value");
+        let mut at = s
+            .prompt
+            .find(&format!("VAR {} = {value}", s.gold[0]))
+            .expect("chain head");
         for hop in 1..5 {
             let stmt = format!("VAR {} = VAR {}", s.gold[hop], s.gold[hop - 1]);
             let j = s.prompt.find(&stmt).expect("hop");
@@ -104,16 +163,35 @@ fn planted_needles_are_in_the_prompt() {
             at = j;
         }
         let s = generate(Task::Fwe, &params(1024), m.tokenizer(), &h, &w, i).expect("fwe");
-        let body = s.prompt.split("coded words. ").nth(1).and_then(|b| b.split("\nQuestion:").next()).expect("body");
+        let body = s
+            .prompt
+            .split("coded words. ")
+            .nth(1)
+            .and_then(|b| b.split("\nQuestion:").next())
+            .expect("body");
         let mut counts = std::collections::HashMap::<&str, usize>::new();
         for t in body.split_whitespace() {
             *counts.entry(t).or_default() += 1;
         }
-        let mut ranked: Vec<(&str, usize)> = counts.into_iter().filter(|(w, _)| *w != "...").collect();
+        let mut ranked: Vec<(&str, usize)> =
+            counts.into_iter().filter(|(w, _)| *w != "...").collect();
         ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
-        let top: Vec<usize> = s.gold.iter().map(|g| ranked.iter().find(|r| r.0 == g).expect("gold word present").1).collect();
+        let top: Vec<usize> = s
+            .gold
+            .iter()
+            .map(|g| {
+                ranked
+                    .iter()
+                    .find(|r| r.0 == g)
+                    .expect("gold word present")
+                    .1
+            })
+            .collect();
         assert!(top[0] >= top[1] && top[1] >= top[2], "{top:?}");
-        assert!(ranked.len() > 3 && top[2] > ranked[3].1, "the three gold words are the most frequent");
+        assert!(
+            ranked.len() > 3 && top[2] > ranked[3].1,
+            "the three gold words are the most frequent"
+        );
     }
 }
 
@@ -125,15 +203,27 @@ fn scoring_on_hand_made_generations() {
     };
     check(" 1234567.", &["1234567"], 1.0);
     check(" 123456.", &["1234567"], 0.0);
-    check(" 1234567, 7654321 and 1111111", &["1234567", "7654321", "2222222", "1111111"], 0.75);
-    check(" they are: abcde, FGHIJ", &["ABCDE", "fghij", "KLMNO", "PQRST", "UVWXY"], 0.4);
+    check(
+        " 1234567, 7654321 and 1111111",
+        &["1234567", "7654321", "2222222", "1111111"],
+        0.75,
+    );
+    check(
+        " they are: abcde, FGHIJ",
+        &["ABCDE", "fghij", "KLMNO", "PQRST", "UVWXY"],
+        0.4,
+    );
     check("", &["x"], 0.0);
     check("anything", &[], 0.0);
     assert_eq!(agreement(&[1, 2, 3, 4], &[1, 2, 0, 4]), 0.75);
 }
 
 fn prompt(m: &Model, words: usize) -> Vec<u32> {
-    let text: Vec<&str> = TEXTS.iter().flat_map(|t| t.split_whitespace()).take(words).collect();
+    let text: Vec<&str> = TEXTS
+        .iter()
+        .flat_map(|t| t.split_whitespace())
+        .take(words)
+        .collect();
     m.tokenizer().encode(&text.join(" ")).expect("encode")
 }
 
@@ -141,9 +231,19 @@ fn prompt(m: &Model, words: usize) -> Vec<u32> {
 fn dense_branch_reproduces_plain_greedy() {
     let Some(m) = model() else { return };
     let ids = prompt(m, 300);
-    let want = generate_greedy(m, &ids, 24, fathom_eval::decode::PREFILL_CHUNK, &mut fathom_model::Dense).expect("greedy");
+    let want = generate_greedy(
+        m,
+        &ids,
+        24,
+        fathom_eval::decode::PREFILL_CHUNK,
+        &mut fathom_model::Dense,
+    )
+    .expect("greedy");
     let pre = Prefill::new(m, &ids, 24, None, false).expect("prefill");
-    let got = decode_branch(m, &pre, &Dense, None, SelectParams::default(), 24, &|_| false).expect("branch");
+    let got = decode_branch(m, &pre, &Dense, None, SelectParams::default(), 24, &|_| {
+        false
+    })
+    .expect("branch");
     assert_eq!(got.tokens, want);
 }
 
@@ -155,7 +255,11 @@ fn branching_leaves_the_prefill_unchanged_and_exact_with_room_matches_dense() {
     let calib = calibrate(m, &cal_ids, 32).expect("calibrate");
     let pre = Prefill::new(m, &ids, 16, Some(&calib), true).expect("prefill");
     let snapshot = pre.clone();
-    let small = SelectParams { sink: 4, local: 32, k: 16 };
+    let small = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 16,
+    };
     let methods: Vec<Box<dyn Scanner>> = vec![
         Box::new(Exact),
         Box::new(Fathom::new(48.0)),
@@ -163,20 +267,44 @@ fn branching_leaves_the_prefill_unchanged_and_exact_with_room_matches_dense() {
         Box::new(Loki { r: 32 }),
     ];
     for meth in &methods {
-        let b = decode_branch(m, &pre, meth.as_ref(), Some(&calib), small, 16, &|_| false).expect("branch");
+        let b = decode_branch(m, &pre, meth.as_ref(), Some(&calib), small, 16, &|_| false)
+            .expect("branch");
         assert_eq!(b.tokens.len(), 16);
-        assert!(b.stats.scans > 0 && b.stats.density() < 0.5, "{}: density {}", meth.name(), b.stats.density());
-        let f = forced_branch(m, &pre, meth.as_ref(), Some(&calib), small, &b.tokens).expect("forced");
-        assert_eq!(f.tokens[..15], b.tokens[1..], "{}: teacher forcing its own output reproduces it", meth.name());
+        assert!(
+            b.stats.scans > 0 && b.stats.density() < 0.5,
+            "{}: density {}",
+            meth.name(),
+            b.stats.density()
+        );
+        let f =
+            forced_branch(m, &pre, meth.as_ref(), Some(&calib), small, &b.tokens).expect("forced");
+        assert_eq!(
+            f.tokens[..15],
+            b.tokens[1..],
+            "{}: teacher forcing its own output reproduces it",
+            meth.name()
+        );
     }
     assert_eq!(pre.cache.len(), snapshot.cache.len());
     assert_eq!(pre.logits, snapshot.logits);
     for l in 0..m.config().n_layers {
-        assert_eq!(pre.cache.keys(l).data, snapshot.cache.keys(l).data, "layer {l} keys");
-        assert_eq!(pre.cache.values(l).data, snapshot.cache.values(l).data, "layer {l} values");
+        assert_eq!(
+            pre.cache.keys(l).data,
+            snapshot.cache.keys(l).data,
+            "layer {l} keys"
+        );
+        assert_eq!(
+            pre.cache.values(l).data,
+            snapshot.cache.values(l).data,
+            "layer {l} values"
+        );
     }
     // With k covering the whole middle, exact top-k attends to every key: same tokens as dense.
-    let all = SelectParams { sink: 4, local: 32, k: 100_000 };
+    let all = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 100_000,
+    };
     let e = decode_branch(m, &pre, &Exact, None, all, 16, &|_| false).expect("exact");
     let d = decode_branch(m, &pre, &Dense, None, all, 16, &|_| false).expect("dense");
     assert_eq!(e.tokens, d.tokens);
@@ -190,7 +318,9 @@ fn agent_sessions_are_deterministic_and_continue_the_last_file() {
         .map(|i| Document {
             path: format!("usr/lib/python3.11/mod{i}.py"),
             sha256: String::new(),
-            text: (0..200).map(|j| format!("def f_{i}_{j}(x):\n    return x + {j}\n")).collect(),
+            text: (0..200)
+                .map(|j| format!("def f_{i}_{j}(x):\n    return x + {j}\n"))
+                .collect(),
         })
         .collect();
     let a = session(&docs, m.tokenizer(), 2048, 16, 1, 0).expect("session");
@@ -198,12 +328,27 @@ fn agent_sessions_are_deterministic_and_continue_the_last_file() {
     assert_eq!(a.prompt_ids, b.prompt_ids);
     assert_eq!(a.continuation, b.continuation);
     assert_eq!(a.continuation.len(), 16);
-    assert!(a.prompt_tokens <= 2048 - 16 && a.prompt_tokens > 1500, "{}", a.prompt_tokens);
+    assert!(
+        a.prompt_tokens <= 2048 - 16 && a.prompt_tokens > 1500,
+        "{}",
+        a.prompt_tokens
+    );
     let text = m.tokenizer().decode(&a.prompt_ids).expect("decode");
     let last = a.files.last().expect("files");
     assert!(text.contains(&format!("read_file {last}")));
     assert!(text.ends_with('\n'), "cut at a line boundary");
-    let file = &docs.iter().find(|d| last.ends_with(&d.path["usr/lib/python3.11/".len()..])).expect("doc").text;
-    let tail: String = text.rsplit(&format!("Tool (read_file {last}):\n")).next().expect("tail").to_string();
-    assert!(file.starts_with(&(tail.clone() + &a.continuation_text)), "the continuation is the file's next text");
+    let file = &docs
+        .iter()
+        .find(|d| last.ends_with(&d.path["usr/lib/python3.11/".len()..]))
+        .expect("doc")
+        .text;
+    let tail: String = text
+        .rsplit(&format!("Tool (read_file {last}):\n"))
+        .next()
+        .expect("tail")
+        .to_string();
+    assert!(
+        file.starts_with(&(tail.clone() + &a.continuation_text)),
+        "the continuation is the file's next text"
+    );
 }
