@@ -1,7 +1,7 @@
 use fathom_plan::scan::scan;
 use fathom_plan::scanner::{rotated_store, HeadInput, HeadScanner, Held, Scanner, ScannerError};
 use fathom_plan::{plan_bits, KvView};
-use fathom_store::{BasisKind, KeyStore, StoreView};
+use fathom_store::{BasisKind, StoreView};
 use half::f16;
 
 fn top_channels(weights: &[f64], r: usize) -> Vec<usize> {
