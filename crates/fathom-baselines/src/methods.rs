@@ -179,6 +179,25 @@ impl HeadScanner for FixedHead<'_> {
     }
 }
 
+/// Checks `r` and returns the calibration's Loki basis (`[D][D]`) for this head.
+fn loki_basis<'a>(
+    input: &HeadInput<'a>,
+    kind: &str,
+    name: &str,
+    r: usize,
+) -> Result<&'a [f32], ScannerError> {
+    let d = input.keys.dim;
+    check_r(kind, r, d)?;
+    input
+        .calib
+        .filter(|c| c.loki.len() == d * d)
+        .map(|c| c.loki.as_slice())
+        .ok_or_else(|| ScannerError::MissingCalibration {
+            method: name.to_string(),
+            what: "loki",
+        })
+}
+
 /// Loki (SPEC §4): the first `r` coordinates of the calibration PCA basis (ordered by
 /// calibration score variance), read at 4 bits from a store in that basis.
 #[derive(Debug, Clone)]
@@ -196,15 +215,8 @@ impl Scanner for Loki {
         input: &HeadInput<'a>,
     ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
         let d = input.keys.dim;
-        check_r("loki", self.r, d)?;
-        let calib = input
-            .calib
-            .filter(|c| c.loki.len() == d * d)
-            .ok_or_else(|| ScannerError::MissingCalibration {
-                method: self.name(),
-                what: "loki",
-            })?;
-        let store = rotated_store(&input.keys, &calib.loki, BasisKind::Custom)?;
+        let loki = loki_basis(input, "loki", &self.name(), self.r)?;
+        let store = rotated_store(&input.keys, loki, BasisKind::Custom)?;
         let chans: Vec<usize> = (0..self.r).collect();
         Ok(Box::new(FixedHead {
             store: Held::Owned(store),
@@ -230,17 +242,9 @@ impl Scanner for LokiF16 {
         input: &HeadInput<'a>,
     ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
         let d = input.keys.dim;
-        check_r("loki-f16", self.r, d)?;
-        let calib = input
-            .calib
-            .filter(|c| c.loki.len() == d * d)
-            .ok_or_else(|| ScannerError::MissingCalibration {
-                method: self.name(),
-                what: "loki",
-            })?;
+        let u = loki_basis(input, "loki-f16", &self.name(), self.r)?;
         let n = input.keys.rows();
         let mut coords = vec![0f32; n * self.r];
-        let u = &calib.loki;
         for i in 0..n {
             let k = input.keys.row(i).expect("i < rows");
             for j in 0..self.r {
@@ -250,7 +254,7 @@ impl Scanner for LokiF16 {
         }
         Ok(Box::new(LokiF16Head {
             coords,
-            basis: u.clone(),
+            basis: u.to_vec(),
             r: self.r,
             d,
         }))
