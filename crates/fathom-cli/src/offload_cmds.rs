@@ -57,9 +57,16 @@ pub struct OffloadBenchArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Head groups pipelined per layer (host residency): the copy stream gathers group i+1
-    /// while group i is scanned; 0 = auto (1), 1 = sequential.
-    #[arg(long, default_value_t = 0)]
-    pub groups: usize,
+    /// while group i is scanned; 1 = sequential; 0 = auto (4 from 512k tokens on, else 1,
+    /// from the H200 sweep). A list times each setting.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub groups: Vec<usize>,
+    /// Most CTAs per gather launch (host residency; the kernel strides over the rest), so
+    /// that a pipelined gather leaves multiprocessors to the compute stream; 0 = auto (64 when
+    /// pipelined, else uncapped); a value ≥ the run chunks (e.g. 1000000) is uncapped.
+    /// A list times each setting (crossed with --groups).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub gather_ctas: Vec<usize>,
     /// Size of the pinned H2D memcpy that measures the link, MiB.
     #[arg(long, default_value_t = 2048)]
     pub probe_mib: usize,
@@ -107,20 +114,31 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         source_tokens: a.source_tokens,
         seed: a.seed,
         h2d_probe_bytes: a.probe_mib << 20,
-        groups: a.groups,
+        groups: a.groups.clone(),
+        gather_ctas: a.gather_ctas.clone(),
         json: a.json.clone(),
     };
     let rep = fathom_cuda::bench::run_offload_bench(&cfg, |s| eprintln!("{s}"))
         .context("offload-bench")?;
     println!(
-        "{:<9} {:<5} {:<10} {:>7} {:>10} {:>10} {:>8} {:>8} {:>7}  speedup vs 136-bit",
-        "context", "res", "method", "bits", "gpu ms", "floor ms", "ratio", "plan %", "hit %"
+        "{:<9} {:<5} {:<8} {:<10} {:>7} {:>10} {:>10} {:>8} {:>8} {:>7}  speedup vs 136-bit",
+        "context",
+        "res",
+        "grp/cta",
+        "method",
+        "bits",
+        "gpu ms",
+        "floor ms",
+        "ratio",
+        "plan %",
+        "hit %"
     );
     for r in &rep.results {
         println!(
-            "{:<9} {:<5} {:<10} {:>7.1} {:>10.3} {:>10} {:>8} {:>8.2} {:>7.1}  {}",
+            "{:<9} {:<5} {:<8} {:<10} {:>7.1} {:>10.3} {:>10} {:>8} {:>8.2} {:>7.1}  {}",
             r.context,
             r.residency,
+            format!("{}/{}", r.groups, r.gather_ctas),
             r.method,
             r.bits,
             r.gpu_ms,

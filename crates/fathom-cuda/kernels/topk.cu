@@ -94,15 +94,40 @@ extern "C" __global__ void topk_collect(const float* __restrict__ scores, u64 n,
     const Sel s = sel[r];
     const float* row = scores + (u64)r * n;
     const u64 st = lo + (u64)blockIdx.x * ELEMS, e = min(st + ELEMS, hi);
-    for (u64 i = st + threadIdx.x; i < e; i += blockDim.x) {
-        const u32 key = f32_key(row[i]);
+    // Warp-aggregated appends: one atomic per warp and list per iteration instead of one per
+    // element (the threshold bucket can hold tens of thousands of a row's tokens, all
+    // appending to the same counter). The loop bound is uniform across the CTA, so every lane
+    // reaches the ballots.
+    const int lane = threadIdx.x & 31;
+    const unsigned below = (1u << lane) - 1u;
+    for (u64 b0 = st; b0 < e; b0 += blockDim.x) {
+        const u64 i = b0 + threadIdx.x;
+        const bool in = i < e;
+        const u32 key = in ? f32_key(row[i]) : 0u;
         const int bk = (int)(key >> 22);
-        if (bk > s.bucket) {
-            u32 p = atomicAdd(&wcount[r], 1u);
-            if (p < k) win[(u64)r * k + p] = (u32)i;
-        } else if (bk == s.bucket) {
-            u32 p = atomicAdd(&ccount[r], 1u);
-            if (p < ccap) { cand_key[(u64)r * ccap + p] = key; cand_idx[(u64)r * ccap + p] = (u32)i; }
+        const bool w = in && bk > s.bucket;
+        const bool c = in && bk == s.bucket;
+        const unsigned mw = __ballot_sync(0xffffffffu, w);
+        const unsigned mc = __ballot_sync(0xffffffffu, c);
+        if (mw) {
+            const int leader = __ffs(mw) - 1;
+            u32 p0 = 0;
+            if (lane == leader) p0 = atomicAdd(&wcount[r], (u32)__popc(mw));
+            p0 = __shfl_sync(0xffffffffu, p0, leader);
+            if (w) {
+                const u32 p = p0 + (u32)__popc(mw & below);
+                if (p < k) win[(u64)r * k + p] = (u32)i;
+            }
+        }
+        if (mc) {
+            const int leader = __ffs(mc) - 1;
+            u32 p0 = 0;
+            if (lane == leader) p0 = atomicAdd(&ccount[r], (u32)__popc(mc));
+            p0 = __shfl_sync(0xffffffffu, p0, leader);
+            if (c) {
+                const u32 p = p0 + (u32)__popc(mc & below);
+                if (p < ccap) { cand_key[(u64)r * ccap + p] = key; cand_idx[(u64)r * ccap + p] = (u32)i; }
+            }
         }
     }
 }

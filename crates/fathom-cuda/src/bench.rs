@@ -50,8 +50,11 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Bytes of the pinned H2D `memcpy` that measures the link (2 GiB by default).
     pub h2d_probe_bytes: usize,
-    /// Head groups pipelined per layer (0 = auto; see [`SessionConfig::groups`]).
-    pub groups: usize,
+    /// Head-group pipelining settings to time, each over every method (0 = auto; see
+    /// [`SessionConfig::groups`]).
+    pub groups: Vec<usize>,
+    /// Gather grid caps to time (0 = auto; see [`SessionConfig::gather_ctas`]).
+    pub gather_ctas: Vec<usize>,
     /// Write the report here after every (context, residency).
     pub json: Option<PathBuf>,
 }
@@ -90,6 +93,9 @@ pub struct BenchResult {
     pub k: usize,
     /// Head groups pipelined per layer in the timed steps (instrumented steps use 1).
     pub groups: usize,
+    /// Gather grid cap in the timed steps, resolved (0 = uncapped).
+    #[serde(default)]
+    pub gather_ctas: usize,
     /// Nominal scan bits.
     pub bits_nominal: f64,
     /// Measured mean plan bits.
@@ -248,7 +254,8 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
                 row_bytes_budget: c.row_bytes_budget,
                 tables: c.methods.iter().any(|m| !m.uses_planes()),
                 steps: total_steps,
-                groups: c.groups,
+                groups: c.groups.first().copied().unwrap_or(0),
+                gather_ctas: c.gather_ctas.first().copied().unwrap_or(0),
             };
             progress(&format!("context {n}, {}: allocating", res.label()));
             let mut s = Session::new(&gpu, &cfg, &sources, &c.methods)?;
@@ -261,21 +268,56 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
                 ));
             }
             rep.layouts.insert(format!("{n}/{}", res.label()), layout);
-            let first = rep.results.len();
-            for &m in &c.methods {
-                s.reset_cache()?;
-                let mut timed: Vec<StepStats> = Vec::new();
-                let mut inst: Vec<StepStats> = Vec::new();
-                for step in 0..total_steps {
-                    let st = s.run_step(m, step, step >= c.warmup + c.steps)?;
-                    if step >= c.warmup + c.steps {
-                        inst.push(st);
-                    } else if step >= c.warmup {
-                        timed.push(st);
-                    }
+            let pipelines: Vec<(usize, usize)> = if res == Residency::Host {
+                let gs = if c.groups.is_empty() {
+                    vec![0]
+                } else {
+                    c.groups.clone()
+                };
+                let cs = if c.gather_ctas.is_empty() {
+                    vec![0]
+                } else {
+                    c.gather_ctas.clone()
+                };
+                gs.iter()
+                    .flat_map(|&g| cs.iter().map(move |&x| (g, x)))
+                    .collect()
+            } else {
+                vec![(1, 0)]
+            };
+            for &(groups, ctas) in &pipelines {
+                s.set_pipeline(groups, ctas);
+                let cfg = SessionConfig {
+                    groups,
+                    gather_ctas: ctas,
+                    ..cfg.clone()
+                };
+                if pipelines.len() > 1 {
+                    progress(&format!(
+                        "  pipeline: {} head groups, gather grid cap {}",
+                        cfg.pipeline_groups(),
+                        if ctas == 0 {
+                            "none".to_string()
+                        } else {
+                            ctas.to_string()
+                        }
+                    ));
                 }
-                let r = summarize(&rep, &cfg, m, &timed, &inst);
-                progress(&format!(
+                let first = rep.results.len();
+                for &m in &c.methods {
+                    s.reset_cache()?;
+                    let mut timed: Vec<StepStats> = Vec::new();
+                    let mut inst: Vec<StepStats> = Vec::new();
+                    for step in 0..total_steps {
+                        let st = s.run_step(m, step, step >= c.warmup + c.steps)?;
+                        if step >= c.warmup + c.steps {
+                            inst.push(st);
+                        } else if step >= c.warmup {
+                            timed.push(st);
+                        }
+                    }
+                    let r = summarize(&rep, &cfg, m, &timed, &inst);
+                    progress(&format!(
                     "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  plan {:5.2}%  hit {:4.1}%  stages ms: {}",
                     r.method, r.bits, r.gpu_ms, r.wall_ms,
                     r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
@@ -286,17 +328,18 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
                         .collect::<Vec<_>>()
                         .join(" ")
                 ));
-                rep.results.push(r);
-            }
-            // Speedups against every 136-bit scan at this context and residency.
-            let base: Vec<(String, f64)> = rep.results[first..]
-                .iter()
-                .filter(|r| (r.bits_nominal - 136.0).abs() < 1e-6)
-                .map(|r| (r.method.clone(), r.gpu_ms))
-                .collect();
-            for r in &mut rep.results[first..] {
-                for (name, ms) in &base {
-                    r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
+                    rep.results.push(r);
+                }
+                // Speedups against every 136-bit scan at this context and residency.
+                let base: Vec<(String, f64)> = rep.results[first..]
+                    .iter()
+                    .filter(|r| (r.bits_nominal - 136.0).abs() < 1e-6)
+                    .map(|r| (r.method.clone(), r.gpu_ms))
+                    .collect();
+                for r in &mut rep.results[first..] {
+                    for (name, ms) in &base {
+                        r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
+                    }
                 }
             }
             drop(s);
@@ -390,6 +433,11 @@ fn summarize(
             cfg.pipeline_groups()
         } else {
             1
+        },
+        gather_ctas: if cfg.residency == Residency::Host {
+            cfg.gather_cap()
+        } else {
+            0
         },
         bits_nominal: m.bits(sh.dim) as f64,
         bits,

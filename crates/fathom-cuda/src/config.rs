@@ -252,10 +252,25 @@ pub struct SessionConfig {
     /// Decode steps whose queries are uploaded (warm-ups included).
     pub steps: usize,
     /// Head groups pipelined per layer in host residency (the copy stream gathers group
-    /// `i + 1` while the compute stream works on group `i`); 0 = auto (currently 1: on the H200
-    /// the pipelined variant measured slower, see the README), 1 = no pipelining.
+    /// `i + 1` while the compute stream works on group `i`); 1 = no pipelining; 0 = auto:
+    /// [`AUTO_PIPELINE_GROUPS`] from [`AUTO_PIPELINE_MIN_CONTEXT`] tokens on, else 1. The
+    /// auto rule comes from the H200 sweep in `results/device/pipeline-sweep.json`
+    /// (pipelining pays where a layer's gather is long, and costs launch gaps below).
     pub groups: usize,
+    /// Most CTAs per gather launch in host residency (the kernel strides over the rest), so
+    /// that a pipelined gather leaves multiprocessors to the compute stream. 0 = auto:
+    /// [`AUTO_GATHER_CTAS`] when head groups are pipelined, else one CTA per 128 KiB chunk of
+    /// every run (uncapped). Any value at least the number of run chunks is uncapped.
+    #[serde(default)]
+    pub gather_ctas: usize,
 }
+
+/// Head groups of the auto pipelining rule (see [`SessionConfig::groups`]).
+pub const AUTO_PIPELINE_GROUPS: usize = 4;
+/// Context from which the auto rule pipelines head groups.
+pub const AUTO_PIPELINE_MIN_CONTEXT: usize = 512 * 1024;
+/// Gather grid cap of the auto rule when head groups are pipelined.
+pub const AUTO_GATHER_CTAS: usize = 64;
 
 impl SessionConfig {
     /// `G·k + sink + local`: the most rows a KV head's union can hold.
@@ -265,9 +280,62 @@ impl SessionConfig {
 
     /// The head groups actually used (resolves `groups = 0`).
     pub fn pipeline_groups(&self) -> usize {
-        match self.groups {
+        let g = match self.groups {
+            0 if self.context >= AUTO_PIPELINE_MIN_CONTEXT => AUTO_PIPELINE_GROUPS,
             0 => 1,
-            g => g.min(self.shape.kv_heads),
+            g => g,
+        };
+        g.clamp(1, self.shape.kv_heads.max(1))
+    }
+
+    /// The gather grid cap actually used (resolves `gather_ctas = 0`; 0 = uncapped).
+    pub fn gather_cap(&self) -> usize {
+        match self.gather_ctas {
+            0 if self.pipeline_groups() > 1 => AUTO_GATHER_CTAS,
+            c => c,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(context: usize, groups: usize, gather_ctas: usize) -> SessionConfig {
+        SessionConfig {
+            shape: ModelShape {
+                layers: 2,
+                kv_heads: 8,
+                group: 4,
+                dim: 128,
+            },
+            context,
+            k: 64,
+            residency: Residency::Host,
+            cache_rows: 0,
+            row_bytes_budget: 1 << 20,
+            tables: false,
+            steps: 1,
+            groups,
+            gather_ctas,
+        }
+    }
+
+    #[test]
+    fn auto_pipeline_rule() {
+        // Below the threshold: sequential and uncapped.
+        let c = cfg(AUTO_PIPELINE_MIN_CONTEXT - 1, 0, 0);
+        assert_eq!((c.pipeline_groups(), c.gather_cap()), (1, 0));
+        // From it on: pipelined with a capped gather grid.
+        let c = cfg(AUTO_PIPELINE_MIN_CONTEXT, 0, 0);
+        assert_eq!(
+            (c.pipeline_groups(), c.gather_cap()),
+            (AUTO_PIPELINE_GROUPS, AUTO_GATHER_CTAS)
+        );
+        // Explicit settings win; groups never exceed the KV heads.
+        let c = cfg(1 << 20, 1, 0);
+        assert_eq!((c.pipeline_groups(), c.gather_cap()), (1, 0));
+        let c = cfg(1 << 10, 32, 7);
+        assert_eq!((c.pipeline_groups(), c.gather_cap()), (8, 7));
     }
 }

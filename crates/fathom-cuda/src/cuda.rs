@@ -179,11 +179,23 @@ impl Mem {
                 Ok(Mem::Host(h))
             }
             Residency::Hbm => {
-                let mut v = vec![0u64; bytes.div_ceil(8)];
+                // Device memory first (a typed `DeviceOom` before any host work), then a
+                // fallible staging vector (a typed `HostAlloc` instead of an abort).
+                let dev = DevBuf::new(bytes, what)?;
+                let words = bytes.div_ceil(8);
+                let mut v: Vec<u64> = Vec::new();
+                v.try_reserve_exact(words)
+                    .map_err(|_| CudaError::HostAlloc {
+                        what,
+                        bytes: bytes as u64,
+                    })?;
+                v.resize(words, 0);
                 // SAFETY: reinterpreting initialised u64s as bytes (no padding, align 1).
                 let b = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, bytes) };
                 fill(b);
-                Ok(Mem::Dev(DevBuf::from_slice(b, what)?))
+                // SAFETY: `dev` holds `bytes` bytes; the copy is synchronous.
+                unsafe { result::memcpy_htod_sync(dev.ptr, &b[..]) }.map_err(drv("memcpy_htod"))?;
+                Ok(Mem::Dev(dev))
             }
         }
     }
@@ -443,13 +455,19 @@ impl Gpu {
         nruns: usize,
         max_len: u64,
     ) -> Result<()> {
-        let chunks = max_len.div_ceil(GATHER_CHUNK).max(1) as u32;
+        let chunks = max_len.div_ceil(GATHER_CHUNK).max(1);
         let chunk = GATHER_CHUNK;
+        let nr = nruns as u64;
         let mut b = self.stream.launch_builder(&k.gather_runs);
-        b.arg(&src).arg(&dst).arg(&runs).arg(&chunk);
+        b.arg(&src)
+            .arg(&dst)
+            .arg(&runs)
+            .arg(&chunk)
+            .arg(&nr)
+            .arg(&chunks);
         // SAFETY: the run list holds `nruns` runs inside both buffers (built by the planner
         // kernels or on the host from the same layout).
-        unsafe { b.launch(cfg((chunks, nruns as u32, 1), GATHER_THREADS)) }
+        unsafe { b.launch(cfg((gather_grid(nr * chunks, 0), 1, 1), GATHER_THREADS)) }
             .map_err(drv("launch gather_runs"))?;
         Ok(())
     }
@@ -503,6 +521,17 @@ pub fn compile_kernels(arch: &'static str, g: usize, d: usize) -> Result<usize> 
         }
     }
     Ok(all.len())
+}
+
+/// CTAs of one gather launch: one per work item (run × chunk), capped at `cap` when `cap > 0`
+/// (the kernel strides over the rest), and at the grid's x limit.
+fn gather_grid(items: u64, cap: usize) -> u32 {
+    let g = if cap > 0 {
+        items.min(cap as u64)
+    } else {
+        items
+    };
+    g.clamp(1, i32::MAX as u64) as u32
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
@@ -717,6 +746,7 @@ pub struct Session {
     ev_plan: Event,
     ev_gather: Vec<Event>,
     groups: usize,
+    gather_ctas: usize,
     k: Arc<Kernels>,
     cfg: SessionConfig,
     n: usize,
@@ -924,6 +954,7 @@ impl Session {
             ev_plan: Event::sync_only()?,
             ev_gather: (0..hn).map(|_| Event::sync_only()).collect::<Result<_>>()?,
             groups: cfg.pipeline_groups(),
+            gather_ctas: cfg.gather_cap(),
             k,
             cfg: cfg.clone(),
             n,
@@ -984,6 +1015,17 @@ impl Session {
             self.stream.synchronize().map_err(drv("synchronize"))?;
         }
         Ok(())
+    }
+
+    /// Changes the host-residency pipelining of later steps: `groups` head groups per layer
+    /// and at most `gather_ctas` CTAs per gather launch (0 = auto for both, see
+    /// [`SessionConfig::groups`] and [`SessionConfig::gather_ctas`]). Results do not change,
+    /// only timing.
+    pub fn set_pipeline(&mut self, groups: usize, gather_ctas: usize) {
+        self.cfg.groups = groups;
+        self.cfg.gather_ctas = gather_ctas;
+        self.groups = self.cfg.pipeline_groups();
+        self.gather_ctas = self.cfg.gather_cap();
     }
 
     /// Runs one decode step (every layer, in order, no host synchronisation inside) with the
@@ -1226,15 +1268,21 @@ impl Session {
                 self.ev_plan.wait_on(&cs)?;
             }
             for (i, &(h0, h1)) in ranges.iter().enumerate() {
-                let chunks = max_len.div_ceil(GATHER_CHUNK).max(1) as u32;
+                let chunks = max_len.div_ceil(GATHER_CHUNK).max(1);
                 let chunk = GATHER_CHUNK;
                 let rp = runs_ptr + (h0 * runs_per_head * 16) as u64;
-                let nr = ((h1 - h0) * runs_per_head) as u32;
+                let nr = ((h1 - h0) * runs_per_head) as u64;
+                let grid = gather_grid(nr * chunks, self.gather_ctas);
                 let mut b = gs.launch_builder(&k.gather_runs);
-                b.arg(&src_base).arg(&base).arg(&rp).arg(&chunk);
+                b.arg(&src_base)
+                    .arg(&base)
+                    .arg(&rp)
+                    .arg(&chunk)
+                    .arg(&nr)
+                    .arg(&chunks);
                 // SAFETY: every run lies inside the layer's source buffer and the staging
                 // buffer (same layout, staging sized to the largest layer buffer).
-                unsafe { b.launch(cfg((chunks, nr, 1), GATHER_THREADS)) }
+                unsafe { b.launch(cfg((grid, 1, 1), GATHER_THREADS)) }
                     .map_err(drv("launch gather_runs"))?;
                 if groups > 1 {
                     self.ev_gather[i].record(&cs)?;

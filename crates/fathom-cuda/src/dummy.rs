@@ -70,6 +70,8 @@ impl Session {
     pub fn reset_cache(&mut self) -> Result<()> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Changes the pipelining of later steps (see the CUDA build's `Session::set_pipeline`).
+    pub fn set_pipeline(&mut self, _groups: usize, _gather_ctas: usize) {}
     /// Runs one decode step over all layers.
     ///
     /// # Errors

@@ -38,6 +38,14 @@ pub enum CudaError {
         /// The driver's message.
         message: String,
     },
+    /// A host staging buffer (filled here, then copied to the device) could not be allocated.
+    #[error("host staging allocation of {bytes} bytes for {what} failed")]
+    HostAlloc {
+        /// What the memory was for.
+        what: &'static str,
+        /// Bytes requested.
+        bytes: u64,
+    },
     /// `cuMemAlloc` failed (device out of memory).
     #[error("device allocation of {bytes} bytes for {what} failed: {message}")]
     DeviceOom {

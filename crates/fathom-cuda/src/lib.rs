@@ -26,7 +26,7 @@
 //! };
 //! let cfg = SessionConfig {
 //!     shape, context: 4096, k: 128, residency: Residency::Host, cache_rows: 1024,
-//!     row_bytes_budget: 1 << 30, tables: false, steps: 1, groups: 0,
+//!     row_bytes_budget: 1 << 30, tables: false, steps: 1, groups: 0, gather_ctas: 0,
 //! };
 //! let mut session = Session::new(&gpu, &cfg, &[src], &[Method::Fathom(48.0)])?;
 //! let stats = session.run_step(Method::Fathom(48.0), 0, true)?;
@@ -55,7 +55,10 @@ mod dummy;
 #[cfg(not(feature = "cuda"))]
 pub use dummy::{Gpu, Session};
 
-pub use config::{Method, ModelShape, Residency, SessionConfig};
+pub use config::{
+    Method, ModelShape, Residency, SessionConfig, AUTO_GATHER_CTAS, AUTO_PIPELINE_GROUPS,
+    AUTO_PIPELINE_MIN_CONTEXT,
+};
 pub use error::{CudaError, Result};
 pub use synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
 pub use types::{DeviceInfo, LayerDebug, SessionLayout, StepStats, STAGES};

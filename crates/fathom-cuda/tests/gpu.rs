@@ -200,7 +200,14 @@ fn check_layer(
     }
 }
 
-fn run_case(gpu: &Gpu, n: usize, residency: Residency, cache_rows: usize, groups: usize) {
+fn run_case(
+    gpu: &Gpu,
+    n: usize,
+    residency: Residency,
+    cache_rows: usize,
+    groups: usize,
+    gather_ctas: usize,
+) {
     let shape = ModelShape {
         layers: 2,
         kv_heads: 2,
@@ -226,6 +233,7 @@ fn run_case(gpu: &Gpu, n: usize, residency: Residency, cache_rows: usize, groups
         tables: true,
         steps: 3,
         groups,
+        gather_ctas,
     };
     let mut s = Session::new(gpu, &cfg, &sources, &METHODS).unwrap();
     for m in METHODS {
@@ -247,15 +255,17 @@ fn run_case(gpu: &Gpu, n: usize, residency: Residency, cache_rows: usize, groups
 fn kernels_match_cpu_references_host_resident() {
     let Some(gpu) = gpu() else { return };
     // 5000 tokens: a partial last block.
-    run_case(&gpu, 5000, Residency::Host, 256, 1);
+    run_case(&gpu, 5000, Residency::Host, 256, 1, 0);
     // Two head groups: the copy stream gathers head 1 while head 0 is scanned.
-    run_case(&gpu, 4096, Residency::Host, 256, 2);
+    run_case(&gpu, 4096, Residency::Host, 256, 2, 0);
+    // A capped gather grid: 3 CTAs stride over every run chunk.
+    run_case(&gpu, 4096, Residency::Host, 256, 2, 3);
 }
 
 #[test]
 fn kernels_match_cpu_references_hbm_resident() {
     let Some(gpu) = gpu() else { return };
-    run_case(&gpu, 4096, Residency::Hbm, 0, 1);
+    run_case(&gpu, 4096, Residency::Hbm, 0, 1, 0);
 }
 
 #[test]
@@ -272,5 +282,53 @@ fn missing_gpu_path_is_a_typed_error() {
             assert!(!message.is_empty());
         }
         Err(e) => panic!("unexpected {e}"),
+    }
+}
+
+/// Allocation failures are typed errors that carry the size requested, never an abort:
+/// 2^30 tokens in HBM (≈ 0.58 TB of planes for 8 KV heads: more than the device holds), and
+/// 3·2^30 tokens in pinned host memory (≈ 1.75 TB: more than any host here pins).
+#[test]
+fn allocation_failures_are_typed_errors() {
+    let Some(gpu) = gpu() else { return };
+    let shape = ModelShape {
+        layers: 1,
+        kv_heads: 8,
+        group: 4,
+        dim: 128,
+    };
+    let p = SynthParams {
+        heads: 8,
+        group: 4,
+        dim: 128,
+        tokens: 1024,
+        seed: 3,
+    };
+    let sources = vec![synth_layer(&p, 0).unwrap()];
+    for (residency, context) in [(Residency::Hbm, 1usize << 30), (Residency::Host, 3 << 30)] {
+        let cfg = SessionConfig {
+            shape,
+            context,
+            k: 64,
+            residency,
+            cache_rows: 0,
+            row_bytes_budget: 1 << 30,
+            tables: false,
+            steps: 1,
+            groups: 1,
+            gather_ctas: 0,
+        };
+        let t = std::time::Instant::now();
+        match Session::new(&gpu, &cfg, &sources, &[Method::Fathom(48.0)]) {
+            Ok(_) => panic!("{residency:?} {context}: a session that cannot fit was created"),
+            Err(
+                e @ (CudaError::DeviceOom { bytes, .. } | CudaError::PinnedAlloc { bytes, .. }),
+            ) => {
+                eprintln!("{residency:?} {context} tokens: {e} ({:.2?})", t.elapsed());
+                assert!(bytes >= 1 << 36, "{e}: the error names too small a size");
+                assert!(e.to_string().contains(&bytes.to_string()), "{e}");
+            }
+            Err(e) => panic!("{residency:?} {context}: unexpected error {e}"),
+        }
     }
 }
