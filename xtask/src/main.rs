@@ -1,8 +1,11 @@
 //! `cargo xtask`: drives `cargo` and the `fathom` CLI; never reimplements them.
 //!
-//! - `cargo xtask repro [--quick | --full] [--gpu] [--out DIR]`: the whole pipeline (models,
-//!   corpora, captures, calibration, fidelity sweeps, ablations, downstream tasks, device
-//!   timing when asked and possible) and `DIR/REPORT.md` (default `results/`).
+//! - `cargo xtask repro [--quick | --full] [--gpu] [--out DIR] [--budget-min M]`: the whole
+//!   pipeline (models, corpora, captures, calibration, fidelity sweeps, ablations, the model
+//!   speed table, downstream tasks, device timing when asked and possible) and
+//!   `DIR/REPORT.md` (default `results/`). With `--budget-min`, stages that would overrun the
+//!   budget are skipped and the report says which; downstream stages come last. A capture
+//!   whose `.cmd` sidecar matches its command is reused.
 //! - `cargo xtask fetch-models`, `cargo xtask fetch-corpus`: through the CLI.
 //! - `cargo xtask fuzz [--seconds N] [--target T]`: runs each `cargo fuzz` target under `fuzz/`
 //!   for N seconds (default 600) and prints the executions and crashes (docs/RELIABILITY.md).
@@ -85,8 +88,35 @@ fn stage(name: &str, estimate: f64, args: &[&str]) -> Stage {
     }
 }
 
-/// Runs every stage; a failing stage is logged and the rest continue.
-fn run_stages(bin: &Path, stages: &[Stage], log: &Path) -> Result<bool> {
+/// The files a stage reads that an earlier stage writes (`--capture X`, `--calib X`).
+fn stage_inputs(args: &[String]) -> Vec<PathBuf> {
+    args.windows(2)
+        .filter(|w| w[0] == "--capture" || w[0] == "--calib")
+        .map(|w| root().join(&w[1]))
+        .collect()
+}
+
+/// The output of a `capture` stage, whose sidecar `OUT.cmd` records the command that wrote
+/// it: a rerun with the same command reuses the file.
+fn capture_output(args: &[String]) -> Option<PathBuf> {
+    if args.first().map(String::as_str) != Some("capture") {
+        return None;
+    }
+    args.windows(2)
+        .find(|w| w[0] == "--out")
+        .map(|w| root().join(&w[1]))
+}
+
+fn sidecar(p: &Path) -> PathBuf {
+    let mut s = p.as_os_str().to_owned();
+    s.push(".cmd");
+    PathBuf::from(s)
+}
+
+/// Runs every stage; a failing stage is logged and the rest continue. With a `budget`
+/// (seconds), a stage whose estimate would overrun it is skipped and logged as such; a stage
+/// whose input an earlier stage did not produce is skipped too. Skips are not failures.
+fn run_stages(bin: &Path, stages: &[Stage], log: &Path, budget: Option<f64>) -> Result<bool> {
     let mut f =
         std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
     let total: f64 = stages.iter().map(|s| s.estimate).sum();
@@ -100,14 +130,75 @@ fn run_stages(bin: &Path, stages: &[Stage], log: &Path) -> Result<bool> {
         } else {
             total
         };
+        let cmd = format!("fathom {}", s.args.join(" "));
+        let log_line = |f: &mut std::fs::File, ok: bool, secs: f64, err: &str, skipped: &str| {
+            writeln!(
+                f,
+                "{{\"stage\": {}, \"ok\": {ok}, \"seconds\": {secs:.2}, \"command\": {}, \"error\": {}, \"skipped\": {}}}",
+                json_str(&s.name),
+                json_str(&cmd),
+                json_str(err),
+                json_str(skipped)
+            )
+        };
+        done_est += s.estimate;
+        if let Some(b) = budget {
+            if el + s.estimate > b {
+                let why = format!(
+                    "time budget: {:.0} s used, this stage's estimate is {:.0} s, the budget {:.0} s",
+                    el, s.estimate, b
+                );
+                eprintln!(
+                    "xtask: [{}/{}] {} SKIPPED ({why})",
+                    i + 1,
+                    stages.len(),
+                    s.name
+                );
+                log_line(&mut f, true, 0.0, "", &why)?;
+                continue;
+            }
+        }
+        if let Some(missing) = stage_inputs(&s.args).into_iter().find(|p| !p.exists()) {
+            let why = format!(
+                "input {} is missing (the stage that writes it was skipped or failed)",
+                missing.display()
+            );
+            eprintln!(
+                "xtask: [{}/{}] {} SKIPPED ({why})",
+                i + 1,
+                stages.len(),
+                s.name
+            );
+            log_line(&mut f, true, 0.0, "", &why)?;
+            continue;
+        }
+        if let Some(out) = capture_output(&s.args) {
+            let same = std::fs::read_to_string(sidecar(&out)).is_ok_and(|c| c.trim() == cmd);
+            if same && out.exists() {
+                eprintln!(
+                    "xtask: [{}/{}] {} — reusing {} (written by the same command)",
+                    i + 1,
+                    stages.len(),
+                    s.name,
+                    out.display()
+                );
+                log_line(
+                    &mut f,
+                    true,
+                    0.0,
+                    "",
+                    "cached: the same command wrote this capture before",
+                )?;
+                continue;
+            }
+        }
         eprintln!(
-            "xtask: [{}/{}] {} — elapsed {:.0}s, ETA ~{:.0}s\n        fathom {}",
+            "xtask: [{}/{}] {} — elapsed {:.0}s, ETA ~{:.0}s\n        {cmd}",
             i + 1,
             stages.len(),
             s.name,
             el,
             eta,
-            s.args.join(" ")
         );
         let ts = Instant::now();
         let out = Command::new(bin).args(&s.args).current_dir(root()).status();
@@ -120,15 +211,11 @@ fn run_stages(bin: &Path, stages: &[Stage], log: &Path) -> Result<bool> {
         if !ok {
             eprintln!("xtask: stage {} FAILED ({err}); continuing", s.name);
             all_ok = false;
+        } else if let Some(out) = capture_output(&s.args) {
+            std::fs::write(sidecar(&out), &cmd)
+                .with_context(|| format!("writing {}", sidecar(&out).display()))?;
         }
-        writeln!(
-            f,
-            "{{\"stage\": {}, \"ok\": {ok}, \"seconds\": {secs:.2}, \"command\": {}, \"error\": {}}}",
-            json_str(&s.name),
-            json_str(&format!("fathom {}", s.args.join(" "))),
-            json_str(&err)
-        )?;
-        done_est += s.estimate;
+        log_line(&mut f, ok, secs, &err, "")?;
     }
     eprintln!(
         "xtask: all stages done in {:.0}s",
@@ -151,17 +238,47 @@ const MAIN_METHODS: &str = "dense,exact,fathom-sweep:24-136/8,fathom-layer:48,fa
 const ABLATION_METHODS: &str = "exact,fathom-raw:32,fathom-raw:48,fathom-raw:64,fathom-raw:92,fathom-raw:136,fathom-klt:32,fathom-klt:48,fathom-klt:64,fathom-klt:92,fathom-klt:136,fathom-blockmax:48,fathom-blockmax:64,loki:32,loki-f16:32,loki-f16:8";
 const K_METHODS: &str = "exact,fathom:48,fathom:64,fathom:92,sparq:32,ds:32,loki:32";
 
+/// Rough seconds per (sample or session, method) of a downstream stage at `context` tokens on
+/// 2 cores (measured: ~6 s per RULER sample and method at 4k).
+fn downstream_estimate(cmd: &str, context: usize) -> f64 {
+    let flag = |name: &str| -> f64 {
+        let parts: Vec<&str> = cmd.split(' ').collect();
+        parts
+            .windows(2)
+            .find(|w| w[0] == name)
+            .map_or(1.0, |w| w[1].split(',').count() as f64)
+    };
+    let count = |name: &str| -> f64 {
+        let parts: Vec<&str> = cmd.split(' ').collect();
+        parts
+            .windows(2)
+            .find(|w| w[0] == name)
+            .and_then(|w| w[1].parse().ok())
+            .unwrap_or(1.0)
+    };
+    let per = context as f64 / 700.0;
+    if cmd.starts_with("ruler") {
+        count("--samples") * flag("--tasks") * flag("--methods") * per
+    } else {
+        count("--sessions") * flag("--methods") * per * count("--steps") / 16.0
+    }
+}
+
 fn pipeline(
     settings: &[Setting],
     ks: &[usize],
     out: &str,
     cache: &str,
     downstream: &[String],
+    speed: &[(&str, &str)],
 ) -> Vec<Stage> {
     let mut st = vec![
         stage("fetch models", 5.0, &["fetch-models"]),
         stage("fetch corpus", 10.0, &["fetch-corpus"]),
     ];
+    // Downstream stages run after every setting's fidelity work and the speed table, so that a
+    // time budget cuts the most expensive part first.
+    let mut later = Vec::new();
     for s in settings {
         let tag = format!("{}-{}k", s.model, s.context / 1024);
         let dir = format!("{out}/{tag}");
@@ -320,25 +437,45 @@ fn pipeline(
             let mut args: Vec<&str> = d.split(' ').collect();
             let json = format!("{dir}/{}.json", args[0]);
             args.extend(["--model", s.model, "--context", &ctx, "--json", &json]);
-            st.push(stage(
+            later.push(stage(
                 &format!("{tag}: {}", d.split(' ').next().unwrap_or("")),
-                est * 2.0,
+                downstream_estimate(d, s.context),
                 &args,
             ));
         }
     }
+    for (model, ctxs) in speed {
+        let n: f64 = ctxs.split(',').filter_map(|c| c.parse::<f64>().ok()).sum();
+        st.push(stage(
+            &format!("{model}: speed beside llama.cpp at {ctxs} tokens"),
+            n / 100.0,
+            &[
+                "speed",
+                "--model",
+                model,
+                "--context",
+                ctxs,
+                "--decode-steps",
+                "16",
+                "--json",
+                &format!("{out}/speed-{model}.json"),
+            ],
+        ));
+    }
+    st.extend(later);
     st
 }
 
 fn run() -> Result<bool> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first() else {
-        bail!("usage: cargo xtask <repro [--quick|--full] [--gpu] [--out DIR] | fetch-models | fetch-corpus | fuzz [--seconds N] [--target T] | stress [--seconds N]>");
+        bail!("usage: cargo xtask <repro [--quick|--full] [--gpu] [--out DIR] [--budget-min M] | fetch-models | fetch-corpus | fuzz [--seconds N] [--target T] | stress [--seconds N]>");
     };
     match cmd.as_str() {
         "repro" => {
             let mut out = "results".to_string();
             let (mut full, mut gpu) = (false, false);
+            let mut budget: Option<f64> = None;
             let mut it = args.iter().skip(1);
             while let Some(a) = it.next() {
                 match a.as_str() {
@@ -346,6 +483,15 @@ fn run() -> Result<bool> {
                     "--full" => full = true,
                     "--gpu" => gpu = true,
                     "--out" => out = it.next().context("--out needs a directory")?.clone(),
+                    "--budget-min" => {
+                        let v = it.next().context("--budget-min needs minutes")?;
+                        let m: f64 = v
+                            .parse()
+                            .ok()
+                            .filter(|m: &f64| m.is_finite() && *m > 0.0)
+                            .with_context(|| format!("--budget-min {v:?} is not a positive number"))?;
+                        budget = Some(m * 60.0);
+                    }
                     other => bail!("unknown repro flag {other:?}"),
                 }
             }
@@ -433,7 +579,12 @@ fn run() -> Result<bool> {
                 let dir = root().join(&run_dir).join(format!("{}-{}k", s.model, s.context / 1024));
                 std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             }
-            let mut stages = pipeline(&settings, &ks, &run_dir, &cache, &downstream);
+            let speed: Vec<(&str, &str)> = if full {
+                vec![("smollm2-135m", "2048,8176"), ("gemma3-270m", "2048,8192,32752")]
+            } else {
+                vec![("smollm2-135m", "2048")]
+            };
+            let mut stages = pipeline(&settings, &ks, &run_dir, &cache, &downstream, &speed);
             if gpu {
                 stages.push(stage(
                     "offload timing (device)",
@@ -452,7 +603,7 @@ fn run() -> Result<bool> {
                 eprintln!("xtask: device timing skipped: --gpu not given (this machine has no GPU); the report lists the last committed device results under results/device/, labelled as such");
             }
             let log = root().join(&run_dir).join("stages.jsonl");
-            let ok = run_stages(&bin, &stages, &log)?;
+            let ok = run_stages(&bin, &stages, &log, budget)?;
             // The report: this run plus the last committed device results.
             let report = format!("{out}/REPORT.md");
             let mut report_stage = vec![stage(
@@ -472,6 +623,7 @@ fn run() -> Result<bool> {
                 &bin,
                 &report_stage,
                 &root().join(&run_dir).join("report-stage.jsonl"),
+                None,
             )?;
             report_stage.clear();
             eprintln!("xtask: report at {report}");
@@ -583,4 +735,79 @@ fn fuzz(args: &[String]) -> Result<()> {
         bail!("fuzz targets crashed: {crashed:?}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Vec<Setting> {
+        vec![
+            Setting {
+                model: "smollm2-135m",
+                context: 2048,
+                positions: 16,
+                k: 128,
+                cross: Some(4096),
+            },
+            Setting {
+                model: "gemma3-270m",
+                context: 8192,
+                positions: 32,
+                k: 256,
+                cross: None,
+            },
+        ]
+    }
+
+    /// Every file a stage reads is written by an earlier stage (captures and calibrations),
+    /// and every stage has a positive estimate, so budgets and dependency skips behave.
+    #[test]
+    fn stages_read_only_what_earlier_stages_write() {
+        let down = vec![
+            "ruler --tasks niah_single,vt --samples 2 --methods dense,exact".to_string(),
+            "agent-steps --sessions 1 --steps 16 --methods dense,exact".to_string(),
+        ];
+        let st = pipeline(
+            &settings(),
+            &[64, 256],
+            "results/quick",
+            ".cache/captures",
+            &down,
+            &[("smollm2-135m", "2048")],
+        );
+        let mut written: Vec<String> = Vec::new();
+        for s in &st {
+            assert!(s.estimate > 0.0, "{}", s.name);
+            for w in s.args.windows(2) {
+                if w[0] == "--capture" || w[0] == "--calib" {
+                    assert!(
+                        written.contains(&w[1]),
+                        "{} reads {} before it is written",
+                        s.name,
+                        w[1]
+                    );
+                }
+            }
+            for w in s.args.windows(2) {
+                if w[0] == "--out" {
+                    written.push(w[1].clone());
+                }
+            }
+        }
+        // Downstream stages come after every fidelity stage and the speed table.
+        let first_down = st.iter().position(|s| s.args[0] == "ruler").unwrap();
+        assert!(st[first_down..]
+            .iter()
+            .all(|s| s.args[0] == "ruler" || s.args[0] == "agent-steps"));
+        assert!(st[..first_down].iter().any(|s| s.args[0] == "speed"));
+    }
+
+    #[test]
+    fn downstream_estimates_scale_with_samples_methods_and_context() {
+        let a = downstream_estimate("ruler --tasks a,b --samples 2 --methods x,y,z", 4096);
+        let b = downstream_estimate("ruler --tasks a,b --samples 4 --methods x,y,z", 8192);
+        assert!((b / a - 4.0).abs() < 1e-9, "{a} {b}");
+        assert!(downstream_estimate("agent-steps --sessions 1 --steps 16 --methods x", 2048) > 0.0);
+    }
 }

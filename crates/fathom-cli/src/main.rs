@@ -7,6 +7,7 @@ mod offload_cmds;
 mod plot;
 mod report;
 mod repro_report;
+mod speed_cmds;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -50,6 +51,8 @@ enum Cmd {
     OffloadBench(offload_cmds::OffloadBenchArgs),
     /// Render REPORT.md (one section per paper claim) from a results directory.
     Report(repro_report::ReportArgs),
+    /// Prefill and decode tokens per second of the CPU model runtime beside llama.cpp.
+    Speed(speed_cmds::SpeedArgs),
     /// RULER-style tasks with sparse attention on every generated token, branched per method (SPEC §7).
     Ruler(eval_cmds::RulerArgs),
     /// Agent-session step agreement: each method's teacher-forced argmax against exact top-k and dense (SPEC §7).
@@ -243,6 +246,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Fidelity(a) => fidelity_cmd(a),
         Cmd::OffloadBench(a) => offload_cmds::run_offload_bench(a),
         Cmd::Report(a) => repro_report::run_report(a),
+        Cmd::Speed(a) => speed_cmds::run_speed(a),
         Cmd::Ruler(a) => eval_cmds::run_ruler(a),
         Cmd::AgentSteps(a) => eval_cmds::run_agent_steps(a),
         Cmd::Generate(a) => model_cmds::run_generate(a),
@@ -674,7 +678,7 @@ fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
     Ok(())
 }
 
-fn check_writable(p: &Path) -> Result<()> {
+pub(crate) fn check_writable(p: &Path) -> Result<()> {
     let dir = match p.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),

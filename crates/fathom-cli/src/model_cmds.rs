@@ -33,14 +33,14 @@ pub struct CacheArgs {
 }
 
 impl CacheArgs {
-    fn fetch_options(&self) -> FetchOptions {
+    pub fn fetch_options(&self) -> FetchOptions {
         FetchOptions {
             cache_dir: self.cache_dir.clone(),
             offline: self.offline,
             ..Default::default()
         }
     }
-    fn corpus_options(&self) -> CorpusOptions {
+    pub fn corpus_options(&self) -> CorpusOptions {
         CorpusOptions {
             cache_dir: self.cache_dir.clone(),
             offline: self.offline,
@@ -130,7 +130,7 @@ pub struct FetchCorpusArgs {
     pub cache: CacheArgs,
 }
 
-fn load_model(name: &str, cache: &CacheArgs, f32_weights: bool) -> Result<(ModelId, Model)> {
+pub fn load_model(name: &str, cache: &CacheArgs, f32_weights: bool) -> Result<(ModelId, Model)> {
     let id: ModelId = name.parse()?;
     let path = fetch_model(id, &cache.fetch_options())?;
     let weights = if f32_weights {

@@ -108,7 +108,12 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
             )?;
             for line in text.lines() {
                 if let Ok(v) = serde_json::from_str::<Value>(line) {
-                    let status = if v["ok"].as_bool() == Some(true) {
+                    let skipped = v["skipped"].as_str().unwrap_or("");
+                    let status = if skipped.starts_with("cached") {
+                        "ok (capture reused: same command)".to_string()
+                    } else if !skipped.is_empty() {
+                        format!("not run: {skipped}")
+                    } else if v["ok"].as_bool() == Some(true) {
                         "ok".to_string()
                     } else {
                         format!("**FAILED**: {}", v["error"].as_str().unwrap_or("?"))
@@ -255,7 +260,12 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
     // Claim 4: the offloaded decode step.
     let dev: Vec<&(PathBuf, Value)> = docs
         .iter()
-        .filter(|(_, v)| v["results"].is_array() && v["h2d_gbps"].is_number())
+        .filter(|(p, v)| {
+            v["results"].is_array()
+                && v["h2d_gbps"].is_number()
+                // Pipelining sweeps time one method pair under many settings: see their README.
+                && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("pipeline"))
+        })
         .collect();
     writeln!(
         s,
@@ -454,6 +464,58 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
         }
     }
 
+    // The CPU model runtime's speed beside llama.cpp.
+    let speed: Vec<&(PathBuf, Value)> = docs
+        .iter()
+        .filter(|(_, v)| v["task"] == "model-speed")
+        .collect();
+    writeln!(s, "## The CPU model runtime beside llama.cpp\n")?;
+    writeln!(s, "Not a paper claim: the throughput of `fathom-model` (candle GGUF, own layer loop, dense attention) on this machine, beside llama.cpp (`xllamacpp`, its defaults) on the same token ids and threads.\n")?;
+    if speed.is_empty() {
+        writeln!(
+            s,
+            "No `fathom speed` results were found: not measured in this run.\n"
+        )?;
+    }
+    for (p, v) in &speed {
+        writeln!(
+            s,
+            "`{}` ({}, {} cores; `{}`):\n",
+            rel(p, &base),
+            v["cpu"].as_str().unwrap_or("?"),
+            v["cores"].as_u64().unwrap_or(0),
+            v["command"].as_str().unwrap_or("")
+        )?;
+        writeln!(s, "| model | context | prefill tok/s | llama.cpp prefill tok/s | decode tok/s | llama.cpp decode tok/s | decode ratio |\n|---|---:|---:|---:|---:|---:|---:|")?;
+        for r in v["runs"].as_array().into_iter().flatten() {
+            let g = |a: &str, b: &str| r[a][b].as_f64();
+            let f = |x: Option<f64>, p: usize| {
+                x.map_or("—".to_string(), |x| format!("{x:.prec$}", prec = p))
+            };
+            let ratio = match (
+                g("fathom_model", "decode_tok_s"),
+                g("llama_cpp", "decode_tok_s"),
+            ) {
+                (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
+                _ => "—".into(),
+            };
+            writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {ratio} |",
+                v["model"].as_str().unwrap_or("?"),
+                r["context"].as_u64().unwrap_or(0),
+                f(g("fathom_model", "prefill_tok_s"), 1),
+                f(g("llama_cpp", "prefill_tok_s"), 1),
+                f(g("fathom_model", "decode_tok_s"), 2),
+                f(g("llama_cpp", "decode_tok_s"), 2),
+            )?;
+            if let Some(e) = r["llama_cpp_error"].as_str() {
+                writeln!(s, "\n(llama.cpp at {}: {e})\n", r["context"])?;
+            }
+        }
+        writeln!(s)?;
+    }
+
     // Memory table.
     writeln!(s, "## Memory: bytes per token per KV head of each index\n")?;
     if let Some((p, v)) = fid
@@ -485,7 +547,11 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
     let others: Vec<&(PathBuf, Value)> = docs
         .iter()
         .filter(|(_, v)| {
-            !is_fid(v) && !is_calib(v) && !v["h2d_gbps"].is_number() && !v["summary"].is_object()
+            !is_fid(v)
+                && !is_calib(v)
+                && !v["h2d_gbps"].is_number()
+                && !v["summary"].is_object()
+                && v["task"] != "model-speed"
         })
         .collect();
     if !others.is_empty() {
