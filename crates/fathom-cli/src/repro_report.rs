@@ -75,6 +75,15 @@ fn method<'a>(doc: &'a Value, name: &str) -> Option<&'a Value> {
 
 /// Renders the report.
 pub fn run_report(a: ReportArgs) -> Result<()> {
+    if !a.dir.is_dir() {
+        anyhow::bail!("results directory {} does not exist", a.dir.display());
+    }
+    if let Some(st) = &a.stages {
+        if !st.is_file() {
+            anyhow::bail!("stage log {} does not exist", st.display());
+        }
+    }
+    crate::check_writable(&a.out)?;
     let base = a
         .out
         .parent()
