@@ -463,7 +463,16 @@ fn pipeline(
         ));
     }
     st.extend(later);
-    st
+    // Captures first (they depend only on the fetches), each distinct command once: a budgeted
+    // run spends its first minutes on the model forward passes, and a later run reuses them.
+    let (mut caps, rest): (Vec<Stage>, Vec<Stage>) =
+        st.into_iter().partition(|s| s.args[0] == "capture");
+    let mut seen = std::collections::HashSet::new();
+    caps.retain(|s| seen.insert(s.args.clone()));
+    let (fetch, rest): (Vec<Stage>, Vec<Stage>) = rest
+        .into_iter()
+        .partition(|s| s.args[0].starts_with("fetch-"));
+    fetch.into_iter().chain(caps).chain(rest).collect()
 }
 
 fn run() -> Result<bool> {
@@ -795,6 +804,12 @@ mod tests {
                 }
             }
         }
+        // Captures right after the fetches, each once.
+        let caps: Vec<_> = st.iter().filter(|s| s.args[0] == "capture").collect();
+        assert!(st[2..2 + caps.len()].iter().all(|s| s.args[0] == "capture"));
+        let mut uniq = caps.iter().map(|s| s.args.clone()).collect::<Vec<_>>();
+        uniq.dedup();
+        assert_eq!(uniq.len(), caps.len());
         // Downstream stages come after every fidelity stage and the speed table.
         let first_down = st.iter().position(|s| s.args[0] == "ruler").unwrap();
         assert!(st[first_down..]
