@@ -27,7 +27,7 @@
 //!
 //! let keys: Vec<f32> = (0..200 * 8).map(|i| ((i * 7919) % 13) as f32 - 6.0).collect();
 //! let store = KeyStore::from_keys(Dims { heads: 1, channels: 8 }, &keys, None)?;
-//! let input = HeadInput { layer: 0, keys: KvView::contiguous(&keys, 8), store: store.view(), calib: None };
+//! let input = HeadInput { layer: 0, keys: KvView::contiguous(&keys, 8), store: store.view(), calib: None, klt_store: None };
 //! let sparq = SparQ { r: 2 };
 //! let head = sparq.prepare(&input)?;
 //! let mut scores = vec![0f32; 200];

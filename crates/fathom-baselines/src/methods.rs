@@ -1,6 +1,6 @@
 use fathom_plan::scan::scan;
 use fathom_plan::scanner::{rotated_store, HeadInput, HeadScanner, Held, Scanner, ScannerError};
-use fathom_plan::{plan_bits, KvView};
+use fathom_plan::{plan_bits, KeyTiles};
 use fathom_store::{BasisKind, StoreView};
 use half::f16;
 
@@ -461,8 +461,9 @@ impl HeadScanner for PageHead {
 #[derive(Debug, Clone, Default)]
 pub struct Exact;
 
-struct ExactHead<'a> {
-    keys: KvView<'a>,
+struct ExactHead {
+    /// The keys, transposed for fast exact dot products.
+    tiles: KeyTiles,
 }
 
 impl Scanner for Exact {
@@ -473,18 +474,18 @@ impl Scanner for Exact {
         &'a self,
         input: &HeadInput<'a>,
     ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
-        Ok(Box::new(ExactHead { keys: input.keys }))
+        Ok(Box::new(ExactHead {
+            tiles: KeyTiles::new(input.keys),
+        }))
     }
 }
 
-impl HeadScanner for ExactHead<'_> {
+impl HeadScanner for ExactHead {
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
-        let (n, d) = (self.keys.rows(), self.keys.dim);
+        let (n, d) = (self.tiles.rows(), self.tiles.dim());
         for h in 0..g {
             let q = &queries[h * d..(h + 1) * d];
-            for i in 0..n {
-                out[h * n + i] = dot(q, self.keys.row(i).expect("row"));
-            }
+            self.tiles.scores(q, &mut out[h * n..(h + 1) * n])?;
         }
         Ok(16.0 * d as f32)
     }
@@ -505,6 +506,8 @@ impl Scanner for Dense {
         &'a self,
         input: &HeadInput<'a>,
     ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
-        Ok(Box::new(ExactHead { keys: input.keys }))
+        Ok(Box::new(ExactHead {
+            tiles: KeyTiles::new(input.keys),
+        }))
     }
 }

@@ -45,6 +45,7 @@ impl Fixture {
             keys: KvView::contiguous(&self.keys, self.d),
             store: self.store.view(),
             calib: Some(&self.calib),
+            klt_store: None,
         }
     }
     fn score(&self, m: &dyn Scanner, q: &[f32], g: usize) -> (Vec<f32>, f32) {

@@ -355,6 +355,7 @@ impl<'a> SparseAttention<'a> {
                             keys,
                             store: st.raw.view(),
                             calib: calib.and_then(|c| c.get(h)),
+                            klt_store: None,
                         };
                         let hs = scanner.prepare(&input)?;
                         hs.score(qg, g, &mut scores)?
@@ -547,6 +548,7 @@ mod tests {
                 keys: view,
                 store: raw.view(),
                 calib: Some(&hc),
+                klt_store: None,
             };
             let hs = loki.prepare(&input).unwrap();
             let q: Vec<f32> = (0..g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();

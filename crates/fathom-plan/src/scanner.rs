@@ -70,6 +70,10 @@ pub struct HeadInput<'a> {
     pub store: StoreView<'a>,
     /// Calibration for this (layer, KV head), if any.
     pub calib: Option<&'a HeadCalib>,
+    /// The 4-bit store of these keys in the calibration KLT basis (`calib.klt`), when the
+    /// caller built one to share among methods; a method that needs it and finds `None` (or
+    /// a store in another basis) builds its own.
+    pub klt_store: Option<StoreView<'a>>,
 }
 
 /// A method: builds per-head state once, then scores query groups.
@@ -237,8 +241,16 @@ impl Scanner for Fathom {
                 if calib.klt.len() != d * d || calib.klt_sigma2.len() != d {
                     return Err(missing("klt"));
                 }
-                let s = rotated_store(&input.keys, &calib.klt, BasisKind::Klt)?;
-                (Held::Owned(s), calib.klt_sigma2.clone())
+                let shared = input.klt_store.filter(|v| {
+                    v.basis_kind() == BasisKind::Klt
+                        && v.basis_matrices() == calib.klt.as_slice()
+                        && v.tokens() == input.keys.rows()
+                });
+                let store = match shared {
+                    Some(v) => Held::Borrowed(v),
+                    None => Held::Owned(rotated_store(&input.keys, &calib.klt, BasisKind::Klt)?),
+                };
+                (store, calib.klt_sigma2.clone())
             }
         };
         if stat.len() != d {

@@ -13,8 +13,6 @@
 //! Scores are compared with IEEE order (`±∞` allowed, `−0 = +0`); a NaN score in the middle
 //! is an error, never silently ranked. Scores of sink and local tokens are not read.
 
-use std::cmp::Ordering;
-
 use crate::PlanError;
 
 /// Sink, local window and top-k sizes (SPEC §5).
@@ -53,8 +51,8 @@ impl SelectParams {
 ///
 /// `scores[i]` is the head's approximate score of token `i`; `scores` must cover `0..=pos`
 /// (entries past `pos` are ignored). `out` is cleared and filled, sorted ascending; pass the
-/// same vector again to avoid allocating. `O(n)` time (`select_nth_unstable_by`) plus
-/// `O(k log k)` to sort the winners.
+/// same vector again to avoid allocating. `O(n)` time (a sampled threshold, one filtering pass,
+/// `select_nth_unstable` among the survivors) plus `O(k log k)` to sort the winners.
 ///
 /// ```
 /// use fathom_plan::{select_per_head, SelectParams};
@@ -91,7 +89,10 @@ pub fn select_per_head(
         });
     }
     let middle = params.middle(pos);
-    if let Some(i) = scores[middle.clone()].iter().position(|s| s.is_nan()) {
+    let mid = &scores[middle.clone()];
+    // A branch-free scan first (it vectorises); the position only when there is a NaN.
+    if mid.iter().fold(false, |a, s| a | s.is_nan()) {
+        let i = mid.iter().position(|s| s.is_nan()).unwrap_or(0);
         return Err(PlanError::NonFinite {
             what: "scores",
             index: middle.start + i,
@@ -100,24 +101,65 @@ pub fn select_per_head(
     out.clear();
     out.extend((0..middle.start).map(|i| i as u32));
     let first = out.len();
-    out.extend(middle.clone().map(|i| i as u32));
-    if middle.len() > params.k {
-        // Best first: higher score, then lower index (a total order, as NaN is excluded).
-        let better = |a: &u32, b: &u32| {
-            scores[*b as usize]
-                .partial_cmp(&scores[*a as usize])
-                .unwrap_or(Ordering::Equal)
-                .then(a.cmp(b))
+    if middle.len() <= params.k {
+        out.extend(middle.clone().map(|i| i as u32));
+    } else if params.k > 0 {
+        // Tokens are ranked by a composite key (score, then lower index), a total order, so
+        // the top k is one well-defined set. A strided sample gives a threshold that about
+        // 2k tokens clear; one pass keeps those candidates (if fewer than k clear it, every
+        // token is a candidate), and a selection among them finds the top k exactly.
+        let k = params.k;
+        let rank = |i: usize, s: f32| (u64::from(order_key(s)) << 32) | u64::from(!(i as u32));
+        let stride = (mid.len() / SAMPLE).max(1);
+        let mut sample: Vec<u64> = (0..mid.len())
+            .step_by(stride)
+            .map(|j| rank(middle.start + j, mid[j]))
+            .collect();
+        let r = 2 * k * sample.len() / mid.len();
+        // Compared on the score key alone: ties at the threshold all pass, which only adds
+        // candidates.
+        let floor = if r < sample.len() {
+            (*sample.select_nth_unstable_by(r, |a, b| b.cmp(a)).1 >> 32) as u32
+        } else {
+            0
         };
-        let mid = &mut out[first..];
-        if params.k > 0 {
-            mid.select_nth_unstable_by(params.k - 1, better);
+        let mut cand: Vec<u64> = Vec::with_capacity(4 * k);
+        for (i, &s) in (middle.start..middle.end).zip(mid) {
+            let key = order_key(s);
+            if key >= floor {
+                cand.push((u64::from(key) << 32) | u64::from(!(i as u32)));
+            }
         }
-        out.truncate(first + params.k);
+        if cand.len() < k {
+            cand.clear();
+            cand.extend(
+                (middle.start..middle.end)
+                    .zip(mid)
+                    .map(|(i, &s)| rank(i, s)),
+            );
+        }
+        if cand.len() > k {
+            cand.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+        }
+        out.extend(cand[..k].iter().map(|&x| !(x as u32)));
         out[first..].sort_unstable();
     }
     out.extend((middle.end..n).map(|i| i as u32));
     Ok(())
+}
+
+/// Tokens sampled by [`select_per_head`] to find its candidate threshold.
+const SAMPLE: usize = 512;
+
+/// A `u32` whose unsigned order is the IEEE order of a non-NaN `f32`, with `−0 = +0`.
+#[inline(always)]
+fn order_key(s: f32) -> u32 {
+    let b = if s == 0.0 { 0 } else { s.to_bits() };
+    if b & 0x8000_0000 != 0 {
+        !b
+    } else {
+        b | 0x8000_0000
+    }
 }
 
 /// [`select_per_head`] for the `G` heads of a group: `scores` is `[G, n]` row-major (row
@@ -336,5 +378,45 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    /// Long contexts (the sampled threshold, strided sample) against a full sort, with
+    /// ascending, descending, tied and random scores.
+    #[test]
+    fn long_contexts_match_a_full_sort() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for n in [700usize, 4096, 9000] {
+            let shapes: Vec<Vec<f32>> = vec![
+                (0..n).map(|_| rng.gen_range(-50.0f32..50.0)).collect(),
+                (0..n).map(|i| i as f32).collect(),
+                (0..n).map(|i| -(i as f32)).collect(),
+                (0..n).map(|i| (i / 16) as f32 % 7.0).collect(),
+                (0..n).map(|_| f32::from(rng.gen_range(0u8..3))).collect(),
+                vec![1.0; n],
+            ];
+            for scores in shapes {
+                for k in [1usize, 128, 1000] {
+                    let p = SelectParams {
+                        sink: 4,
+                        local: 32,
+                        k,
+                    };
+                    let pos = n - 1;
+                    let mut out = Vec::new();
+                    select_per_head(pos, &scores, &p, &mut out).unwrap();
+                    let mid = p.middle(pos);
+                    let mut ranked: Vec<usize> = mid.clone().collect();
+                    ranked.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+                    let mut expect: Vec<u32> = (0..mid.start)
+                        .chain(ranked.into_iter().take(k))
+                        .chain(mid.end..=pos)
+                        .map(|i| i as u32)
+                        .collect();
+                    expect.sort_unstable();
+                    assert_eq!(out, expect, "n {n} k {k}");
+                }
+            }
+        }
     }
 }
