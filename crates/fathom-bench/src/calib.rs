@@ -15,13 +15,15 @@
 //! `HeadCalib` matrices are row-major `[D][D]` with basis vectors in columns.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fathom_plan::scanner::{Fathom, HeadCalib, Scanner, StoreBasis};
 use fathom_plan::{allocate_layer_budgets, KvView, LayerBudgetParams};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::capture::{CaptureInfo, LayerData, LayerKind};
-use crate::fidelity::{self, CalibSource, FidelityError, FidelityParams, InMemory, LayerSource};
+use crate::fidelity::{self, CalibSource, FidelityError, FidelityParams, LayerCtx, LayerSource};
 
 /// Format tag.
 pub const FORMAT: &str = "fathom-calibration";
@@ -390,24 +392,32 @@ pub fn calibrate(
 ) -> Result<Calibration, CalibError> {
     let info = src.info().clone();
     let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
-    let mut layers_data: Vec<LayerData> = Vec::new();
-    let mut heads = Vec::new();
-    for (i, &l) in info.layers.iter().enumerate() {
-        let data = src.layer(l).map_err(FidelityError::from)?;
-        let hs: Vec<HeadCalib> = (0..hkv)
-            .map(|h| {
-                let keys = KvView::head(&data.k, hkv, d, h);
-                let mut qs = Vec::new();
-                for p in 0..info.positions.len() {
-                    qs.extend_from_slice(&data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d]);
-                }
-                head_calib(&keys, &qs)
-            })
-            .collect();
-        heads.push(hs);
-        layers_data.push(data);
-        progress("statistics", i + 1, info.layers.len());
-    }
+    // Decode every layer and compute its statistics, (layer, head) pairs in parallel.
+    let done = AtomicUsize::new(0);
+    let nl = info.layers.len();
+    let per_layer = info
+        .layers
+        .par_iter()
+        .map(|&l| -> Result<(LayerData, Vec<HeadCalib>), CalibError> {
+            let data = src.layer(l).map_err(FidelityError::from)?;
+            let hs: Vec<HeadCalib> = (0..hkv)
+                .into_par_iter()
+                .map(|h| {
+                    let keys = KvView::head(&data.k, hkv, d, h);
+                    let mut qs = Vec::new();
+                    for p in 0..info.positions.len() {
+                        qs.extend_from_slice(
+                            &data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d],
+                        );
+                    }
+                    head_calib(&keys, &qs)
+                })
+                .collect();
+            progress("statistics", done.fetch_add(1, Ordering::Relaxed) + 1, nl);
+            Ok((data, hs))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let (layers_data, heads): (Vec<LayerData>, Vec<Vec<HeadCalib>>) = per_layer.into_iter().unzip();
     let mut cal = Calibration {
         format: FORMAT.into(),
         version: VERSION,
@@ -422,10 +432,6 @@ pub fn calibrate(
         budgets: Vec::new(),
         basis_rule: None,
     };
-    let mem = InMemory {
-        info: info.clone(),
-        layers: layers_data,
-    };
     let global: Vec<usize> = info
         .layers
         .iter()
@@ -433,71 +439,94 @@ pub fn calibrate(
         .filter(|(_, k)| **k == LayerKind::Global)
         .map(|(l, _)| *l)
         .collect();
-    let eval = |m: Fathom, layers: Vec<usize>| -> Result<f64, FidelityError> {
-        let methods: Vec<Box<dyn Scanner>> = vec![Box::new(m)];
-        let fp = FidelityParams {
-            layers: Some(layers),
-            ..params.fidelity.clone()
-        };
-        Ok(fidelity::run(&mem, Some(&cal), &methods, &fp, &|_| {})?.methods[0].error)
+    let fp = FidelityParams {
+        layers: Some(global.clone()),
+        ..params.fidelity.clone()
     };
-    // Basis rule: raw against KLT at one flat budget.
-    let mut raw = Fathom::new(params.rule_budget);
-    raw.basis = StoreBasis::Raw;
-    let mut klt = Fathom::new(params.rule_budget);
-    klt.basis = StoreBasis::Klt;
-    let raw_error = eval(raw, global.clone())?;
-    progress("basis rule", 1, 2);
-    let klt_error = eval(klt, global.clone())?;
-    progress("basis rule", 2, 2);
-    let choice = if klt_error < raw_error {
-        StoreBasis::Klt
-    } else {
-        StoreBasis::Raw
-    };
-    // Per-layer budgets with the greedy allocator on this capture's attention error.
-    let max_b = 4.25 * d as f32;
-    let nlayers = info.layers.iter().max().map_or(0, |m| m + 1);
-    let mut budgets = Vec::new();
-    for (ti, &target) in params.targets.iter().enumerate() {
-        let lp = LayerBudgetParams {
-            layers: global.len(),
-            target_mean: target,
-            quantum: params.quantum,
-            min_budget: 0.0,
-            max_budget: max_b,
-            start: (target / 3.0).floor().max(0.0),
+    fidelity::plan_layers(&info, &fp)?;
+    // Every candidate budget reuses each layer's stores and dense reference.
+    let (raw_error, klt_error, choice, budgets) = {
+        let calib_src: &dyn CalibSource = &cal;
+        let ctxs = global
+            .iter()
+            .map(|&l| {
+                let slot = info
+                    .layers
+                    .iter()
+                    .position(|&x| x == l)
+                    .expect("global layer");
+                LayerCtx::build(&info, &layers_data[slot], Some(calib_src), &fp)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // The mean over `slots` of each layer's error (as `fidelity::run` averages layers).
+        let eval = |m: Fathom, slots: &[usize]| -> Result<f64, FidelityError> {
+            let methods: Vec<Box<dyn Scanner>> = vec![Box::new(m)];
+            let errs = slots
+                .iter()
+                .map(|&s| Ok(ctxs[s].eval(&methods)?.0[0].0))
+                .collect::<Result<Vec<f64>, FidelityError>>()?;
+            Ok(errs.iter().sum::<f64>() / errs.len() as f64)
         };
-        let mut failure: Option<FidelityError> = None;
-        let alloc = allocate_layer_budgets(&lp, |slot, b| {
-            let mut f = Fathom::new(b);
-            f.basis = choice;
-            match eval(f, vec![global[slot]]) {
-                Ok(e) => e,
-                Err(e) => {
-                    failure.get_or_insert(e);
-                    f64::INFINITY
+        let all: Vec<usize> = (0..global.len()).collect();
+        // Basis rule: raw against KLT at one flat budget.
+        let mut raw = Fathom::new(params.rule_budget);
+        raw.basis = StoreBasis::Raw;
+        let mut klt = Fathom::new(params.rule_budget);
+        klt.basis = StoreBasis::Klt;
+        let raw_error = eval(raw, &all)?;
+        progress("basis rule", 1, 2);
+        let klt_error = eval(klt, &all)?;
+        progress("basis rule", 2, 2);
+        let choice = if klt_error < raw_error {
+            StoreBasis::Klt
+        } else {
+            StoreBasis::Raw
+        };
+        // Per-layer budgets with the greedy allocator on this capture's attention error.
+        let max_b = 4.25 * d as f32;
+        let nlayers = info.layers.iter().max().map_or(0, |m| m + 1);
+        let mut budgets = Vec::new();
+        for (ti, &target) in params.targets.iter().enumerate() {
+            let lp = LayerBudgetParams {
+                layers: global.len(),
+                target_mean: target,
+                quantum: params.quantum,
+                min_budget: 0.0,
+                max_budget: max_b,
+                start: (target / 3.0).floor().max(0.0),
+            };
+            let mut failure: Option<FidelityError> = None;
+            let alloc = allocate_layer_budgets(&lp, |slot, b| {
+                let mut f = Fathom::new(b);
+                f.basis = choice;
+                match eval(f, &[slot]) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        failure.get_or_insert(e);
+                        f64::INFINITY
+                    }
                 }
+            })
+            .map_err(|e| CalibError::Invalid {
+                path: capture_name.into(),
+                reason: e.to_string(),
+            })?;
+            if let Some(e) = failure {
+                return Err(e.into());
             }
-        })
-        .map_err(|e| CalibError::Invalid {
-            path: capture_name.into(),
-            reason: e.to_string(),
-        })?;
-        if let Some(e) = failure {
-            return Err(e.into());
+            let mut per_layer = vec![target; nlayers];
+            for (slot, &l) in global.iter().enumerate() {
+                per_layer[l] = alloc[slot];
+            }
+            budgets.push(TargetBudgets {
+                target,
+                basis: choice,
+                per_layer,
+            });
+            progress("per-layer budgets", ti + 1, params.targets.len());
         }
-        let mut per_layer = vec![target; nlayers];
-        for (slot, &l) in global.iter().enumerate() {
-            per_layer[l] = alloc[slot];
-        }
-        budgets.push(TargetBudgets {
-            target,
-            basis: choice,
-            per_layer,
-        });
-        progress("per-layer budgets", ti + 1, params.targets.len());
-    }
+        (raw_error, klt_error, choice, budgets)
+    };
     cal.budgets = budgets;
     cal.basis_rule = Some(BasisRule {
         choice,

@@ -4,11 +4,12 @@
 
 use rayon::prelude::*;
 
-use fathom_plan::scanner::{HeadCalib, HeadInput, Scanner, ScannerError};
+use fathom_plan::scanner::{rotated_store, HeadCalib, HeadInput, Scanner, ScannerError};
 use fathom_plan::{
-    attend, attend_dense, relative_error, select_per_head, KvView, PlanError, SelectParams,
+    attend, attend_dense_tiled, relative_error, select_per_head, KeyTiles, KvView, PlanError,
+    SelectParams,
 };
-use fathom_store::{Dims, KeyStore, StoreError};
+use fathom_store::{BasisKind, Dims, KeyStore, StoreError};
 
 use crate::capture::{Capture, CaptureInfo, LayerData, LayerKind};
 use crate::tensors::TensorError;
@@ -156,15 +157,12 @@ pub struct FidelityReport {
     pub o_consistency_max: Option<f64>,
 }
 
-/// Runs every method on every evaluated layer; `progress` is called once per layer.
-pub fn run(
-    src: &dyn LayerSource,
-    calib: Option<&dyn CalibSource>,
-    methods: &[Box<dyn Scanner>],
+/// Checks the run parameters against the capture and returns the layers to evaluate and the
+/// sliding-window layers skipped.
+pub(crate) fn plan_layers(
+    info: &CaptureInfo,
     params: &FidelityParams,
-    progress: &(dyn Fn(usize) + Sync),
-) -> Result<FidelityReport, FidelityError> {
-    let info = src.info();
+) -> Result<(Vec<usize>, Vec<usize>), FidelityError> {
     let (layers, skipped): (Vec<usize>, Vec<usize>) = match &params.layers {
         Some(l) => {
             for x in l {
@@ -200,13 +198,38 @@ pub fn run(
             p + 1
         )));
     }
+    Ok((layers, skipped))
+}
+
+/// Runs every method on every evaluated layer; `progress` is called once per layer.
+///
+/// The method-independent work of a layer (its raw and KLT stores, dense attention at every
+/// position) is done once and shared by all methods ([`LayerCtx`]); positions and KV heads
+/// run in parallel, and the next layer is decoded while the current one is evaluated.
+pub fn run(
+    src: &dyn LayerSource,
+    calib: Option<&dyn CalibSource>,
+    methods: &[Box<dyn Scanner>],
+    params: &FidelityParams,
+    progress: &(dyn Fn(usize) + Sync),
+) -> Result<FidelityReport, FidelityError> {
+    let info = src.info();
+    let (layers, skipped) = plan_layers(info, params)?;
     let m = methods.len();
     let mut per_layer = vec![Vec::new(); m];
     let mut per_layer_bits = vec![Vec::new(); m];
     let mut o_max: Option<f64> = None;
-    for &l in &layers {
-        let data = src.layer(l)?;
-        let r = run_layer(info, &data, calib, methods, params)?;
+    let mut next = Some(src.layer(layers[0]));
+    for (i, &l) in layers.iter().enumerate() {
+        let data = next.take().expect("decoded ahead")?;
+        let (r, decoded) = rayon::join(
+            || -> Result<LayerResult, FidelityError> {
+                LayerCtx::build(info, &data, calib, params)?.eval(methods)
+            },
+            || layers.get(i + 1).map(|&nl| src.layer(nl)),
+        );
+        next = decoded;
+        let r = r?;
         for (i, (e, b)) in r.0.into_iter().enumerate() {
             per_layer[i].push(e);
             per_layer_bits[i].push(b);
@@ -234,154 +257,267 @@ pub fn run(
     })
 }
 
-type LayerResult = (Vec<(f64, f64)>, Option<f64>);
+/// Per method `(mean error, mean bits)` of one layer, and the largest `o` inconsistency.
+pub(crate) type LayerResult = (Vec<(f64, f64)>, Option<f64>);
 
-fn run_layer(
-    info: &CaptureInfo,
-    data: &LayerData,
-    calib: Option<&dyn CalibSource>,
-    methods: &[Box<dyn Scanner>],
-    params: &FidelityParams,
-) -> Result<LayerResult, FidelityError> {
-    let (hkv, d, g, n) = (info.hkv, info.d, info.g(), info.n);
-    let hq = info.hq;
-    let l = data.index;
-    let scale = params.scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let window = match data.kind {
-        LayerKind::Global => None,
-        LayerKind::Local(w) => Some(w),
-    };
-    let m = methods.len();
-    // Per KV head: (sum err, sum bits, count) per method, and the o check.
-    let heads: Vec<(Vec<(f64, f64)>, Option<f64>)> = (0..hkv)
-        .into_par_iter()
-        .map(|h| -> Result<_, FidelityError> {
-            let keys = KvView::head(&data.k, hkv, d, h);
-            let values = KvView::head(&data.v, hkv, d, h);
-            let rows = fathom_plan::scanner::gather_rows(&keys);
-            let store = KeyStore::from_keys(
-                Dims {
+/// The method-independent state of one (layer, KV head).
+struct HeadCtx<'a> {
+    keys: KvView<'a>,
+    values: KvView<'a>,
+    /// The raw 4-bit store.
+    store: KeyStore,
+    /// The store in the calibration KLT basis, shared by every KLT method.
+    klt: Option<KeyStore>,
+    calib: Option<&'a HeadCalib>,
+    /// Dense attention outputs, `[P][G][D]`.
+    dense: Vec<f32>,
+    /// Per position, the largest relative difference of the capture's `o` from `dense`.
+    o_err: Vec<f64>,
+}
+
+/// One layer prepared for evaluation: everything that does not depend on the method,
+/// computed once and reused by every method (and, in calibration, by every candidate budget).
+pub(crate) struct LayerCtx<'a> {
+    info: &'a CaptureInfo,
+    data: &'a LayerData,
+    select: SelectParams,
+    scale: f32,
+    window: Option<usize>,
+    heads: Vec<HeadCtx<'a>>,
+}
+
+/// Working buffers of one rayon worker (scores, selection, one attention output).
+struct Scratch {
+    scores: Vec<f32>,
+    idx: Vec<u32>,
+    out: Vec<f32>,
+}
+
+impl<'a> LayerCtx<'a> {
+    /// Builds the stores and the dense reference of every KV head of a layer.
+    pub(crate) fn build(
+        info: &'a CaptureInfo,
+        data: &'a LayerData,
+        calib: Option<&'a dyn CalibSource>,
+        params: &FidelityParams,
+    ) -> Result<Self, FidelityError> {
+        let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
+        let l = data.index;
+        let scale = params.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let window = match data.kind {
+            LayerKind::Global => None,
+            LayerKind::Local(w) => Some(w),
+        };
+        let np = info.positions.len();
+        let store_err = |source| FidelityError::Store { layer: l, source };
+        let proto = |source| FidelityError::Protocol { layer: l, source };
+        // Stores per head (raw and, with a KLT calibration, KLT) in parallel.
+        let stores = (0..2 * hkv)
+            .into_par_iter()
+            .map(|j| -> Result<Option<KeyStore>, FidelityError> {
+                let (h, klt) = (j / 2, j % 2 == 1);
+                let keys = KvView::head(&data.k, hkv, d, h);
+                let dims = Dims {
                     heads: 1,
                     channels: d,
-                },
-                &rows,
-                None,
-            )
-            .map_err(|source| FidelityError::Store { layer: l, source })?;
-            let input = HeadInput {
-                layer: l,
-                keys,
-                store: store.view(),
-                calib: calib.and_then(|c| c.head(l, h)),
-            };
-            let prepared = methods
-                .iter()
-                .map(|meth| {
-                    meth.prepare(&input)
-                        .map_err(|source| FidelityError::Scanner {
-                            method: meth.name(),
-                            layer: l,
-                            source,
-                        })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let per_pos: Vec<(Vec<(f64, f64)>, f64)> = info
-                .positions
-                .par_iter()
-                .enumerate()
-                .map(|(pi, &pos)| -> Result<_, FidelityError> {
-                    let proto = |source| FidelityError::Protocol { layer: l, source };
-                    let q = &data.q[(pi * hq + h * g) * d..(pi * hq + (h + 1) * g) * d];
-                    let mut dense = vec![0f32; g * d];
-                    let mut o_err = 0f64;
-                    for gi in 0..g {
-                        attend_dense(
-                            &q[gi * d..(gi + 1) * d],
-                            keys,
-                            values,
-                            pos,
-                            window,
-                            scale,
-                            info.softcap,
-                            &mut dense[gi * d..(gi + 1) * d],
-                        )
-                        .map_err(proto)?;
-                        if let Some(o) = &data.o {
-                            let off = (pi * hq + h * g + gi) * d;
-                            o_err = o_err.max(relative_error(
-                                &o[off..off + d],
-                                &dense[gi * d..(gi + 1) * d],
-                            ));
+                };
+                if !klt {
+                    let rows = fathom_plan::scanner::gather_rows(&keys);
+                    return KeyStore::from_keys(dims, &rows, None)
+                        .map(Some)
+                        .map_err(store_err);
+                }
+                match calib.and_then(|c| c.head(l, h)) {
+                    Some(c) if c.klt.len() == d * d => {
+                        match rotated_store(&keys, &c.klt, BasisKind::Klt) {
+                            Ok(s) => Ok(Some(s)),
+                            // Left to the method, which reports it in its own words.
+                            Err(_) => Ok(None),
                         }
                     }
-                    let mut scores = vec![0f32; g * n];
-                    let mut idx = Vec::new();
-                    let mut out = vec![0f32; d];
+                    _ => Ok(None),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let tiles: Vec<KeyTiles> = (0..hkv)
+            .into_par_iter()
+            .map(|h| KeyTiles::new(KvView::head(&data.k, hkv, d, h)))
+            .collect();
+        // Dense attention (and the `o` check) at every (head, position).
+        let dense = (0..hkv * np)
+            .into_par_iter()
+            .map(|j| -> Result<(Vec<f32>, f64), FidelityError> {
+                let (h, pi) = (j / np, j % np);
+                let pos = info.positions[pi];
+                let keys = &tiles[h];
+                let values = KvView::head(&data.v, hkv, d, h);
+                let q = &data.q[(pi * hq + h * g) * d..(pi * hq + (h + 1) * g) * d];
+                let mut dense = vec![0f32; g * d];
+                let mut o_err = 0f64;
+                for gi in 0..g {
+                    attend_dense_tiled(
+                        &q[gi * d..(gi + 1) * d],
+                        keys,
+                        values,
+                        pos,
+                        window,
+                        scale,
+                        info.softcap,
+                        &mut dense[gi * d..(gi + 1) * d],
+                    )
+                    .map_err(proto)?;
+                    if let Some(o) = &data.o {
+                        let off = (pi * hq + h * g + gi) * d;
+                        o_err = o_err.max(relative_error(
+                            &o[off..off + d],
+                            &dense[gi * d..(gi + 1) * d],
+                        ));
+                    }
+                }
+                Ok((dense, o_err))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut stores = stores.into_iter();
+        let mut dense = dense.into_iter();
+        let heads = (0..hkv)
+            .map(|h| {
+                let store = stores.next().flatten().expect("raw store built");
+                let klt = stores.next().flatten();
+                let (mut dn, mut o_err) = (Vec::with_capacity(np * g * d), Vec::with_capacity(np));
+                for (x, e) in dense.by_ref().take(np) {
+                    dn.extend_from_slice(&x);
+                    o_err.push(e);
+                }
+                HeadCtx {
+                    keys: KvView::head(&data.k, hkv, d, h),
+                    values: KvView::head(&data.v, hkv, d, h),
+                    store,
+                    klt,
+                    calib: calib.and_then(|c| c.head(l, h)),
+                    dense: dn,
+                    o_err,
+                }
+            })
+            .collect();
+        Ok(Self {
+            info,
+            data,
+            select: params.select,
+            scale,
+            window,
+            heads,
+        })
+    }
+
+    /// Evaluates `methods` on this layer: per method, the error and bits averaged over
+    /// positions, then over KV heads (the same order of summation for any thread count).
+    pub(crate) fn eval(&self, methods: &[Box<dyn Scanner>]) -> Result<LayerResult, FidelityError> {
+        let info = self.info;
+        let (hkv, d, g, n, hq) = (info.hkv, info.d, info.g(), info.n, info.hq);
+        let l = self.data.index;
+        let m = methods.len();
+        let np = info.positions.len();
+        let scanner_err = |mi: usize| {
+            move |source| FidelityError::Scanner {
+                method: methods[mi].name(),
+                layer: l,
+                source,
+            }
+        };
+        let proto = |source| FidelityError::Protocol { layer: l, source };
+        // Per (head, method) state, in parallel.
+        let mut prepared = (0..hkv * m)
+            .into_par_iter()
+            .map(|j| {
+                let (h, mi) = (j / m, j % m);
+                let hc = &self.heads[h];
+                let input = HeadInput {
+                    layer: l,
+                    keys: hc.keys,
+                    store: hc.store.view(),
+                    calib: hc.calib,
+                    klt_store: hc.klt.as_ref().map(KeyStore::view),
+                };
+                methods[mi].prepare(&input).map_err(scanner_err(mi))
+            })
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter();
+        let prepared: Vec<Vec<_>> = (0..hkv)
+            .map(|_| prepared.by_ref().take(m).collect())
+            .collect();
+        // Every (head, position) in parallel, each worker reusing its buffers.
+        let per_pos = (0..hkv * np)
+            .into_par_iter()
+            .map_init(
+                || Scratch {
+                    scores: vec![0f32; g * n],
+                    idx: Vec::new(),
+                    out: vec![0f32; d],
+                },
+                |scr, j| -> Result<Vec<(f64, f64)>, FidelityError> {
+                    let (h, pi) = (j / np, j % np);
+                    let pos = info.positions[pi];
+                    let hc = &self.heads[h];
+                    let q = &self.data.q[(pi * hq + h * g) * d..(pi * hq + (h + 1) * g) * d];
+                    let dense = &hc.dense[pi * g * d..(pi + 1) * g * d];
                     let mut res = Vec::with_capacity(m);
-                    for (mi, head) in prepared.iter().enumerate() {
-                        let bits = head.score(q, g, &mut scores).map_err(|source| {
-                            FidelityError::Scanner {
-                                method: methods[mi].name(),
-                                layer: l,
-                                source,
-                            }
-                        })? as f64;
+                    for (mi, head) in prepared[h].iter().enumerate() {
+                        let bits =
+                            head.score(q, g, &mut scr.scores).map_err(scanner_err(mi))? as f64;
                         let mut err = 0f64;
                         if !methods[mi].is_dense() {
                             for gi in 0..g {
                                 select_per_head(
                                     pos,
-                                    &scores[gi * n..(gi + 1) * n],
-                                    &params.select,
-                                    &mut idx,
+                                    &scr.scores[gi * n..(gi + 1) * n],
+                                    &self.select,
+                                    &mut scr.idx,
                                 )
                                 .map_err(proto)?;
-                                if let Some(w) = window {
-                                    idx.retain(|&i| i as usize + w > pos);
+                                if let Some(w) = self.window {
+                                    scr.idx.retain(|&i| i as usize + w > pos);
                                 }
                                 attend(
                                     &q[gi * d..(gi + 1) * d],
-                                    keys,
-                                    values,
-                                    &idx,
-                                    scale,
+                                    hc.keys,
+                                    hc.values,
+                                    &scr.idx,
+                                    self.scale,
                                     info.softcap,
-                                    &mut out,
+                                    &mut scr.out,
                                 )
                                 .map_err(proto)?;
-                                err += relative_error(&out, &dense[gi * d..(gi + 1) * d]);
+                                err += relative_error(&scr.out, &dense[gi * d..(gi + 1) * d]);
                             }
                         }
                         res.push((err / g as f64, bits));
                     }
-                    Ok((res, o_err))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let np = per_pos.len() as f64;
+                    Ok(res)
+                },
+            )
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = vec![(0f64, 0f64); m];
+        let mut o_max: Option<f64> = None;
+        let npf = np as f64;
+        for (h, rows) in per_pos.chunks(np).enumerate() {
             let mut acc = vec![(0f64, 0f64); m];
-            let mut o_max = 0f64;
-            for (r, o) in per_pos {
+            for r in rows {
                 for (a, x) in acc.iter_mut().zip(r) {
-                    a.0 += x.0 / np;
-                    a.1 += x.1 / np;
+                    a.0 += x.0 / npf;
+                    a.1 += x.1 / npf;
                 }
-                o_max = o_max.max(o);
             }
-            Ok((acc, data.o.as_ref().map(|_| o_max)))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut out = vec![(0f64, 0f64); m];
-    let mut o_max: Option<f64> = None;
-    for (acc, o) in heads {
-        for (a, x) in out.iter_mut().zip(acc) {
-            a.0 += x.0 / hkv as f64;
-            a.1 += x.1 / hkv as f64;
+            for (a, x) in out.iter_mut().zip(acc) {
+                a.0 += x.0 / hkv as f64;
+                a.1 += x.1 / hkv as f64;
+            }
+            if self.data.o.is_some() {
+                let o = self.heads[h].o_err.iter().fold(0f64, |a, &b| a.max(b));
+                o_max = Some(o_max.map_or(o, |x: f64| x.max(o)));
+            }
         }
-        if let Some(o) = o {
-            o_max = Some(o_max.map_or(o, |x: f64| x.max(o)));
-        }
+        Ok((out, o_max))
     }
-    Ok((out, o_max))
 }
 
 /// The bits at which the Fathom curve `(bits, error)` meets `target_error`, interpolating
