@@ -7,8 +7,53 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
-use fathom_cuda::bench::{parse_context, BenchConfig};
-use fathom_cuda::{Method, ModelShape, Residency};
+use fathom_bench::capture::{Capture, LayerKind};
+use fathom_cuda::bench::{parse_context, BenchConfig, RealSources};
+use fathom_cuda::{LayerSource, Method, ModelShape, Residency};
+
+/// The global layers of a capture as timing sources, and the shape they make.
+fn capture_sources(p: &std::path::Path) -> Result<(ModelShape, RealSources)> {
+    let cap = Capture::open(p).with_context(|| format!("capture {}", p.display()))?;
+    let info = cap.info().clone();
+    let g = info.g();
+    let mut layers = Vec::new();
+    for (&l, kind) in info.layers.iter().zip(&info.kinds) {
+        if *kind != LayerKind::Global {
+            continue;
+        }
+        let data = cap
+            .layer(l)
+            .with_context(|| format!("capture {} layer {l}", p.display()))?;
+        eprintln!(
+            "capture: layer {l} ({} tokens, {} positions)",
+            info.n,
+            info.positions.len()
+        );
+        layers.push(
+            LayerSource::from_capture(info.hkv, g, info.d, &data.k, &data.v, data.q, l)
+                .with_context(|| format!("capture {} layer {l}", p.display()))?,
+        );
+    }
+    if layers.is_empty() {
+        anyhow::bail!("capture {} has no global layers", p.display());
+    }
+    let shape = ModelShape {
+        layers: layers.len(),
+        kv_heads: info.hkv,
+        group: g,
+        dim: info.d,
+    };
+    let label = format!(
+        "real capture {} ({}, {} global layers, N = {} tokens, {} query positions)",
+        p.file_name()
+            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+        info.model,
+        layers.len(),
+        info.n,
+        info.positions.len()
+    );
+    Ok((shape, RealSources { layers, label }))
+}
 
 /// Arguments of `fathom offload-bench`.
 #[derive(clap::Args, Debug, Clone)]
@@ -70,6 +115,12 @@ pub struct OffloadBenchArgs {
     /// Size of the pinned H2D memcpy that measures the link, MiB.
     #[arg(long, default_value_t = 2048)]
     pub probe_mib: usize,
+    /// Time real captured keys, values and queries instead of the synthetic generator: a
+    /// SPEC §8 capture (`fathom capture`). Its global layers become the source layers, tiled
+    /// to each context; the shape becomes (global layers, Hkv, G, D) of the capture and
+    /// `--shape` is ignored.
+    #[arg(long)]
+    pub capture: Option<PathBuf>,
     /// Write the JSON report here (rewritten after every context).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -80,7 +131,17 @@ pub struct OffloadBenchArgs {
 /// # Errors
 /// Bad arguments, no GPU path (`NotCompiledWithCuda`, `NoDevice`), device failures.
 pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
-    let shape = ModelShape::parse(&a.shape)?;
+    let (shape, shape_label, real) = match &a.capture {
+        None => (ModelShape::parse(&a.shape)?, a.shape.clone(), None),
+        Some(p) => {
+            let (shape, real) = capture_sources(p)?;
+            let label = format!(
+                "capture:{},{},{},{}",
+                shape.layers, shape.kv_heads, shape.group, shape.dim
+            );
+            (shape, label, Some(real))
+        }
+    };
     let contexts = a
         .context
         .iter()
@@ -98,7 +159,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
     let cfg = BenchConfig {
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        shape_label: a.shape.clone(),
+        shape_label,
         shape,
         contexts,
         batch: a.batch,
@@ -118,7 +179,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         gather_ctas: a.gather_ctas.clone(),
         json: a.json.clone(),
     };
-    let rep = fathom_cuda::bench::run_offload_bench(&cfg, |s| eprintln!("{s}"))
+    let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;
     println!(
         "{:<9} {:<5} {:<8} {:<10} {:>7} {:>10} {:>10} {:>8} {:>8} {:>7}  speedup vs 136-bit",

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Method, ModelShape, Residency, SessionConfig};
 use crate::error::{CudaError, Result};
-use crate::synth::{synth_layer, SynthParams, SYNTH_LABEL};
+use crate::synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
 use crate::types::{DeviceInfo, SessionLayout, StepStats, STAGES};
 use crate::{Gpu, Session};
 
@@ -187,7 +187,30 @@ pub fn parse_context(s: &str) -> Result<usize> {
 /// # Errors
 /// [`CudaError::NotCompiledWithCuda`] / [`CudaError::NoDevice`] when there is no GPU path;
 /// allocation and driver failures.
-pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchReport> {
+pub fn run_offload_bench(c: &BenchConfig, progress: impl FnMut(&str)) -> Result<BenchReport> {
+    run_offload_bench_with(c, None, progress)
+}
+
+/// Source layers for [`run_offload_bench_with`] and the label that names them in the report.
+#[derive(Debug, Clone)]
+pub struct RealSources {
+    /// One source per distinct layer (reused cyclically over the shape's layers).
+    pub layers: Vec<LayerSource>,
+    /// What they are (model, capture file, tokens, positions).
+    pub label: String,
+}
+
+/// [`run_offload_bench`] with given source layers (for example real captured keys, values and
+/// queries from [`LayerSource::from_capture`]) instead of the synthetic generator. Their
+/// shape must match `c.shape`; their base length is tiled to each context.
+///
+/// # Errors
+/// As [`run_offload_bench`], and sources whose shape differs from `c.shape`.
+pub fn run_offload_bench_with(
+    c: &BenchConfig,
+    real: Option<RealSources>,
+    mut progress: impl FnMut(&str),
+) -> Result<BenchReport> {
     let gpu = Gpu::open(0)?;
     let shape = ModelShape {
         kv_heads: c.shape.kv_heads * c.batch.max(1),
@@ -201,7 +224,9 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
         shape_label: c.shape_label.clone(),
         shape: Some(c.shape),
         batch: c.batch,
-        generator: SYNTH_LABEL.into(),
+        generator: real
+            .as_ref()
+            .map_or_else(|| SYNTH_LABEL.to_string(), |r| r.label.clone()),
         ..Default::default()
     };
     progress(&format!("device: {:?}", gpu.info()));
@@ -212,28 +237,58 @@ pub fn run_offload_bench(c: &BenchConfig, mut progress: impl FnMut(&str)) -> Res
         rep.h2d_gbps, rep.gather_gbps
     ));
     let min_ctx = c.contexts.iter().copied().min().unwrap_or(0);
-    let n0 = (c.source_tokens.min(min_ctx) / 64 * 64).max(64);
-    let params = SynthParams {
-        heads: shape.kv_heads,
-        group: shape.group,
-        dim: shape.dim,
-        tokens: n0,
-        seed: c.seed,
+    let sources: Vec<LayerSource> = if let Some(r) = real {
+        if c.batch > 1 {
+            return Err(CudaError::invalid(
+                "batch",
+                "real sources are timed at batch 1",
+            ));
+        }
+        for s in &r.layers {
+            let p = s.params();
+            if (p.heads, p.group, p.dim) != (shape.kv_heads, shape.group, shape.dim) {
+                return Err(CudaError::invalid(
+                    "sources",
+                    format!(
+                        "source layers are Hkv={}, G={}, D={}; the shape is Hkv={}, G={}, D={}",
+                        p.heads, p.group, p.dim, shape.kv_heads, shape.group, shape.dim
+                    ),
+                ));
+            }
+        }
+        let n0 = r.layers.first().map_or(0, |s| s.params().tokens);
+        rep.notes.push(format!(
+            "keys: {}; {} distinct source layers of {n0} tokens (real keys, values and queries) tiled to each context (tiles after the first negate half of their channels and jitter block scales ±3%) and reused cyclically over the {} layers; step s uses the captured queries of position s mod P",
+            r.label,
+            r.layers.len(),
+            shape.layers
+        ));
+        r.layers
+    } else {
+        let n0 = (c.source_tokens.min(min_ctx) / 64 * 64).max(64);
+        let params = SynthParams {
+            heads: shape.kv_heads,
+            group: shape.group,
+            dim: shape.dim,
+            tokens: n0,
+            seed: c.seed,
+        };
+        let t = std::time::Instant::now();
+        let sources: Vec<_> = (0..c.source_layers.clamp(1, shape.layers))
+            .map(|l| synth_layer(&params, l))
+            .collect::<Result<_>>()?;
+        progress(&format!(
+            "generated {} source layers of {n0} tokens in {:.1}s",
+            sources.len(),
+            t.elapsed().as_secs_f64()
+        ));
+        rep.notes.push(format!(
+            "keys: {SYNTH_LABEL}; {} distinct source layers of {n0} tokens tiled to each context (tiles after the first get ±3% block-scale jitter) and reused cyclically over the {} layers",
+            sources.len(), shape.layers
+        ));
+        sources
     };
-    let t = std::time::Instant::now();
-    let sources: Vec<_> = (0..c.source_layers.clamp(1, shape.layers))
-        .map(|l| synth_layer(&params, l))
-        .collect::<Result<_>>()?;
-    progress(&format!(
-        "generated {} source layers of {n0} tokens in {:.1}s",
-        sources.len(),
-        t.elapsed().as_secs_f64()
-    ));
-    rep.notes.push(format!(
-        "keys: {SYNTH_LABEL}; {} distinct source layers of {n0} tokens tiled to each context (tiles after the first get ±3% block-scale jitter) and reused cyclically over the {} layers",
-        sources.len(), shape.layers
-    ));
-    rep.notes.push("exact = the full 4-bit store (all channels at 4 planes, 544 bits), read through the same gather; loki reads channels 0..r of the store (the timing store is in the raw basis, bytes identical to a KLT store); ds uses channels chosen offline by mean|q|·mean|k| on the synthetic calibration; landmark and quest read their own fp16 tables".into());
+    rep.notes.push("exact = the full 4-bit store (all channels at 4 planes, 544 bits), read through the same gather; loki reads channels 0..r of the store (the timing store is in the raw basis, bytes identical to a KLT store); ds uses channels chosen offline by mean|q|·mean|k| on the source layers' own keys and queries; landmark and quest read their own fp16 tables".into());
     rep.notes.push("every step scores all n tokens with that step's queries (n is not grown between steps); weights are not modelled (W = 0 in SPEC §6's traffic model)".into());
     if c.batch > 1 {
         rep.notes.push(format!(

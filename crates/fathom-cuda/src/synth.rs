@@ -61,6 +61,9 @@ pub struct LayerSource {
     q_head: Vec<f32>,
     params: SynthParams,
     layer: usize,
+    /// Real captured queries `[P][H][G][D]` (sources built by [`LayerSource::from_capture`]);
+    /// step `s` uses position `s mod P`.
+    captured_q: Option<Vec<f32>>,
 }
 
 fn normal() -> Normal<f32> {
@@ -184,13 +187,144 @@ pub fn synth_layer(p: &SynthParams, layer: usize) -> Result<LayerSource> {
         q_head,
         params: *p,
         layer,
+        captured_q: None,
     })
+}
+
+/// Channel statistics the planner and Double Sparsity use: calibration variance `σ²` and
+/// `mean|q_c|·mean|k_c|`, from keys `[n][H][D]` and mean absolute queries `[H][D]`.
+fn channel_stats(keys: &[f32], qabs: &[f64], hn: usize, d: usize) -> (Vec<f32>, Vec<f32>) {
+    let n = keys.len() / (hn * d);
+    let mut sigma2 = vec![0f32; hn * d];
+    let mut ds_score = vec![0f32; hn * d];
+    for h in 0..hn {
+        for c in 0..d {
+            let (mut s, mut s2, mut sa) = (0f64, 0f64, 0f64);
+            for i in 0..n {
+                let x = keys[(i * hn + h) * d + c] as f64;
+                s += x;
+                s2 += x * x;
+                sa += x.abs();
+            }
+            let mean = s / n as f64;
+            sigma2[h * d + c] = (s2 / n as f64 - mean * mean).max(0.0) as f32;
+            ds_score[h * d + c] = (qabs[h * d + c] * sa / n as f64) as f32;
+        }
+    }
+    (sigma2, ds_score)
+}
+
+impl LayerSource {
+    /// A source from real captured activations (SPEC §8): keys and values `[n][H][D]` of all
+    /// `n` tokens, and the queries `[P][H·G][D]` of `P` positions, which become the decode
+    /// steps' queries in turn. `n` is cut to a multiple of 64 (the first `⌊n/64⌋·64` tokens)
+    /// so that longer contexts tile whole blocks. `σ²` and Double Sparsity's channel scores
+    /// come from the capture itself.
+    ///
+    /// # Errors
+    /// Shapes that do not match, fewer than 64 tokens, no queries, or non-finite values.
+    pub fn from_capture(
+        heads: usize,
+        group: usize,
+        dim: usize,
+        keys: &[f32],
+        values: &[f32],
+        queries: Vec<f32>,
+        layer: usize,
+    ) -> Result<Self> {
+        let row = heads * dim;
+        if row == 0 || group == 0 || keys.len() % row != 0 || values.len() != keys.len() {
+            return Err(crate::CudaError::invalid(
+                "capture",
+                format!(
+                    "keys ({}) and values ({}) are not [n][{heads}][{dim}]",
+                    keys.len(),
+                    values.len()
+                ),
+            ));
+        }
+        let n = keys.len() / row / 64 * 64;
+        let qrow = heads * group * dim;
+        if n == 0 || queries.is_empty() || queries.len() % qrow != 0 {
+            return Err(crate::CudaError::invalid(
+                "capture",
+                format!(
+                    "need at least 64 tokens and queries [P][{}][{dim}] (got {} tokens, {} query values)",
+                    heads * group,
+                    keys.len() / row,
+                    queries.len()
+                ),
+            ));
+        }
+        if keys
+            .iter()
+            .chain(values)
+            .chain(&queries)
+            .any(|x| !x.is_finite())
+        {
+            return Err(crate::CudaError::invalid(
+                "capture",
+                "a key, value or query is NaN or Inf",
+            ));
+        }
+        let keys = keys[..n * row].to_vec();
+        let values = values[..n * row].to_vec();
+        let p = queries.len() / qrow;
+        let mut qabs = vec![0f64; heads * dim];
+        for pi in 0..p {
+            for h in 0..heads {
+                for gg in 0..group {
+                    for c in 0..dim {
+                        qabs[h * dim + c] +=
+                            queries[((pi * heads + h) * group + gg) * dim + c].abs() as f64;
+                    }
+                }
+            }
+        }
+        for x in &mut qabs {
+            *x /= (p * group) as f64;
+        }
+        let (sigma2, ds_score) = channel_stats(&keys, &qabs, heads, dim);
+        let store = KeyStore::from_keys(
+            Dims {
+                heads,
+                channels: dim,
+            },
+            &keys,
+            None,
+        )?;
+        Ok(LayerSource {
+            store,
+            keys,
+            values,
+            sigma2,
+            ds_score,
+            q_amp: Vec::new(),
+            q_shared: Vec::new(),
+            q_head: Vec::new(),
+            params: SynthParams {
+                heads,
+                group,
+                dim,
+                tokens: n,
+                seed: 0,
+            },
+            layer,
+            captured_q: Some(queries),
+        })
+    }
 }
 
 impl LayerSource {
     /// The queries of decode step `step`, `[H][G][D]`.
     pub fn queries(&self, step: usize) -> Vec<f32> {
         let (hn, g, d) = (self.params.heads, self.params.group, self.params.dim);
+        if let Some(q) = &self.captured_q {
+            let row = hn * g * d;
+            let p = q.len() / row;
+            let i = step % p;
+            return q[i * row..(i + 1) * row].to_vec();
+        }
         let mut r = StdRng::seed_from_u64(
             self.params.seed ^ (self.layer as u64) << 20 ^ (step as u64 + 7) << 44,
         );
@@ -232,5 +366,57 @@ impl LayerSource {
     /// The layer's parameters.
     pub fn params(&self) -> &SynthParams {
         &self.params
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capture_sources_cut_to_blocks_cycle_queries_and_reject_bad_input() {
+        let (h, g, d, n, p) = (2, 3, 8, 130, 4);
+        let keys: Vec<f32> = (0..n * h * d)
+            .map(|i| ((i * 7919) % 97) as f32 / 13.0 - 3.0)
+            .collect();
+        let values: Vec<f32> = keys.iter().map(|x| x * 0.5).collect();
+        let q: Vec<f32> = (0..p * h * g * d).map(|i| i as f32 * 0.01).collect();
+        let s = LayerSource::from_capture(h, g, d, &keys, &values, q.clone(), 3).unwrap();
+        // 130 tokens → 128 (two whole blocks); the store matches.
+        assert_eq!(s.params().tokens, 128);
+        assert_eq!(s.store.tokens(), 128);
+        assert_eq!(s.keys.len(), 128 * h * d);
+        // Step s uses position s mod P.
+        let row = h * g * d;
+        assert_eq!(s.queries(1), q[row..2 * row].to_vec());
+        assert_eq!(s.queries(p + 2), q[2 * row..3 * row].to_vec());
+        // σ² is the keys' per-channel variance.
+        let c = 5;
+        let xs: Vec<f64> = (0..128).map(|i| keys[i * h * d + c] as f64).collect();
+        let m = xs.iter().sum::<f64>() / 128.0;
+        let var = xs.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / 128.0;
+        assert!((s.sigma2[c] as f64 - var).abs() < 1e-4 * var.max(1.0));
+        // Records hold K then V in bf16.
+        let r = s.records();
+        assert_eq!(r.len(), h * 128 * 2 * d);
+        assert_eq!(r[d].to_f32(), half::bf16::from_f32(values[0]).to_f32());
+        // Bad input: wrong shapes, too few tokens, NaN.
+        assert!(
+            LayerSource::from_capture(h, g, d, &keys[..7], &values[..7], q.clone(), 0).is_err()
+        );
+        assert!(LayerSource::from_capture(
+            h,
+            g,
+            d,
+            &keys[..63 * h * d],
+            &values[..63 * h * d],
+            q.clone(),
+            0
+        )
+        .is_err());
+        assert!(LayerSource::from_capture(h, g, d, &keys, &values, q[..5].to_vec(), 0).is_err());
+        let mut kn = keys.clone();
+        kn[17] = f32::NAN;
+        assert!(LayerSource::from_capture(h, g, d, &kn, &values, q, 0).is_err());
     }
 }
