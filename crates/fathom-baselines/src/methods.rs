@@ -436,26 +436,44 @@ impl HeadScanner for PageHead {
         let (n, d) = (self.n, self.d);
         let np = n.div_ceil(self.page);
         for h in 0..g {
-            let q = &queries[h * d..(h + 1) * d];
-            for p in 0..np {
-                let s = if self.quest {
-                    let (mn, mx) = (
-                        &self.tables[0][p * d..(p + 1) * d],
-                        &self.tables[1][p * d..(p + 1) * d],
-                    );
-                    (0..d)
-                        .map(|c| (q[c] as f64 * mn[c] as f64).max(q[c] as f64 * mx[c] as f64))
-                        .sum::<f64>() as f32
+            let q: Vec<f64> = queries[h * d..(h + 1) * d]
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
+            // PAGE_LANES pages at a time: independent sums that overlap in the pipeline, each
+            // still accumulated channel by channel in order.
+            for p0 in (0..np).step_by(PAGE_LANES) {
+                let lanes = PAGE_LANES.min(np - p0);
+                let mut acc = [0f64; PAGE_LANES];
+                if self.quest {
+                    let (mn, mx) = (&self.tables[0], &self.tables[1]);
+                    for (c, &qc) in q.iter().enumerate() {
+                        for (j, a) in acc.iter_mut().enumerate().take(lanes) {
+                            let at = (p0 + j) * d + c;
+                            *a += (qc * mn[at] as f64).max(qc * mx[at] as f64);
+                        }
+                    }
                 } else {
-                    dot(q, &self.tables[0][p * d..(p + 1) * d])
-                };
-                let (lo, hi) = (p * self.page, ((p + 1) * self.page).min(n));
-                out[h * n + lo..h * n + hi].iter_mut().for_each(|x| *x = s);
+                    let t = &self.tables[0];
+                    for (c, &qc) in q.iter().enumerate() {
+                        for (j, a) in acc.iter_mut().enumerate().take(lanes) {
+                            *a += qc * t[(p0 + j) * d + c] as f64;
+                        }
+                    }
+                }
+                for (j, &a) in acc.iter().enumerate().take(lanes) {
+                    let p = p0 + j;
+                    let (lo, hi) = (p * self.page, ((p + 1) * self.page).min(n));
+                    out[h * n + lo..h * n + hi].fill(a as f32);
+                }
             }
         }
         Ok(self.bits)
     }
 }
+
+/// Pages [`PageHead`] scores together.
+const PAGE_LANES: usize = 8;
 
 /// Exact top-k (oracle): exact scores `q·k` from the full-precision keys.
 #[derive(Debug, Clone, Default)]

@@ -116,19 +116,31 @@ pub fn select_per_head(
             .map(|j| rank(middle.start + j, mid[j]))
             .collect();
         let r = 2 * k * sample.len() / mid.len();
-        // Compared on the score key alone: ties at the threshold all pass, which only adds
-        // candidates.
+        // Compared on the score alone (as a float, so a block of scores is tested in one
+        // vector compare): ties at the threshold all pass, which only adds candidates.
         let floor = if r < sample.len() {
-            (*sample.select_nth_unstable_by(r, |a, b| b.cmp(a)).1 >> 32) as u32
+            key_value((*sample.select_nth_unstable_by(r, |a, b| b.cmp(a)).1 >> 32) as u32)
         } else {
-            0
+            f32::NEG_INFINITY
         };
         let mut cand: Vec<u64> = Vec::with_capacity(4 * k);
-        for (i, &s) in (middle.start..middle.end).zip(mid) {
-            let key = order_key(s);
-            if key >= floor {
-                cand.push((u64::from(key) << 32) | u64::from(!(i as u32)));
+        let blocks = mid.chunks_exact(FILTER_BLOCK);
+        let tail = middle.start + (mid.len() - blocks.remainder().len());
+        let mut keep = |i: usize, s: f32| {
+            if s >= floor {
+                cand.push(rank(i, s));
             }
+        };
+        for (b, block) in blocks.clone().enumerate() {
+            if block.iter().fold(false, |a, &s| a | (s >= floor)) {
+                let base = middle.start + b * FILTER_BLOCK;
+                for (j, &s) in block.iter().enumerate() {
+                    keep(base + j, s);
+                }
+            }
+        }
+        for (j, &s) in blocks.remainder().iter().enumerate() {
+            keep(tail + j, s);
         }
         if cand.len() < k {
             cand.clear();
@@ -150,6 +162,18 @@ pub fn select_per_head(
 
 /// Tokens sampled by [`select_per_head`] to find its candidate threshold.
 const SAMPLE: usize = 512;
+
+/// Scores tested at once against the candidate threshold.
+const FILTER_BLOCK: usize = 16;
+
+/// The score whose [`order_key`] is `key` (`+0` for the key of `±0`).
+fn key_value(key: u32) -> f32 {
+    f32::from_bits(if key & 0x8000_0000 != 0 {
+        key & 0x7fff_ffff
+    } else {
+        !key
+    })
+}
 
 /// A `u32` whose unsigned order is the IEEE order of a non-NaN `f32`, with `−0 = +0`.
 #[inline(always)]
