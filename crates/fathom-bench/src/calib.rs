@@ -221,9 +221,11 @@ impl Calibration {
 /// eigenvectors as columns of a row-major `[D][D]` matrix.
 pub fn jacobi_eigen(a: &[f64], d: usize) -> (Vec<f64>, Vec<f64>) {
     let mut a = a.to_vec();
-    let mut v = vec![0f64; d * d];
+    // The eigenvectors are accumulated transposed (`vt[j][k] = V[k][j]`), so each rotation
+    // updates two rows; the arithmetic is the same as on V's columns.
+    let mut vt = vec![0f64; d * d];
     for i in 0..d {
-        v[i * d + i] = 1.0;
+        vt[i * d + i] = 1.0;
     }
     let norm: f64 = a
         .iter()
@@ -262,12 +264,20 @@ pub fn jacobi_eigen(a: &[f64], d: usize) -> (Vec<f64>, Vec<f64>) {
                     a[p * d + k] = c * apk - s * aqk;
                     a[q * d + k] = s * apk + c * aqk;
                 }
-                for k in 0..d {
-                    let (vkp, vkq) = (v[k * d + p], v[k * d + q]);
-                    v[k * d + p] = c * vkp - s * vkq;
-                    v[k * d + q] = s * vkp + c * vkq;
+                // Columns p and q of V are rows p and q of Vᵀ: contiguous, and vectorised.
+                let (vp, vq) = vt.split_at_mut(q * d);
+                for (x, y) in vp[p * d..(p + 1) * d].iter_mut().zip(&mut vq[..d]) {
+                    let (vkp, vkq) = (*x, *y);
+                    *x = c * vkp - s * vkq;
+                    *y = s * vkp + c * vkq;
                 }
             }
+        }
+    }
+    let mut v = vec![0f64; d * d];
+    for (j, row) in vt.chunks_exact(d).enumerate() {
+        for (k, &x) in row.iter().enumerate() {
+            v[k * d + j] = x;
         }
     }
     ((0..d).map(|i| a[i * d + i]).collect(), v)
