@@ -6,8 +6,8 @@ use rayon::prelude::*;
 
 use fathom_plan::scanner::{rotated_store, HeadCalib, HeadInput, Scanner, ScannerError};
 use fathom_plan::{
-    attend, attend_dense_tiled, relative_error, select_per_head, KeyTiles, KvView, PlanError,
-    SelectParams,
+    attend, attend_dense_tiled, attend_dots, relative_error, select_per_head, KeyTiles, KvView,
+    PlanError, SelectParams,
 };
 use fathom_store::{BasisKind, Dims, KeyStore, StoreError};
 
@@ -264,6 +264,8 @@ pub(crate) type LayerResult = (Vec<(f64, f64)>, Option<f64>);
 struct HeadCtx<'a> {
     keys: KvView<'a>,
     values: KvView<'a>,
+    /// The keys transposed for exact dot products.
+    tiles: KeyTiles,
     /// The raw 4-bit store.
     store: KeyStore,
     /// The store in the calibration KLT basis, shared by every KLT method.
@@ -286,11 +288,16 @@ pub(crate) struct LayerCtx<'a> {
     heads: Vec<HeadCtx<'a>>,
 }
 
+/// A precomputed exact dot product costs about a quarter of one computed from a key row.
+const SHARE_FACTOR: usize = 4;
+
 /// Working buffers of one rayon worker (scores, selection, one attention output).
 struct Scratch {
     scores: Vec<f32>,
     idx: Vec<u32>,
     out: Vec<f32>,
+    /// `[G][pos + 1]` exact dot products, when the selections share them.
+    dots: Vec<f64>,
 }
 
 impl<'a> LayerCtx<'a> {
@@ -379,6 +386,7 @@ impl<'a> LayerCtx<'a> {
             .collect::<Result<Vec<_>, _>>()?;
         let mut stores = stores.into_iter();
         let mut dense = dense.into_iter();
+        let mut tiles = tiles.into_iter();
         let heads = (0..hkv)
             .map(|h| {
                 let store = stores.next().flatten().expect("raw store built");
@@ -391,6 +399,7 @@ impl<'a> LayerCtx<'a> {
                 HeadCtx {
                     keys: KvView::head(&data.k, hkv, d, h),
                     values: KvView::head(&data.v, hkv, d, h),
+                    tiles: tiles.next().expect("one per head"),
                     store,
                     klt,
                     calib: calib.and_then(|c| c.head(l, h)),
@@ -445,6 +454,12 @@ impl<'a> LayerCtx<'a> {
         let prepared: Vec<Vec<_>> = (0..hkv)
             .map(|_| prepared.by_ref().take(m).collect())
             .collect();
+        // With many selecting methods, each query's exact dot products are computed once from
+        // the tiles (several times cheaper per product) and every selection reads them;
+        // with few, each selection computes its own (the same values either way).
+        let selecting = methods.iter().filter(|m| !m.is_dense()).count();
+        let per_set = self.select.sink + self.select.local + self.select.k;
+        let share = selecting * per_set * SHARE_FACTOR > n;
         // Every (head, position) in parallel, each worker reusing its buffers.
         let per_pos = (0..hkv * np)
             .into_par_iter()
@@ -453,6 +468,7 @@ impl<'a> LayerCtx<'a> {
                     scores: vec![0f32; g * n],
                     idx: Vec::new(),
                     out: vec![0f32; d],
+                    dots: Vec::new(),
                 },
                 |scr, j| -> Result<Vec<(f64, f64)>, FidelityError> {
                     let (h, pi) = (j / np, j % np);
@@ -461,6 +477,14 @@ impl<'a> LayerCtx<'a> {
                     let q = &self.data.q[(pi * hq + h * g) * d..(pi * hq + (h + 1) * g) * d];
                     let dense = &hc.dense[pi * g * d..(pi + 1) * g * d];
                     let mut res = Vec::with_capacity(m);
+                    if share {
+                        scr.dots.resize(g * (pos + 1), 0.0);
+                        for (gi, dots) in scr.dots.chunks_exact_mut(pos + 1).enumerate() {
+                            hc.tiles
+                                .dots(&q[gi * d..(gi + 1) * d], dots)
+                                .map_err(proto)?;
+                        }
+                    }
                     for (mi, head) in prepared[h].iter().enumerate() {
                         let bits =
                             head.score(q, g, &mut scr.scores).map_err(scanner_err(mi))? as f64;
@@ -477,15 +501,26 @@ impl<'a> LayerCtx<'a> {
                                 if let Some(w) = self.window {
                                     scr.idx.retain(|&i| i as usize + w > pos);
                                 }
-                                attend(
-                                    &q[gi * d..(gi + 1) * d],
-                                    hc.keys,
-                                    hc.values,
-                                    &scr.idx,
-                                    self.scale,
-                                    info.softcap,
-                                    &mut scr.out,
-                                )
+                                if share {
+                                    attend_dots(
+                                        &scr.dots[gi * (pos + 1)..(gi + 1) * (pos + 1)],
+                                        hc.values,
+                                        &scr.idx,
+                                        self.scale,
+                                        info.softcap,
+                                        &mut scr.out,
+                                    )
+                                } else {
+                                    attend(
+                                        &q[gi * d..(gi + 1) * d],
+                                        hc.keys,
+                                        hc.values,
+                                        &scr.idx,
+                                        self.scale,
+                                        info.softcap,
+                                        &mut scr.out,
+                                    )
+                                }
                                 .map_err(proto)?;
                                 err += relative_error(&scr.out, &dense[gi * d..(gi + 1) * d]);
                             }

@@ -171,6 +171,52 @@ pub fn attend_dense_tiled(
     attend_iter(q, keys, values, first..end, scale, softcap, out)
 }
 
+/// [`attend`] with the exact dot products already computed: `dots[i] = Σ_c f64(q_c)·f64(k_ic)`
+/// summed in channel order (as [`KeyTiles::dots`] gives them) for every token in `idx`. The
+/// output is the same as [`attend`]'s, bit for bit; worth it when many selections of one
+/// query share the products.
+///
+/// # Errors
+/// As [`attend`] (a token past `dots` is [`PlanError::IndexOutOfRange`] on "keys").
+pub fn attend_dots(
+    dots: &[f64],
+    values: KvView<'_>,
+    idx: &[u32],
+    scale: f32,
+    softcap: Option<f32>,
+    out: &mut [f32],
+) -> Result<(), PlanError> {
+    attend_iter(
+        &[],
+        Precomputed(dots),
+        values,
+        idx.iter().map(|&i| i as usize),
+        scale,
+        softcap,
+        out,
+    )
+}
+
+/// Dot products computed beforehand (the query is not read).
+struct Precomputed<'a>(&'a [f64]);
+
+impl DotSource for Precomputed<'_> {
+    fn rows(&self) -> usize {
+        self.0.len()
+    }
+    fn dim(&self) -> usize {
+        0
+    }
+    #[inline]
+    fn dots(&self, _q: &[f64], ids: &[usize]) -> [f64; DOT_LANES] {
+        let mut acc = [0f64; DOT_LANES];
+        for (a, &i) in acc.iter_mut().zip(ids) {
+            *a = self.0[i];
+        }
+        acc
+    }
+}
+
 /// Where [`attend_iter`] gets its exact dot products: rows of a [`KvView`] or [`KeyTiles`].
 trait DotSource {
     fn rows(&self) -> usize;
@@ -272,6 +318,33 @@ impl KeyTiles {
             }
         }
         acc
+    }
+
+    /// Exact dot products of one query with the first `out.len()` keys:
+    /// `out[i] = Σ_c f64(q_c)·f64(k_ic)`, summed in channel order (for [`attend_dots`]).
+    ///
+    /// # Errors
+    /// [`PlanError::ShapeMismatch`] if `q.len() ≠ D` or `out.len() > N`.
+    pub fn dots(&self, q: &[f32], out: &mut [f64]) -> Result<(), PlanError> {
+        if q.len() != self.dim {
+            return Err(PlanError::ShapeMismatch {
+                what: "query length (key dim)",
+                expected: self.dim,
+                got: q.len(),
+            });
+        }
+        if out.len() > self.n {
+            return Err(PlanError::ShapeMismatch {
+                what: "dots length (at most the key rows)",
+                expected: self.n,
+                got: out.len(),
+            });
+        }
+        let q: Vec<f64> = q.iter().map(|&x| f64::from(x)).collect();
+        for (t, chunk) in out.chunks_mut(DOT_LANES).enumerate() {
+            chunk.copy_from_slice(&self.tile_dots(&q, t)[..chunk.len()]);
+        }
+        Ok(())
     }
 
     /// Exact scores of every key for one query (the exact top-k oracle's, SPEC §5):
@@ -589,6 +662,14 @@ mod tests {
                         attend_dense_tiled(&q, &tiles, vv, upto, window, scale, cap, &mut b)
                             .unwrap();
                         assert_eq!(a, b, "n {n} d {d} upto {upto} window {window:?}");
+                        let mut dots = vec![0f64; upto + 1];
+                        tiles.dots(&q, &mut dots).unwrap();
+                        let idx: Vec<u32> = (0..=upto as u32).filter(|i| i % 3 != 1).collect();
+                        if !idx.is_empty() {
+                            attend(&q, kv, vv, &idx, scale, cap, &mut a).unwrap();
+                            attend_dots(&dots, vv, &idx, scale, cap, &mut b).unwrap();
+                            assert_eq!(a, b, "attend_dots: n {n} d {d} upto {upto}");
+                        }
                     }
                 }
             }

@@ -65,7 +65,7 @@ pub mod waterfill;
 #[cfg(test)]
 mod testutil;
 
-pub use attention::{attend, attend_dense, attend_dense_tiled, KeyTiles, KvView};
+pub use attention::{attend, attend_dense, attend_dense_tiled, attend_dots, KeyTiles, KvView};
 pub use bits::{expected_error, max_budget, plan_bits};
 pub use error::PlanError;
 pub use importance::{importance, importance_into};
