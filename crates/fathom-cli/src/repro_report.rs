@@ -101,7 +101,18 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
     let is_fid = |v: &Value| v["methods"].is_array() && v["equal_error"].is_array();
     let is_calib = |v: &Value| v["basis_rule"].is_object();
     let fid: Vec<&(PathBuf, Value)> = docs.iter().filter(|(_, v)| is_fid(v)).collect();
-    let calib: Vec<&(PathBuf, Value)> = docs.iter().filter(|(_, v)| is_calib(v)).collect();
+    // A committed calibration-summary.json stands in for its (uncommitted) calibration.json;
+    // where both exist, the full file is listed once.
+    let calib: Vec<&(PathBuf, Value)> = docs
+        .iter()
+        .filter(|(p, v)| {
+            is_calib(v)
+                && !(p
+                    .file_name()
+                    .is_some_and(|n| n == "calibration-summary.json")
+                    && p.with_file_name("calibration.json").exists())
+        })
+        .collect();
     let mut s = String::new();
     writeln!(s, "# Fathom: reproduction report\n")?;
     writeln!(
