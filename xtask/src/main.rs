@@ -238,8 +238,9 @@ const MAIN_METHODS: &str = "dense,exact,fathom-sweep:24-136/8,fathom-layer:48,fa
 const ABLATION_METHODS: &str = "exact,fathom-raw:32,fathom-raw:48,fathom-raw:64,fathom-raw:92,fathom-raw:136,fathom-klt:32,fathom-klt:48,fathom-klt:64,fathom-klt:92,fathom-klt:136,fathom-blockmax:48,fathom-blockmax:64,loki:32,loki-f16:32,loki-f16:8";
 const K_METHODS: &str = "exact,fathom:48,fathom:64,fathom:92,sparq:32,ds:32,loki:32";
 
-/// Rough seconds per (sample or session, method) of a downstream stage at `context` tokens on
-/// 2 cores (measured: ~6 s per RULER sample and method at 4k).
+/// Rough seconds of a downstream stage at `context` tokens on 2 cores (measured: ~6 s per
+/// RULER sample and method at 4k; ~4.5 s per agent session and method for 64 teacher-forced
+/// steps at 4k).
 fn downstream_estimate(cmd: &str, context: usize) -> f64 {
     let flag = |name: &str| -> f64 {
         let parts: Vec<&str> = cmd.split(' ').collect();
@@ -260,7 +261,7 @@ fn downstream_estimate(cmd: &str, context: usize) -> f64 {
     if cmd.starts_with("ruler") {
         count("--samples") * flag("--tasks") * flag("--methods") * per
     } else {
-        count("--sessions") * flag("--methods") * per * count("--steps") / 16.0
+        count("--sessions") * flag("--methods") * per * count("--steps") / 80.0
     }
 }
 
