@@ -164,7 +164,56 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
             "No fidelity results were found: this claim was not measured in this run.\n"
         )?;
     }
-    for (p, v) in &fid {
+    // Main runs carry a Fathom budget sweep (the curve the equal-error savings are read
+    // from); ablation runs (basis, proxy, Loki fp16, k, cross-context) are tabled below.
+    let sweep = |v: &Value| {
+        v["methods"].as_array().is_some_and(|m| {
+            m.iter()
+                .filter(|x| x["name"].as_str().is_some_and(|n| n.starts_with("fathom:")))
+                .count()
+                >= 3
+        })
+    };
+    let is_main =
+        |p: &Path, v: &Value| sweep(v) && p.file_name().is_some_and(|n| n == "fidelity.json");
+    let main: Vec<&&(PathBuf, Value)> = fid.iter().filter(|(p, v)| is_main(p, v)).collect();
+    let is_k = |p: &Path| {
+        p.file_stem().is_some_and(|n| {
+            let n = n.to_string_lossy();
+            n.len() > 1 && n.starts_with('k') && n[1..].chars().all(|c| c.is_ascii_digit())
+        })
+    };
+    let kruns: Vec<&&(PathBuf, Value)> = fid.iter().filter(|(p, _)| is_k(p)).collect();
+    let ablations: Vec<&&(PathBuf, Value)> = fid
+        .iter()
+        .filter(|(p, v)| !is_main(p, v) && !is_k(p))
+        .collect();
+    if !main.is_empty() {
+        writeln!(s, "| run | k | positions | vs ds:32 | vs loki:32 | vs sparq:32 |\n|---|---:|---:|---:|---:|---:|")?;
+        for (p, v) in &main {
+            let sav = |b: &str| {
+                v["equal_error"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|e| e["baseline"] == b)
+                    .and_then(|e| e["saving"].as_f64())
+                    .map_or("—".to_string(), |x| format!("{x:.2}×"))
+            };
+            writeln!(
+                s,
+                "| `{}` | {} | {} | {} | {} | {} |",
+                rel(p, &base),
+                v["k"],
+                v["positions"],
+                sav("ds:32"),
+                sav("loki:32"),
+                sav("sparq:32")
+            )?;
+        }
+        writeln!(s)?;
+    }
+    for (p, v) in &main {
         let synthetic = v["synthetic"].as_bool() == Some(true);
         writeln!(
             s,
@@ -211,6 +260,100 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
         let png = p.with_extension("png");
         if png.exists() {
             writeln!(s, "\n![error against bits]({})\n", rel(&png, &base))?;
+        }
+        writeln!(s)?;
+    }
+
+    // The ablations.
+    writeln!(s, "## Ablations\n")?;
+    writeln!(s, "k varied, the basis (raw against KLT), the importance proxy (variance against mean squared block max: `fathom-blockmax`), Loki with fp16 coordinates, and a plan calibrated at one context and evaluated at another. Flat against per-layer budgets (`fathom` against `fathom-layer`), uniform depth at equal bytes (`fathom-uniform`, A4) and the SparQ per-head union are in the main tables above.\n")?;
+    if ablations.is_empty() && kruns.is_empty() {
+        writeln!(
+            s,
+            "No ablation runs were found: not measured in this run.\n"
+        )?;
+    }
+    if !kruns.is_empty() {
+        // k varied: the equal-error saving against ds:32 per run directory and k.
+        let mut ks: Vec<u64> = kruns.iter().filter_map(|(_, v)| v["k"].as_u64()).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        let mut dirs: Vec<PathBuf> = kruns
+            .iter()
+            .filter_map(|(p, _)| p.parent().map(Path::to_path_buf))
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        writeln!(s, "**k varied** (Fathom at 48, 64 and 92 bits against ds:32 at the same k; equal-error saving; `≥` where Fathom's 48-bit point already beats ds:32, so the saving is at least 136/48):\n")?;
+        writeln!(
+            s,
+            "| run | {} |\n|---|{}",
+            ks.iter()
+                .map(|k| format!("k = {k}"))
+                .collect::<Vec<_>>()
+                .join(" | "),
+            "---:|".repeat(ks.len())
+        )?;
+        for d in &dirs {
+            let cells: Vec<String> = ks
+                .iter()
+                .map(|k| {
+                    kruns
+                        .iter()
+                        .find(|(p, v)| {
+                            p.parent() == Some(d.as_path()) && v["k"].as_u64() == Some(*k)
+                        })
+                        .and_then(|(_, v)| {
+                            let e = v["equal_error"]
+                                .as_array()?
+                                .iter()
+                                .find(|e| e["baseline"] == "ds:32")?;
+                            let x = e["saving"].as_f64()?;
+                            let fb = e["fathom_bits"].as_f64()?;
+                            let lo = v["methods"]
+                                .as_array()?
+                                .iter()
+                                .filter(|m| {
+                                    m["name"].as_str().is_some_and(|n| n.starts_with("fathom:"))
+                                })
+                                .filter_map(|m| m["bits"].as_f64())
+                                .fold(f64::INFINITY, f64::min);
+                            Some(if fb <= lo + 0.5 {
+                                format!("≥ {x:.2}×")
+                            } else {
+                                format!("{x:.2}×")
+                            })
+                        })
+                        .unwrap_or_else(|| "—".into())
+                })
+                .collect();
+            writeln!(s, "| `{}` | {} |", rel(d, &base), cells.join(" | "))?;
+        }
+        writeln!(s)?;
+    }
+    for (p, v) in &ablations {
+        writeln!(
+            s,
+            "**{}** k = {}, {} positions, `{}` (capture `{}`)\n",
+            v["model"].as_str().unwrap_or("capture"),
+            v["k"],
+            v["positions"],
+            rel(p, &base),
+            v["capture"].as_str().unwrap_or("?")
+        )?;
+        writeln!(s, "| method | bits | mean rel. error |\n|---|---:|---:|")?;
+        for m in v["methods"].as_array().into_iter().flatten() {
+            writeln!(
+                s,
+                "| {} | {:.2} | {:.4e} |",
+                m["name"].as_str().unwrap_or("?"),
+                m["bits"].as_f64().unwrap_or(f64::NAN),
+                m["error"].as_f64().unwrap_or(f64::NAN)
+            )?;
+        }
+        let png = p.with_extension("png");
+        if png.exists() {
+            writeln!(s, "\n![error against bits]({})", rel(&png, &base))?;
         }
         writeln!(s)?;
     }
