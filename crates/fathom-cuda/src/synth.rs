@@ -145,29 +145,19 @@ pub fn synth_layer(p: &SynthParams, layer: usize) -> Result<LayerSource> {
             values[(i * hn + h) * d..(i * hn + h + 1) * d].copy_from_slice(&v[i * d..(i + 1) * d]);
         }
     }
-    let mut sigma2 = vec![0f32; hn * d];
-    let mut ds_score = vec![0f32; hn * d];
-    for h in 0..hn {
-        for c in 0..d {
-            let (mut s, mut s2, mut sa) = (0f64, 0f64, 0f64);
-            for i in 0..n {
-                let x = keys[(i * hn + h) * d + c] as f64;
-                s += x;
-                s2 += x * x;
-                sa += x.abs();
-            }
-            let mean = s / n as f64;
-            sigma2[h * d + c] = (s2 / n as f64 - mean * mean).max(0.0) as f32;
-            let qa: f64 = (0..g)
+    // Mean |q_c| over the group's heads (the noise-free part of every step's query).
+    let qabs: Vec<f64> = (0..hn * d)
+        .map(|hc| {
+            let (h, c) = (hc / d, hc % d);
+            (0..g)
                 .map(|gg| {
-                    (q_amp[h * d + c] * (q_shared[h * d + c] + 0.6 * q_head[(h * g + gg) * d + c]))
-                        .abs() as f64
+                    (q_amp[hc] * (q_shared[hc] + 0.6 * q_head[(h * g + gg) * d + c])).abs() as f64
                 })
                 .sum::<f64>()
-                / g as f64;
-            ds_score[h * d + c] = (qa * sa / n as f64) as f32;
-        }
-    }
+                / g as f64
+        })
+        .collect();
+    let (sigma2, ds_score) = channel_stats(&keys, &qabs, hn, d);
     let store = KeyStore::from_keys(
         Dims {
             heads: hn,
