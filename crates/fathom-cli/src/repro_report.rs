@@ -472,7 +472,11 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
                 })
                 .unwrap_or_default();
             let min = sp.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
-            let target = if ctx >= 1 << 20 {
+            // The targets are for the Qwen3-8B shape.
+            let qwen = v["shape_label"].as_str() == Some("qwen3-8b");
+            let target = if !qwen {
+                None
+            } else if ctx >= 1 << 20 {
                 Some(2.3)
             } else if ctx >= 1 << 18 {
                 Some(1.9)
@@ -488,7 +492,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
             };
             writeln!(
                 s,
-                "| {} | {} | {:.2} | {} | {:.2} | {:.2}% | {verdict} |",
+                "| {} | {} | {:.2} | {} | {} | {:.2}% | {verdict} |",
                 ctx,
                 r["residency"].as_str().unwrap_or("?"),
                 r["gpu_ms"].as_f64().unwrap_or(f64::NAN),
@@ -496,7 +500,9 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
                     .map(|(k, x)| format!("{k} {x:.2}×"))
                     .collect::<Vec<_>>()
                     .join(", "),
-                r["floor_ratio"].as_f64().unwrap_or(f64::NAN),
+                r["floor_ratio"]
+                    .as_f64()
+                    .map_or("—".to_string(), |x| format!("{x:.2}")),
                 100.0 * r["planner_share"].as_f64().unwrap_or(f64::NAN)
             )?;
         }
