@@ -142,27 +142,23 @@ fn run_stages(bin: &Path, stages: &[Stage], log: &Path, budget: Option<f64>) -> 
             )
         };
         done_est += s.estimate;
-        if let Some(b) = budget {
-            if el + s.estimate > b {
-                let why = format!(
-                    "time budget: {:.0} s used, this stage's estimate is {:.0} s, the budget {:.0} s",
-                    el, s.estimate, b
-                );
-                eprintln!(
-                    "xtask: [{}/{}] {} SKIPPED ({why})",
-                    i + 1,
-                    stages.len(),
-                    s.name
-                );
-                log_line(&mut f, true, 0.0, "", &why)?;
-                continue;
-            }
-        }
-        if let Some(missing) = stage_inputs(&s.args).into_iter().find(|p| !p.exists()) {
-            let why = format!(
+        // A stage is skipped (not failed) when it would overrun the budget or an earlier
+        // stage did not produce its input.
+        let skip = match (
+            budget,
+            stage_inputs(&s.args).into_iter().find(|p| !p.exists()),
+        ) {
+            (Some(b), _) if el + s.estimate > b => Some(format!(
+                "time budget: {:.0} s used, this stage's estimate is {:.0} s, the budget {:.0} s",
+                el, s.estimate, b
+            )),
+            (_, Some(missing)) => Some(format!(
                 "input {} is missing (the stage that writes it was skipped or failed)",
                 missing.display()
-            );
+            )),
+            _ => None,
+        };
+        if let Some(why) = skip {
             eprintln!(
                 "xtask: [{}/{}] {} SKIPPED ({why})",
                 i + 1,

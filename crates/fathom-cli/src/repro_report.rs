@@ -53,6 +53,21 @@ fn curve(doc: &Value) -> Vec<(f64, f64)> {
 }
 
 /// Fathom's error at `bits`, interpolating log-error linearly in bits.
+/// The method / bits / error table of one fidelity JSON.
+fn method_table(s: &mut String, v: &Value) -> std::fmt::Result {
+    writeln!(s, "| method | bits | mean rel. error |\n|---|---:|---:|")?;
+    for m in v["methods"].as_array().into_iter().flatten() {
+        writeln!(
+            s,
+            "| {} | {:.2} | {:.4e} |",
+            m["name"].as_str().unwrap_or("?"),
+            m["bits"].as_f64().unwrap_or(f64::NAN),
+            m["error"].as_f64().unwrap_or(f64::NAN)
+        )?;
+    }
+    Ok(())
+}
+
 fn error_at(c: &[(f64, f64)], bits: f64) -> Option<f64> {
     c.windows(2)
         .find(|w| w[0].0 <= bits && bits <= w[1].0)
@@ -229,16 +244,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
             },
             rel(p, &base)
         )?;
-        writeln!(s, "| method | bits | mean rel. error |\n|---|---:|---:|")?;
-        for m in v["methods"].as_array().into_iter().flatten() {
-            writeln!(
-                s,
-                "| {} | {:.2} | {:.4e} |",
-                m["name"].as_str().unwrap_or("?"),
-                m["bits"].as_f64().unwrap_or(f64::NAN),
-                m["error"].as_f64().unwrap_or(f64::NAN)
-            )?;
-        }
+        method_table(&mut s, v)?;
         writeln!(s)?;
         for e in v["equal_error"].as_array().into_iter().flatten() {
             let verdict = match e["saving"].as_f64() {
@@ -341,16 +347,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
             rel(p, &base),
             v["capture"].as_str().unwrap_or("?")
         )?;
-        writeln!(s, "| method | bits | mean rel. error |\n|---|---:|---:|")?;
-        for m in v["methods"].as_array().into_iter().flatten() {
-            writeln!(
-                s,
-                "| {} | {:.2} | {:.4e} |",
-                m["name"].as_str().unwrap_or("?"),
-                m["bits"].as_f64().unwrap_or(f64::NAN),
-                m["error"].as_f64().unwrap_or(f64::NAN)
-            )?;
-        }
+        method_table(&mut s, v)?;
         let png = p.with_extension("png");
         if png.exists() {
             writeln!(s, "\n![error against bits]({})", rel(&png, &base))?;
