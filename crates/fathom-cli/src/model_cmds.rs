@@ -16,9 +16,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use fathom_model::capture::{capture, CaptureDtype, CaptureOptions};
 use fathom_model::corpus::{
-    context_tokens, fetch_corpus, load_split, CorpusKind, CorpusOptions, Split,
+    context_tokens, documents_from_file, fetch_corpus, load_split, text_tokens, CorpusKind,
+    CorpusOptions, Split,
 };
 use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
+use fathom_model::pypi::{fetch_pypi_file, WONDERWORDS};
 use fathom_model::{argmax, Dense, LoadOptions, Model, WeightMode};
 
 /// Where models and corpora are cached (shared by the subcommands).
@@ -44,6 +46,7 @@ impl CacheArgs {
         CorpusOptions {
             cache_dir: self.cache_dir.clone(),
             offline: self.offline,
+            ..Default::default()
         }
     }
 }
@@ -72,13 +75,21 @@ pub struct GenerateArgs {
 
 /// `fathom capture`: SPEC §8 activations of a real model on real text.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom capture --model smollm2-135m --corpus prose --split eval --context 4096 --positions 128 --out eval-4k.safetensors\n  \
+    fathom capture --model gemma3-270m --text notes.txt --context 2048 --positions 32 --out mine.safetensors\n  \
+    fathom capture --model smollm2-135m --text chats.jsonl --context 8192 --out chats.safetensors   # one {\"text\": ...} per line")]
 pub struct CaptureArgs {
     /// Model: smollm2-135m or gemma3-270m.
     #[arg(long)]
     pub model: String,
-    /// Corpus: prose or code.
-    #[arg(long, default_value = "prose")]
+    /// Corpus: prose or code (the pinned Django 5.1.4 sdist's docs/ or its Python source).
+    #[arg(long, default_value = "prose", conflicts_with = "text")]
     pub corpus: String,
+    /// Your own text instead of a corpus: plain text, or JSONL (`.jsonl`) with a string field
+    /// `text` per line. It must give at least --context tokens; it is never repeated.
+    #[arg(long)]
+    pub text: Option<PathBuf>,
     /// Split: calib or eval.
     #[arg(long, default_value = "calib")]
     pub split: String,
@@ -126,6 +137,9 @@ pub struct FetchCorpusArgs {
     /// Only this corpus: prose or code (default: both).
     #[arg(long)]
     pub corpus: Option<String>,
+    /// Also print the corpora's sources, sizes and split counts as JSON.
+    #[arg(long)]
+    pub json: bool,
     #[command(flatten)]
     pub cache: CacheArgs,
 }
@@ -181,6 +195,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
 pub fn run_capture(a: CaptureArgs) -> Result<()> {
     let kind: CorpusKind = a.corpus.parse()?;
     let split: Split = a.split.parse()?;
+    let user_docs = a.text.as_deref().map(documents_from_file).transpose()?;
     let dtype: CaptureDtype = a.dtype.parse()?;
     // Arguments and the output path first: a bad one fails before the model runs.
     if a.positions == 0 || a.positions > a.context {
@@ -203,8 +218,13 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
         .with_context(|| format!("output {} is not writable", a.out.display()))?;
     let _ = std::fs::remove_file(&probe);
     let (id, model) = load_model(&a.model, &a.cache, false)?;
-    let docs = load_split(kind, split, &a.cache.corpus_options())?;
-    let (tokens, used) = context_tokens(&docs, model.tokenizer(), a.context, a.doc_start)?;
+    let (tokens, used) = match &user_docs {
+        Some(docs) => text_tokens(docs, model.tokenizer(), a.context)?,
+        None => {
+            let docs = load_split(kind, split, &a.cache.corpus_options())?;
+            context_tokens(&docs, model.tokenizer(), a.context, a.doc_start)?
+        }
+    };
     let t0 = Instant::now();
     let opts = CaptureOptions {
         positions: a.positions,
@@ -213,15 +233,31 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
     };
     let mut cap = capture(&model, id.name(), &tokens, &opts)?;
     let secs = t0.elapsed().as_secs_f64();
-    let manifest = fetch_corpus(kind, &a.cache.corpus_options())?;
-    cap.metadata.insert("corpus".into(), kind.name().into());
-    cap.metadata.insert("split".into(), split.name().into());
-    cap.metadata.insert(
-        "corpus_package".into(),
-        format!("{}={}", manifest.package, manifest.version),
-    );
-    cap.metadata
-        .insert("corpus_sha256".into(), manifest.corpus_sha256.clone());
+    match (&a.text, &user_docs) {
+        (Some(path), Some(docs)) => {
+            cap.metadata.insert("corpus".into(), "text".into());
+            cap.metadata.insert("split".into(), "user".into());
+            cap.metadata
+                .insert("corpus_package".into(), path.display().to_string());
+            let listing: String = docs
+                .iter()
+                .map(|d| format!("{} {}\n", d.path, d.sha256))
+                .collect();
+            cap.metadata.insert(
+                "corpus_sha256".into(),
+                fathom_model::fetch::sha256_bytes(listing.as_bytes()),
+            );
+        }
+        _ => {
+            let manifest = fetch_corpus(kind, &a.cache.corpus_options())?;
+            cap.metadata.insert("corpus".into(), kind.name().into());
+            cap.metadata.insert("split".into(), split.name().into());
+            cap.metadata
+                .insert("corpus_package".into(), manifest.source.to_string());
+            cap.metadata
+                .insert("corpus_sha256".into(), manifest.corpus_sha256.clone());
+        }
+    }
     cap.metadata
         .insert("documents".into(), serde_json::to_string(&used)?);
     cap.metadata
@@ -279,27 +315,52 @@ pub fn run_fetch_models(a: FetchModelsArgs) -> Result<()> {
 pub fn run_fetch_corpus(a: FetchCorpusArgs) -> Result<()> {
     let kinds = match &a.corpus {
         Some(c) => vec![c.parse::<CorpusKind>()?],
-        None => vec![CorpusKind::Prose, CorpusKind::Code],
+        None => CorpusKind::ALL.to_vec(),
     };
+    let opts = a.cache.corpus_options();
+    let mut report = Vec::new();
     for kind in kinds {
-        let m = fetch_corpus(kind, &a.cache.corpus_options())?;
-        let n_eval = m
-            .documents
-            .iter()
-            .filter(|d| d.split == Split::Eval)
-            .count();
-        let bytes: usize = m.documents.iter().map(|d| d.bytes).sum();
+        let t0 = Instant::now();
+        let m = fetch_corpus(kind, &opts)?;
+        let (nc, bc) = m.count(Split::Calib);
+        let (ne, be) = m.count(Split::Eval);
         println!(
-            "{}: {}={} (deb sha256 {}), {} documents ({} calib, {} eval), {:.1} MB, corpus sha256 {}",
+            "{}: {} (sha256 {}), {} documents ({nc} calib {:.2} MB, {ne} eval {:.2} MB), corpus sha256 {} ({:.1} s)",
             kind.name(),
-            m.package,
-            m.version,
-            m.deb_sha256,
+            m.source,
+            m.source.sha256,
             m.documents.len(),
-            m.documents.len() - n_eval,
-            n_eval,
-            bytes as f64 / 1e6,
-            m.corpus_sha256
+            bc as f64 / 1e6,
+            be as f64 / 1e6,
+            m.corpus_sha256,
+            t0.elapsed().as_secs_f64()
+        );
+        report.push(serde_json::json!({
+            "kind": kind.name(), "source": m.source, "selection": m.selection,
+            "documents": m.documents.len(),
+            "calib": {"documents": nc, "bytes": bc}, "eval": {"documents": ne, "bytes": be},
+            "corpus_sha256": m.corpus_sha256,
+        }));
+    }
+    // The RULER keys' word list (read by fathom-eval) comes from a pinned PyPI file too.
+    let w = fetch_pypi_file(
+        &WONDERWORDS,
+        &opts.sources_dir(),
+        &opts.python,
+        opts.offline,
+    )?;
+    println!(
+        "words: {} (sha256 {} verified)",
+        w.display(),
+        WONDERWORDS.sha256
+    );
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "corpora": report,
+                "words": {"file": WONDERWORDS.file_name, "sha256": WONDERWORDS.sha256},
+            }))?
         );
     }
     Ok(())

@@ -6,7 +6,7 @@
 //! up to the cut (at most `context − steps` tokens) and the **continuation** is the next
 //! `steps` tokens of that real file, which the evaluation teacher-forces.
 //!
-//! Files come from the project's code corpus (the CPython standard library, held-out split),
+//! Files come from the project's code corpus (Django 5.1.4's own Python source, held-out split),
 //! in corpus order from a seeded starting document; each piece is tokenized on its own and
 //! the pieces are joined (BOS only at the start), as `fathom_model::corpus::context_tokens`
 //! does.
@@ -40,7 +40,7 @@ pub struct Session {
     pub continuation_text: String,
 }
 
-const SYSTEM: &str = "System: You are a coding agent working in a checkout of the CPython 3.11 standard library. You can call the tool read_file(path), which returns the file's contents as a tool message. Read the files the user asks about before you answer.\n\n";
+const SYSTEM: &str = "System: You are a coding agent working in a checkout of the Django web framework. You can call the tool read_file(path), which returns the file's contents as a tool message. Read the files the user asks about before you answer.\n\n";
 
 fn display_path(p: &str) -> String {
     match p.find("python3.11/") {

