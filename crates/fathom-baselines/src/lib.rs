@@ -1,6 +1,6 @@
 //! # fathom-baselines
 //!
-//! The scans Fathom is compared against (SPEC §4), each supplying only scores and bits
+//! The scans Fathom is compared against (docs/SPEC.md §4), each supplying only scores and bits
 //! through [`fathom_plan::scanner::Scanner`]; selection, attention and the error metric are
 //! the shared protocol of `fathom-plan`.
 //!

@@ -29,7 +29,7 @@ fn check_r(name: &str, r: usize, d: usize) -> Result<(), ScannerError> {
     Ok(())
 }
 
-/// SparQ (SPEC §4): per KV head, the `r` channels with the largest `Σ_h |q_{h,c}|` over the
+/// SparQ (docs/SPEC.md §4): per KV head, the `r` channels with the largest `Σ_h |q_{h,c}|` over the
 /// group, read at 4 bits; no mean-value reallocation.
 #[derive(Debug, Clone)]
 pub struct SparQ {
@@ -121,7 +121,7 @@ impl HeadScanner for SparQUnionHead<'_> {
     }
 }
 
-/// Double Sparsity (SPEC §4): `r` channels per head chosen offline by
+/// Double Sparsity (docs/SPEC.md §4): `r` channels per head chosen offline by
 /// `mean|q_c|·mean|k_c|` on calibration text, read from the 4-bit label cache.
 #[derive(Debug, Clone)]
 pub struct DoubleSparsity {
@@ -198,7 +198,7 @@ fn loki_basis<'a>(
         })
 }
 
-/// Loki (SPEC §4): the first `r` coordinates of the calibration PCA basis (ordered by
+/// Loki (docs/SPEC.md §4): the first `r` coordinates of the calibration PCA basis (ordered by
 /// calibration score variance), read at 4 bits from a store in that basis.
 #[derive(Debug, Clone)]
 pub struct Loki {
@@ -289,7 +289,7 @@ impl HeadScanner for LokiF16Head {
     }
 }
 
-/// The 2-bit thumbnail (FFD-style, SPEC §4): every channel at 2 planes.
+/// The 2-bit thumbnail (FFD-style, docs/SPEC.md §4): every channel at 2 planes.
 #[derive(Debug, Clone, Default)]
 pub struct Thumbnail;
 
@@ -320,7 +320,7 @@ fn f16r(x: f64) -> f32 {
     f16::from_f64(x).to_f32()
 }
 
-/// The block landmark (ShadowKV-style, SPEC §4): the fp16 mean key of each 8-token block;
+/// The block landmark (ShadowKV-style, docs/SPEC.md §4): the fp16 mean key of each 8-token block;
 /// a token's score is its block's.
 #[derive(Debug, Clone, Default)]
 pub struct Landmark;
@@ -359,7 +359,7 @@ impl Scanner for Landmark {
     }
 }
 
-/// Quest (SPEC §4): per 16-token page, channel-wise fp16 min and max; page score
+/// Quest (docs/SPEC.md §4): per 16-token page, channel-wise fp16 min and max; page score
 /// `Σ_c max(q_c·min_c, q_c·max_c)`, an upper bound on every key's score in the page.
 #[derive(Debug, Clone, Default)]
 pub struct Quest;

@@ -1,4 +1,4 @@
-//! Bits, selection rules and references of every baseline (issue 3).
+//! Bits, selection rules and references of every baseline (docs/SPEC.md §4).
 
 use fathom_baselines::*;
 use fathom_plan::scanner::{Fathom, HeadCalib, HeadInput, Scanner};

@@ -1,4 +1,4 @@
-//! Writes a SYNTHETIC SPEC §8 capture (the labelled generator of `fathom_bench::synthetic`) of
+//! Writes a SYNTHETIC docs/SPEC.md §8 capture (the labelled generator of `fathom_bench::synthetic`) of
 //! any shape, for timing `fathom fidelity` and `fathom calibrate` at sizes no shipped model
 //! has (for example Qwen2.5-7B's 28 layers × 4 KV heads × G 7 × D 128 at 32k tokens):
 //!

@@ -1,6 +1,6 @@
-//! Calibration (issue 3): per (layer, KV head) channel variances, the KLT basis and its
+//! Calibration: per (layer, KV head) channel variances, the KLT basis and its
 //! eigenvalues, Loki's PCA basis, Double Sparsity's channels, Fathom's per-layer budgets,
-//! and the basis rule (SPEC §3), computed from a calibration capture.
+//! and the basis rule (docs/SPEC.md §3), computed from a calibration capture.
 //!
 //! # File format (JSON, versioned)
 //!

@@ -1,4 +1,4 @@
-//! Reading activation captures (SPEC §8): `layers.{l}.q` `[P, Hq, D]`, `layers.{l}.k` and
+//! Reading activation captures (docs/SPEC.md §8): `layers.{l}.q` `[P, Hq, D]`, `layers.{l}.k` and
 //! `layers.{l}.v` `[N, Hkv, D]`, optional `layers.{l}.o` `[P, Hq, D]`, and metadata
 //! `positions`, `model`, `qk_norm`, `softcap`, `layer_kinds`.
 //!
@@ -102,7 +102,7 @@ impl Capture {
         if layers.is_empty() {
             return Err(invalid(
                 path,
-                "no `layers.{l}.q/k/v` tensors: not a capture (SPEC §8)".into(),
+                "no `layers.{l}.q/k/v` tensors: not a capture (docs/SPEC.md §8)".into(),
             ));
         }
         let layers: Vec<usize> = layers.into_iter().collect();
@@ -178,7 +178,7 @@ impl Capture {
             None => {
                 return Err(invalid(
                     path,
-                    "metadata `positions` is missing (SPEC §8)".into(),
+                    "metadata `positions` is missing (docs/SPEC.md §8)".into(),
                 ))
             }
             Some(s) => serde_json::from_str(s).map_err(|e| {
@@ -326,7 +326,7 @@ impl Capture {
     }
 }
 
-/// Serialises layers into a SPEC §8 capture (safetensors bytes), e.g. for fixtures.
+/// Serialises layers into a docs/SPEC.md §8 capture (safetensors bytes), e.g. for fixtures.
 pub fn capture_bytes(
     info: &CaptureInfo,
     layers: &[LayerData],

@@ -1,4 +1,4 @@
-//! The fidelity harness (SPEC §5): every method ranks the keys, the shared protocol selects
+//! The fidelity harness (docs/SPEC.md §5): every method ranks the keys, the shared protocol selects
 //! (sink, local, top-k per query head), attends exactly, and measures
 //! `‖o_sel − o_dense‖ / ‖o_dense‖`, averaged over positions, query heads and layers.
 
@@ -145,7 +145,7 @@ pub struct MethodResult {
 pub struct FidelityReport {
     /// Layers evaluated.
     pub layers: Vec<usize>,
-    /// Layers skipped (sliding-window layers keep their own window; SPEC §5 fidelity is on
+    /// Layers skipped (sliding-window layers keep their own window; docs/SPEC.md §5 fidelity is on
     /// global layers).
     pub skipped_local_layers: Vec<usize>,
     /// Query positions per layer.
@@ -556,7 +556,7 @@ impl<'a> LayerCtx<'a> {
 }
 
 /// The bits at which the Fathom curve `(bits, error)` meets `target_error`, interpolating
-/// log-error linearly in bits between neighbouring points (SPEC §5 equal-error saving).
+/// log-error linearly in bits between neighbouring points (docs/SPEC.md §5 equal-error saving).
 /// `None` if the curve never reaches the target within its range.
 pub fn equal_error_bits(curve: &[(f64, f64)], target_error: f64) -> Option<f64> {
     let mut pts: Vec<(f64, f64)> = curve.iter().copied().filter(|p| p.1 > 0.0).collect();

@@ -1,8 +1,8 @@
 //! # fathom-bench
 //!
-//! The measurement apparatus: safetensors tensor I/O, the SPEC §8 capture reader, a
+//! The measurement apparatus: safetensors tensor I/O, the docs/SPEC.md §8 capture reader, a
 //! labelled **synthetic** GQA generator, and the fidelity harness that runs every scanner
-//! under the one selection protocol of SPEC §5.
+//! under the one selection protocol of docs/SPEC.md §5.
 //!
 //! ```
 //! use fathom_bench::synthetic::{generate, SyntheticParams};

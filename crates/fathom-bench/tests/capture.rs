@@ -1,4 +1,4 @@
-//! SPEC §8 capture reading: a valid capture round-trips; violations get errors naming the tensor.
+//! docs/SPEC.md §8 capture reading: a valid capture round-trips; violations get errors naming the tensor.
 
 use fathom_bench::capture::{capture_bytes, Capture};
 use fathom_bench::synthetic::{generate, SyntheticParams};

@@ -1,4 +1,4 @@
-//! Durability (issue 8): no truncated capture or calibration file loads as valid. Checked at
+//! Durability: no truncated capture or calibration file loads as valid. Checked at
 //! every 4 KiB offset and at odd offsets in between.
 
 use fathom_bench::calib::Calibration;

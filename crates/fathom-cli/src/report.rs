@@ -62,7 +62,7 @@ pub fn markdown(report: &FidelityReport, eq: &[Value], label: &str) -> String {
     s
 }
 
-/// The JSON document of a fidelity run (issue 3 schema plus extra fields).
+/// The JSON document of a fidelity run (the fidelity schema of `fathom-bench`, plus extra fields).
 pub fn json_doc(
     report: &FidelityReport,
     capture: &str,

@@ -469,7 +469,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
                 })
                 .unwrap_or_default();
             let min = sp.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
-            // The targets are for the Qwen3-8B shape.
+            // The device targets are stated for the Qwen3-8B shape.
             let qwen = v["shape_label"].as_str() == Some("qwen3-8b");
             let target = if !qwen {
                 None

@@ -1,4 +1,4 @@
-//! The bad-input matrix of issue 8: for every CLI command, one case per kind of bad input
+//! The bad-input matrix (docs/RELIABILITY.md): for every CLI command, one case per kind of bad input
 //! that applies to it. Each case must exit non-zero within seconds with one line that names
 //! the problem, must not panic, and must leave no output file (nor a temporary one) behind.
 //!
@@ -17,7 +17,7 @@ use fathom_bench::tensors::{to_safetensors, WriteDtype};
 const LIMIT: Duration = Duration::from_secs(20);
 
 struct Case {
-    /// The kind of bad input (one of issue 8's list).
+    /// The kind of bad input (one of docs/RELIABILITY.md's list).
     kind: &'static str,
     /// The command under test (`store quantize`, `plan`, …).
     cmd: &'static str,
@@ -85,7 +85,7 @@ fn cap_bytes(info: &CaptureInfo, layers: &[LayerData]) -> Vec<u8> {
     capture_bytes(info, layers, WriteDtype::F32).unwrap()
 }
 
-/// The SPEC §8 metadata of a capture whose tensors are written by hand.
+/// The docs/SPEC.md §8 metadata of a capture whose tensors are written by hand.
 fn cap_meta(positions: &[usize]) -> HashMap<String, String> {
     HashMap::from([
         (

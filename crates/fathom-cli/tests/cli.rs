@@ -1,4 +1,4 @@
-//! The CLI contracts of issue 2, run against the built `fathom` binary.
+//! The CLI contracts (README's CLI section), run against the built `fathom` binary.
 
 use std::path::Path;
 use std::process::Command;

@@ -1,5 +1,5 @@
 //! End to end: calibrate and fidelity on a small (synthetic, labelled) capture fixture; the
-//! JSON matches the issue 3 schema.
+//! JSON matches the fidelity schema.
 
 use std::process::Command;
 

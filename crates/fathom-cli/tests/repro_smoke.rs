@@ -1,4 +1,4 @@
-//! Smoke test of the `cargo xtask repro` pipeline (issue 7) on the tiny committed fixture: the
+//! Smoke test of the `cargo xtask repro` pipeline on the tiny committed fixture: the
 //! same `fathom` stages `--quick` runs after its captures (calibrate, fidelity with a plot, the
 //! ablation sweep, a second k, the model-free part of the report), with quick-like settings,
 //! then checks that the report and every JSON file exist and parse. The fixture is the embedded
@@ -113,7 +113,7 @@ fn quick_like_pipeline_on_the_fixture_writes_a_report_and_json() {
         &stages.to_string_lossy(),
     ]);
 
-    // Every JSON parses; the fidelity ones have the issue's schema.
+    // Every JSON parses; the fidelity ones have the fidelity schema.
     for name in ["fidelity.json", "ablations.json", "k128.json"] {
         let v = json(&run.join(name));
         assert!(

@@ -11,7 +11,7 @@ mod offload_cmds;
 use clap::Parser;
 
 #[derive(Parser, Debug)]
-#[command(about = "Fathom offload decode-step benchmark (SPEC §6)")]
+#[command(about = "Fathom offload decode-step benchmark (docs/SPEC.md §6)")]
 struct Cli {
     #[command(flatten)]
     args: offload_cmds::OffloadBenchArgs,

@@ -1,4 +1,4 @@
-// Exact softmax attention over the gathered rows (SPEC §5): scale 1/sqrt(D), no softcap.
+// Exact softmax attention over the gathered rows (docs/SPEC.md §5): scale 1/sqrt(D), no softcap.
 // Split over chunks of CH rows (partial max, sum and weighted V), then combined.
 #include "common.cuh"
 #define CH 64

@@ -1,4 +1,4 @@
-// Planning kernels: Fathom's water-filling (SPEC §3) and SparQ's channel choice, one CTA
+// Planning kernels: Fathom's water-filling (docs/SPEC.md §3) and SparQ's channel choice, one CTA
 // (DIM threads) per (sequence, KV head). Both write the depths and the fixed-size run list.
 #include "common.cuh"
 

@@ -13,7 +13,7 @@
 #define FUSED_HIST 0
 #endif
 
-// Bit-plane scan (SPEC §2, §3): score_g(i) = sum over active channels c (ascending) of
+// Bit-plane scan (docs/SPEC.md §2, §3): score_g(i) = sum over active channels c (ascending) of
 // q_gc * k̂_t(i, c), k̂_t = (q_t - 2^(t-1) + 1/2) * m * 2^(1-t), t = depth of c.
 // A CTA covers BPC blocks; for every CHS active channels it first stages their plane words
 // and scales in shared memory with one cooperative load (all loads independent, coalesced),

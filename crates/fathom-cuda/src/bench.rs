@@ -1,4 +1,4 @@
-//! The offload benchmark (SPEC §6): every method at every context and residency, timed with
+//! The offload benchmark (docs/SPEC.md §6): every method at every context and residency, timed with
 //! CUDA events, with per-stage times, bytes and the link-rate floor. Used by
 //! `fathom offload-bench` and the `offload_bench` example.
 
@@ -36,7 +36,7 @@ pub struct BenchConfig {
     pub warmup: usize,
     /// Extra steps with an event pair around every stage (for the breakdown).
     pub instrumented_steps: usize,
-    /// Top-k per query head; `None` = 512 (SPEC §5's 32k value, kept for longer contexts).
+    /// Top-k per query head; `None` = 512 (docs/SPEC.md §5's 32k value, kept for longer contexts).
     pub k: Option<usize>,
     /// HBM row-cache slots per (layer, KV head); 0 disables it.
     pub cache_rows: usize,
@@ -289,7 +289,7 @@ pub fn run_offload_bench_with(
         sources
     };
     rep.notes.push("exact = the full 4-bit store (all channels at 4 planes, 544 bits), read through the same gather; loki reads channels 0..r of the store (the timing store is in the raw basis, bytes identical to a KLT store); ds uses channels chosen offline by mean|q|·mean|k| on the source layers' own keys and queries; landmark and quest read their own fp16 tables".into());
-    rep.notes.push("every step scores all n tokens with that step's queries (n is not grown between steps); weights are not modelled (W = 0 in SPEC §6's traffic model)".into());
+    rep.notes.push("every step scores all n tokens with that step's queries (n is not grown between steps); weights are not modelled (W = 0 in docs/SPEC.md §6's traffic model)".into());
     if c.batch > 1 {
         rep.notes.push(format!(
             "batch {}: the B sequences are laid out as B·Hkv = {} KV heads per layer",

@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{CudaError, Result};
 
-/// Per-layer attention shape (SPEC §1): `L` layers, `Hkv` KV heads, `G` query heads per KV
+/// Per-layer attention shape (docs/SPEC.md §1): `L` layers, `Hkv` KV heads, `G` query heads per KV
 /// head, `D` channels per head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelShape {
@@ -19,7 +19,7 @@ pub struct ModelShape {
 }
 
 impl ModelShape {
-    /// Parses `qwen3-8b`, `llama3.1-8b`, `qwen2.5-7b` or `L,HKV,G,D` (SPEC §6 shapes).
+    /// Parses `qwen3-8b`, `llama3.1-8b`, `qwen2.5-7b` or `L,HKV,G,D` (docs/SPEC.md §6 shapes).
     ///
     /// ```
     /// let s = fathom_cuda::ModelShape::parse("qwen3-8b")?;
@@ -107,7 +107,7 @@ impl ModelShape {
     }
 }
 
-/// A scan method of SPEC §4, as the offload step runs it.
+/// A scan method of docs/SPEC.md §4, as the offload step runs it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Method {
     /// Fathom at a budget of `B` bits: GPU importance + water-filling per query group.
@@ -238,7 +238,7 @@ pub struct SessionConfig {
     pub shape: ModelShape,
     /// Context tokens `n` (every step scores all of them).
     pub context: usize,
-    /// Top-k per query head (SPEC §5; sink 4 and local 32 are added).
+    /// Top-k per query head (docs/SPEC.md §5; sink 4 and local 32 are added).
     pub k: usize,
     /// Where the store and rows live.
     pub residency: Residency,

@@ -1147,7 +1147,7 @@ impl Session {
     /// boundaries; the layer then runs as one head group so that stages do not overlap.
     /// Otherwise (host residency) the KV heads are split into `groups` head groups: the copy
     /// stream gathers group after group over PCIe while the compute stream scans, selects,
-    /// fetches rows and attends for the groups already gathered (SPEC §6 step order per group;
+    /// fetches rows and attends for the groups already gathered (docs/SPEC.md §6 step order per group;
     /// no host synchronisation).
     fn launch_layer(
         &mut self,

@@ -1,11 +1,11 @@
 //! # fathom-cuda
 //!
-//! Fathom's offloaded decode step on a CUDA GPU (SPEC §6): the scan store and the bf16 K/V
+//! Fathom's offloaded decode step on a CUDA GPU (docs/SPEC.md §6): the scan store and the bf16 K/V
 //! records live in pinned, mapped host memory; per layer and with no host synchronisation,
 //! the GPU plans (importance + reverse water-filling), gathers the planned runs of planes over
 //! PCIe into HBM, scans, takes the top-k per query head and the union per KV head, gathers
 //! the winners' K/V records (through an HBM cache of recently fetched rows) and runs exact
-//! attention. Every baseline of SPEC §4 runs through the same gather and kernels.
+//! attention. Every baseline of docs/SPEC.md §4 runs through the same gather and kernels.
 //!
 //! Kernels are `.cu` files under `kernels/`, embedded with `include_str!` and compiled by
 //! NVRTC for the device's compute capability at first use (modules cached per `(G, D)`).

@@ -1,4 +1,4 @@
-//! The labelled synthetic GQA key generator used for timing until real captures exist.
+//! The labelled synthetic GQA key generator, for timing at shapes no real capture has (8B models).
 //!
 //! Label: [`SYNTH_LABEL`]. Per (layer, KV head) and channel `c`:
 //!
@@ -205,7 +205,7 @@ fn channel_stats(keys: &[f32], qabs: &[f64], hn: usize, d: usize) -> (Vec<f32>, 
 }
 
 impl LayerSource {
-    /// A source from real captured activations (SPEC §8): keys and values `[n][H][D]` of all
+    /// A source from real captured activations (docs/SPEC.md §8): keys and values `[n][H][D]` of all
     /// `n` tokens, and the queries `[P][H·G][D]` of `P` positions, which become the decode
     /// steps' queries in turn. `n` is cut to a multiple of 64 (the first `⌊n/64⌋·64` tokens)
     /// so that longer contexts tile whole blocks. `σ²` and Double Sparsity's channel scores

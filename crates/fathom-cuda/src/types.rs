@@ -19,7 +19,7 @@ pub struct DeviceInfo {
     pub arch: String,
 }
 
-/// The stages of one decode step, in order (SPEC §6).
+/// The stages of one decode step, in order (docs/SPEC.md §6).
 pub const STAGES: [&str; 6] = ["plan", "gather", "scan", "topk", "row_gather", "attention"];
 
 /// Timings and counters of one decode step over all layers.

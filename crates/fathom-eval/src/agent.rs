@@ -1,4 +1,4 @@
-//! Agent-session contexts: real source files framed as a coding agent's transcript (SPEC §7).
+//! Agent-session contexts: real source files framed as a coding agent's transcript (docs/SPEC.md §7).
 //!
 //! A session is a system prompt, a user request naming the files, then one
 //! `read_file` tool call and its result (the file's full text) per file, in turn, until the

@@ -1,5 +1,5 @@
 //! Sparse attention on every generated token, and greedy decoding branched per method from one
-//! dense prefill (SPEC §5, §7).
+//! dense prefill (docs/SPEC.md §5, §7).
 //!
 //! # The per-token protocol
 //!
@@ -501,7 +501,7 @@ pub fn forced_branch(
     })
 }
 
-/// Default top-k for a context length: 128 below 16k, 256 below 32k, 512 from 32k (SPEC §5:
+/// Default top-k for a context length: 128 below 16k, 256 below 32k, 512 from 32k (docs/SPEC.md §5:
 /// 128 at 4k, 256 at 16k, 512 at 32k).
 pub fn default_k(context: usize) -> usize {
     if context < 16 * 1024 {

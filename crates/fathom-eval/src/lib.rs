@@ -1,4 +1,4 @@
-//! `fathom-eval`: downstream evaluation of sparse decoding (SPEC §7).
+//! `fathom-eval`: downstream evaluation of sparse decoding (docs/SPEC.md §7).
 //!
 //! * [`decode`]: a [`fathom_model::DecodeAttention`] that runs any
 //!   [`Scanner`](fathom_plan::scanner::Scanner) through the shared selection protocol (sink 4 +

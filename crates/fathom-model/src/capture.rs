@@ -1,4 +1,4 @@
-//! Activation capture in the SPEC §8 safetensors schema.
+//! Activation capture in the docs/SPEC.md §8 safetensors schema.
 //!
 //! For a context of `N` tokens and `P` query positions (the last `P` tokens), each captured
 //! layer `l` gets
@@ -88,7 +88,7 @@ pub struct Capture {
     pub layers: Vec<LayerCapture>,
     /// `Hq`, `Hkv`, `D`.
     pub shape: (usize, usize, usize),
-    /// Metadata (SPEC §8 keys and extras).
+    /// Metadata (docs/SPEC.md §8 keys and extras).
     pub metadata: BTreeMap<String, String>,
 }
 
@@ -137,7 +137,7 @@ impl AttentionHook for Collector {
     }
 }
 
-/// Run a dense prefill of `tokens` and capture the SPEC §8 tensors.
+/// Run a dense prefill of `tokens` and capture the docs/SPEC.md §8 tensors.
 pub fn capture(
     model: &Model,
     model_name: &str,

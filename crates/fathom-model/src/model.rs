@@ -70,7 +70,7 @@ impl LayerKind {
 }
 
 impl std::fmt::Display for LayerKind {
-    /// SPEC §8 spelling: `global` or `local:W`.
+    /// docs/SPEC.md §8 spelling: `global` or `local:W`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             LayerKind::Global => f.write_str("global"),

@@ -21,7 +21,7 @@ const ARGMAX_STEPS: usize = 8;
 /// A top-1/top-2 gap below this (nats) is a tie that quantization noise may flip (llama.cpp itself
 /// flips such a step, margin 0.09, between its f16 and f32 KV cache).
 const TIE_MARGIN: f64 = 0.1;
-/// Mean |Δ logprob| over shared top-5 tokens (issue 4 acceptance).
+/// Mean |Δ logprob| over shared top-5 tokens (the parity tolerance of the model runtime).
 const MEAN_LOGPROB_TOL: f64 = 0.2;
 /// The same for Gemma 3 on a prompt longer than its window (measured 0.18–0.23).
 const LONG_GEMMA_MEAN_TOL: f64 = 0.3;

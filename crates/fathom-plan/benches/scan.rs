@@ -1,5 +1,5 @@
 //! Planes' bytes read per second by the CPU scan, beside two memcpy baselines in the same
-//! run (issue 2):
+//! run:
 //!
 //! - `memcpy/<B>`: a memcpy of the **same byte count** as the scan reads — a few MiB, so it
 //!   is cache-resident and flatters memcpy (upper bound on what any pass over those bytes

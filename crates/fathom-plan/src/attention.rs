@@ -1,4 +1,4 @@
-//! Exact softmax attention over a selected set of tokens (SPEC §5), the fidelity reference.
+//! Exact softmax attention over a selected set of tokens (docs/SPEC.md §5), the fidelity reference.
 //!
 //! For one query head `q ∈ R^D` and a token set `S`,
 //!
@@ -73,7 +73,7 @@ impl<'a> KvView<'a> {
     }
 }
 
-/// Exact attention of one query head over the tokens `idx` (SPEC §5); see the
+/// Exact attention of one query head over the tokens `idx` (docs/SPEC.md §5); see the
 /// [module docs](self). `idx` may be in any order; a repeated index counts twice.
 ///
 /// ```
@@ -347,7 +347,7 @@ impl KeyTiles {
         Ok(())
     }
 
-    /// Exact scores of every key for one query (the exact top-k oracle's, SPEC §5):
+    /// Exact scores of every key for one query (the exact top-k oracle's, docs/SPEC.md §5):
     /// `out[i] = (Σ_c f64(q_c)·f64(k_ic)) as f32`, summed in channel order.
     ///
     /// # Errors

@@ -1,4 +1,4 @@
-//! Bit accounting and the cost model of SPEC §3.
+//! Bit accounting and the cost model of docs/SPEC.md §3.
 //!
 //! A plan gives every channel `c` a depth `t_c ∈ {0..4}` (the number of most significant bit
 //! planes read). Its cost, in bits per token per KV head, is
@@ -13,7 +13,7 @@
 //! Bits are always multiples of 0.25, so they are exact in `f32` up to 2^22 bits; this module
 //! counts them in integer *quarter bits* and converts once.
 
-/// The most planes a channel can have (4-bit codes, SPEC §2).
+/// The most planes a channel can have (4-bit codes, docs/SPEC.md §2).
 pub const MAX_DEPTH: u8 = 4;
 
 /// The cost of one channel's block scale, in bits per token (fp16 per 64 tokens).
@@ -29,7 +29,7 @@ pub fn plan_quarter_bits(depths: &[u8]) -> u64 {
         .sum()
 }
 
-/// `bits(t) = Σ_c t_c + 0.25·|{c : t_c > 0}|` (SPEC §3), exact for any realistic `D`.
+/// `bits(t) = Σ_c t_c + 0.25·|{c : t_c > 0}|` (docs/SPEC.md §3), exact for any realistic `D`.
 ///
 /// ```
 /// assert_eq!(fathom_plan::plan_bits(&[4, 0, 1, 2]), 7.75);
@@ -43,7 +43,7 @@ pub fn max_budget(d: usize) -> f32 {
     4.25 * d as f32
 }
 
-/// The planner's objective `E(t) = Σ_c w_c · 4^(−t_c)` (SPEC §3), in `f64`.
+/// The planner's objective `E(t) = Σ_c w_c · 4^(−t_c)` (docs/SPEC.md §3), in `f64`.
 ///
 /// # Panics
 /// If `importance` and `depths` differ in length (a programming error, not a data error).

@@ -9,7 +9,7 @@ use thiserror::Error;
 #[derive(Debug, Clone, PartialEq, Error)]
 #[non_exhaustive]
 pub enum PlanError {
-    /// A budget outside `[0, 4.25·D]` (SPEC §3), or not a finite number.
+    /// A budget outside `[0, 4.25·D]` (docs/SPEC.md §3), or not a finite number.
     #[error(
         "budget {budget} bits is out of range: it must lie in [0, {max}] (4.25 bits × channels)"
     )]

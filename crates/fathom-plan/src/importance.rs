@@ -1,9 +1,9 @@
-//! Channel importance for one query group (SPEC §3).
+//! Channel importance for one query group (docs/SPEC.md §3).
 
 use crate::PlanError;
 
 /// Channel importance `w_c = σ_c² · Σ_h q_{h,c}²` for the `G` query heads sharing a KV head
-/// (SPEC §3).
+/// (docs/SPEC.md §3).
 ///
 /// * `sigma2`: `[D]`, the calibration variance of each channel (in the store's basis), `≥ 0`;
 /// * `queries`: `[G, D]` row-major, the group's queries (rotated like the store if it is);

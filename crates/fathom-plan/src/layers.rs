@@ -1,4 +1,4 @@
-//! Per-layer budgets (SPEC §3, "Per-layer plan").
+//! Per-layer budgets (docs/SPEC.md §3, "Per-layer plan").
 //!
 //! Given a calibration error `e_l(B)` per layer (for example the mean attention error of layer
 //! `l` when it is planned at budget `B`), choose budgets `B_l` with mean `B̄` (the target,
@@ -95,7 +95,7 @@ impl LayerBudgetParams {
     }
 }
 
-/// Greedy per-layer budgets at a target mean (SPEC §3); see the [module docs](self).
+/// Greedy per-layer budgets at a target mean (docs/SPEC.md §3); see the [module docs](self).
 ///
 /// `error(l, B)` is the calibration error of layer `l` at budget `B`; it must be finite.
 ///

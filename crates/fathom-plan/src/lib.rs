@@ -1,5 +1,5 @@
-//! Fathom's planner: which bits of which key channels a query group reads (SPEC §3), and the
-//! selection protocol, exact attention and error metric every scan is judged by (SPEC §5).
+//! Fathom's planner: which bits of which key channels a query group reads (docs/SPEC.md §3), and the
+//! selection protocol, exact attention and error metric every scan is judged by (docs/SPEC.md §5).
 //!
 //! ```
 //! use fathom_plan::{importance, water_fill, plan_bits, select_per_head, union_sorted, SelectParams};
@@ -34,7 +34,10 @@
 //! * [`layers`]: greedy per-layer budgets at a target mean;
 //! * [`select`]: sink, local window, top-k per query head, union per KV head;
 //! * [`attention`]: exact softmax attention (f64) over a selected set or densely;
-//! * [`metric`]: relative error and a running mean.
+//! * [`metric`]: relative error and a running mean;
+//! * [`scan`]: the CPU bit-plane scan of a `fathom-store` key store under a plan;
+//! * [`scanner`]: the one `Scanner` interface every method (Fathom and the baselines)
+//!   implements, and [`Fathom`](scanner::Fathom) itself.
 //!
 //! **Architecture invariant:** this crate knows nothing of GPUs or files; it works on plain
 //! slices, and the GPU planner mirrors [`waterfill`] step by step.

@@ -1,4 +1,4 @@
-//! The fidelity metric of SPEC §5.
+//! The fidelity metric of docs/SPEC.md §5.
 
 use serde::{Deserialize, Serialize};
 
@@ -29,7 +29,7 @@ pub fn relative_error(approx: &[f32], dense: &[f32]) -> f64 {
     }
 }
 
-/// A running mean in `f64` (SPEC §5 averages errors over positions, layers and heads).
+/// A running mean in `f64` (docs/SPEC.md §5 averages errors over positions, layers and heads).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct MeanAccumulator {
     sum: f64,

@@ -1,9 +1,9 @@
-//! The CPU bit-plane scan (SPEC §2–§3): approximate scores `q_h · k̂` of all `n` keys for
+//! The CPU bit-plane scan (docs/SPEC.md §2–§3): approximate scores `q_h · k̂` of all `n` keys for
 //! the `G` query heads of one KV head, reading **only** the planned planes of the active
 //! channels.
 //!
 //! With `t_c` planes of channel `c` and block scale `m = m_{b,c}`, the prefix value of a
-//! token is (SPEC §2)
+//! token is (docs/SPEC.md §2)
 //!
 //! ```text
 //! k̂_c = m · (Σ_{p<t_c} bit_p · 2^(−p) − 1 + 2^(−t_c)),

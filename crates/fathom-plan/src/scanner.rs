@@ -1,7 +1,7 @@
-//! One scanner interface for every method (SPEC §4–§5).
+//! One scanner interface for every method (docs/SPEC.md §4–§5).
 //!
 //! A method supplies only two things for one (layer, KV head): approximate scores of the
-//! keys for the `G` queries of the group, and the bits per token it read under SPEC §3's
+//! keys for the `G` queries of the group, and the bits per token it read under docs/SPEC.md §3's
 //! accounting. Selection (sink, local, top-k per query head), exact attention and the error
 //! metric are the shared protocol of [`crate::select`], [`crate::attention`] and
 //! [`crate::metric`], so every comparison is fair by construction.
@@ -110,7 +110,7 @@ pub enum StoreBasis {
 /// How Fathom turns importance into depths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DepthRule {
-    /// Reverse water-filling (SPEC §3).
+    /// Reverse water-filling (docs/SPEC.md §3).
     WaterFill,
     /// Ablation A4: the same active channels at one uniform depth, equal bytes.
     Uniform,
@@ -119,13 +119,13 @@ pub enum DepthRule {
 /// Which statistic scales importance (`w_c = s_c Σ_h q_{h,c}²`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ImportanceProxy {
-    /// `σ_c²` (SPEC §3).
+    /// `σ_c²` (docs/SPEC.md §3).
     Variance,
     /// Mean squared block maximum `E[m_c²]` (ablation).
     BlockMax,
 }
 
-/// Fathom: per-query water-filled planes at budget `B` (SPEC §3).
+/// Fathom: per-query water-filled planes at budget `B` (docs/SPEC.md §3).
 #[derive(Debug, Clone)]
 pub struct Fathom {
     /// Flat budget in bits per token per KV head.

@@ -1,4 +1,4 @@
-//! The selection protocol of SPEC §5, written once for every scan.
+//! The selection protocol of docs/SPEC.md §5, written once for every scan.
 //!
 //! For a query at position `pos` (keys `0..=pos`, `n = pos + 1` of them), one query head keeps
 //!
@@ -15,7 +15,7 @@
 
 use crate::PlanError;
 
-/// Sink, local window and top-k sizes (SPEC §5).
+/// Sink, local window and top-k sizes (docs/SPEC.md §5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SelectParams {
     /// Leading tokens always kept (4).
@@ -46,7 +46,7 @@ impl SelectParams {
     }
 }
 
-/// Selects the tokens one query head attends to at `pos` (SPEC §5); see the
+/// Selects the tokens one query head attends to at `pos` (docs/SPEC.md §5); see the
 /// [module docs](self).
 ///
 /// `scores[i]` is the head's approximate score of token `i`; `scores` must cover `0..=pos`

@@ -1,4 +1,4 @@
-//! Reverse water-filling: the per-query plan of SPEC §3.
+//! Reverse water-filling: the per-query plan of docs/SPEC.md §3.
 //!
 //! Minimise `E(t) = Σ_c w_c · 4^(−t_c)` subject to `bits(t) = Σ_c t_c + 0.25·|{c : t_c > 0}| ≤ B`
 //! and `t_c ∈ {0..4}`.
@@ -31,7 +31,7 @@
 //!
 //! The plan is `t(λ*)` with `λ*` the **smallest breakpoint `ρ_j(w_c)` whose plan fits `B`**
 //! (the empty plan if none does). Every `λ` between the largest breakpoint that does not fit
-//! and `λ*` gives this same plan, so it is SPEC's "smallest λ whose bits fit". All planes tied
+//! and `λ*` gives this same plan, so it is docs/SPEC.md's "smallest λ whose bits fit". All planes tied
 //! at one gain per bit are taken together or not at all, so budget may be left unused.
 //!
 //! # Optimality
@@ -81,7 +81,7 @@ use crate::PlanError;
 /// `[¾/1.25, ¾·4^(−1), ¾·4^(−2), ¾·4^(−3)]`.
 pub const GAIN_PER_BIT: [f64; 4] = [0.75 / 1.25, 0.1875, 0.046875, 0.01171875];
 
-/// Bisection steps on `log λ` (SPEC §3: 30 suffice; the exact finish makes any count correct).
+/// Bisection steps on `log λ` (docs/SPEC.md §3: 30 suffice; the exact finish makes any count correct).
 pub const BISECTION_STEPS: u32 = 32;
 
 /// A plan for one query group: the depth of every channel and what it costs.
@@ -176,7 +176,7 @@ fn check_importance(importance: &[f32]) -> Result<(), PlanError> {
     Ok(())
 }
 
-/// Reverse water-filling (SPEC §3): minimise `Σ_c w_c 4^(−t_c)` s.t. `bits(t) ≤ B`.
+/// Reverse water-filling (docs/SPEC.md §3): minimise `Σ_c w_c 4^(−t_c)` s.t. `bits(t) ≤ B`.
 ///
 /// See the [module docs](self) for the exact definition, the algorithm and its optimality
 /// guarantee. The result never exceeds `B`.
@@ -284,7 +284,7 @@ pub(crate) fn water_fill_steps(
     Ok(quarters as f32 * 0.25)
 }
 
-/// The uniform-depth ablation (A4, SPEC §4): the same active channels as a Fathom plan, every
+/// The uniform-depth ablation (A4, docs/SPEC.md §4): the same active channels as a Fathom plan, every
 /// one at one depth.
 ///
 /// With `a = |active|`, the depth is the largest `t ∈ 1..4` with `a·(t + 0.25) ≤ B`. If even

@@ -1,4 +1,4 @@
-//! The CPU scan equals the dequantize-then-dot f64 reference (SPEC §2–§3).
+//! The CPU scan equals the dequantize-then-dot f64 reference (docs/SPEC.md §2–§3).
 
 use fathom_plan::scan::{bytes_read, reference_scores, scan, ScanError};
 use fathom_store::{Dims, KeyStore};

@@ -1,4 +1,4 @@
-//! Concurrency stress (issue 8): 16 sessions append tokens to their own `KeyStore` and scan it
+//! Concurrency stress: 16 sessions append tokens to their own `KeyStore` and scan it
 //! with `scan::scan`, while observer threads scan random sessions at the same time. Every scan
 //! is checked against a single-thread replay (a store built at once from the same keys and
 //! scanned on a one-thread pool): scores bit for bit, and every plane word and scale of the

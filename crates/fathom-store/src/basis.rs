@@ -1,4 +1,4 @@
-//! The optional rotation basis (SPEC §2, "Rotated variant (KLT)").
+//! The optional rotation basis (docs/SPEC.md §2, "Rotated variant (KLT)").
 //!
 //! For each KV head the store may hold planes of `k' = Uᵀk`, where the columns of the
 //! orthogonal `D × D` matrix `U` are the calibration eigenvectors ordered by calibration

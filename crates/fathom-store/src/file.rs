@@ -1,4 +1,4 @@
-//! The versioned on-disk format (SPEC §8 "Store") and atomic writes.
+//! The versioned on-disk format (docs/SPEC.md §8 "Store") and atomic writes.
 //!
 //! Little-endian, version 1:
 //!

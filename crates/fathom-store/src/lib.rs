@@ -1,6 +1,6 @@
 //! # fathom-store
 //!
-//! The 4-bit K cache stored channel-major as bit planes (SPEC §2), so that reading the
+//! The 4-bit K cache stored channel-major as bit planes (docs/SPEC.md §2), so that reading the
 //! first `t` planes of a channel is exactly its `t`-bit quantizer.
 //!
 //! ```

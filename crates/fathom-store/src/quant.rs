@@ -1,4 +1,4 @@
-//! The 4-bit block quantizer and its exact prefix reads (SPEC §2).
+//! The 4-bit block quantizer and its exact prefix reads (docs/SPEC.md §2).
 //!
 //! For block `b` and channel `c`: `m = fp16(max_i |k_ic|)`, `Δ = m/8`,
 //! `q = clamp(⌊k/Δ⌋ + 8, 0, 15)` (all 8 when `m = 0`). Reading the first `t` bits
@@ -30,7 +30,7 @@ pub fn block_scale(max_abs: f32) -> Option<f16> {
     }
 }
 
-/// The 4-bit code of `x` under the stored scale `m` (SPEC §2).
+/// The 4-bit code of `x` under the stored scale `m` (docs/SPEC.md §2).
 ///
 /// `q = clamp(⌊x/Δ⌋ + 8, 0, 15)` with `Δ = m/8`; code 8 when `m = 0`.
 #[inline]

@@ -1,4 +1,4 @@
-//! The channel-major bit-plane layout (SPEC §2) and its growable owner.
+//! The channel-major bit-plane layout (docs/SPEC.md §2) and its growable owner.
 //!
 //! For one KV head `h`, channel `c`, plane `p` (0 = most significant) and block `b`, the
 //! word sits at `((h·D + c)·4 + p)·cap + b`, where `cap` is the reserved capacity in blocks.
@@ -14,7 +14,7 @@
 //! that touches the block re-computes its fp16 scales from the tokens present and rewrites
 //! the block's own words in place. Scans therefore read the partial block through the same
 //! planes as every other block (approximately, like every other key; those tokens are also
-//! inside or next to the always-kept local window of SPEC §5 once decoding runs). When the
+//! inside or next to the always-kept local window of docs/SPEC.md §5 once decoding runs). When the
 //! block fills, its scales and words are final. A store built at once and a store built by
 //! appends of any sizes are bit-for-bit equal (tested).
 
@@ -58,7 +58,7 @@ impl Dims {
     }
 
     /// Bytes per token per KV head: `D/2` of planes plus `D/32` of scales
-    /// (68 at `D = 128`, SPEC §2).
+    /// (68 at `D = 128`, docs/SPEC.md §2).
     pub fn bytes_per_token_per_head(self) -> f64 {
         self.channels as f64 / 2.0 + self.channels as f64 / 32.0
     }
@@ -172,7 +172,7 @@ impl<'a> StoreView<'a> {
         q
     }
 
-    /// Exact prefix dequantization of all keys at `t` planes (SPEC §2), `[n][heads][D]`,
+    /// Exact prefix dequantization of all keys at `t` planes (docs/SPEC.md §2), `[n][heads][D]`,
     /// in the store's basis.
     pub fn dequant_prefix(&self, t: u32) -> Result<Vec<f32>> {
         if t > 4 {

@@ -1,4 +1,4 @@
-//! Durability (issue 8): a crash mid-write never leaves a file that loads as valid. Files are
+//! Durability: a crash mid-write never leaves a file that loads as valid. Files are
 //! written through temporary file, fsync and rename (`write_atomic`), so a reader sees either
 //! the old file or the whole new one; and should a truncated file ever appear (a copy cut
 //! short, a full disk), no prefix of a saved store loads. Checked at every 4 KiB offset (the

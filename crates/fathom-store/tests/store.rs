@@ -1,4 +1,4 @@
-//! Prefix exactness, append, save/load and corruption tests (SPEC §2).
+//! Prefix exactness, append, save/load and corruption tests (docs/SPEC.md §2).
 
 use fathom_store::{quant, Basis, BasisKind, Dims, KeyStore, MappedStore, StoreError, BLOCK};
 use half::f16;
