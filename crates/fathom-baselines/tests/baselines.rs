@@ -133,12 +133,12 @@ fn quest_page_score_bounds_every_key_in_the_page() {
         let mut rng = StdRng::seed_from_u64(seed);
         let q: Vec<f32> = (0..16).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
         let (s, _) = f.score(&Quest, &q, 1);
-        for i in 0..100 {
-            let exact = dot64(&q, &f.keys[i * 16..(i + 1) * 16]);
+        assert_eq!(s.len(), 100);
+        for (i, (&page, key)) in s.iter().zip(f.keys.chunks_exact(16)).enumerate() {
+            let exact = dot64(&q, key);
             assert!(
-                s[i] as f64 >= exact - 1e-4,
-                "token {i}: page score {} < key score {exact}",
-                s[i]
+                page as f64 >= exact - 1e-4,
+                "token {i}: page score {page} < key score {exact}"
             );
         }
     }

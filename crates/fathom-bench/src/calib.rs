@@ -349,11 +349,11 @@ pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
     let nb = n.div_ceil(64).max(1);
     let mut msb = vec![0f64; d];
     for b in 0..n.div_ceil(64) {
-        for c in 0..d {
+        for (c, acc) in msb.iter_mut().enumerate() {
             let m = (b * 64..((b + 1) * 64).min(n))
                 .map(|i| keys.row(i).expect("row")[c].abs())
                 .fold(0f32, f32::max) as f64;
-            msb[c] += m * m;
+            *acc += m * m;
         }
     }
     // Double Sparsity: mean|q_c| · mean|k_c|.

@@ -105,7 +105,7 @@ pub trait CalibSource: Sync {
 }
 
 /// Run parameters.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct FidelityParams {
     /// Sink, local, k.
     pub select: SelectParams,
@@ -115,15 +115,6 @@ pub struct FidelityParams {
     pub scale: Option<f32>,
 }
 
-impl Default for FidelityParams {
-    fn default() -> Self {
-        Self {
-            select: SelectParams::default(),
-            layers: None,
-            scale: None,
-        }
-    }
-}
 
 /// One method's result.
 #[derive(Debug, Clone, serde::Serialize)]

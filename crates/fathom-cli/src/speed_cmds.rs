@@ -86,8 +86,7 @@ fn llama(model_path: &std::path::Path, ids: &[u32], steps: usize, threads: usize
         bail!(
             "{}",
             err.lines()
-                .filter(|l| !l.trim().is_empty())
-                .last()
+                .rfind(|l| !l.trim().is_empty())
                 .unwrap_or("llama.cpp failed")
         );
     }

