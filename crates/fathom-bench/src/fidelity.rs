@@ -115,7 +115,6 @@ pub struct FidelityParams {
     pub scale: Option<f32>,
 }
 
-
 /// One method's result.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct MethodResult {
