@@ -1,3 +1,4 @@
+use fathom_plan::method::MethodSpec;
 use fathom_plan::scan::scan;
 use fathom_plan::scanner::{rotated_store, HeadInput, HeadScanner, Held, Scanner, ScannerError};
 use fathom_plan::{plan_bits, KeyTiles};
@@ -41,9 +42,19 @@ struct StoreHead<'a> {
     store: StoreView<'a>,
 }
 
+impl SparQ {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::SparQ { r: self.r }
+    }
+}
+
 impl Scanner for SparQ {
     fn name(&self) -> String {
-        format!("sparq:{}", self.r)
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -82,9 +93,19 @@ pub struct SparQUnion {
     pub r: usize,
 }
 
+impl SparQUnion {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::SparQUnion { r: self.r }
+    }
+}
+
 impl Scanner for SparQUnion {
     fn name(&self) -> String {
-        format!("sparq-union:{}", self.r)
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -129,9 +150,19 @@ pub struct DoubleSparsity {
     pub r: usize,
 }
 
+impl DoubleSparsity {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::DoubleSparsity { r: self.r }
+    }
+}
+
 impl Scanner for DoubleSparsity {
     fn name(&self) -> String {
-        format!("ds:{}", self.r)
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -206,9 +237,19 @@ pub struct Loki {
     pub r: usize,
 }
 
+impl Loki {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::Loki { r: self.r }
+    }
+}
+
 impl Scanner for Loki {
     fn name(&self) -> String {
-        format!("loki:{}", self.r)
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -233,9 +274,19 @@ pub struct LokiF16 {
     pub r: usize,
 }
 
+impl LokiF16 {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::LokiF16 { r: self.r }
+    }
+}
+
 impl Scanner for LokiF16 {
     fn name(&self) -> String {
-        format!("loki-f16:{}", self.r)
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -293,9 +344,19 @@ impl HeadScanner for LokiF16Head {
 #[derive(Debug, Clone, Default)]
 pub struct Thumbnail;
 
+impl Thumbnail {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::Thumb2
+    }
+}
+
 impl Scanner for Thumbnail {
     fn name(&self) -> String {
-        "thumb2".into()
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -328,9 +389,19 @@ pub struct Landmark;
 /// Tokens per landmark block.
 pub const LANDMARK_BLOCK: usize = 8;
 
+impl Landmark {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::Landmark
+    }
+}
+
 impl Scanner for Landmark {
     fn name(&self) -> String {
-        "landmark".into()
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -367,9 +438,19 @@ pub struct Quest;
 /// Tokens per Quest page.
 pub const QUEST_PAGE: usize = 16;
 
+impl Quest {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::Quest
+    }
+}
+
 impl Scanner for Quest {
     fn name(&self) -> String {
-        "quest".into()
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -484,9 +565,19 @@ struct ExactHead {
     tiles: KeyTiles,
 }
 
+impl Exact {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::Exact
+    }
+}
+
 impl Scanner for Exact {
     fn name(&self) -> String {
-        "exact".into()
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn prepare<'a>(
         &'a self,
@@ -513,9 +604,19 @@ impl HeadScanner for ExactHead {
 #[derive(Debug, Clone, Default)]
 pub struct Dense;
 
+impl Dense {
+    /// This method in the one grammar (`fathom_plan::method`).
+    pub fn method(&self) -> MethodSpec {
+        MethodSpec::Dense
+    }
+}
+
 impl Scanner for Dense {
     fn name(&self) -> String {
-        "dense".into()
+        self.method().to_string()
+    }
+    fn spec(&self) -> Option<MethodSpec> {
+        Some(self.method())
     }
     fn is_dense(&self) -> bool {
         true

@@ -192,15 +192,10 @@ fn eval_documents(
 }
 
 fn needs_calib(methods: &[Box<dyn Scanner>]) -> bool {
-    methods.iter().any(|m| {
-        let n = m.name();
-        !(n == "dense"
-            || n == "exact"
-            || n.starts_with("sparq")
-            || n == "thumb2"
-            || n == "landmark"
-            || n == "quest")
-    })
+    // A scanner outside the fixed-rule grammar (Fathom) needs σ².
+    methods
+        .iter()
+        .any(|m| m.spec().is_none_or(|s| s.needs_calibration()))
 }
 
 fn calibration(

@@ -150,7 +150,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
     let methods = a
         .methods
         .iter()
-        .map(|m| Method::parse(m))
+        .map(|m| Method::parse(m, shape.dim))
         .collect::<Result<Vec<_>, _>>()?;
     let residencies = a
         .residency

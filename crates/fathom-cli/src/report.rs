@@ -3,6 +3,12 @@
 use fathom_bench::fidelity::{equal_error_bits, FidelityReport};
 use serde_json::{json, Value};
 
+/// Whether a method label is one of the paper's 136-bit scans (sparq, ds or loki at r = 32).
+pub fn is_136_bit_scan(label: &str) -> bool {
+    // The rule does not depend on D, and every 136-bit scan (r = 32) parses at D = 32.
+    fathom_plan::method::MethodSpec::parse(label, 32).is_ok_and(|m| m.is_136_bit_scan())
+}
+
 /// Equal-error rows: for each 136-bit baseline in the run, the bits at which the flat
 /// Fathom curve meets its error, and the saving `baseline_bits / fathom_bits`.
 pub fn equal_error(report: &FidelityReport) -> Vec<Value> {
@@ -15,7 +21,7 @@ pub fn equal_error(report: &FidelityReport) -> Vec<Value> {
     report
         .methods
         .iter()
-        .filter(|m| !m.name.starts_with("fathom") && (m.bits - 136.0).abs() < 0.01)
+        .filter(|m| is_136_bit_scan(&m.name))
         .map(|b| {
             let fb = if curve.len() >= 2 {
                 equal_error_bits(&curve, b.error)

@@ -616,7 +616,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
                 ae,
                 x["agree_dense"].as_f64().unwrap_or(f64::NAN)
             )?;
-            if (x["mean_bits"].as_f64().unwrap_or(0.0) - 136.0).abs() < 0.01 {
+            if crate::report::is_136_bit_scan(m) {
                 best136 = best136.max(ae);
             }
             if m == "fathom:92" {

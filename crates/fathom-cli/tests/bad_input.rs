@@ -758,8 +758,24 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "cuda",
         Some(out.clone()),
     );
-    // `k > n`, budgets and head shapes of offload-bench are validated on the device path,
-    // after the device check, so without a GPU only the missing device is observable here.
+    // Method typos and out-of-range arguments are found where they were typed, before the
+    // device is opened: the message names the method, not the missing GPU.
+    for (bad, needle) in [
+        ("sparq:-3", "sparq:-3"),
+        ("fathom:999", "out of range"),
+        ("fathom-uniform:48", "not a GPU step method"),
+        ("nope", "unknown method"),
+    ] {
+        case(
+            "bad method",
+            "offload-bench",
+            s(["offload-bench", "--methods", bad, "--json", &out]),
+            needle,
+            Some(out.clone()),
+        );
+    }
+    // `k > n` and the shapes of a capture are validated on the device path, after the device
+    // check, so without a GPU only the missing device is observable for them here.
 
     // ---- model and evaluation commands: bad names, and a model or corpus that is not there
     // (an empty cache, offline: the analogue of a missing GPU). Nothing is downloaded.
@@ -821,6 +837,21 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "capture",
         capture(&[]),
         "offline",
+        Some(out.clone()),
+    );
+    case(
+        "missing text file",
+        "capture",
+        capture(&["--text", &fx.p("no-such-text.txt")]),
+        "no-such-text.txt",
+        Some(out.clone()),
+    );
+    let bad_jsonl = fx.put("bad.jsonl", b"{\"text\": \"ok\"}\n{\"body\": 1}\n");
+    case(
+        "corrupt JSONL text",
+        "capture",
+        capture(&["--text", &bad_jsonl]),
+        "bad.jsonl:2",
         Some(out.clone()),
     );
     case(

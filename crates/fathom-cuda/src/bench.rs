@@ -388,7 +388,10 @@ pub fn run_offload_bench_with(
                 // Speedups against every 136-bit scan at this context and residency.
                 let base: Vec<(String, f64)> = rep.results[first..]
                     .iter()
-                    .filter(|r| (r.bits_nominal - 136.0).abs() < 1e-6)
+                    .filter(|r| {
+                        fathom_plan::method::MethodSpec::parse(&r.method, shape.dim)
+                            .is_ok_and(|m| m.is_136_bit_scan())
+                    })
                     .map(|r| (r.method.clone(), r.gpu_ms))
                     .collect();
                 for r in &mut rep.results[first..] {

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use fathom_plan::method::{FathomVariant, MethodSpec};
+
 use crate::error::{CudaError, Result};
 
 /// Per-layer attention shape (docs/SPEC.md §1): `L` layers, `Hkv` KV heads, `G` query heads per KV
@@ -129,75 +131,88 @@ pub enum Method {
 }
 
 impl Method {
-    /// Parses `fathom:48`, `sparq:16`, `ds:32`, `loki:32`, `thumb2`, `landmark`, `quest`, `exact`.
+    /// Parses `fathom:48`, `sparq:16`, `ds:32`, `loki:32`, `thumb2`, `landmark`, `quest`, `exact`
+    /// at head dimension `dim`, with the ranges of the one method grammar
+    /// ([`fathom_plan::method::MethodSpec`]): a typo or an out-of-range argument is an error
+    /// here, before any device is opened.
     ///
     /// ```
     /// use fathom_cuda::Method;
-    /// assert_eq!(Method::parse("fathom:48")?, Method::Fathom(48.0));
-    /// assert_eq!(Method::parse("ds:32")?.bits(128), 136.0);
+    /// assert_eq!(Method::parse("fathom:48", 128)?, Method::Fathom(48.0));
+    /// assert_eq!(Method::parse("ds:32", 128)?.bits(128), 136.0);
+    /// assert!(Method::parse("sparq:-3", 128).is_err());
+    /// assert!(Method::parse("fathom-uniform:48", 128).is_err()); // not a GPU method
     /// # Ok::<(), fathom_cuda::CudaError>(())
     /// ```
-    pub fn parse(s: &str) -> Result<Self> {
-        let (name, arg) = match s.split_once(':') {
-            Some((a, b)) => (a, Some(b)),
-            None => (s, None),
-        };
-        let num = |what: &str| -> Result<f64> {
-            arg.ok_or_else(|| CudaError::invalid("method", format!("`{s}` needs {what}")))?
-                .parse::<f64>()
-                .map_err(|e| CudaError::invalid("method", format!("`{s}`: {e}")))
-        };
-        Ok(match name.to_ascii_lowercase().as_str() {
-            "fathom" => Method::Fathom(num("a budget in bits")? as f32),
-            "sparq" => Method::SparQ(num("r")? as usize),
-            "ds" | "double-sparsity" => Method::DoubleSparsity(num("r")? as usize),
-            "loki" => Method::Loki(num("r")? as usize),
-            "thumb2" => Method::Thumb2,
-            "landmark" => Method::Landmark,
-            "quest" => Method::Quest,
-            "exact" => Method::Exact,
-            _ => {
-                return Err(CudaError::invalid(
-                    "method",
-                    format!("unknown method `{s}`"),
-                ))
-            }
-        })
+    pub fn parse(s: &str, dim: usize) -> Result<Self> {
+        let spec =
+            MethodSpec::parse(s, dim).map_err(|e| CudaError::invalid("method", e.to_string()))?;
+        Method::try_from(spec)
     }
 
-    /// The label used in reports (`fathom:48`, ...).
-    pub fn label(&self) -> String {
-        match self {
-            Method::Fathom(b) => format!("fathom:{b}"),
-            Method::SparQ(r) => format!("sparq:{r}"),
-            Method::DoubleSparsity(r) => format!("ds:{r}"),
-            Method::Loki(r) => format!("loki:{r}"),
-            Method::Thumb2 => "thumb2".into(),
-            Method::Landmark => "landmark".into(),
-            Method::Quest => "quest".into(),
-            Method::Exact => "exact".into(),
+    /// The method in the shared grammar.
+    pub fn spec(&self) -> MethodSpec {
+        match *self {
+            Method::Fathom(budget) => MethodSpec::Fathom {
+                variant: FathomVariant::Plan,
+                budget,
+            },
+            Method::SparQ(r) => MethodSpec::SparQ { r },
+            Method::DoubleSparsity(r) => MethodSpec::DoubleSparsity { r },
+            Method::Loki(r) => MethodSpec::Loki { r },
+            Method::Thumb2 => MethodSpec::Thumb2,
+            Method::Landmark => MethodSpec::Landmark,
+            Method::Quest => MethodSpec::Quest,
+            Method::Exact => MethodSpec::Exact,
         }
+    }
+
+    /// The label used in reports (`fathom:48`, ...): the grammar's display.
+    pub fn label(&self) -> String {
+        self.spec().to_string()
     }
 
     /// Nominal scan bits per token per KV head at `D` channels (Fathom: its budget, an upper
     /// bound; the measured bits are reported separately).
     pub fn bits(&self, dim: usize) -> f32 {
-        let d = dim as f32;
         match *self {
-            Method::Fathom(b) => b,
-            Method::SparQ(r) | Method::DoubleSparsity(r) | Method::Loki(r) => {
-                r.min(dim) as f32 * 4.25
-            }
-            Method::Thumb2 => 2.25 * d,
-            Method::Landmark => 16.0 * d / 8.0,
-            Method::Quest => 2.0 * 16.0 * d / 16.0,
-            Method::Exact => 4.25 * d,
+            // The GPU's exact step scans the whole 4-bit store (all channels, 4 planes).
+            Method::Exact => 4.25 * dim as f32,
+            _ => self.spec().nominal_bits(dim),
         }
     }
 
     /// Whether the method scans the bit-plane store (all but the table methods).
     pub fn uses_planes(&self) -> bool {
         !matches!(self, Method::Landmark | Method::Quest)
+    }
+}
+
+impl TryFrom<MethodSpec> for Method {
+    type Error = CudaError;
+    /// The methods the GPU step implements; the CPU-only ablations are an error.
+    fn try_from(m: MethodSpec) -> Result<Self> {
+        Ok(match m {
+            MethodSpec::Fathom {
+                variant: FathomVariant::Plan,
+                budget,
+            } => Method::Fathom(budget),
+            MethodSpec::SparQ { r } => Method::SparQ(r),
+            MethodSpec::DoubleSparsity { r } => Method::DoubleSparsity(r),
+            MethodSpec::Loki { r } => Method::Loki(r),
+            MethodSpec::Thumb2 => Method::Thumb2,
+            MethodSpec::Landmark => Method::Landmark,
+            MethodSpec::Quest => Method::Quest,
+            MethodSpec::Exact => Method::Exact,
+            other => {
+                return Err(CudaError::invalid(
+                    "method",
+                    format!(
+                        "`{other}` is not a GPU step method (fathom:B, sparq:R, ds:R, loki:R, thumb2, landmark, quest, exact)"
+                    ),
+                ))
+            }
+        })
     }
 }
 

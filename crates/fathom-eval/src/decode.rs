@@ -101,12 +101,13 @@ pub fn calibrate(model: &Model, tokens: &[u32], n_queries: usize) -> Result<Laye
     Ok(LayerCalib { heads })
 }
 
-/// If `scanner` is Loki (`loki:R`), its `R`: Loki is prepared incrementally (module docs).
+/// If `scanner` is Loki at 4 bits (`loki:R`), its `R`: Loki is prepared incrementally
+/// (module docs).
 pub fn loki_r(scanner: &dyn Scanner) -> Option<usize> {
-    scanner
-        .name()
-        .strip_prefix("loki:")
-        .and_then(|r| r.parse().ok())
+    match scanner.spec()? {
+        fathom_plan::method::MethodSpec::Loki { r } => Some(r),
+        _ => None,
+    }
 }
 
 /// Rows of KV head `h`, tokens `from..to`, of an `[n, Hkv, D]` slice, packed `[m, D]`.

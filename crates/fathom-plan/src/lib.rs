@@ -35,6 +35,7 @@
 //! * [`select`]: sink, local window, top-k per query head, union per KV head;
 //! * [`attention`]: exact softmax attention (f64) over a selected set or densely;
 //! * [`metric`]: relative error and a running mean;
+//! * [`method`]: the one method grammar (`MethodSpec`: parse, display, bits, family);
 //! * [`scan`]: the CPU bit-plane scan of a `fathom-store` key store under a plan;
 //! * [`scanner`]: the one `Scanner` interface every method (Fathom and the baselines)
 //!   implements, and [`Fathom`](scanner::Fathom) itself.
@@ -59,6 +60,7 @@ pub mod bits;
 mod error;
 pub mod importance;
 pub mod layers;
+pub mod method;
 pub mod metric;
 pub mod scan;
 pub mod scanner;

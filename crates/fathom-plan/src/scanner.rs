@@ -80,6 +80,12 @@ pub struct HeadInput<'a> {
 pub trait Scanner: Send + Sync {
     /// Display name, e.g. `fathom:48`.
     fn name(&self) -> String;
+    /// The method in the one grammar ([`crate::method`]) when the scanner is one of its
+    /// fixed-rule methods (every baseline); `None` for a Fathom scanner, whose label, basis and
+    /// budgets are free, and for a caller's own scanner.
+    fn spec(&self) -> Option<crate::method::MethodSpec> {
+        None
+    }
     /// Whether the method attends to every key (dense): selection is skipped.
     fn is_dense(&self) -> bool {
         false
