@@ -804,15 +804,28 @@ mod tests {
         // Captures right after the fetches, each once.
         let caps: Vec<_> = st.iter().filter(|s| s.args[0] == "capture").collect();
         assert!(st[2..2 + caps.len()].iter().all(|s| s.args[0] == "capture"));
-        let mut uniq = caps.iter().map(|s| s.args.clone()).collect::<Vec<_>>();
-        uniq.dedup();
-        assert_eq!(uniq.len(), caps.len());
+        let args: Vec<Vec<String>> = caps.iter().map(|s| s.args.clone()).collect();
+        assert_eq!(duplicates(&args), 0, "a capture command runs twice");
         // Downstream stages come after every fidelity stage and the speed table.
         let first_down = st.iter().position(|s| s.args[0] == "ruler").unwrap();
         assert!(st[first_down..]
             .iter()
             .all(|s| s.args[0] == "ruler" || s.args[0] == "agent-steps"));
         assert!(st[..first_down].iter().any(|s| s.args[0] == "speed"));
+    }
+
+    /// How many items repeat an earlier one (sorted first, so repeats need not be adjacent).
+    fn duplicates<T: Ord + Clone>(items: &[T]) -> usize {
+        let mut v = items.to_vec();
+        v.sort();
+        v.dedup();
+        items.len() - v.len()
+    }
+
+    #[test]
+    fn the_duplicate_check_finds_repeats_that_are_not_adjacent() {
+        assert_eq!(duplicates(&["a", "b", "a"]), 1);
+        assert_eq!(duplicates(&["a", "b", "c"]), 0);
     }
 
     #[test]
