@@ -19,7 +19,8 @@ use fathom_eval::decode::{
 use fathom_eval::ruler::{generate, score, Haystack, Task, TaskParams};
 use fathom_eval::words::WordList;
 use fathom_model::corpus::{
-    context_tokens, documents_from_file, load_split, CorpusKind, CorpusOptions, Document, Split,
+    context_tokens, documents_from_file, fetch_corpus, load_split, CorpusKind, CorpusOptions,
+    Document, Split,
 };
 use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
 use fathom_model::{LoadOptions, Model, Tokenizer};
@@ -183,11 +184,20 @@ fn eval_documents(
             documents_from_file(p)?,
             format!("user text {}", p.display()),
         )),
-        None => Ok((
-            load_split(kind, Split::Eval, corpus)
-                .with_context(|| format!("loading the {} corpus", kind.name()))?,
-            format!("{} corpus, eval split", kind.name()),
-        )),
+        None => {
+            let docs = load_split(kind, Split::Eval, corpus)
+                .with_context(|| format!("loading the {} corpus", kind.name()))?;
+            let m = fetch_corpus(kind, corpus)?;
+            Ok((
+                docs,
+                format!(
+                    "{} corpus, eval split, {} {}",
+                    kind.name(),
+                    m.source,
+                    m.selection
+                ),
+            ))
+        }
     }
 }
 

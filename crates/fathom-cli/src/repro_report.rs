@@ -533,11 +533,13 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
             .collect();
         writeln!(
             s,
-            "`{}` ({}, context {}, {} sample(s) per task):\n",
+            "`{}` ({}, context {}, {} sample(s) per task; haystack: {}; keys: {}):\n",
             rel(p, &base),
             v["model"].as_str().unwrap_or("?"),
             v["context"],
-            v["samples_per_task"]
+            v["samples_per_task"],
+            text_source(v, "haystack"),
+            v["words"].as_str().unwrap_or("?")
         )?;
         writeln!(
             s,
@@ -594,12 +596,13 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
     for (p, v) in &agent {
         writeln!(
             s,
-            "`{}` ({}, context {}, {} session(s) × {} steps):\n",
+            "`{}` ({}, context {}, {} session(s) × {} steps; code: {}):\n",
             rel(p, &base),
             v["model"].as_str().unwrap_or("?"),
             v["context"],
             v["sessions"],
-            v["steps"]
+            v["steps"],
+            text_source(v, "code")
         )?;
         writeln!(
             s,
@@ -734,4 +737,19 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
         .with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
+}
+
+/// The text a downstream run used, as its JSON records it (`haystack` for RULER, `code` for
+/// agent steps). Runs from before the PyPI corpora record neither a pinned word list nor a
+/// `code` field; they are labelled as made on the earlier Debian corpus.
+fn text_source(doc: &Value, field: &str) -> String {
+    const OLD: &str = "the earlier Debian corpus (python3.11-doc prose, libpython3.11-stdlib code)";
+    let new_era = doc["words"].as_str().is_some_and(|w| w.contains("wonderwords"))
+        || doc["code"].is_string();
+    match (doc[field].as_str(), new_era) {
+        (Some(t), true) if t.contains("==") || t.starts_with("user text") => t.to_string(),
+        (Some(t), true) => format!("{t}, Django-5.1.4.tar.gz"),
+        (Some(t), false) => format!("{t}, {OLD}"),
+        (None, _) => OLD.to_string(),
+    }
 }
