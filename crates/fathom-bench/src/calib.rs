@@ -473,7 +473,7 @@ pub fn calibrate(
             let methods: Vec<Box<dyn Scanner>> = vec![Box::new(m)];
             let errs = slots
                 .iter()
-                .map(|&s| Ok(ctxs[s].eval(&methods)?.0[0].0))
+                .map(|&s| Ok(ctxs[s].eval(&methods)?.means[0].0))
                 .collect::<Result<Vec<f64>, FidelityError>>()?;
             Ok(errs.iter().sum::<f64>() / errs.len() as f64)
         };

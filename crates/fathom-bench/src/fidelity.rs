@@ -128,6 +128,11 @@ pub struct MethodResult {
     pub per_layer: Vec<f64>,
     /// Mean bits per evaluated layer.
     pub per_layer_bits: Vec<f64>,
+    /// Mean error per query position (over layers and KV heads), in capture order.
+    pub per_position: Vec<f64>,
+    /// Standard error of `error` over positions: `sd(per_position) / √P` (0 when P = 1).
+    /// Positions of one capture share a context, so this is a within-capture figure.
+    pub error_se: f64,
 }
 
 /// A whole run.
@@ -208,6 +213,8 @@ pub fn run(
     let m = methods.len();
     let mut per_layer = vec![Vec::new(); m];
     let mut per_layer_bits = vec![Vec::new(); m];
+    let np = info.positions.len();
+    let mut per_position = vec![vec![0f64; np]; m];
     let mut o_max: Option<f64> = None;
     let mut next = Some(src.layer(layers[0]));
     for (i, &l) in layers.iter().enumerate() {
@@ -220,11 +227,16 @@ pub fn run(
         );
         next = decoded;
         let r = r?;
-        for (i, (e, b)) in r.0.into_iter().enumerate() {
+        for (i, (e, b)) in r.means.into_iter().enumerate() {
             per_layer[i].push(e);
             per_layer_bits[i].push(b);
         }
-        if let Some(o) = r.1 {
+        for (acc, pp) in per_position.iter_mut().zip(&r.per_position) {
+            for (a, x) in acc.iter_mut().zip(pp) {
+                *a += x / layers.len() as f64;
+            }
+        }
+        if let Some(o) = r.o_max {
             o_max = Some(o_max.map_or(o, |x: f64| x.max(o)));
         }
         progress(l);
@@ -239,6 +251,8 @@ pub fn run(
                 error: mean(&per_layer[i]),
                 per_layer: per_layer[i].clone(),
                 per_layer_bits: per_layer_bits[i].clone(),
+                error_se: standard_error(&per_position[i]),
+                per_position: per_position[i].clone(),
             })
             .collect(),
         layers,
@@ -247,8 +261,26 @@ pub fn run(
     })
 }
 
-/// Per method `(mean error, mean bits)` of one layer, and the largest `o` inconsistency.
-pub(crate) type LayerResult = (Vec<(f64, f64)>, Option<f64>);
+/// One layer's result.
+pub(crate) struct LayerResult {
+    /// Per method `(mean error, mean bits)`.
+    pub(crate) means: Vec<(f64, f64)>,
+    /// The largest `o` inconsistency.
+    pub(crate) o_max: Option<f64>,
+    /// Per method, the error at each position (mean over KV heads).
+    pub(crate) per_position: Vec<Vec<f64>>,
+}
+
+/// `sd(x) / √len` with the `len − 1` denominator; 0 for fewer than two values.
+pub fn standard_error(x: &[f64]) -> f64 {
+    let n = x.len();
+    if n < 2 {
+        return 0.0;
+    }
+    let mean = x.iter().sum::<f64>() / n as f64;
+    let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    (var / n as f64).sqrt()
+}
 
 /// The method-independent state of one (layer, KV head).
 struct HeadCtx<'a> {
@@ -524,6 +556,14 @@ impl<'a> LayerCtx<'a> {
         let mut out = vec![(0f64, 0f64); m];
         let mut o_max: Option<f64> = None;
         let npf = np as f64;
+        let mut per_position = vec![vec![0f64; np]; m];
+        for rows in per_pos.chunks(np) {
+            for (pi, r) in rows.iter().enumerate() {
+                for (mi, x) in r.iter().enumerate() {
+                    per_position[mi][pi] += x.0 / hkv as f64;
+                }
+            }
+        }
         for (h, rows) in per_pos.chunks(np).enumerate() {
             let mut acc = vec![(0f64, 0f64); m];
             for r in rows {
@@ -541,21 +581,39 @@ impl<'a> LayerCtx<'a> {
                 o_max = Some(o_max.map_or(o, |x: f64| x.max(o)));
             }
         }
-        Ok((out, o_max))
+        Ok(LayerResult {
+            means: out,
+            o_max,
+            per_position,
+        })
     }
+}
+
+/// Where the Fathom curve meets a baseline's error (docs/SPEC.md §5 equal-error saving).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EqualError {
+    /// Fathom's bits at the baseline's error.
+    pub bits: f64,
+    /// Fathom's lowest budget already beats the baseline, so `bits` is that budget and the
+    /// true equal-error bits are at most `bits`: the saving is a lower bound (`≥`).
+    pub lower_bound: bool,
 }
 
 /// The bits at which the Fathom curve `(bits, error)` meets `target_error`, interpolating
 /// log-error linearly in bits between neighbouring points (docs/SPEC.md §5 equal-error saving).
-/// `None` if the curve never reaches the target within its range.
-pub fn equal_error_bits(curve: &[(f64, f64)], target_error: f64) -> Option<f64> {
+/// `None` if the curve never reaches the target within its range. The one implementation of
+/// this rule: the CLI, the report and the bootstrap all call it.
+pub fn equal_error(curve: &[(f64, f64)], target_error: f64) -> Option<EqualError> {
     let mut pts: Vec<(f64, f64)> = curve.iter().copied().filter(|p| p.1 > 0.0).collect();
     pts.sort_by(|a, b| a.0.total_cmp(&b.0));
     if pts.is_empty() || target_error <= 0.0 {
         return None;
     }
     if pts[0].1 <= target_error {
-        return Some(pts[0].0);
+        return Some(EqualError {
+            bits: pts[0].0,
+            lower_bound: true,
+        });
     }
     let t = target_error.ln();
     for w in pts.windows(2) {
@@ -563,8 +621,84 @@ pub fn equal_error_bits(curve: &[(f64, f64)], target_error: f64) -> Option<f64> 
         if e1 <= target_error {
             let (l0, l1) = (e0.ln(), e1.ln());
             let f = if l0 == l1 { 0.0 } else { (l0 - t) / (l0 - l1) };
-            return Some(b0 + f * (b1 - b0));
+            return Some(EqualError {
+                bits: b0 + f * (b1 - b0),
+                lower_bound: false,
+            });
         }
     }
     None
+}
+
+/// Fathom's error at `bits` on the curve `(bits, error)` sorted by bits, interpolating
+/// log-error linearly in bits (the inverse reading of [`equal_error`]); `None` outside the
+/// curve's range.
+pub fn error_at_bits(curve: &[(f64, f64)], bits: f64) -> Option<f64> {
+    curve
+        .windows(2)
+        .find(|w| w[0].0 <= bits && bits <= w[1].0)
+        .map(|w| {
+            let f = if w[1].0 == w[0].0 {
+                0.0
+            } else {
+                (bits - w[0].0) / (w[1].0 - w[0].0)
+            };
+            (w[0].1.ln() + f * (w[1].1.ln() - w[0].1.ln())).exp()
+        })
+}
+
+/// [`equal_error`]'s bits alone.
+pub fn equal_error_bits(curve: &[(f64, f64)], target_error: f64) -> Option<f64> {
+    equal_error(curve, target_error).map(|e| e.bits)
+}
+
+/// A 95 % percentile-bootstrap interval, over query positions, of the equal-error saving
+/// `baseline.bits / fathom_bits` of the Fathom curve `fathom` against `baseline`.
+///
+/// Each of `resamples` resamples draws `P` positions with replacement (SplitMix64 from
+/// `seed`), recomputes every method's mean error over them from `per_position` (bits stay at
+/// their means) and re-reads [`equal_error`]. A resample whose curve does not reach the
+/// baseline counts as a saving of 0 and a bounded one at its bound, so the interval is
+/// conservative. `None` with fewer than two curve points or two positions.
+pub fn bootstrap_saving(
+    fathom: &[&MethodResult],
+    baseline: &MethodResult,
+    resamples: usize,
+    seed: u64,
+) -> Option<(f64, f64)> {
+    let np = baseline.per_position.len();
+    if fathom.len() < 2 || np < 2 || resamples == 0 {
+        return None;
+    }
+    if fathom.iter().any(|m| m.per_position.len() != np) {
+        return None;
+    }
+    let mut state = seed;
+    let mut next = move || {
+        // SplitMix64.
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut draw = vec![0usize; np];
+    let mut savings = Vec::with_capacity(resamples);
+    for _ in 0..resamples {
+        for d in draw.iter_mut() {
+            *d = (next() % np as u64) as usize;
+        }
+        let mean =
+            |m: &MethodResult| draw.iter().map(|&i| m.per_position[i]).sum::<f64>() / np as f64;
+        let curve: Vec<(f64, f64)> = fathom.iter().map(|m| (m.bits, mean(m))).collect();
+        let s = match equal_error(&curve, mean(baseline)) {
+            Some(e) if e.bits > 0.0 => baseline.bits / e.bits,
+            Some(_) => f64::INFINITY,
+            None => 0.0,
+        };
+        savings.push(s);
+    }
+    savings.sort_by(f64::total_cmp);
+    let at = |q: f64| savings[((q * (resamples - 1) as f64).round() as usize).min(resamples - 1)];
+    Some((at(0.025), at(0.975)))
 }

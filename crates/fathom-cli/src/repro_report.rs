@@ -52,33 +52,25 @@ fn curve(doc: &Value) -> Vec<(f64, f64)> {
     c
 }
 
-/// Fathom's error at `bits`, interpolating log-error linearly in bits.
 /// The method / bits / error table of one fidelity JSON.
 fn method_table(s: &mut String, v: &Value) -> std::fmt::Result {
-    writeln!(s, "| method | bits | mean rel. error |\n|---|---:|---:|")?;
+    writeln!(
+        s,
+        "| method | bits | mean rel. error | s.e. (positions) |\n|---|---:|---:|---:|"
+    )?;
     for m in v["methods"].as_array().into_iter().flatten() {
         writeln!(
             s,
-            "| {} | {:.2} | {:.4e} |",
+            "| {} | {:.2} | {:.4e} | {} |",
             m["name"].as_str().unwrap_or("?"),
             m["bits"].as_f64().unwrap_or(f64::NAN),
-            m["error"].as_f64().unwrap_or(f64::NAN)
+            m["error"].as_f64().unwrap_or(f64::NAN),
+            m["error_se"]
+                .as_f64()
+                .map_or("—".into(), |x| format!("{x:.1e}"))
         )?;
     }
     Ok(())
-}
-
-fn error_at(c: &[(f64, f64)], bits: f64) -> Option<f64> {
-    c.windows(2)
-        .find(|w| w[0].0 <= bits && bits <= w[1].0)
-        .map(|w| {
-            let f = if w[1].0 == w[0].0 {
-                0.0
-            } else {
-                (bits - w[0].0) / (w[1].0 - w[0].0)
-            };
-            (w[0].1.ln() + f * (w[1].1.ln() - w[0].1.ln())).exp()
-        })
 }
 
 fn method<'a>(doc: &'a Value, name: &str) -> Option<&'a Value> {
@@ -204,6 +196,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
         .filter(|(p, v)| !is_main(p, v) && !is_k(p))
         .collect();
     if !main.is_empty() {
+        writeln!(s, "Savings with their 95 % bootstrap interval over query positions (where the run recorded one); `≥` marks a saving that is only a lower bound, because Fathom's lowest budget already beats the baseline.\n")?;
         writeln!(s, "| run | k | positions | vs ds:32 | vs loki:32 | vs sparq:32 |\n|---|---:|---:|---:|---:|---:|")?;
         for (p, v) in &main {
             let sav = |b: &str| {
@@ -212,8 +205,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
                     .into_iter()
                     .flatten()
                     .find(|e| e["baseline"] == b)
-                    .and_then(|e| e["saving"].as_f64())
-                    .map_or("—".to_string(), |x| format!("{x:.2}×"))
+                    .map_or("—".to_string(), |e| saving_cell(v, e))
             };
             writeln!(
                 s,
@@ -230,13 +222,16 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
     }
     for (p, v) in &main {
         let synthetic = v["synthetic"].as_bool() == Some(true);
+        let layers = v["layers"].as_array().map_or(0, Vec::len);
         writeln!(
             s,
-            "**{}** ({}, k = {}, {} positions{}) from `{}`\n",
+            "**{}** ({}, k = {}, {} positions; the errors rest on {} evaluated layer(s) × {} KV head(s){}) from `{}`\n",
             v["model"].as_str().unwrap_or("capture"),
             v["capture"].as_str().unwrap_or("?"),
             v["k"],
             v["positions"],
+            layers,
+            v["hkv"],
             if synthetic {
                 ", SYNTHETIC workload"
             } else {
@@ -247,10 +242,11 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
         method_table(&mut s, v)?;
         writeln!(s)?;
         for e in v["equal_error"].as_array().into_iter().flatten() {
+            let cell = saving_cell(v, e);
             let verdict = match e["saving"].as_f64() {
-                Some(x) if x >= 1.8 => format!("holds at {x:.2}×"),
-                Some(x) if x > 1.0 => format!("holds at {x:.2}× (below the paper's 1.8–2.9×)"),
-                Some(x) => format!("does not hold: {x:.2}×"),
+                Some(x) if x >= 1.8 => format!("holds at {cell}"),
+                Some(x) if x > 1.0 => format!("holds at {cell} (below the paper's 1.8–2.9×)"),
+                Some(_) => format!("does not hold: {cell}"),
                 None => "does not hold: the Fathom curve never reaches this baseline's error in the sweep".into(),
             };
             writeln!(
@@ -315,16 +311,7 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
                                 .iter()
                                 .find(|e| e["baseline"] == "ds:32")?;
                             let x = e["saving"].as_f64()?;
-                            let fb = e["fathom_bits"].as_f64()?;
-                            let lo = v["methods"]
-                                .as_array()?
-                                .iter()
-                                .filter(|m| {
-                                    m["name"].as_str().is_some_and(|n| n.starts_with("fathom:"))
-                                })
-                                .filter_map(|m| m["bits"].as_f64())
-                                .fold(f64::INFINITY, f64::min);
-                            Some(if fb <= lo + 0.5 {
+                            Some(if lower_bound(v, e) {
                                 format!("≥ {x:.2}×")
                             } else {
                                 format!("{x:.2}×")
@@ -366,7 +353,10 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
     )?;
     let mut any = false;
     for (p, v) in &fid {
-        if let (Some(sq), Some(fe)) = (method(v, "sparq:16"), error_at(&curve(v), 68.0)) {
+        if let (Some(sq), Some(fe)) = (
+            method(v, "sparq:16"),
+            fathom_bench::fidelity::error_at_bits(&curve(v), 68.0),
+        ) {
             let se = sq["error"].as_f64().unwrap_or(f64::NAN);
             let r = se / fe;
             let verdict = if r >= 1.1 {
@@ -744,12 +734,50 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
 /// `code` field; they are labelled as made on the earlier Debian corpus.
 fn text_source(doc: &Value, field: &str) -> String {
     const OLD: &str = "the earlier Debian corpus (python3.11-doc prose, libpython3.11-stdlib code)";
-    let new_era = doc["words"].as_str().is_some_and(|w| w.contains("wonderwords"))
+    let new_era = doc["words"]
+        .as_str()
+        .is_some_and(|w| w.contains("wonderwords"))
         || doc["code"].is_string();
     match (doc[field].as_str(), new_era) {
         (Some(t), true) if t.contains("==") || t.starts_with("user text") => t.to_string(),
         (Some(t), true) => format!("{t}, Django-5.1.4.tar.gz"),
         (Some(t), false) => format!("{t}, {OLD}"),
         (None, _) => OLD.to_string(),
+    }
+}
+
+/// Whether an equal-error row of a fidelity JSON is a lower bound (`≥`): its `lower_bound`
+/// field, or, in JSON written before that field, Fathom's bits at its lowest budget.
+fn lower_bound(doc: &Value, row: &Value) -> bool {
+    if let Some(b) = row["lower_bound"].as_bool() {
+        return b;
+    }
+    let lowest = doc["methods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|m| m["name"].as_str().is_some_and(|n| n.starts_with("fathom:")))
+        .filter_map(|m| m["bits"].as_f64())
+        .fold(f64::INFINITY, f64::min);
+    row["fathom_bits"]
+        .as_f64()
+        .is_some_and(|fb| fb <= lowest + 0.5)
+}
+
+/// An equal-error saving as the report prints it: `≥` for a lower bound, and the bootstrap
+/// interval when the row has one (`2.61× [2.40–2.85]`).
+fn saving_cell(doc: &Value, row: &Value) -> String {
+    let Some(x) = row["saving"].as_f64() else {
+        return "—".into();
+    };
+    let ge = if lower_bound(doc, row) { "≥ " } else { "" };
+    match row["saving_ci95"].as_array().map(|a| {
+        (
+            a.first().and_then(Value::as_f64),
+            a.get(1).and_then(Value::as_f64),
+        )
+    }) {
+        Some((Some(lo), Some(hi))) => format!("{ge}{x:.2}× [{lo:.2}–{hi:.2}]"),
+        _ => format!("{ge}{x:.2}×"),
     }
 }
