@@ -230,6 +230,42 @@ struct Setting {
     cross: Option<usize>,
 }
 
+/// Head dimension of each model the pipeline runs.
+fn head_dim(model: &str) -> usize {
+    match model {
+        "gemma3-270m" => 256,
+        _ => 64,
+    }
+}
+
+/// The main method list at head dimension `d`: [`MAIN_METHODS`] plus the baselines at the
+/// fixed-fraction convention r = D/4 (docs/SPEC.md §4) where it differs from r = 32, with the
+/// Fathom sweep extended to their bits.
+fn main_methods(d: usize) -> String {
+    let r = d / 4;
+    if r == 32 {
+        return MAIN_METHODS.to_string();
+    }
+    let top = (136.0f64).max(4.25 * r as f64);
+    let top = (top / 8.0).floor() as usize * 8;
+    let mut list: Vec<String> = MAIN_METHODS
+        .split(',')
+        .map(|m| {
+            if m == "fathom-sweep:24-136/8" {
+                format!("fathom-sweep:24-{top}/8")
+            } else {
+                m.to_string()
+            }
+        })
+        .collect();
+    for m in [format!("sparq:{r}"), format!("ds:{r}"), format!("loki:{r}")] {
+        if !list.contains(&m) {
+            list.push(m);
+        }
+    }
+    list.join(",")
+}
+
 const MAIN_METHODS: &str = "dense,exact,fathom-sweep:24-136/8,fathom-layer:48,fathom-layer:64,fathom-uniform:48,fathom-uniform:64,sparq:16,sparq:32,sparq-union:16,sparq-union:32,ds:32,loki:32,thumb2,landmark,quest";
 const ABLATION_METHODS: &str = "exact,fathom-raw:32,fathom-raw:48,fathom-raw:64,fathom-raw:92,fathom-raw:136,fathom-klt:32,fathom-klt:48,fathom-klt:64,fathom-klt:92,fathom-klt:136,fathom-blockmax:48,fathom-blockmax:64,loki:32,loki-f16:32,loki-f16:8";
 const K_METHODS: &str = "exact,fathom:48,fathom:64,fathom:92,sparq:32,ds:32,loki:32";
@@ -327,6 +363,7 @@ fn pipeline(
                 &k,
             ],
         ));
+        let main = main_methods(head_dim(s.model));
         st.push(stage(
             &format!("{tag}: fidelity"),
             est,
@@ -337,7 +374,7 @@ fn pipeline(
                 "--calib",
                 &calib,
                 "--methods",
-                MAIN_METHODS,
+                &main,
                 "--k",
                 &k,
                 "--json",
@@ -555,14 +592,14 @@ fn run() -> Result<bool> {
                         Setting {
                             model: "gemma3-270m",
                             context: 16384,
-                            positions: 64,
+                            positions: 128,
                             k: 256,
                             cross: None,
                         },
                         Setting {
                             model: "gemma3-270m",
                             context: 32768,
-                            positions: 64,
+                            positions: 128,
                             k: 512,
                             cross: None,
                         },

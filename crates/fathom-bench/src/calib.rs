@@ -343,8 +343,11 @@ pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
     let sigma2: Vec<f32> = (0..d).map(|c| cov[c * d + c].max(0.0) as f32).collect();
     let (vals, vecs) = jacobi_eigen(&cov, d);
     let (klt, klt_sigma2) = order_by_score(&vals, &vecs, queries, d);
-    let (lvals, lvecs) = jacobi_eigen(&second, d);
-    let (loki, _) = order_by_score(&lvals, &lvecs, queries, d);
+    // Loki is ordinary PCA: the eigenvectors of the *centred* covariance, which are the KLT's.
+    // (An uncentred basis spends its leading coordinates on the key mean, which adds the same
+    // amount to every key's score and so cannot change a top-k.) Ordered, like the KLT, by
+    // calibration score variance (docs/SPEC.md §4).
+    let loki = klt.clone();
     // Mean squared 64-token block maximum.
     let nb = n.div_ceil(64).max(1);
     let mut msb = vec![0f64; d];

@@ -9,7 +9,7 @@ use fathom_plan::{
     attend, attend_dense_tiled, attend_dots, relative_error, select_per_head, KeyTiles, KvView,
     PlanError, SelectParams,
 };
-use fathom_store::{BasisKind, Dims, KeyStore, StoreError};
+use fathom_store::{BasisKind, Dims, KeyStore, StoreError, BLOCK};
 
 use crate::capture::{Capture, CaptureInfo, LayerData, LayerKind};
 use crate::tensors::TensorError;
@@ -310,12 +310,86 @@ pub(crate) struct LayerCtx<'a> {
     heads: Vec<HeadCtx<'a>>,
 }
 
+/// The block that holds a query position, quantized causally (docs/SPEC.md §5 causal stores):
+/// over its keys up to the position only, as a decoder's growing store holds it. The scan of
+/// every key before the block is unchanged (its blocks are complete), so only the block's own
+/// scores are recomputed, from stores and method state built over `block_start..=pos`.
+struct CausalTail<'a> {
+    /// First token of the block.
+    start: usize,
+    keys: KvView<'a>,
+    store: KeyStore,
+    klt: Option<KeyStore>,
+}
+
+impl<'a> CausalTail<'a> {
+    /// `None` when the whole store's block of `pos` already ends at `pos` (the block is
+    /// complete there, or `pos` is the last key): nothing after it can leak into its scale.
+    fn build(hc: &HeadCtx<'a>, pos: usize, n: usize) -> Result<Option<Self>, StoreError> {
+        let start = pos / BLOCK * BLOCK;
+        if (pos + 1) % BLOCK == 0 || pos + 1 >= n {
+            return Ok(None);
+        }
+        let Some(keys) = hc.keys.slice_rows(start, pos + 1) else {
+            return Ok(None);
+        };
+        let dims = Dims {
+            heads: 1,
+            channels: keys.dim,
+        };
+        let store = KeyStore::from_keys(dims, &fathom_plan::scanner::gather_rows(&keys), None)?;
+        let klt = match hc.calib {
+            Some(c) if hc.klt.is_some() => rotated_store(&keys, &c.klt, BasisKind::Klt).ok(),
+            _ => None,
+        };
+        Ok(Some(CausalTail {
+            start,
+            keys,
+            store,
+            klt,
+        }))
+    }
+
+    /// Overwrites the block's scores in `scr.scores` (`[G][n]`) with the method's scores over
+    /// the causal block.
+    #[allow(clippy::too_many_arguments)]
+    fn rescore(
+        &self,
+        layer: usize,
+        calib: Option<&HeadCalib>,
+        method: &dyn Scanner,
+        q: &[f32],
+        g: usize,
+        n: usize,
+        scr: &mut Scratch,
+    ) -> Result<(), ScannerError> {
+        let len = self.keys.rows();
+        let input = HeadInput {
+            layer,
+            keys: self.keys,
+            store: self.store.view(),
+            calib,
+            klt_store: self.klt.as_ref().map(KeyStore::view),
+        };
+        let head = method.prepare(&input)?;
+        scr.tail.resize(g * len, 0.0);
+        head.score(q, g, &mut scr.tail)?;
+        for gi in 0..g {
+            scr.scores[gi * n + self.start..gi * n + self.start + len]
+                .copy_from_slice(&scr.tail[gi * len..(gi + 1) * len]);
+        }
+        Ok(())
+    }
+}
+
 /// A precomputed exact dot product costs about a quarter of one computed from a key row.
 const SHARE_FACTOR: usize = 4;
 
 /// Working buffers of one rayon worker (scores, selection, one attention output).
 struct Scratch {
     scores: Vec<f32>,
+    /// `[G][len]` scores of the causal tail block.
+    tail: Vec<f32>,
     idx: Vec<u32>,
     out: Vec<f32>,
     /// `[G][pos + 1]` exact dot products, when the selections share them.
@@ -488,6 +562,7 @@ impl<'a> LayerCtx<'a> {
             .map_init(
                 || Scratch {
                     scores: vec![0f32; g * n],
+                    tail: Vec::new(),
                     idx: Vec::new(),
                     out: vec![0f32; d],
                     dots: Vec::new(),
@@ -499,6 +574,8 @@ impl<'a> LayerCtx<'a> {
                     let q = &self.data.q[(pi * hq + h * g) * d..(pi * hq + (h + 1) * g) * d];
                     let dense = &hc.dense[pi * g * d..(pi + 1) * g * d];
                     let mut res = Vec::with_capacity(m);
+                    let tail = CausalTail::build(hc, pos, n)
+                        .map_err(|source| FidelityError::Store { layer: l, source })?;
                     if share {
                         scr.dots.resize(g * (pos + 1), 0.0);
                         for (gi, dots) in scr.dots.chunks_exact_mut(pos + 1).enumerate() {
@@ -512,6 +589,10 @@ impl<'a> LayerCtx<'a> {
                             head.score(q, g, &mut scr.scores).map_err(scanner_err(mi))? as f64;
                         let mut err = 0f64;
                         if !methods[mi].is_dense() {
+                            if let Some(t) = &tail {
+                                t.rescore(l, hc.calib, &*methods[mi], q, g, n, scr)
+                                    .map_err(scanner_err(mi))?;
+                            }
                             for gi in 0..g {
                                 select_per_head(
                                     pos,

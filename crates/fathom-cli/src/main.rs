@@ -521,7 +521,7 @@ fn demo(a: DemoArgs) -> Result<()> {
     let pb = bar(src.info.layers.len() as u64, "layers");
     let rep = fidelity::run(&src, Some(&calib), &methods, &fp, &|_| pb.inc(1))?;
     pb.finish_and_clear();
-    let eq = report::equal_error(&rep);
+    let eq = report::equal_error(&rep, src.info.d);
     let label = format!("{label_head}, k={}, sink 4, local 32", a.k);
     print!("{}", report::markdown(&rep, &eq, &label));
     println!("\n({:.1} s)", t0.elapsed().as_secs_f64());
@@ -644,7 +644,7 @@ fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
         pb.inc(1)
     })?;
     pb.finish_and_clear();
-    let eq = report::equal_error(&rep);
+    let eq = report::equal_error(&rep, info.d);
     let label = format!(
         "capture {} (model {}), k={k}, {} positions, layers {:?}",
         a.capture.display(),

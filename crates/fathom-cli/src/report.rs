@@ -12,11 +12,29 @@ pub fn is_136_bit_scan(label: &str) -> bool {
 /// Bootstrap resamples of each equal-error interval.
 pub const BOOTSTRAP_RESAMPLES: usize = 1000;
 
-/// Equal-error rows: for each 136-bit baseline in the run, the bits at which the flat
-/// Fathom curve meets its error, the saving `baseline_bits / fathom_bits`, whether that saving
+/// Which convention a baseline row uses (docs/SPEC.md §4): the paper's fixed bits (r = 32,
+/// 136 bits) or the fixed fraction of the channels (r = D/4). `None` for other methods.
+pub fn baseline_convention(label: &str, d: usize) -> Option<&'static str> {
+    let m = fathom_plan::method::MethodSpec::parse(label, d).ok()?;
+    let r = match m {
+        fathom_plan::method::MethodSpec::SparQ { r }
+        | fathom_plan::method::MethodSpec::DoubleSparsity { r }
+        | fathom_plan::method::MethodSpec::Loki { r } => r,
+        _ => return None,
+    };
+    match (r == 32, r * 4 == d) {
+        (true, true) => Some("r = 32 = D/4 (136 bits)"),
+        (true, false) => Some("r = 32 (136 bits)"),
+        (false, true) => Some("r = D/4"),
+        _ => None,
+    }
+}
+
+/// Equal-error rows: for each baseline in the run at either convention (r = 32, or r = D/4
+/// at head dimension `d`), the bits at which the flat Fathom curve meets its error, the saving `baseline_bits / fathom_bits`, whether that saving
 /// is only a lower bound (Fathom's lowest budget already beats the baseline), and a 95 %
 /// bootstrap interval over positions.
-pub fn equal_error(report: &FidelityReport) -> Vec<Value> {
+pub fn equal_error(report: &FidelityReport, d: usize) -> Vec<Value> {
     let fathom: Vec<&MethodResult> = report
         .methods
         .iter()
@@ -26,8 +44,8 @@ pub fn equal_error(report: &FidelityReport) -> Vec<Value> {
     report
         .methods
         .iter()
-        .filter(|m| is_136_bit_scan(&m.name))
-        .map(|b| {
+        .filter_map(|m| baseline_convention(&m.name, d).map(|c| (m, c)))
+        .map(|(b, convention)| {
             let eq = if curve.len() >= 2 {
                 fidelity::equal_error(&curve, b.error)
             } else {
@@ -36,6 +54,7 @@ pub fn equal_error(report: &FidelityReport) -> Vec<Value> {
             let ci = bootstrap_saving(&fathom, b, BOOTSTRAP_RESAMPLES, 0);
             json!({
                 "baseline": b.name,
+                "convention": convention,
                 "baseline_bits": b.bits,
                 "baseline_error": b.error,
                 "baseline_error_se": b.error_se,
@@ -61,7 +80,7 @@ pub fn markdown(report: &FidelityReport, eq: &[Value], label: &str) -> String {
         ));
     }
     if !eq.is_empty() {
-        s.push_str("\n| 136-bit baseline | its error | Fathom bits at equal error | saving | 95 % bootstrap |\n|---|---:|---:|---:|---:|\n");
+        s.push_str("\n| baseline (convention) | its error | Fathom bits at equal error | saving | 95 % bootstrap |\n|---|---:|---:|---:|---:|\n");
         for e in eq {
             let fb = e["fathom_bits"].as_f64();
             // A bound: the equal-error bits are at most the lowest budget, the saving at least.
@@ -71,8 +90,9 @@ pub fn markdown(report: &FidelityReport, eq: &[Value], label: &str) -> String {
                 ("", "")
             };
             s.push_str(&format!(
-                "| {} | {:.4e} | {} | {} | {} |\n",
+                "| {} ({}) | {:.4e} | {} | {} | {} |\n",
                 e["baseline"].as_str().unwrap_or("?"),
+                e["convention"].as_str().unwrap_or("?"),
                 e["baseline_error"].as_f64().unwrap_or(f64::NAN),
                 fb.map_or("not reached in the sweep".into(), |f| format!("{le}{f:.1}")),
                 e["saving"]

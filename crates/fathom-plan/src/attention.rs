@@ -64,6 +64,22 @@ impl<'a> KvView<'a> {
         }
     }
 
+    /// Rows `from..to` as a view of their own (row `from` becomes row 0); `None` when the range
+    /// is empty or runs past the end.
+    pub fn slice_rows(&self, from: usize, to: usize) -> Option<KvView<'a>> {
+        if from >= to || to > self.rows() {
+            return None;
+        }
+        let start = from * self.stride;
+        let end = (to - 1) * self.stride + self.offset + self.dim;
+        Some(KvView {
+            data: &self.data[start..end],
+            stride: self.stride,
+            offset: self.offset,
+            dim: self.dim,
+        })
+    }
+
     /// Row `i`, or `None` past the end.
     pub fn row(&self, i: usize) -> Option<&'a [f32]> {
         (i < self.rows()).then(|| {

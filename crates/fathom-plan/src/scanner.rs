@@ -53,7 +53,8 @@ pub struct HeadCalib {
     pub klt: Vec<f32>,
     /// Variance of each KLT coordinate (the `σ²` of a KLT store).
     pub klt_sigma2: Vec<f32>,
-    /// Loki's PCA basis `[D][D]` (columns ordered by calibration score variance).
+    /// Loki's PCA basis `[D][D]`: the centred covariance's eigenvectors (the KLT's), columns
+    /// ordered by calibration score variance.
     pub loki: Vec<f32>,
     /// Double Sparsity's channels, best first (by mean|q_c|·mean|k_c|).
     pub ds_channels: Vec<u16>,
@@ -286,7 +287,7 @@ impl HeadScanner for FathomHead<'_> {
         importance_into(&self.stat, &q, g, &mut w)?;
         let mut plan = water_fill(&w, self.budget)?;
         if self.rule == DepthRule::Uniform {
-            plan = uniform_depth_plan(&plan.active_mask(), &w, self.budget)?;
+            plan = uniform_depth_plan(&plan, &w, self.budget)?;
         }
         scan(&view, 0, &q, g, &plan.depths, out)?;
         Ok(plan.bits)

@@ -284,27 +284,30 @@ pub(crate) fn water_fill_steps(
     Ok(quarters as f32 * 0.25)
 }
 
-/// The uniform-depth ablation (A4, docs/SPEC.md §4): the same active channels as a Fathom plan, every
-/// one at one depth.
+/// How close to its budget the uniform-depth ablation must spend (docs/SPEC.md §4: "= Fathom's
+/// B, measured (within 2%)").
+pub const UNIFORM_FILL: f64 = 0.98;
+
+/// The uniform-depth ablation (A4, docs/SPEC.md §4) at equal bits: the most important
+/// channels, every one at one depth `t`, as many as fill the budget.
 ///
-/// With `a = |active|`, the depth is the largest `t ∈ 1..4` with `a·(t + 0.25) ≤ B`. If even
-/// `t = 1` does not fit, the plan keeps the `⌊B/1.25⌋` most important active channels at depth
-/// 1 (ties to the lower channel index) and drops the rest. The result never exceeds `B`; it
-/// may spend less than the Fathom plan it copies (e.g. 30 channels at `B = 48` take depth 1,
-/// 37.5 bits, because depth 2 would cost 67.5).
-///
-/// `active` is typically [`Plan::active_mask`] of the Fathom plan at the same budget (for
-/// which `t = 1` always fits); `importance` (`[D]`) is used only for the fallback.
+/// With `m` channels of positive importance (zero-importance channels are never read, as in
+/// water-filling), depth `t` takes `n_t = min(m, ⌊B / (t + 0.25)⌋)` channels and spends
+/// `n_t·(t + 0.25)` bits. The depth is the one nearest the Fathom plan's own mean active depth
+/// `t̄ = round((bits − 0.25·a) / a)` (clamped to `1..=4`; ties to the shallower) among those
+/// that spend at least [`UNIFORM_FILL`]·B; if none does (too few channels), the one that
+/// spends most. The channels are the `n_t` most important (ties to the lower index). The
+/// result never exceeds `B`.
 ///
 /// # Errors
-/// [`PlanError::ShapeMismatch`] if the lengths differ; the budget and importance errors of
-/// [`water_fill`].
+/// [`PlanError::ShapeMismatch`] if `fathom` and `importance` differ in length; the budget and
+/// importance errors of [`water_fill`].
 pub fn uniform_depth_plan(
-    active: &[bool],
+    fathom: &Plan,
     importance: &[f32],
     budget: f32,
 ) -> Result<Plan, PlanError> {
-    let d = active.len();
+    let d = fathom.depths.len();
     if importance.len() != d {
         return Err(PlanError::ShapeMismatch {
             what: "importance length (D)",
@@ -315,22 +318,38 @@ pub fn uniform_depth_plan(
     check_budget(budget, d)?;
     check_importance(importance)?;
     let cap = budget_quarters(budget);
-    let a = active.iter().filter(|&&x| x).count() as u64;
-    let mut depths = vec![0u8; d];
-    if let Some(t) = (1..=MAX_DEPTH)
-        .rev()
-        .find(|&t| a * (4 * u64::from(t) + 1) <= cap)
-    {
-        for (o, &on) in depths.iter_mut().zip(active) {
-            *o = if on { t } else { 0 };
-        }
+    let mut order: Vec<usize> = (0..d).filter(|&c| importance[c] > 0.0).collect();
+    order.sort_by(|&x, &y| importance[y].total_cmp(&importance[x]).then(x.cmp(&y)));
+    let m = order.len() as u64;
+    // n_t and the quarters it spends, for t = 1..=4.
+    let take = |t: u8| {
+        let per = 4 * u64::from(t) + 1;
+        let n = m.min(cap / per);
+        (n, n * per)
+    };
+    let active = fathom.depths.iter().filter(|&&t| t > 0).count();
+    let mean_depth = if active == 0 {
+        1.0
     } else {
-        let mut order: Vec<usize> = (0..d).filter(|&c| active[c]).collect();
-        order.sort_by(|&x, &y| importance[y].total_cmp(&importance[x]).then(x.cmp(&y)));
-        let keep = (cap / 5) as usize;
-        for &c in order.iter().take(keep) {
-            depths[c] = 1;
-        }
+        (f64::from(fathom.bits) - 0.25 * active as f64) / active as f64
+    };
+    let target = mean_depth.round().clamp(1.0, f64::from(MAX_DEPTH)) as u8;
+    let fill = (UNIFORM_FILL * 4.0 * f64::from(budget)).ceil() as u64;
+    let mut ts: Vec<u8> = (1..=MAX_DEPTH).collect();
+    ts.sort_by_key(|&t| (t.abs_diff(target), t));
+    let t = ts
+        .iter()
+        .copied()
+        .find(|&t| take(t).1 >= fill.min(cap))
+        .unwrap_or_else(|| {
+            (1..=MAX_DEPTH)
+                .max_by_key(|&t| (take(t).1, std::cmp::Reverse(t)))
+                .unwrap_or(1)
+        });
+    let (n, _) = take(t);
+    let mut depths = vec![0u8; d];
+    for &c in order.iter().take(n as usize) {
+        depths[c] = t;
     }
     let bits = plan_bits(&depths);
     Ok(Plan { depths, bits })

@@ -277,25 +277,30 @@ fn prop_small_d_matches_greedy_and_brute_force() {
 
 #[test]
 fn uniform_depth_ablation() {
-    let check = |active: &[bool], w: &[f32], b: f32, expect: &[u8]| {
-        let plan = uniform_depth_plan(active, w, b).unwrap();
-        assert_eq!(plan.depths, expect, "active {active:?}, B {b}");
+    let check = |w: &[f32], b: f32, expect: &[u8]| {
+        let fathom = water_fill(w, b).unwrap();
+        let plan = uniform_depth_plan(&fathom, w, b).unwrap();
+        assert_eq!(plan.depths, expect, "w {w:?}, B {b}");
         assert_eq!(plan.bits, plan_bits(expect));
         assert!(plan.bits <= b);
     };
-    let on = [true, false, true, true];
     let w = [1.0, 9.0, 3.0, 2.0];
-    check(&on, &w, 17.0, &[4, 0, 4, 4]); // 3 × 4.25 = 12.75; the budget is not exceeded
-    check(&on, &w, 12.75, &[4, 0, 4, 4]);
-    check(&on, &w, 12.0, &[3, 0, 3, 3]);
-    check(&on, &w, 3.75, &[1, 0, 1, 1]);
-    check(&on, &w, 3.7, &[0, 0, 1, 1]); // fallback: the two most important active channels
-    check(&on, &w, 1.25, &[0, 0, 1, 0]);
-    check(&on, &w, 1.0, &[0, 0, 0, 0]);
-    check(&[true, true, true], &[2.0, 2.0, 2.0], 2.5, &[1, 1, 0]); // ties to the lower index
-    check(&[false; 3], &[1.0; 3], 5.0, &[0; 3]);
+    // Enough budget for every channel at 4 planes: 17 bits exactly.
+    check(&w, 17.0, &[4, 4, 4, 4]);
+    // 12 bits: Fathom's mean depth rounds to 3 (4 × 3.25 = 13 > 12), so depth 3 takes the
+    // three most important channels (9.75 bits, 81 %); depth 2 takes all four for 9 (75 %);
+    // neither fills 98 %, so the one that spends most wins.
+    check(&w, 12.0, &[0, 3, 3, 3]);
+    // 5 bits: depth 1 fills exactly with four channels.
+    check(&w, 5.0, &[1, 1, 1, 1]);
+    // 2.5 bits: two channels at depth 1, the most important ones.
+    check(&w, 2.5, &[0, 1, 1, 0]);
+    check(&w, 1.0, &[0, 0, 0, 0]);
+    check(&[2.0, 2.0, 2.0], 2.5, &[1, 1, 0]); // ties to the lower index
+    check(&[0.0, 0.0, 0.0], 5.0, &[0; 3]); // zero importance is never read
+    let fathom = water_fill(&[1.0], 1.0).unwrap();
     assert!(matches!(
-        uniform_depth_plan(&[true], &[1.0, 2.0], 1.0),
+        uniform_depth_plan(&fathom, &[1.0, 2.0], 1.0),
         Err(PlanError::ShapeMismatch {
             expected: 1,
             got: 2,
@@ -303,23 +308,49 @@ fn uniform_depth_ablation() {
         })
     ));
     assert!(matches!(
-        uniform_depth_plan(&[true], &[1.0], 5.0),
+        uniform_depth_plan(&fathom, &[1.0], 5.0),
         Err(PlanError::BudgetOutOfRange { .. })
     ));
 }
 
-/// The ablation copies the Fathom plan's active set exactly and never exceeds its budget.
+/// The ablation reads one depth on a prefix of the importance order, never exceeds its
+/// budget, and spends at least 98 % of it whenever some depth can (docs/SPEC.md §4).
 #[test]
-fn prop_uniform_depth_keeps_the_active_set() {
+fn prop_uniform_depth_fills_its_budget_at_one_depth() {
     for d in SIZES {
         runner(48)
             .run(&weights_and_budget(d), |(w, b)| {
                 let fathom = water_fill(&w, b).unwrap();
-                let uni = uniform_depth_plan(&fathom.active_mask(), &w, b).unwrap();
+                let uni = uniform_depth_plan(&fathom, &w, b).unwrap();
                 prop_assert!(uni.bits <= b);
-                prop_assert_eq!(uni.active_mask(), fathom.active_mask());
                 let depths: std::collections::BTreeSet<u8> = uni.active().map(|(_, t)| t).collect();
                 prop_assert!(depths.len() <= 1);
+                // The chosen channels are the most important: none left out beats one taken.
+                let taken_min = uni
+                    .active()
+                    .map(|(c, _)| w[c])
+                    .fold(f32::INFINITY, f32::min);
+                let left_max = (0..d)
+                    .filter(|&c| uni.depths[c] == 0)
+                    .map(|c| w[c])
+                    .fold(0f32, f32::max);
+                prop_assert!(uni.bits == 0.0 || left_max <= taken_min);
+                // Some depth fills 98 % ⇒ the plan does.
+                let m = w.iter().filter(|&&x| x > 0.0).count() as f32;
+                let best = (1..=4u8)
+                    .map(|t| (m.min((b / (t as f32 + 0.25)).floor())) * (t as f32 + 0.25))
+                    .fold(0f32, f32::max);
+                if best >= 0.98 * b {
+                    prop_assert!(uni.bits >= 0.98 * b - 1e-3, "B {}, spent {}", b, uni.bits);
+                } else {
+                    prop_assert!(
+                        (uni.bits - best).abs() < 1e-3,
+                        "B {}: {} vs best {}",
+                        b,
+                        uni.bits,
+                        best
+                    );
+                }
                 Ok(())
             })
             .unwrap();
