@@ -246,6 +246,25 @@ impl MethodSpec {
         }
     }
 
+    /// Bits per token per KV head that the method's index keeps (what a scan may read, as
+    /// opposed to what one scan does read): the 4-bit bit-plane store for Fathom and SparQ
+    /// (4.25·D), the label cache or coordinates for Double Sparsity and Loki (4.25·r, 16·r in
+    /// fp16), the 2-plane thumbnail (2.25·D), one fp16 key per 8 tokens for landmarks and
+    /// two per 16 for Quest (2·D), the fp16 keys themselves for exact and dense (16·D).
+    pub fn index_bits(&self, d: usize) -> f32 {
+        let d = d as f32;
+        match *self {
+            MethodSpec::Fathom { .. }
+            | MethodSpec::SparQ { .. }
+            | MethodSpec::SparQUnion { .. } => 4.25 * d,
+            MethodSpec::DoubleSparsity { r } | MethodSpec::Loki { r } => 4.25 * r as f32,
+            MethodSpec::LokiF16 { r } => 16.0 * r as f32,
+            MethodSpec::Thumb2 => 2.25 * d,
+            MethodSpec::Landmark | MethodSpec::Quest => 2.0 * d,
+            MethodSpec::Dense | MethodSpec::Exact => 16.0 * d,
+        }
+    }
+
     /// The family.
     pub fn family(&self) -> Family {
         match self {
