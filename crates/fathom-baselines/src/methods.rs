@@ -413,10 +413,8 @@ impl Scanner for Landmark {
         for b in 0..nb {
             let (lo, hi) = (b * LANDMARK_BLOCK, ((b + 1) * LANDMARK_BLOCK).min(n));
             for c in 0..d {
-                let s: f64 = (lo..hi)
-                    .map(|i| input.keys.row(i).expect("row")[c] as f64)
-                    .sum();
-                means[b * d + c] = f16r(s / (hi - lo) as f64);
+                means[b * d + c] =
+                    landmark_mean((lo..hi).map(|i| input.keys.row(i).expect("row")[c]));
             }
         }
         Ok(Box::new(PageHead {
@@ -463,15 +461,9 @@ impl Scanner for Quest {
         for p in 0..np {
             let (lo, hi) = (p * QUEST_PAGE, ((p + 1) * QUEST_PAGE).min(n));
             for c in 0..d {
-                let (mut mn, mut mx) = (f32::INFINITY, f32::NEG_INFINITY);
-                for i in lo..hi {
-                    let x = input.keys.row(i).expect("row")[c];
-                    mn = mn.min(x);
-                    mx = mx.max(x);
-                }
-                // Round outward so the fp16 bounds still bound the keys.
-                mins[p * d + c] = round_down_f16(mn);
-                maxs[p * d + c] = round_up_f16(mx);
+                let (mn, mx) = quest_bounds((lo..hi).map(|i| input.keys.row(i).expect("row")[c]));
+                mins[p * d + c] = mn;
+                maxs[p * d + c] = mx;
             }
         }
         Ok(Box::new(PageHead {
@@ -483,6 +475,22 @@ impl Scanner for Quest {
             quest: true,
         }))
     }
+}
+
+/// One channel of one landmark block: the mean of its keys (summed in f64), rounded to fp16.
+/// The one rule for the CPU scanner and the GPU tables.
+pub fn landmark_mean(xs: impl Iterator<Item = f32>) -> f32 {
+    let (s, n) = xs.fold((0f64, 0usize), |(s, n), x| (s + x as f64, n + 1));
+    f16r(s / n.max(1) as f64)
+}
+
+/// One channel of one Quest page: its keys' min and max in fp16, rounded outward so that the
+/// bounds still bound every key. The one rule for the CPU scanner and the GPU tables.
+pub fn quest_bounds(xs: impl Iterator<Item = f32>) -> (f32, f32) {
+    let (mn, mx) = xs.fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), x| {
+        (a.min(x), b.max(x))
+    });
+    (round_down_f16(mn), round_up_f16(mx))
 }
 
 fn round_down_f16(x: f32) -> f32 {

@@ -683,20 +683,16 @@ fn fill_table(
             let mut base = vec![f16::ZERO; g0 * width];
             for gi in 0..g0 {
                 for c in 0..d {
-                    let (mut s, mut lo, mut hi) = (0f32, f32::INFINITY, f32::NEG_INFINITY);
                     let toks = (gi * span)..((gi + 1) * span).min(n0);
-                    let cnt = toks.len() as f32;
-                    for i in toks {
-                        let k = recs[(h * n0 + i) * 2 * d + c].to_f32();
-                        s += k;
-                        lo = lo.min(k);
-                        hi = hi.max(k);
-                    }
+                    let keys = toks.map(|i| recs[(h * n0 + i) * 2 * d + c].to_f32());
+                    // The baselines' own rules; their results are fp16 values, so the
+                    // conversions below are exact.
                     if quest {
+                        let (lo, hi) = fathom_baselines::quest_bounds(keys);
                         base[gi * width + c] = f16::from_f32(lo);
                         base[gi * width + d + c] = f16::from_f32(hi);
                     } else {
-                        base[gi * width + c] = f16::from_f32(s / cnt);
+                        base[gi * width + c] = f16::from_f32(fathom_baselines::landmark_mean(keys));
                     }
                 }
             }

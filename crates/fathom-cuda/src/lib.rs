@@ -39,6 +39,7 @@
 //! tests hold them to it. Nothing here writes into another crate.
 #![deny(missing_docs)]
 
+pub mod api;
 pub mod bench;
 pub mod config;
 pub mod error;

@@ -1,10 +1,13 @@
-//! Device correctness: every kernel against fathom-plan's CPU references, one test body per
-//! method. Skips (printing why) when there is no GPU path: CI has no GPU.
+//! Device correctness: every kernel against the CPU references of fathom-plan and
+//! fathom-baselines, one test body per method. Skips (printing why) when there is no GPU path,
+//! as on CI; with `FATHOM_REQUIRE_GPU=1` a missing GPU fails the test instead, so a device run
+//! cannot pass by skipping.
 
 use fathom_cuda::{
     synth_layer, CudaError, Gpu, LayerDebug, LayerSource, Method, ModelShape, Residency, Session,
     SessionConfig, SynthParams,
 };
+use fathom_plan::scanner::{HeadInput, Scanner};
 use fathom_plan::{attend, importance, water_fill, KvView, SelectParams};
 use half::bf16;
 
@@ -17,6 +20,9 @@ fn gpu() -> Option<Gpu> {
     match Gpu::open(0) {
         Ok(g) => Some(g),
         Err(e @ (CudaError::NotCompiledWithCuda | CudaError::NoDevice { .. })) => {
+            if std::env::var("FATHOM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("FATHOM_REQUIRE_GPU=1 and there is no GPU path: {e}");
+            }
             eprintln!("skipping GPU test: {e}");
             None
         }
@@ -81,7 +87,22 @@ fn check_layer(
                 o.iter().take(r).for_each(|&c| dep[c] = 4);
                 dep
             }
-            _ => dbg.depths[h * d..(h + 1) * d].to_vec(),
+            // The static plans of docs/SPEC.md §4, from their rules (never from the GPU's own
+            // readback): all channels at 2 or 4 planes; DS's r channels with the largest
+            // offline score (ties to the lower channel); Loki's first r coordinates (the GPU
+            // times Loki on the raw store: the same bytes as its rotated store).
+            Method::Thumb2 => vec![2; d],
+            Method::Exact => vec![4; d],
+            Method::Loki(r) => (0..d).map(|c| if c < r { 4 } else { 0 }).collect(),
+            Method::DoubleSparsity(r) => {
+                let s = &src.ds_score[h * d..(h + 1) * d];
+                let mut o: Vec<usize> = (0..d).collect();
+                o.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
+                let mut dep = vec![0u8; d];
+                o.iter().take(r).for_each(|&c| dep[c] = 4);
+                dep
+            }
+            Method::Landmark | Method::Quest => Vec::new(),
         };
         if m.uses_planes() {
             assert_eq!(
@@ -93,39 +114,45 @@ fn check_layer(
         // Scores within SCORE_TOL of the magnitude Σ|q·k̂|.
         let (refs, mag): (Vec<f64>, Vec<f64>) = match m {
             Method::Landmark | Method::Quest => {
+                // The CPU baselines themselves, on the same bf16 keys the GPU tables come from.
+                let keys = KvView::head(&kb, hn, d, h);
+                let input = HeadInput {
+                    layer: 0,
+                    keys,
+                    store: view,
+                    calib: None,
+                    klt_store: None,
+                };
+                let scanner: Box<dyn Scanner> = if m == Method::Landmark {
+                    Box::new(fathom_baselines::Landmark)
+                } else {
+                    Box::new(fathom_baselines::Quest)
+                };
+                let mut out = vec![0f32; g * n];
+                scanner
+                    .prepare(&input)
+                    .unwrap()
+                    .score(qh, g, &mut out)
+                    .unwrap();
+                // Magnitude: Σ_c |q_c|·max over the page of |k_c|, which bounds Σ|terms|.
                 let span = if m == Method::Landmark { 8 } else { 16 };
-                let mut s = vec![0f64; g * n];
                 let mut a = vec![0f64; g * n];
                 for grp in 0..n.div_ceil(span) {
                     let toks = grp * span..((grp + 1) * span).min(n);
                     for c in 0..d {
-                        let ks: Vec<f32> = toks.clone().map(|i| kb[(i * hn + h) * d + c]).collect();
-                        let (lo, hi) = ks
-                            .iter()
-                            .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, u), &x| {
-                                (l.min(x), u.max(x))
-                            });
-                        let mean =
-                            half::f16::from_f32(ks.iter().sum::<f32>() / ks.len() as f32).to_f64();
-                        let (lo, hi) = (
-                            half::f16::from_f32(lo).to_f64(),
-                            half::f16::from_f32(hi).to_f64(),
-                        );
+                        let kmax = toks
+                            .clone()
+                            .map(|i| kb[(i * hn + h) * d + c].abs())
+                            .fold(0f32, f32::max) as f64;
                         for gg in 0..g {
-                            let qq = qh[gg * d + c] as f64;
-                            let x = if m == Method::Landmark {
-                                qq * mean
-                            } else {
-                                (qq * lo).max(qq * hi)
-                            };
+                            let x = (qh[gg * d + c] as f64).abs() * kmax;
                             for i in toks.clone() {
-                                s[gg * n + i] += x;
-                                a[gg * n + i] += x.abs();
+                                a[gg * n + i] += x;
                             }
                         }
                     }
                 }
-                (s, a)
+                (out.iter().map(|&x| x as f64).collect(), a)
             }
             _ => fathom_plan::scan::reference_scores(&view, h, qh, g, &depths).unwrap(),
         };
