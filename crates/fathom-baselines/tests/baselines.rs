@@ -29,7 +29,7 @@ fn fixture(n: usize, d: usize, seed: u64) -> Fixture {
     )
     .unwrap();
     let qs: Vec<f32> = (0..8 * d).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-    let calib = fathom_bench::calib::head_calib(&KvView::contiguous(&keys, d), &qs);
+    let calib = fathom_plan::calib::head_calib(&KvView::contiguous(&keys, d), &qs);
     Fixture {
         keys,
         store,
@@ -201,44 +201,4 @@ fn calibration_rotations_are_orthogonal_and_klt_scores_equal_raw() {
     let tr: f32 = f.calib.sigma2.iter().sum();
     let ev: f32 = f.calib.klt_sigma2.iter().sum();
     assert!((tr - ev).abs() < 1e-3 * tr, "{tr} vs {ev}");
-}
-
-#[test]
-fn dense_has_zero_error_and_exact_beats_fathom_on_synthetic() {
-    use fathom_bench::fidelity::{run, FidelityParams, InMemory};
-    use fathom_bench::synthetic::{generate, SyntheticParams};
-    let (info, layers) = generate(&SyntheticParams {
-        layers: 1,
-        n: 600,
-        p: 4,
-        d: 32,
-        ..Default::default()
-    });
-    let src = InMemory { info, layers };
-    let cal = fathom_bench::calib::Calibration {
-        format: "fathom-calibration".into(),
-        version: 1,
-        model: "synthetic".into(),
-        capture: "synthetic".into(),
-        n: 600,
-        hkv: 2,
-        g: 4,
-        d: 32,
-        layers: vec![0],
-        heads: vec![(0..2)
-            .map(|h| {
-                let keys = KvView::head(&src.layers[0].k, 2, 32, h);
-                fathom_bench::calib::head_calib(&keys, &src.layers[0].q)
-            })
-            .collect()],
-        budgets: vec![],
-        basis_rule: None,
-    };
-    let methods: Vec<Box<dyn Scanner>> =
-        vec![Box::new(Dense), Box::new(Exact), Box::new(Fathom::new(8.0))];
-    let mut p = FidelityParams::default();
-    p.select.k = 16;
-    let r = run(&src, Some(&cal), &methods, &p, &|_| {}).unwrap();
-    assert_eq!(r.methods[0].error, 0.0);
-    assert!(r.methods[1].error <= r.methods[2].error, "{:?}", r.methods);
 }

@@ -1,6 +1,7 @@
-//! Calibration: per (layer, KV head) channel variances, the KLT basis and its
-//! eigenvalues, Loki's PCA basis, Double Sparsity's channels, Fathom's per-layer budgets,
-//! and the basis rule (docs/SPEC.md §3), computed from a calibration capture.
+//! Calibration files: per (layer, KV head) channel variances, the KLT basis and its
+//! eigenvalues, Loki's PCA basis, Double Sparsity's channels (the math is
+//! `fathom_plan::calib`, free of I/O), Fathom's per-layer budgets and the basis rule
+//! (docs/SPEC.md §3), computed from a calibration capture and read back.
 //!
 //! # File format (JSON, versioned)
 //!
@@ -217,169 +218,47 @@ impl Calibration {
     }
 }
 
-/// Symmetric eigendecomposition by cyclic Jacobi rotations (f64). Returns eigenvalues and
-/// eigenvectors as columns of a row-major `[D][D]` matrix.
-pub fn jacobi_eigen(a: &[f64], d: usize) -> (Vec<f64>, Vec<f64>) {
-    let mut a = a.to_vec();
-    // The eigenvectors are accumulated transposed (`vt[j][k] = V[k][j]`), so each rotation
-    // updates two rows; the arithmetic is the same as on V's columns.
-    let mut vt = vec![0f64; d * d];
-    for i in 0..d {
-        vt[i * d + i] = 1.0;
-    }
-    let norm: f64 = a
-        .iter()
-        .map(|x| x * x)
-        .sum::<f64>()
-        .sqrt()
-        .max(f64::MIN_POSITIVE);
-    for _sweep in 0..60 {
-        let off: f64 = (0..d)
-            .flat_map(|i| (0..d).filter(move |&j| j != i).map(move |j| (i, j)))
-            .map(|(i, j)| a[i * d + j] * a[i * d + j])
-            .sum::<f64>()
-            .sqrt();
-        if off <= 1e-13 * norm {
-            break;
-        }
-        for p in 0..d {
-            for q in p + 1..d {
-                let apq = a[p * d + q];
-                if apq.abs() <= 1e-300 {
-                    continue;
-                }
-                let (app, aqq) = (a[p * d + p], a[q * d + q]);
-                let theta = (aqq - app) / (2.0 * apq);
-                let t = theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt());
-                let t = if theta == 0.0 { 1.0 } else { t };
-                let c = 1.0 / (t * t + 1.0).sqrt();
-                let s = t * c;
-                for k in 0..d {
-                    let (akp, akq) = (a[k * d + p], a[k * d + q]);
-                    a[k * d + p] = c * akp - s * akq;
-                    a[k * d + q] = s * akp + c * akq;
-                }
-                for k in 0..d {
-                    let (apk, aqk) = (a[p * d + k], a[q * d + k]);
-                    a[p * d + k] = c * apk - s * aqk;
-                    a[q * d + k] = s * apk + c * aqk;
-                }
-                // Columns p and q of V are rows p and q of Vᵀ: contiguous, and vectorised.
-                let (vp, vq) = vt.split_at_mut(q * d);
-                for (x, y) in vp[p * d..(p + 1) * d].iter_mut().zip(&mut vq[..d]) {
-                    let (vkp, vkq) = (*x, *y);
-                    *x = c * vkp - s * vkq;
-                    *y = s * vkp + c * vkq;
-                }
-            }
-        }
-    }
-    let mut v = vec![0f64; d * d];
-    for (j, row) in vt.chunks_exact(d).enumerate() {
-        for (k, &x) in row.iter().enumerate() {
-            v[k * d + j] = x;
-        }
-    }
-    ((0..d).map(|i| a[i * d + i]).collect(), v)
-}
+pub use fathom_plan::calib::{head_calib, jacobi_eigen};
 
-/// Orders eigenvectors by calibration score variance `E[(q·u_j)²]·λ_j` (largest first) and
-/// returns `(basis [D][D] f32, λ in that order)`.
-fn order_by_score(vals: &[f64], vecs: &[f64], qs: &[f32], d: usize) -> (Vec<f32>, Vec<f32>) {
-    let nq = (qs.len() / d).max(1);
-    let score: Vec<f64> = (0..d)
-        .map(|j| {
-            let e: f64 = qs
-                .chunks_exact(d)
-                .map(|q| {
-                    let x: f64 = (0..d).map(|c| q[c] as f64 * vecs[c * d + j]).sum();
-                    x * x
-                })
-                .sum::<f64>()
-                / nq as f64;
-            e * vals[j].max(0.0)
-        })
-        .collect();
-    let mut order: Vec<usize> = (0..d).collect();
-    order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
-    let mut u = vec![0f32; d * d];
-    for (jn, &j) in order.iter().enumerate() {
-        for c in 0..d {
-            u[c * d + jn] = vecs[c * d + j] as f32;
+impl Calibration {
+    /// A statistics-only calibration of an in-memory workload (per-head σ², bases and DS
+    /// channels from each layer's own keys and the queries of its positions; no per-layer
+    /// budgets, no basis rule). `capture` names where the workload came from.
+    pub fn statistics_only(src: &crate::fidelity::InMemory, capture: &str) -> Calibration {
+        let info = &src.info;
+        let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
+        let heads = src
+            .layers
+            .iter()
+            .map(|data| {
+                (0..hkv)
+                    .map(|h| {
+                        let keys = KvView::head(&data.k, hkv, d, h);
+                        let mut qs = Vec::new();
+                        for p in 0..info.positions.len() {
+                            qs.extend_from_slice(
+                                &data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d],
+                            );
+                        }
+                        head_calib(&keys, &qs)
+                    })
+                    .collect()
+            })
+            .collect();
+        Calibration {
+            format: FORMAT.into(),
+            version: VERSION,
+            model: info.model.clone(),
+            capture: capture.into(),
+            n: info.n,
+            hkv,
+            g,
+            d,
+            layers: info.layers.clone(),
+            heads,
+            budgets: Vec::new(),
+            basis_rule: None,
         }
-    }
-    (u, order.iter().map(|&j| vals[j].max(0.0) as f32).collect())
-}
-
-/// Statistics of one (layer, KV head) from its keys and its group's calibration queries.
-pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
-    let (n, d) = (keys.rows(), keys.dim);
-    let mut mean = vec![0f64; d];
-    let mut second = vec![0f64; d * d];
-    let mut mean_abs = vec![0f64; d];
-    for i in 0..n {
-        let k = keys.row(i).expect("row");
-        for c in 0..d {
-            mean[c] += k[c] as f64;
-            mean_abs[c] += (k[c] as f64).abs();
-            let kc = k[c] as f64;
-            for e in c..d {
-                second[c * d + e] += kc * k[e] as f64;
-            }
-        }
-    }
-    let nf = n.max(1) as f64;
-    mean.iter_mut().for_each(|x| *x /= nf);
-    mean_abs.iter_mut().for_each(|x| *x /= nf);
-    for c in 0..d {
-        for e in c..d {
-            second[c * d + e] /= nf;
-            second[e * d + c] = second[c * d + e];
-        }
-    }
-    let cov: Vec<f64> = (0..d * d)
-        .map(|i| second[i] - mean[i / d] * mean[i % d])
-        .collect();
-    let sigma2: Vec<f32> = (0..d).map(|c| cov[c * d + c].max(0.0) as f32).collect();
-    let (vals, vecs) = jacobi_eigen(&cov, d);
-    let (klt, klt_sigma2) = order_by_score(&vals, &vecs, queries, d);
-    // Loki is ordinary PCA: the eigenvectors of the *centred* covariance, which are the KLT's.
-    // (An uncentred basis spends its leading coordinates on the key mean, which adds the same
-    // amount to every key's score and so cannot change a top-k.) Ordered, like the KLT, by
-    // calibration score variance (docs/SPEC.md §4).
-    let loki = klt.clone();
-    // Mean squared 64-token block maximum.
-    let nb = n.div_ceil(64).max(1);
-    let mut msb = vec![0f64; d];
-    for b in 0..n.div_ceil(64) {
-        for (c, acc) in msb.iter_mut().enumerate() {
-            let m = (b * 64..((b + 1) * 64).min(n))
-                .map(|i| keys.row(i).expect("row")[c].abs())
-                .fold(0f32, f32::max) as f64;
-            *acc += m * m;
-        }
-    }
-    // Double Sparsity: mean|q_c| · mean|k_c|.
-    let nq = (queries.len() / d).max(1) as f64;
-    let ds_w: Vec<f64> = (0..d)
-        .map(|c| {
-            queries
-                .chunks_exact(d)
-                .map(|q| (q[c] as f64).abs())
-                .sum::<f64>()
-                / nq
-                * mean_abs[c]
-        })
-        .collect();
-    let mut ds: Vec<usize> = (0..d).collect();
-    ds.sort_by(|&a, &b| ds_w[b].total_cmp(&ds_w[a]).then(a.cmp(&b)));
-    HeadCalib {
-        sigma2,
-        mean_sq_blockmax: msb.iter().map(|x| (x / nb as f64) as f32).collect(),
-        klt,
-        klt_sigma2,
-        loki,
-        ds_channels: ds.iter().map(|&c| c as u16).collect(),
     }
 }
 

@@ -394,44 +394,6 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
     pb
 }
 
-/// Statistics-only calibration of an in-memory workload (no budgets, no basis rule).
-fn stats_only(src: &InMemory) -> Calibration {
-    let info = &src.info;
-    let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
-    let heads = src
-        .layers
-        .iter()
-        .map(|data| {
-            (0..hkv)
-                .map(|h| {
-                    let keys = fathom_plan::KvView::head(&data.k, hkv, d, h);
-                    let mut qs = Vec::new();
-                    for p in 0..info.positions.len() {
-                        qs.extend_from_slice(
-                            &data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d],
-                        );
-                    }
-                    fathom_bench::calib::head_calib(&keys, &qs)
-                })
-                .collect()
-        })
-        .collect();
-    Calibration {
-        format: fathom_bench::calib::FORMAT.into(),
-        version: fathom_bench::calib::VERSION,
-        model: info.model.clone(),
-        capture: "synthetic".into(),
-        n: info.n,
-        hkv,
-        g,
-        d,
-        layers: info.layers.clone(),
-        heads,
-        budgets: Vec::new(),
-        basis_rule: None,
-    }
-}
-
 /// The real capture embedded in the binary: SmolLM2-135M, layers 4/14/24, N = 2048, 16
 /// positions, f16 (provenance: `crates/fathom-model/tests/data/PROVENANCE.md`).
 const EMBEDDED_CAPTURE: &[u8] = fathom_model::fixtures::SMOLLM2_PROSE_EVAL_2K;
@@ -504,7 +466,14 @@ fn demo(a: DemoArgs) -> Result<()> {
         );
         (src, head)
     };
-    let calib = stats_only(&src);
+    let calib = Calibration::statistics_only(
+        &src,
+        if a.synthetic {
+            "synthetic workload"
+        } else {
+            "embedded real capture (SmolLM2-135M, Python 3.11 docs, eval split)"
+        },
+    );
     let list = std::iter::once("exact".to_string())
         .chain(a.budgets.iter().map(|b| format!("fathom:{b}")))
         .chain(["sparq:16".to_string(), "sparq:32".to_string()])

@@ -77,15 +77,46 @@ fn calibrate_then_fidelity_writes_schema_json() {
     }
     assert_eq!(methods[0]["error"], 0.0, "dense has zero error");
     let eq = v["equal_error"].as_array().unwrap();
+    // sparq:32, ds:32 and loki:32 at the fixed-bits convention; sparq:16 is r = D/4 at D = 64.
+    let rows: Vec<(&str, &str)> = eq
+        .iter()
+        .map(|e| {
+            (
+                e["baseline"].as_str().unwrap(),
+                e["convention"].as_str().unwrap(),
+            )
+        })
+        .collect();
     assert_eq!(
-        eq.len(),
-        3,
-        "sparq:32, ds:32 and loki:32 are the 136-bit baselines"
+        rows,
+        [
+            ("sparq:16", "r = D/4"),
+            ("sparq:32", "r = 32 (136 bits)"),
+            ("ds:32", "r = 32 (136 bits)"),
+            ("loki:32", "r = 32 (136 bits)"),
+        ]
     );
     for e in eq {
-        assert!(e["baseline"].is_string() && e["baseline_bits"].as_f64() == Some(136.0));
+        let want = if e["baseline"] == "sparq:16" {
+            68.0
+        } else {
+            136.0
+        };
+        assert_eq!(e["baseline_bits"].as_f64(), Some(want), "{e}");
         assert!(e["fathom_bits"].is_f64() || e["fathom_bits"].is_null());
         assert!(e["saving"].is_f64() || e["saving"].is_null());
+        assert!(
+            e["lower_bound"].is_boolean() || e["fathom_bits"].is_null(),
+            "{e}"
+        );
+        if let Some(ci) = e["saving_ci95"].as_array() {
+            let (lo, hi) = (ci[0].as_f64().unwrap(), ci[1].as_f64().unwrap());
+            assert!(lo <= hi, "{e}");
+        }
+    }
+    for m in methods {
+        assert_eq!(m["per_position"].as_array().unwrap().len(), 4);
+        assert!(m["error_se"].as_f64().unwrap() >= 0.0);
     }
     // Bad input: fathom-layer at an uncalibrated target, k larger than n.
     let (ok, _, err) = fathom(&[

@@ -19,6 +19,8 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::{Distribution, LogNormal, Normal};
 use rayon::prelude::*;
 
+use fathom_plan::calib::{channel_moments, ds_scores};
+use fathom_plan::KvView;
 use fathom_store::{Dims, KeyStore};
 
 use crate::error::Result;
@@ -182,24 +184,19 @@ pub fn synth_layer(p: &SynthParams, layer: usize) -> Result<LayerSource> {
 }
 
 /// Channel statistics the planner and Double Sparsity use: calibration variance `σ²` and
-/// `mean|q_c|·mean|k_c|`, from keys `[n][H][D]` and mean absolute queries `[H][D]`.
+/// `mean|q_c|·mean|k_c|`, from keys `[n][H][D]` and mean absolute queries `[H][D]` — the
+/// calibration's own functions (`fathom_plan::calib`), not a copy of them.
 fn channel_stats(keys: &[f32], qabs: &[f64], hn: usize, d: usize) -> (Vec<f32>, Vec<f32>) {
-    let n = keys.len() / (hn * d);
-    let mut sigma2 = vec![0f32; hn * d];
-    let mut ds_score = vec![0f32; hn * d];
+    let mut sigma2 = Vec::with_capacity(hn * d);
+    let mut ds_score = Vec::with_capacity(hn * d);
     for h in 0..hn {
-        for c in 0..d {
-            let (mut s, mut s2, mut sa) = (0f64, 0f64, 0f64);
-            for i in 0..n {
-                let x = keys[(i * hn + h) * d + c] as f64;
-                s += x;
-                s2 += x * x;
-                sa += x.abs();
-            }
-            let mean = s / n as f64;
-            sigma2[h * d + c] = (s2 / n as f64 - mean * mean).max(0.0) as f32;
-            ds_score[h * d + c] = (qabs[h * d + c] * sa / n as f64) as f32;
-        }
+        let m = channel_moments(&KvView::head(keys, hn, d, h));
+        sigma2.extend(m.variance.iter().map(|&v| v as f32));
+        ds_score.extend(
+            ds_scores(&qabs[h * d..(h + 1) * d], &m.mean_abs)
+                .iter()
+                .map(|&x| x as f32),
+        );
     }
     (sigma2, ds_score)
 }

@@ -34,6 +34,8 @@
 //! * [`layers`]: greedy per-layer budgets at a target mean;
 //! * [`select`]: sink, local window, top-k per query head, union per KV head;
 //! * [`attention`]: exact softmax attention (f64) over a selected set or densely;
+//! * [`calib`]: calibration math (σ², the KLT by Jacobi, Loki's basis, Double Sparsity's
+//!   channel scores), free of I/O;
 //! * [`metric`]: relative error and a running mean;
 //! * [`method`]: the one method grammar (`MethodSpec`: parse, display, bits, family);
 //! * [`scan`]: the CPU bit-plane scan of a `fathom-store` key store under a plan;
@@ -57,6 +59,7 @@
 
 pub mod attention;
 pub mod bits;
+pub mod calib;
 mod error;
 pub mod importance;
 pub mod layers;

@@ -4,32 +4,16 @@
 //! nothing: the run equals one on the capture cut right after the position. SYNTHETIC keys.
 
 use fathom_baselines::{DoubleSparsity, Exact, Landmark, Loki, Quest, SparQ, Thumbnail};
-use fathom_bench::calib::{head_calib, Calibration};
+use fathom_bench::calib::Calibration;
 use fathom_bench::fidelity::{run, FidelityParams, InMemory};
 use fathom_bench::synthetic::{generate, SyntheticParams};
 use fathom_plan::scanner::{DepthRule, Fathom, Scanner, StoreBasis};
-use fathom_plan::KvView;
 
 const D: usize = 32;
 const HKV: usize = 2;
 
 fn calibration(src: &InMemory) -> Calibration {
-    Calibration {
-        format: "fathom-calibration".into(),
-        version: 1,
-        model: "synthetic".into(),
-        capture: "synthetic".into(),
-        n: src.info.n,
-        hkv: HKV,
-        g: 4,
-        d: D,
-        layers: vec![0],
-        heads: vec![(0..HKV)
-            .map(|h| head_calib(&KvView::head(&src.layers[0].k, HKV, D, h), &src.layers[0].q))
-            .collect()],
-        budgets: vec![],
-        basis_rule: None,
-    }
+    Calibration::statistics_only(src, "synthetic, cut after the position")
 }
 
 fn methods() -> Vec<Box<dyn Scanner>> {
