@@ -42,17 +42,55 @@ pub struct Session {
 
 const SYSTEM: &str = "System: You are a coding agent working in a checkout of the Django web framework. You can call the tool read_file(path), which returns the file's contents as a tool message. Read the files the user asks about before you answer.\n\n";
 
-fn display_path(p: &str) -> String {
-    match p.find("python3.11/") {
-        Some(i) => format!("Lib/{}", &p[i + "python3.11/".len()..]),
-        None => p.to_string(),
-    }
-}
-
 fn call(path: &str) -> String {
     format!(
         "Assistant: <tool_call>{{\"name\": \"read_file\", \"arguments\": {{\"path\": \"{path}\"}}}}</tool_call>\n\nTool (read_file {path}):\n"
     )
+}
+
+/// (path, call ids, text ids) of one file of a session.
+type FileIds = (String, Vec<u32>, Vec<u32>);
+
+/// Files from `start` on (wrapping): whole ones while they fit beside a header of
+/// `header_est` tokens, then one long enough to hold the cut and `steps` after it.
+fn pick_files(
+    docs: &[Document],
+    tok: &Tokenizer,
+    start: usize,
+    budget: usize,
+    steps: usize,
+    header_est: usize,
+) -> Result<Vec<FileIds>, EvalError> {
+    let mut files = Vec::new();
+    let mut total = header_est;
+    let mut i = start;
+    let mut tried = 0;
+    loop {
+        if tried > docs.len() {
+            return Err(EvalError::Invalid(
+                "no code file is long enough to end the session".into(),
+            ));
+        }
+        let d = &docs[i % docs.len()];
+        i += 1;
+        tried += 1;
+        // Corpus paths are already relative to the checkout (`django/db/models/base.py`).
+        let path = d.path.clone();
+        let c = tok.encode_raw(&call(&path))?;
+        let t = tok.encode_raw(&format!("{}\n\n", d.text))?;
+        let len = c.len() + t.len();
+        if total + len < budget {
+            total += len;
+            files.push((path, c, t));
+            continue;
+        }
+        // The last file: the cut must leave ≥ 64 tokens of it before and `steps` after.
+        let room = budget.saturating_sub(total + c.len());
+        if room >= 64 && t.len() >= room + steps {
+            files.push((path, c, t));
+            return Ok(files);
+        }
+    }
 }
 
 /// Builds session `index` at `context` tokens with `steps` forced tokens (module docs).
@@ -76,64 +114,52 @@ pub fn session(
             EvalError::Invalid(format!("context {context} too short for {steps} steps"))
         })?;
     let start = rng.gen_range(0..docs.len());
-    // Pick files: full ones while they fit, then one long enough to hold the cut and `steps`.
-    let header_est = 200; // system + user request, re-measured below
-    let mut files: Vec<(String, Vec<u32>, Vec<u32>)> = Vec::new(); // (path, call ids, text ids)
-    let mut total = header_est;
-    let mut i = start;
-    let mut tried = 0;
-    loop {
-        if tried > docs.len() {
-            return Err(EvalError::Invalid(
-                "no code file is long enough to end the session".into(),
-            ));
+    // Pick files against an estimate of the header (system prompt + the user's request, which
+    // names every file); when the measured header is longer, pick again against it.
+    let mut header_est = 200;
+    let (files, mut ids) = loop {
+        let files = pick_files(docs, tok, start, budget, steps, header_est)?;
+        let names: Vec<String> = files.iter().map(|f| f.0.clone()).collect();
+        let request = match names.as_slice() {
+            [one] => one.clone(),
+            [init @ .., last] => format!("{} and then {last}", init.join(", ")),
+            [] => String::new(),
+        };
+        let user = format!(
+            "User: I am reviewing some modules of this codebase. Please read {request}, in that order, and keep their code in mind.\n\n"
+        );
+        let mut ids = Vec::with_capacity(context);
+        if tok.add_bos() {
+            ids.extend(tok.bos());
         }
-        let d = &docs[i % docs.len()];
-        i += 1;
-        tried += 1;
-        let path = display_path(&d.path);
-        let c = tok.encode_raw(&call(&path))?;
-        let t = tok.encode_raw(&format!("{}\n\n", d.text))?;
-        let len = c.len() + t.len();
-        if total + len < budget {
-            total += len;
-            files.push((path, c, t));
+        ids.extend(tok.encode_raw(SYSTEM)?);
+        ids.extend(tok.encode_raw(&user)?);
+        if ids.len() > header_est {
+            if header_est >= budget / 2 {
+                return Err(EvalError::Invalid(format!(
+                    "the session header alone takes {} of {budget} tokens",
+                    ids.len()
+                )));
+            }
+            header_est = ids.len();
             continue;
         }
-        // The last file: the cut must leave ≥ 64 tokens of it before and `steps` after.
-        let room = budget.saturating_sub(total + c.len());
-        if room >= 64 && t.len() >= room + steps {
-            files.push((path, c, t));
-            break;
+        let (last, full) = files.split_last().expect("at least one file");
+        for (_, c, t) in full {
+            ids.extend(c);
+            ids.extend(t);
         }
-    }
-    let names: Vec<String> = files.iter().map(|f| f.0.clone()).collect();
-    let request = match names.as_slice() {
-        [one] => one.clone(),
-        [init @ .., last] => format!("{} and then {last}", init.join(", ")),
-        [] => String::new(),
+        ids.extend(&last.1);
+        if ids.len() + 64 > budget {
+            return Err(EvalError::Invalid(
+                "the files before the last one overflow the budget (header longer than estimated)"
+                    .into(),
+            ));
+        }
+        break (files, ids);
     };
-    let user = format!(
-        "User: I am reviewing some modules of the standard library. Please read {request}, in that order, and keep their code in mind.\n\n"
-    );
-    let mut ids = Vec::with_capacity(context);
-    if tok.add_bos() {
-        ids.extend(tok.bos());
-    }
-    ids.extend(tok.encode_raw(SYSTEM)?);
-    ids.extend(tok.encode_raw(&user)?);
-    let (last, full) = files.split_last().expect("at least one file");
-    for (_, c, t) in full {
-        ids.extend(c);
-        ids.extend(t);
-    }
-    ids.extend(&last.1);
-    if ids.len() + 64 > budget {
-        return Err(EvalError::Invalid(
-            "the files before the last one overflow the budget (header longer than estimated)"
-                .into(),
-        ));
-    }
+    let names: Vec<String> = files.iter().map(|f| f.0.clone()).collect();
+    let last = files.last().expect("at least one file");
     // Cut the last file at a line boundary at or before `budget`.
     let mut cut = (budget - ids.len()).min(last.2.len() - steps);
     while cut > 1 && !tok.decode(&last.2[cut - 1..cut])?.contains('\n') {
