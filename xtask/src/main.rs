@@ -859,6 +859,93 @@ mod tests {
         items.len() - v.len()
     }
 
+    /// `fathom-*` names in one `[section]` of a Cargo.toml.
+    fn workspace_deps(toml: &str, section: &str) -> Vec<String> {
+        let mut on = false;
+        let mut out = Vec::new();
+        for line in toml.lines().map(str::trim) {
+            if line.starts_with('[') {
+                on = line == section;
+                continue;
+            }
+            if on && line.starts_with("fathom-") {
+                if let Some(name) = line.split(['=', ' ', '.']).next() {
+                    out.push(name.to_string());
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// The crate map of ARCHITECTURE.md: each library's workspace dependencies, exactly; and
+    /// no dev-dependency on a crate that depends (transitively) on the crate itself.
+    #[test]
+    fn crate_map_matches_architecture() {
+        let allowed: &[(&str, &[&str])] = &[
+            ("fathom-store", &[]),
+            ("fathom-plan", &["fathom-store"]),
+            ("fathom-baselines", &["fathom-plan", "fathom-store"]),
+            (
+                "fathom-bench",
+                &["fathom-baselines", "fathom-plan", "fathom-store"],
+            ),
+            (
+                "fathom-cuda",
+                &["fathom-baselines", "fathom-plan", "fathom-store"],
+            ),
+            ("fathom-model", &[]),
+            (
+                "fathom-eval",
+                &[
+                    "fathom-baselines",
+                    "fathom-bench",
+                    "fathom-model",
+                    "fathom-plan",
+                    "fathom-store",
+                ],
+            ),
+        ];
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let read = |c: &str| {
+            std::fs::read_to_string(root.join("crates").join(c).join("Cargo.toml"))
+                .unwrap_or_else(|e| panic!("{c}: {e}"))
+        };
+        let deps: std::collections::BTreeMap<&str, Vec<String>> = allowed
+            .iter()
+            .map(|(c, _)| (*c, workspace_deps(&read(c), "[dependencies]")))
+            .collect();
+        for (c, want) in allowed {
+            assert_eq!(
+                deps[c], *want,
+                "{c}'s workspace dependencies differ from ARCHITECTURE.md"
+            );
+        }
+        // Transitive dependents of each crate.
+        let depends_on = |a: &str, b: &str| -> bool {
+            let mut stack = vec![a.to_string()];
+            let mut seen = std::collections::BTreeSet::new();
+            while let Some(x) = stack.pop() {
+                if x == b {
+                    return true;
+                }
+                if seen.insert(x.clone()) {
+                    stack.extend(deps.get(x.as_str()).into_iter().flatten().cloned());
+                }
+            }
+            false
+        };
+        for (c, _) in allowed {
+            for dev in workspace_deps(&read(c), "[dev-dependencies]") {
+                assert!(
+                    !depends_on(&dev, c),
+                    "{c} dev-depends on {dev}, which depends on {c}: a cycle"
+                );
+            }
+        }
+        assert!(depends_on("fathom-eval", "fathom-store"));
+    }
+
     #[test]
     fn the_duplicate_check_finds_repeats_that_are_not_adjacent() {
         assert_eq!(duplicates(&["a", "b", "a"]), 1);
