@@ -209,14 +209,7 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("output {} is not writable", a.out.display()))?;
     }
-    // (A probe file rather than `crate::check_writable`: this module is also compiled into
-    // fathom-model's `cli` example.)
-    let probe = a
-        .out
-        .with_file_name(format!(".fathom-write-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"")
-        .with_context(|| format!("output {} is not writable", a.out.display()))?;
-    let _ = std::fs::remove_file(&probe);
+    crate::check_writable(&a.out)?;
     let (id, model) = load_model(&a.model, &a.cache, false)?;
     let (tokens, used) = match &user_docs {
         Some(docs) => text_tokens(docs, model.tokenizer(), a.context)?,

@@ -1,6 +1,6 @@
 //! The offload benchmark (docs/SPEC.md §6): every method at every context and residency, timed with
 //! CUDA events, with per-stage times, bytes and the link-rate floor. Used by
-//! `fathom offload-bench` and the `offload_bench` example.
+//! `fathom offload-bench`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -350,11 +350,7 @@ fn agent_sessions_are_deterministic_and_continue_the_last_file() {
         "cut at a line boundary: {:?}",
         &text[text.len().saturating_sub(40)..]
     );
-    let file = &docs
-        .iter()
-        .find(|d| *last == d.path)
-        .expect("doc")
-        .text;
+    let file = &docs.iter().find(|d| *last == d.path).expect("doc").text;
     let tail: String = text
         .rsplit(&format!("Tool (read_file {last}):\n"))
         .next()
