@@ -86,7 +86,17 @@ impl Capture {
     /// Opens a capture and checks the schema: every layer has q, k and v with consistent
     /// shapes, heads divide, positions lie below `N`, metadata parses.
     pub fn open(path: &Path) -> Result<Self, TensorError> {
-        let file = TensorFile::open(path)?;
+        Self::from_file(TensorFile::open(path)?)
+    }
+
+    /// A capture held in memory (an embedded fixture), checked as [`Capture::open`] checks a
+    /// file; `name` stands for the path in errors.
+    pub fn from_bytes(name: &str, bytes: &'static [u8]) -> Result<Self, TensorError> {
+        Self::from_file(TensorFile::from_bytes(name, bytes)?)
+    }
+
+    fn from_file(file: TensorFile) -> Result<Self, TensorError> {
+        let path = &file.path().to_path_buf();
         let meta = file.metadata()?;
         let names = file.names()?;
         let mut layers = BTreeSet::new();

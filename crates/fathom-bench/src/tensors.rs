@@ -91,11 +91,28 @@ pub struct Tensor {
     pub shape: Vec<usize>,
 }
 
-/// A safetensors file held in memory (memory-mapped).
+/// A safetensors file held in memory: memory-mapped from disk, or bytes the caller holds (an
+/// embedded fixture).
 #[derive(Debug)]
 pub struct TensorFile {
     path: PathBuf,
-    map: memmap2::Mmap,
+    map: Backing,
+}
+
+#[derive(Debug)]
+enum Backing {
+    Mapped(memmap2::Mmap),
+    Static(&'static [u8]),
+}
+
+impl std::ops::Deref for Backing {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Backing::Mapped(m) => m,
+            Backing::Static(b) => b,
+        }
+    }
 }
 
 impl TensorFile {
@@ -111,7 +128,18 @@ impl TensorFile {
         let map = unsafe { memmap2::Mmap::map(&f) }.map_err(io)?;
         let tf = Self {
             path: path.to_path_buf(),
-            map,
+            map: Backing::Mapped(map),
+        };
+        tf.st()?;
+        Ok(tf)
+    }
+
+    /// Bytes already in memory (an embedded file), validated as [`TensorFile::open`] does;
+    /// `name` stands for the path in errors.
+    pub fn from_bytes(name: &str, bytes: &'static [u8]) -> Result<Self, TensorError> {
+        let tf = Self {
+            path: PathBuf::from(name),
+            map: Backing::Static(bytes),
         };
         tf.st()?;
         Ok(tf)

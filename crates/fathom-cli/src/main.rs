@@ -395,27 +395,18 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
 }
 
 /// The real capture embedded in the binary: SmolLM2-135M, layers 4/14/24, N = 2048, 16
-/// positions, f16 (provenance: `crates/fathom-model/tests/data/PROVENANCE.md`).
-const EMBEDDED_CAPTURE: &[u8] = fathom_model::fixtures::SMOLLM2_PROSE_EVAL_2K;
+/// positions, f16 (provenance: `crates/fathom-cli/data/PROVENANCE.md`).
+const EMBEDDED_CAPTURE: &[u8] = include_bytes!("../data/smollm2-prose-eval-2k.safetensors");
 
 fn embedded_capture() -> Result<InMemory> {
-    let tmp = std::env::temp_dir().join(format!(
-        "fathom-embedded-{}.safetensors",
-        std::process::id()
-    ));
-    std::fs::write(&tmp, EMBEDDED_CAPTURE).with_context(|| format!("writing {}", tmp.display()))?;
-    let loaded = (|| -> Result<InMemory> {
-        let cap = Capture::open(&tmp)?;
-        let info = cap.info().clone();
-        let layers = info
-            .layers
-            .iter()
-            .map(|&l| cap.layer(l))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(InMemory { info, layers })
-    })();
-    let _ = std::fs::remove_file(&tmp);
-    loaded
+    let cap = Capture::from_bytes("embedded:smollm2-prose-eval-2k", EMBEDDED_CAPTURE)?;
+    let info = cap.info().clone();
+    let layers = info
+        .layers
+        .iter()
+        .map(|&l| cap.layer(l))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(InMemory { info, layers })
 }
 
 fn demo(a: DemoArgs) -> Result<()> {

@@ -33,7 +33,11 @@ fn quick_like_pipeline_on_the_fixture_writes_a_report_and_json() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let cap: PathBuf = d.join("fixture-eval-2k.safetensors");
-    std::fs::write(&cap, fathom_model::fixtures::SMOLLM2_PROSE_EVAL_2K).unwrap();
+    std::fs::write(
+        &cap,
+        include_bytes!("../data/smollm2-prose-eval-2k.safetensors"),
+    )
+    .unwrap();
     let run = d.join("quick").join("fixture-2k");
     std::fs::create_dir_all(&run).unwrap();
     let p = |name: &str| run.join(name).to_string_lossy().into_owned();

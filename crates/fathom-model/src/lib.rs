@@ -25,7 +25,6 @@ pub mod capture;
 pub mod corpus;
 pub mod error;
 pub mod fetch;
-pub mod fixtures;
 pub mod model;
 pub mod pypi;
 pub mod tokenizer;

@@ -1,6 +1,6 @@
 //! Captures reproduce their own attention output: softmax(q·kᵀ/√D)·v over the visible keys
-//! equals `layers.{l}.o`. Runs on the committed real fixture always, and on a fresh Gemma 3
-//! capture (sliding-window layers) when the model is cached.
+//! equals `layers.{l}.o`, on fresh SmolLM2 and Gemma 3 captures (Gemma's sliding-window layers
+//! too) when the models are cached. (The CLI's embedded fixture is checked in fathom-cli.)
 
 mod common;
 
@@ -8,11 +8,6 @@ use std::collections::BTreeMap;
 
 use fathom_model::capture::{capture, max_relative_o_error, CaptureDtype, CaptureOptions};
 use safetensors::SafeTensors;
-
-const FIXTURE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/tests/data/smollm2-prose-eval-2k.safetensors"
-);
 
 fn f32s(st: &SafeTensors<'_>, name: &str) -> (Vec<f32>, Vec<usize>) {
     let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -65,22 +60,29 @@ fn check_file(bytes: &[u8], tol: f32) -> Vec<(usize, f32)> {
 }
 
 /// f16 storage of q, k, v and o: each value carries ≈ 2^-11 relative rounding; the recomputed
-/// output then differs by a few 1e-3 (measured ≤ 4.3e-3 on the fixture). 1e-2 still catches any wrong mask,
+/// output then differs by a few 1e-3 (measured ≤ 4.3e-3 on the CLI's fixture). 1e-2 still catches any wrong mask,
 /// position or head mapping (those give errors of order 1).
 const F16_TOL: f32 = 1e-2;
 /// f32 storage: only summation order differs.
 const F32_TOL: f32 = 1e-4;
 
 #[test]
-fn committed_fixture_is_consistent() {
-    let bytes = std::fs::read(FIXTURE).unwrap();
-    assert!(bytes.len() <= 5 * 1024 * 1024);
-    let errs = check_file(&bytes, F16_TOL);
-    eprintln!("fixture: worst relative error of o per layer {errs:?}");
-    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
-    let meta = meta.metadata().clone().unwrap();
-    assert_eq!(meta["model"], "smollm2-135m");
-    assert_eq!(meta["rope_channel_order"], "interleaved-pairs");
+fn fresh_smollm2_capture_is_consistent() {
+    let Some(m) = common::smollm2() else { return };
+    let ids = m.tokenizer().encode(common::LONG_TEXT).unwrap();
+    let opts = CaptureOptions {
+        positions: 4,
+        layers: Some(vec![4, 14, 24]),
+        chunk: 256,
+    };
+    let cap = capture(m, "smollm2-135m", &ids[..600], &opts).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.safetensors");
+    cap.write_safetensors(&p, CaptureDtype::F16).unwrap();
+    let errs = check_file(&std::fs::read(&p).unwrap(), F16_TOL);
+    eprintln!("smollm2 f16: worst relative error of o per layer {errs:?}");
+    assert_eq!(cap.metadata["model"], "smollm2-135m");
+    assert_eq!(cap.metadata["rope_channel_order"], "interleaved-pairs");
 }
 
 #[test]
