@@ -220,28 +220,31 @@ impl Calibration {
 
 pub use fathom_plan::calib::{head_calib, jacobi_eigen};
 
+/// [`head_calib`] of KV head `h` of one captured layer: its keys, and the queries of its
+/// group at every captured position.
+fn layer_head_calib(info: &CaptureInfo, data: &LayerData, h: usize) -> HeadCalib {
+    let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
+    let keys = KvView::head(&data.k, hkv, d, h);
+    let mut qs = Vec::new();
+    for p in 0..info.positions.len() {
+        qs.extend_from_slice(&data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d]);
+    }
+    head_calib(&keys, &qs)
+}
+
 impl Calibration {
     /// A statistics-only calibration of an in-memory workload (per-head σ², bases and DS
     /// channels from each layer's own keys and the queries of its positions; no per-layer
     /// budgets, no basis rule). `capture` names where the workload came from.
     pub fn statistics_only(src: &crate::fidelity::InMemory, capture: &str) -> Calibration {
         let info = &src.info;
-        let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
+        let (hkv, d, g) = (info.hkv, info.d, info.g());
         let heads = src
             .layers
             .iter()
             .map(|data| {
                 (0..hkv)
-                    .map(|h| {
-                        let keys = KvView::head(&data.k, hkv, d, h);
-                        let mut qs = Vec::new();
-                        for p in 0..info.positions.len() {
-                            qs.extend_from_slice(
-                                &data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d],
-                            );
-                        }
-                        head_calib(&keys, &qs)
-                    })
+                    .map(|h| layer_head_calib(info, data, h))
                     .collect()
             })
             .collect();
@@ -283,7 +286,7 @@ pub fn calibrate(
     progress: &(dyn Fn(&str, usize, usize) + Sync),
 ) -> Result<Calibration, CalibError> {
     let info = src.info().clone();
-    let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
+    let (hkv, d, g) = (info.hkv, info.d, info.g());
     // Decode every layer and compute its statistics, (layer, head) pairs in parallel.
     let done = AtomicUsize::new(0);
     let nl = info.layers.len();
@@ -294,16 +297,7 @@ pub fn calibrate(
             let data = src.layer(l).map_err(FidelityError::from)?;
             let hs: Vec<HeadCalib> = (0..hkv)
                 .into_par_iter()
-                .map(|h| {
-                    let keys = KvView::head(&data.k, hkv, d, h);
-                    let mut qs = Vec::new();
-                    for p in 0..info.positions.len() {
-                        qs.extend_from_slice(
-                            &data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d],
-                        );
-                    }
-                    head_calib(&keys, &qs)
-                })
+                .map(|h| layer_head_calib(&info, &data, h))
                 .collect();
             progress("statistics", done.fetch_add(1, Ordering::Relaxed) + 1, nl);
             Ok((data, hs))
