@@ -886,15 +886,21 @@ mod tests {
             ("fathom-store", &[]),
             ("fathom-plan", &["fathom-store"]),
             ("fathom-baselines", &["fathom-plan", "fathom-store"]),
+            ("fathom-capture", &[]),
             (
                 "fathom-bench",
-                &["fathom-baselines", "fathom-plan", "fathom-store"],
+                &[
+                    "fathom-baselines",
+                    "fathom-capture",
+                    "fathom-plan",
+                    "fathom-store",
+                ],
             ),
             (
                 "fathom-cuda",
                 &["fathom-baselines", "fathom-plan", "fathom-store"],
             ),
-            ("fathom-model", &[]),
+            ("fathom-model", &["fathom-capture"]),
             (
                 "fathom-eval",
                 &[

@@ -242,11 +242,7 @@ impl Calibration {
         let heads = src
             .layers
             .iter()
-            .map(|data| {
-                (0..hkv)
-                    .map(|h| layer_head_calib(info, data, h))
-                    .collect()
-            })
+            .map(|data| (0..hkv).map(|h| layer_head_calib(info, data, h)).collect())
             .collect();
         Calibration {
             format: FORMAT.into(),

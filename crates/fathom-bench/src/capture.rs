@@ -10,14 +10,8 @@ use std::path::Path;
 
 use crate::tensors::{TensorError, TensorFile};
 
-/// How a layer attends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum LayerKind {
-    /// Full causal attention.
-    Global,
-    /// Sliding window of `W` tokens (keys `pos−W+1..=pos`).
-    Local(usize),
-}
+/// How a layer attends (the capture schema's own type).
+pub use fathom_capture::LayerKind;
 
 /// Capture-wide facts, validated against every layer.
 #[derive(Debug, Clone)]
@@ -184,20 +178,9 @@ impl Capture {
             }
         }
         let (p, hq, n, hkv, d) = dims.expect("at least one layer");
-        let positions: Vec<usize> = match meta.get("positions") {
-            None => {
-                return Err(invalid(
-                    path,
-                    "metadata `positions` is missing (docs/SPEC.md §8)".into(),
-                ))
-            }
-            Some(s) => serde_json::from_str(s).map_err(|e| {
-                invalid(
-                    path,
-                    format!("metadata `positions` is not a JSON list of integers: {e}"),
-                )
-            })?,
-        };
+        let schema =
+            fathom_capture::CaptureMeta::from_map(&meta).map_err(|e| invalid(path, e.0))?;
+        let positions = schema.positions;
         if positions.len() != p {
             return Err(invalid(
                 path,
@@ -213,66 +196,19 @@ impl Capture {
                 format!("positions[{i}] = {pos} is beyond the {n} captured keys (must be < N)"),
             ));
         }
-        let qk_norm = match meta.get("qk_norm").map(String::as_str) {
-            None | Some("false") => false,
-            Some("true") => true,
-            Some(x) => {
-                return Err(invalid(
-                    path,
-                    format!("metadata `qk_norm` = {x:?}; expected true or false"),
-                ))
-            }
-        };
-        let softcap = match meta.get("softcap").map(String::as_str) {
-            None | Some("") | Some("null") | Some("none") => None,
-            Some(x) => Some(
-                x.parse::<f32>()
-                    .ok()
-                    .filter(|c| c.is_finite() && *c > 0.0)
-                    .ok_or_else(|| {
-                        invalid(
-                            path,
-                            format!("metadata `softcap` = {x:?} is not a positive number"),
-                        )
-                    })?,
-            ),
-        };
-        let kinds = match meta.get("layer_kinds") {
+        let (qk_norm, softcap) = (schema.qk_norm, schema.softcap);
+        let kinds = match schema.layer_kinds {
             None => vec![LayerKind::Global; layers.len()],
-            Some(s) => {
-                let all: Vec<String> = serde_json::from_str(s).map_err(|e| {
-                    invalid(
-                        path,
-                        format!("metadata `layer_kinds` is not a JSON list of strings: {e}"),
-                    )
-                })?;
-                let parse = |x: &str| -> Option<LayerKind> {
-                    if x == "global" {
-                        Some(LayerKind::Global)
-                    } else {
-                        x.strip_prefix("local:")?
-                            .parse()
-                            .ok()
-                            .filter(|w| *w > 0)
-                            .map(LayerKind::Local)
-                    }
-                };
+            Some(all) => {
                 let mut kinds = Vec::with_capacity(layers.len());
                 for &l in &layers {
-                    let k = all.get(l).ok_or_else(|| {
+                    kinds.push(*all.get(l).ok_or_else(|| {
                         invalid(
                             path,
                             format!(
                                 "metadata `layer_kinds` has {} entries; layer {l} has none",
                                 all.len()
                             ),
-                        )
-                    })?;
-                    kinds.push(parse(k).ok_or_else(|| {
-                        invalid(
-                            path,
-                            format!(
-                        "metadata `layer_kinds`[{l}] = {k:?}; expected \"global\" or \"local:W\""),
                         )
                     })?);
                 }
@@ -341,51 +277,36 @@ pub fn capture_bytes(
     info: &CaptureInfo,
     layers: &[LayerData],
     dtype: crate::tensors::WriteDtype,
-) -> Result<Vec<u8>, safetensors::SafeTensorError> {
+) -> Result<Vec<u8>, fathom_capture::SchemaError> {
+    use fathom_capture::{tensor_name, CaptureMeta, Part};
     let (p, hq, n, hkv, d) = (info.positions.len(), info.hq, info.n, info.hkv, info.d);
-    let names: Vec<(String, String, String, String)> = layers
+    let names: Vec<[String; 4]> = layers
         .iter()
-        .map(|l| {
-            let i = l.index;
-            (
-                format!("layers.{i}.q"),
-                format!("layers.{i}.k"),
-                format!("layers.{i}.v"),
-                format!("layers.{i}.o"),
-            )
-        })
+        .map(|l| [Part::Q, Part::K, Part::V, Part::O].map(|x| tensor_name(l.index, x)))
         .collect();
     let qs = [p, hq, d];
     let ks = [n, hkv, d];
     let mut tensors: Vec<(&str, &[f32], &[usize])> = Vec::new();
-    for (l, (q, k, v, o)) in layers.iter().zip(&names) {
-        tensors.push((q, &l.q, &qs));
-        tensors.push((k, &l.k, &ks));
-        tensors.push((v, &l.v, &ks));
+    for (l, nm) in layers.iter().zip(&names) {
+        tensors.push((&nm[0], &l.q, &qs));
+        tensors.push((&nm[1], &l.k, &ks));
+        tensors.push((&nm[2], &l.v, &ks));
         if let Some(od) = &l.o {
-            tensors.push((o, od, &qs));
+            tensors.push((&nm[3], od, &qs));
         }
     }
     let nl = layers.iter().map(|l| l.index + 1).max().unwrap_or(0);
-    let mut kinds = vec!["global".to_string(); nl];
+    let mut kinds = vec![LayerKind::Global; nl];
     for l in layers {
-        if let LayerKind::Local(w) = l.kind {
-            kinds[l.index] = format!("local:{w}");
-        }
+        kinds[l.index] = l.kind;
     }
-    let mut meta = std::collections::HashMap::new();
-    meta.insert(
-        "positions".into(),
-        serde_json::to_string(&info.positions).expect("json"),
-    );
-    meta.insert("model".into(), info.model.clone());
-    meta.insert("qk_norm".into(), info.qk_norm.to_string());
-    meta.insert(
-        "layer_kinds".into(),
-        serde_json::to_string(&kinds).expect("json"),
-    );
-    if let Some(c) = info.softcap {
-        meta.insert("softcap".into(), c.to_string());
-    }
-    crate::tensors::to_safetensors(&tensors, dtype, Some(meta))
+    let meta = CaptureMeta {
+        model: info.model.clone(),
+        positions: info.positions.clone(),
+        qk_norm: info.qk_norm,
+        softcap: info.softcap,
+        layer_kinds: Some(kinds),
+        layers: None,
+    };
+    crate::tensors::to_safetensors(&tensors, dtype, Some(meta.to_map()))
 }

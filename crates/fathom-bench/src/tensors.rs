@@ -294,32 +294,16 @@ pub enum WriteDtype {
     F16,
 }
 
-/// Serialises named f32 tensors (converted to `dtype`) with metadata into safetensors bytes.
+/// Serialises named f32 tensors (converted to `dtype`) with metadata into safetensors bytes,
+/// through the capture schema's one writer (`fathom_capture::encode`).
 pub fn to_safetensors(
     tensors: &[(&str, &[f32], &[usize])],
     dtype: WriteDtype,
     metadata: Option<HashMap<String, String>>,
-) -> Result<Vec<u8>, safetensors::SafeTensorError> {
-    let bufs: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, d, _)| match dtype {
-            WriteDtype::F32 => d.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            WriteDtype::F16 => d
-                .iter()
-                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
-                .collect(),
-        })
-        .collect();
+) -> Result<Vec<u8>, fathom_capture::SchemaError> {
     let dt = match dtype {
-        WriteDtype::F32 => Dtype::F32,
-        WriteDtype::F16 => Dtype::F16,
+        WriteDtype::F32 => fathom_capture::Dtype::F32,
+        WriteDtype::F16 => fathom_capture::Dtype::F16,
     };
-    let views = tensors
-        .iter()
-        .zip(&bufs)
-        .map(|((name, _, shape), b)| {
-            Ok((name.to_string(), TensorView::new(dt, shape.to_vec(), b)?))
-        })
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    safetensors::serialize(views, &metadata)
+    fathom_capture::encode(tensors, dt, metadata)
 }

@@ -20,41 +20,14 @@
 //! order (`rotate_half`, pairs `(i, i+D/2)`) is that permutation undone. Gemma 3 is in its native
 //! NEOX order. `rope_channel_order` says which (`interleaved-pairs` or `neox-halves`).
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-
-use half::{bf16, f16};
-use safetensors::tensor::{Dtype as StDtype, View};
 
 use crate::error::{Error, Result};
 use crate::model::{AttentionHook, Model, RopeStyle};
 
-/// Storage precision of the captured tensors.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CaptureDtype {
-    /// 32-bit float.
-    #[default]
-    F32,
-    /// IEEE half.
-    F16,
-    /// bfloat16.
-    Bf16,
-}
-
-impl std::str::FromStr for CaptureDtype {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "f32" => Ok(CaptureDtype::F32),
-            "f16" => Ok(CaptureDtype::F16),
-            "bf16" => Ok(CaptureDtype::Bf16),
-            o => Err(Error::Invalid(format!(
-                "unknown dtype {o:?} (f32, f16, bf16)"
-            ))),
-        }
-    }
-}
+/// Storage precision of the captured tensors (the capture schema's own type).
+pub use fathom_capture::Dtype as CaptureDtype;
 
 /// What to capture.
 #[derive(Clone, Debug)]
@@ -185,14 +158,17 @@ pub fn capture(
         });
     }
     let positions: Vec<usize> = (first..n).collect();
-    let mut metadata = BTreeMap::new();
-    let js = |v: &dyn erased::Json| v.json();
-    metadata.insert("positions".into(), js(&positions));
-    metadata.insert("model".into(), model_name.to_string());
-    metadata.insert("qk_norm".into(), cfg.qk_norm.to_string());
-    let kinds: Vec<String> = cfg.layer_kinds.iter().map(|k| k.to_string()).collect();
-    metadata.insert("layer_kinds".into(), js(&kinds));
-    metadata.insert("layers".into(), js(&layers));
+    let mut metadata: BTreeMap<String, String> = fathom_capture::CaptureMeta {
+        model: model_name.to_string(),
+        positions: positions.clone(),
+        qk_norm: cfg.qk_norm,
+        softcap: cfg.attn_softcap,
+        layer_kinds: Some(cfg.layer_kinds.clone()),
+        layers: Some(layers.clone()),
+    }
+    .to_map()
+    .into_iter()
+    .collect();
     metadata.insert(
         "rope_channel_order".into(),
         match cfg.rope_style {
@@ -204,9 +180,6 @@ pub fn capture(
     metadata.insert("n_kv_heads".into(), cfg.n_kv_heads.to_string());
     metadata.insert("head_dim".into(), cfg.head_dim.to_string());
     metadata.insert("n_tokens".into(), n.to_string());
-    if let Some(s) = cfg.attn_softcap {
-        metadata.insert("softcap".into(), s.to_string());
-    }
     Ok(Capture {
         positions,
         n_tokens: n,
@@ -216,89 +189,34 @@ pub fn capture(
     })
 }
 
-mod erased {
-    pub trait Json {
-        fn json(&self) -> String;
-    }
-    impl<T: serde::Serialize> Json for T {
-        fn json(&self) -> String {
-            serde_json::to_string(self).unwrap_or_default()
-        }
-    }
-}
-
-struct Blob {
-    dtype: StDtype,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl View for &Blob {
-    fn dtype(&self) -> StDtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
-fn blob(x: &[f32], shape: Vec<usize>, dt: CaptureDtype) -> Blob {
-    let (dtype, bytes) = match dt {
-        CaptureDtype::F32 => (
-            StDtype::F32,
-            x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        ),
-        CaptureDtype::F16 => (
-            StDtype::F16,
-            x.iter()
-                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
-                .collect(),
-        ),
-        CaptureDtype::Bf16 => (
-            StDtype::BF16,
-            x.iter()
-                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-        ),
-    };
-    Blob {
-        dtype,
-        shape,
-        bytes,
-    }
-}
-
 impl Capture {
     /// Write as safetensors with `__metadata__` = [`Capture::metadata`], atomically
     /// (temporary file, fsync, rename: a crash never leaves a partial capture at `path`).
     pub fn write_safetensors(&self, path: &Path, dtype: CaptureDtype) -> Result<()> {
+        use fathom_capture::{tensor_name, Part};
         let (hq, hkv, d) = self.shape;
         let p = self.positions.len();
         let n = self.n_tokens;
-        let mut blobs: Vec<(String, Blob)> = Vec::new();
-        for lc in &self.layers {
-            let l = lc.layer;
-            blobs.push((format!("layers.{l}.q"), blob(&lc.q, vec![p, hq, d], dtype)));
-            blobs.push((format!("layers.{l}.k"), blob(&lc.k, vec![n, hkv, d], dtype)));
-            blobs.push((format!("layers.{l}.v"), blob(&lc.v, vec![n, hkv, d], dtype)));
-            blobs.push((format!("layers.{l}.o"), blob(&lc.o, vec![p, hq, d], dtype)));
+        let (qs, ks) = ([p, hq, d], [n, hkv, d]);
+        let names: Vec<[String; 4]> = self
+            .layers
+            .iter()
+            .map(|lc| [Part::Q, Part::K, Part::V, Part::O].map(|x| tensor_name(lc.layer, x)))
+            .collect();
+        let mut tensors: Vec<(&str, &[f32], &[usize])> = Vec::new();
+        for (lc, nm) in self.layers.iter().zip(&names) {
+            tensors.push((&nm[0], &lc.q, &qs));
+            tensors.push((&nm[1], &lc.k, &ks));
+            tensors.push((&nm[2], &lc.v, &ks));
+            tensors.push((&nm[3], &lc.o, &qs));
         }
         let meta: HashMap<String, String> = self.metadata.clone().into_iter().collect();
         crate::fetch::write_atomic_with(path, |tmp| {
-            safetensors::serialize_to_file(
-                blobs.iter().map(|(k, b)| (k.as_str(), b)),
-                &Some(meta),
-                tmp,
-            )
-            .map_err(|e| Error::Safetensors {
-                path: path.to_path_buf(),
-                detail: e.to_string(),
+            fathom_capture::write_file(tmp, &tensors, dtype, Some(meta)).map_err(|e| {
+                Error::Safetensors {
+                    path: path.to_path_buf(),
+                    detail: e.to_string(),
+                }
             })
         })
     }

@@ -50,34 +50,8 @@ pub enum RopeStyle {
     Neox,
 }
 
-/// Whether a layer sees all keys or a sliding window.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LayerKind {
-    /// Full causal attention.
-    Global,
-    /// Sliding window of `W` keys (`pos+1−W..=pos`).
-    Local(usize),
-}
-
-impl LayerKind {
-    /// The window, if any.
-    pub fn window(self) -> Option<usize> {
-        match self {
-            LayerKind::Global => None,
-            LayerKind::Local(w) => Some(w),
-        }
-    }
-}
-
-impl std::fmt::Display for LayerKind {
-    /// docs/SPEC.md §8 spelling: `global` or `local:W`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LayerKind::Global => f.write_str("global"),
-            LayerKind::Local(w) => write!(f, "local:{w}"),
-        }
-    }
-}
+/// Whether a layer sees all keys or a sliding window (the capture schema's own type).
+pub use fathom_capture::LayerKind;
 
 /// Hyper-parameters read from the GGUF.
 #[derive(Clone, Debug)]
