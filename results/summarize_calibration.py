@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Writes calibration-summary.json beside every calibration.json under a results directory.
 
+`fathom calibrate` writes the same summary itself (`Calibration::summary`); this script is for
+calibration files made by builds from before it did, so that no summary lags its calibration.
+
 calibration.json (per-head σ², KLT, Loki and Double Sparsity data; tens of MB) is not
 committed; its summary (basis rule, per-layer budgets, shape, and the command that made it,
 taken from the run's stages.jsonl) is, and `fathom report` reads it for the basis-rule claim.

@@ -555,6 +555,17 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
     pb.finish_and_clear();
     let bytes = serde_json::to_vec(&cal)?;
     write_atomic(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;
+    let summary = Calibration::summary_path(&a.out);
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    write_atomic(
+        &summary,
+        format!(
+            "{}\n",
+            serde_json::to_string_pretty(&cal.summary(&command))?
+        )
+        .as_bytes(),
+    )
+    .with_context(|| format!("writing {}", summary.display()))?;
     if let Some(r) = &cal.basis_rule {
         eprintln!(
             "basis rule at {} bits: raw error {:.4e}, KLT error {:.4e} → {:?}",
@@ -564,7 +575,7 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
     for b in &cal.budgets {
         eprintln!("per-layer budgets for mean {}: {:?}", b.target, b.per_layer);
     }
-    eprintln!("wrote {}", a.out.display());
+    eprintln!("wrote {} and {}", a.out.display(), summary.display());
     Ok(())
 }
 
