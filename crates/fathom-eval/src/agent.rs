@@ -62,18 +62,25 @@ fn pick_files(
     header_est: usize,
 ) -> Result<Vec<FileIds>, EvalError> {
     let mut files = Vec::new();
+    let mut used = vec![false; docs.len()];
     let mut total = header_est;
     let mut i = start;
     let mut tried = 0;
     loop {
-        if tried > docs.len() {
+        // Two passes: a file too short to end the session when the room was large is
+        // considered again once smaller files have filled the room.
+        if tried >= 2 * docs.len() {
             return Err(EvalError::Invalid(
                 "no code file is long enough to end the session".into(),
             ));
         }
-        let d = &docs[i % docs.len()];
+        let j = i % docs.len();
+        let d = &docs[j];
         i += 1;
         tried += 1;
+        if used[j] {
+            continue;
+        }
         // Corpus paths are already relative to the checkout (`django/db/models/base.py`).
         let path = d.path.clone();
         let c = tok.encode_raw(&call(&path))?;
@@ -81,6 +88,7 @@ fn pick_files(
         let len = c.len() + t.len();
         if total + len < budget {
             total += len;
+            used[j] = true;
             files.push((path, c, t));
             continue;
         }
