@@ -86,7 +86,9 @@ fn pick_files(
         let c = tok.encode_raw(&call(&path))?;
         let t = tok.encode_raw(&format!("{}\n\n", d.text))?;
         let len = c.len() + t.len();
-        if total + len < budget {
+        // A whole file must leave room for the last one: its call and ≥ 64 tokens before the
+        // cut (otherwise small files can fill the budget until no file can end the session).
+        if total + len + c.len() + 64 <= budget {
             total += len;
             used[j] = true;
             files.push((path, c, t));
