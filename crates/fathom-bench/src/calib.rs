@@ -271,21 +271,26 @@ impl Calibration {
     /// budgets, no basis rule). `capture` names where the workload came from.
     pub fn statistics_only(src: &crate::fidelity::InMemory, capture: &str) -> Calibration {
         let info = &src.info;
-        let (hkv, d, g) = (info.hkv, info.d, info.g());
+        let hkv = info.hkv;
         let heads = src
             .layers
             .iter()
             .map(|data| (0..hkv).map(|h| layer_head_calib(info, data, h)).collect())
             .collect();
+        Calibration::statistics(info, capture, heads)
+    }
+
+    /// A calibration of `info`'s shape holding `heads` and no budgets or basis rule yet.
+    fn statistics(info: &CaptureInfo, capture: &str, heads: Vec<Vec<HeadCalib>>) -> Calibration {
         Calibration {
             format: FORMAT.into(),
             version: VERSION,
             model: info.model.clone(),
             capture: capture.into(),
             n: info.n,
-            hkv,
-            g,
-            d,
+            hkv: info.hkv,
+            g: info.g(),
+            d: info.d,
             layers: info.layers.clone(),
             heads,
             budgets: Vec::new(),
@@ -315,7 +320,7 @@ pub fn calibrate(
     progress: &(dyn Fn(&str, usize, usize) + Sync),
 ) -> Result<Calibration, CalibError> {
     let info = src.info().clone();
-    let (hkv, d, g) = (info.hkv, info.d, info.g());
+    let (hkv, d) = (info.hkv, info.d);
     // Decode every layer and compute its statistics, (layer, head) pairs in parallel.
     let done = AtomicUsize::new(0);
     let nl = info.layers.len();
@@ -333,20 +338,7 @@ pub fn calibrate(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let (layers_data, heads): (Vec<LayerData>, Vec<Vec<HeadCalib>>) = per_layer.into_iter().unzip();
-    let mut cal = Calibration {
-        format: FORMAT.into(),
-        version: VERSION,
-        model: info.model.clone(),
-        capture: capture_name.into(),
-        n: info.n,
-        hkv,
-        g,
-        d,
-        layers: info.layers.clone(),
-        heads,
-        budgets: Vec::new(),
-        basis_rule: None,
-    };
+    let mut cal = Calibration::statistics(&info, capture_name, heads);
     let global: Vec<usize> = info
         .layers
         .iter()
