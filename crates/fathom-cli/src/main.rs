@@ -209,6 +209,11 @@ fn main() -> ExitCode {
             .map(|s| s.to_string())
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_default();
+        // A closed stdout (`fathom … | head`) is the reader's choice, not a bug: stop quietly,
+        // as a Unix filter does on SIGPIPE.
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
         eprintln!("error: internal error (a bug in fathom): {msg}");
     }));
     // Argument errors on one line too (clap's own rendering adds usage lines).
