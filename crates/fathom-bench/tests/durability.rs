@@ -64,32 +64,10 @@ fn no_truncated_calibration_loads() {
         channel_sigma: 1.0,
         seed: 4,
     });
-    let heads = layers
-        .iter()
-        .map(|data| {
-            (0..info.hkv)
-                .map(|h| {
-                    let keys = fathom_plan::KvView::head(&data.k, info.hkv, info.d, h);
-                    let q = &data.q[..info.g() * info.d];
-                    fathom_bench::calib::head_calib(&keys, q)
-                })
-                .collect()
-        })
-        .collect();
-    let cal = Calibration {
-        format: fathom_bench::calib::FORMAT.into(),
-        version: fathom_bench::calib::VERSION,
-        model: "synthetic".into(),
-        capture: "synthetic".into(),
-        n: info.n,
-        hkv: info.hkv,
-        g: info.g(),
-        d: info.d,
-        layers: info.layers.clone(),
-        heads,
-        budgets: Vec::new(),
-        basis_rule: None,
-    };
+    let cal = Calibration::statistics_only(
+        &fathom_bench::fidelity::InMemory { info, layers },
+        "synthetic",
+    );
     let bytes = serde_json::to_vec(&cal).unwrap();
     assert!(bytes.len() > 8 * 4096, "{} bytes", bytes.len());
     let dir = tempfile::tempdir().unwrap();
