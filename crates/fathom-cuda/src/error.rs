@@ -70,6 +70,9 @@ pub enum CudaError {
     /// The CPU planner rejected an input.
     #[error(transparent)]
     Plan(#[from] fathom_plan::PlanError),
+    /// A page-pool, page-table or paged-layout operation was refused (nothing was changed).
+    #[error(transparent)]
+    Page(#[from] crate::pages::PageError),
 }
 
 /// `Result` with [`CudaError`].

@@ -34,6 +34,9 @@
 //! # Ok::<(), CudaError>(())
 //! ```
 //!
+//! The paged cache a model drives (docs/SPEC.md §6.1) starts from a pure-CPU core that every
+//! build has: [`pages`] (the page pool, per-session page tables, copy-on-write forks).
+//!
 //! **Architecture invariant:** the CPU references are `fathom-plan`'s (`water_fill`,
 //! `scan::reference_scores`, `select_per_head`, `attend`); the kernels mirror them and the
 //! tests hold them to it. Nothing here writes into another crate.
@@ -43,6 +46,7 @@ pub mod api;
 pub mod bench;
 pub mod config;
 pub mod error;
+pub mod pages;
 pub mod synth;
 pub mod types;
 
@@ -61,5 +65,9 @@ pub use config::{
     AUTO_PIPELINE_MIN_CONTEXT,
 };
 pub use error::{CudaError, Result};
+pub use pages::{
+    AppendPlan, CacheSessions, PageConfig, PageCopy, PageError, PageId, PagePool, PartialBlock,
+    SessionId,
+};
 pub use synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
 pub use types::{DeviceInfo, LayerDebug, SessionLayout, StepStats, STAGES};
