@@ -35,7 +35,8 @@
 //! ```
 //!
 //! The paged cache a model drives (docs/SPEC.md §6.1) starts from a pure-CPU core that every
-//! build has: [`pages`] (the page pool, per-session page tables, copy-on-write forks).
+//! build has: [`pages`] (the page pool, per-session page tables, copy-on-write forks) and
+//! [`paged_layout`] (byte offsets of planes, scales and K|V records inside a page).
 //!
 //! **Architecture invariant:** the CPU references are `fathom-plan`'s (`water_fill`,
 //! `scan::reference_scores`, `select_per_head`, `attend`); the kernels mirror them and the
@@ -46,6 +47,7 @@ pub mod api;
 pub mod bench;
 pub mod config;
 pub mod error;
+pub mod paged_layout;
 pub mod pages;
 pub mod synth;
 pub mod types;
@@ -65,6 +67,7 @@ pub use config::{
     AUTO_PIPELINE_MIN_CONTEXT,
 };
 pub use error::{CudaError, Result};
+pub use paged_layout::PagedLayout;
 pub use pages::{
     AppendPlan, CacheSessions, PageConfig, PageCopy, PageError, PageId, PagePool, PartialBlock,
     SessionId,

@@ -1,0 +1,444 @@
+//! Byte offsets of the paged store inside one layer's host pool buffer (docs/SPEC.md §2,
+//! §6.1).
+//!
+//! One layer's pool is `N` pages at a stride of `page_bytes`; the `L` layers of a model use
+//! `L` such pools (or one buffer at a stride of [`PagedLayout::pool_bytes`]) and share the
+//! page tables of [`crate::pages`], since every layer of a session has the same length.
+//! With `H = Hkv` heads, `D` channels, `P` tokens per page and `B = P/64` blocks per page,
+//! one page holds, in this order:
+//!
+//! | section | element | index inside the section | bytes |
+//! |---|---|---|---|
+//! | planes  | `u64` word, little-endian | `((h·D + c)·4 + p)·B + b` | `H·D·P/2` |
+//! | scales  | fp16 block scale | `(h·D + c)·B + b` | `H·D·B·2` |
+//! | records | bf16 K then bf16 V of one token and head (`4·D` bytes) | `h·P + s` | `H·P·4D` |
+//!
+//! (`h` head, `c` channel, `p` plane with 0 the most significant, `b` block in the page,
+//! `s` slot in the page). It is `fathom-store`'s `[head][channel][plane][block]` layout with
+//! the capacity set to one page, so the first `t` planes of a channel in one page are **one
+//! contiguous run** of `t·B` words, `t·P/8` bytes, and its scales one run of `2B` bytes.
+//! Each section starts on a [`SECTION_ALIGN`]-byte boundary and pages on a [`PAGE_ALIGN`]-byte
+//! boundary (padding is never read). Bit `i` of a word is token `64·b + i` of the page; the
+//! session token in slot `s` of its `j`-th page is `j·P + s`.
+
+use fathom_store::{Dims, PLANES};
+
+use crate::pages::{PageConfig, PageError, PageId, BLOCK_TOKENS};
+
+/// Alignment of each section (planes, scales, records) inside a page, bytes.
+pub const SECTION_ALIGN: u64 = 256;
+/// Alignment of the page stride, bytes (a host page, so pages never share one).
+pub const PAGE_ALIGN: u64 = 4096;
+
+/// The byte layout of one layer's page pool. All offsets are from the start of the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedLayout {
+    dims: Dims,
+    page_tokens: usize,
+    pages: usize,
+    scales_at: u64,
+    records_at: u64,
+    page_bytes: u64,
+}
+
+fn align_up(x: u64, a: u64) -> Option<u64> {
+    x.checked_add(a - 1).map(|v| v / a * a)
+}
+
+fn range(what: &'static str, index: usize, limit: usize) -> Result<(), PageError> {
+    if index < limit {
+        Ok(())
+    } else {
+        Err(PageError::OutOfRange { what, index, limit })
+    }
+}
+
+impl PagedLayout {
+    /// The layout of `pages` pages of `page_tokens` tokens for `dims` (`Hkv`, `D`).
+    ///
+    /// `page_tokens` follows [`PageConfig::validate`]; the pool must fit in `usize` bytes.
+    pub fn new(dims: Dims, page_tokens: usize, pages: usize) -> Result<Self, PageError> {
+        let dims = dims.validate().map_err(|e| PageError::Config {
+            what: "dims",
+            detail: e.to_string(),
+        })?;
+        PageConfig {
+            page_tokens,
+            pages,
+            max_sessions: 1,
+            max_tokens: 1,
+        }
+        .validate()?;
+        let overflow = || PageError::Config {
+            what: "pages",
+            detail: format!(
+                "{pages} pages of {page_tokens} tokens × {} heads × {} channels overflow",
+                dims.heads, dims.channels
+            ),
+        };
+        let (h, d, p) = (dims.heads as u64, dims.channels as u64, page_tokens as u64);
+        let blocks = p / BLOCK_TOKENS as u64;
+        let hd = h.checked_mul(d).ok_or_else(overflow)?;
+        let plane_bytes = hd
+            .checked_mul(PLANES as u64 * blocks * 8)
+            .ok_or_else(overflow)?;
+        let scale_bytes = hd.checked_mul(blocks * 2).ok_or_else(overflow)?;
+        let record_bytes = h
+            .checked_mul(p)
+            .and_then(|x| x.checked_mul(4 * d))
+            .ok_or_else(overflow)?;
+        let scales_at = align_up(plane_bytes, SECTION_ALIGN).ok_or_else(overflow)?;
+        let records_at = scales_at
+            .checked_add(scale_bytes)
+            .and_then(|x| align_up(x, SECTION_ALIGN))
+            .ok_or_else(overflow)?;
+        let page_bytes = records_at
+            .checked_add(record_bytes)
+            .and_then(|x| align_up(x, PAGE_ALIGN))
+            .ok_or_else(overflow)?;
+        let pool = page_bytes.checked_mul(pages as u64).ok_or_else(overflow)?;
+        if usize::try_from(pool).is_err() {
+            return Err(overflow());
+        }
+        Ok(Self {
+            dims,
+            page_tokens,
+            pages,
+            scales_at,
+            records_at,
+            page_bytes,
+        })
+    }
+
+    /// Shape (`Hkv`, `D`).
+    pub fn dims(&self) -> Dims {
+        self.dims
+    }
+    /// Tokens per page `P`.
+    pub fn page_tokens(&self) -> usize {
+        self.page_tokens
+    }
+    /// Pages in the pool.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+    /// 64-token blocks per page `B = P/64`.
+    pub fn blocks_per_page(&self) -> usize {
+        self.page_tokens / BLOCK_TOKENS
+    }
+    /// Bytes of one page, padding included (the page stride).
+    pub fn page_bytes(&self) -> u64 {
+        self.page_bytes
+    }
+    /// Bytes of the whole pool (`pages · page_bytes`).
+    pub fn pool_bytes(&self) -> u64 {
+        self.page_bytes * self.pages as u64
+    }
+    /// Bytes of the plane section of one page (`Hkv·D·P/2`).
+    pub fn plane_section_bytes(&self) -> u64 {
+        (self.dims.row() * PLANES * self.blocks_per_page() * 8) as u64
+    }
+    /// Bytes of the scale section of one page (`Hkv·D·B·2`).
+    pub fn scale_section_bytes(&self) -> u64 {
+        (self.dims.row() * self.blocks_per_page() * 2) as u64
+    }
+    /// Bytes of the record section of one page (`Hkv·P·4D`).
+    pub fn record_section_bytes(&self) -> u64 {
+        (self.dims.heads * self.page_tokens) as u64 * self.record_bytes()
+    }
+    /// Offset of the scale section inside a page.
+    pub fn scales_at(&self) -> u64 {
+        self.scales_at
+    }
+    /// Offset of the record section inside a page.
+    pub fn records_at(&self) -> u64 {
+        self.records_at
+    }
+
+    /// Offset of `page`.
+    pub fn page_offset(&self, page: PageId) -> Result<u64, PageError> {
+        range("page", page.index(), self.pages)?;
+        Ok(page.0 as u64 * self.page_bytes)
+    }
+
+    fn check_hc(&self, page: PageId, head: usize, channel: usize) -> Result<u64, PageError> {
+        range("head", head, self.dims.heads)?;
+        range("channel", channel, self.dims.channels)?;
+        self.page_offset(page)
+    }
+
+    /// Offset of plane 0, block 0 of (`head`, `channel`) in `page`: the start of the run whose
+    /// first [`PagedLayout::plane_run_bytes`]`(t)` bytes are the channel's first `t` planes.
+    pub fn plane_run_offset(
+        &self,
+        page: PageId,
+        head: usize,
+        channel: usize,
+    ) -> Result<u64, PageError> {
+        let base = self.check_hc(page, head, channel)?;
+        let hc = (head * self.dims.channels + channel) as u64;
+        Ok(base + hc * (PLANES * self.blocks_per_page() * 8) as u64)
+    }
+
+    /// Bytes of the first `t` planes of one channel in one page (`t·P/8`), `0 ≤ t ≤ 4`.
+    pub fn plane_run_bytes(&self, t: usize) -> Result<u64, PageError> {
+        range("plane count", t, PLANES + 1)?;
+        Ok((t * self.blocks_per_page() * 8) as u64)
+    }
+
+    /// Offset of the `u64` word of `plane`, `block` (in the page) of (`head`, `channel`).
+    pub fn plane_word_offset(
+        &self,
+        page: PageId,
+        head: usize,
+        channel: usize,
+        plane: usize,
+        block: usize,
+    ) -> Result<u64, PageError> {
+        range("plane", plane, PLANES)?;
+        range("block", block, self.blocks_per_page())?;
+        let run = self.plane_run_offset(page, head, channel)?;
+        Ok(run + ((plane * self.blocks_per_page() + block) * 8) as u64)
+    }
+
+    /// Offset of the fp16 scale of block 0 of (`head`, `channel`) in `page`; the page's `B`
+    /// scales of the channel follow contiguously ([`PagedLayout::scale_run_bytes`]).
+    pub fn scale_offset(
+        &self,
+        page: PageId,
+        head: usize,
+        channel: usize,
+    ) -> Result<u64, PageError> {
+        let base = self.check_hc(page, head, channel)?;
+        let hc = (head * self.dims.channels + channel) as u64;
+        Ok(base + self.scales_at + hc * (self.blocks_per_page() * 2) as u64)
+    }
+
+    /// Offset of the fp16 scale of `block` (in the page) of (`head`, `channel`).
+    pub fn block_scale_offset(
+        &self,
+        page: PageId,
+        head: usize,
+        channel: usize,
+        block: usize,
+    ) -> Result<u64, PageError> {
+        range("block", block, self.blocks_per_page())?;
+        Ok(self.scale_offset(page, head, channel)? + (block * 2) as u64)
+    }
+
+    /// Bytes of one channel's scales in one page (`2B`).
+    pub fn scale_run_bytes(&self) -> u64 {
+        (self.blocks_per_page() * 2) as u64
+    }
+
+    /// Offset of the K|V record of (`slot`, `head`) in `page`: `D` bf16 of K, then `D` of V.
+    pub fn record_offset(&self, page: PageId, slot: usize, head: usize) -> Result<u64, PageError> {
+        range("slot", slot, self.page_tokens)?;
+        range("head", head, self.dims.heads)?;
+        let base = self.page_offset(page)?;
+        Ok(base + self.records_at + (head * self.page_tokens + slot) as u64 * self.record_bytes())
+    }
+
+    /// Bytes of one K|V record (`4·D`: bf16 K and V of one token and KV head).
+    pub fn record_bytes(&self) -> u64 {
+        4 * self.dims.channels as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layouts() -> Vec<PagedLayout> {
+        let mut v = Vec::new();
+        for &(heads, channels) in &[(1, 64), (2, 128), (3, 96), (1, 1), (2, 256)] {
+            for &p in &[64, 128, 256, 1024] {
+                v.push(PagedLayout::new(Dims { heads, channels }, p, 3).unwrap());
+            }
+        }
+        v
+    }
+
+    /// Marks `[off, off + len)` in `map`, failing on any byte already marked.
+    fn mark(map: &mut [u8], off: u64, len: u64, what: &str) {
+        let (a, b) = (off as usize, (off + len) as usize);
+        assert!(
+            b <= map.len(),
+            "{what}: [{a}, {b}) past the pool ({})",
+            map.len()
+        );
+        for (i, m) in map[a..b].iter_mut().enumerate() {
+            assert_eq!(*m, 0, "{what}: byte {} overlaps", a + i);
+            *m = 1;
+        }
+    }
+
+    #[test]
+    fn runs_are_contiguous_and_disjoint_and_fill_the_page() {
+        for lay in layouts() {
+            let Dims { heads, channels } = lay.dims();
+            let bp = lay.blocks_per_page();
+            let mut map = vec![0u8; lay.pool_bytes() as usize];
+            for pg in 0..lay.pages() {
+                let page = PageId(pg as u32);
+                for h in 0..heads {
+                    for c in 0..channels {
+                        let run = lay.plane_run_offset(page, h, c).unwrap();
+                        assert_eq!(run % 8, 0);
+                        // The first t planes are one run: word (p, b) is at run + (p·B + b)·8.
+                        for p in 0..PLANES {
+                            for b in 0..bp {
+                                assert_eq!(
+                                    lay.plane_word_offset(page, h, c, p, b).unwrap(),
+                                    run + ((p * bp + b) * 8) as u64
+                                );
+                            }
+                        }
+                        for t in 0..=PLANES {
+                            assert_eq!(
+                                lay.plane_run_bytes(t).unwrap(),
+                                (t * lay.page_tokens() / 8) as u64
+                            );
+                        }
+                        mark(&mut map, run, lay.plane_run_bytes(4).unwrap(), "planes");
+                        let s = lay.scale_offset(page, h, c).unwrap();
+                        assert_eq!(s % 2, 0);
+                        for b in 0..bp {
+                            assert_eq!(
+                                lay.block_scale_offset(page, h, c, b).unwrap(),
+                                s + 2 * b as u64
+                            );
+                        }
+                        mark(&mut map, s, lay.scale_run_bytes(), "scales");
+                    }
+                    for slot in 0..lay.page_tokens() {
+                        let r = lay.record_offset(page, slot, h).unwrap();
+                        assert_eq!(r % 2, 0);
+                        mark(&mut map, r, lay.record_bytes(), "records");
+                    }
+                }
+            }
+            let used = map.iter().filter(|&&m| m == 1).count() as u64;
+            let per_page =
+                lay.plane_section_bytes() + lay.scale_section_bytes() + lay.record_section_bytes();
+            let hd = (heads * channels) as u64;
+            let pt = lay.page_tokens() as u64;
+            // 64 bytes of planes + 4 of scales per token per head at D = 128, plus 4D of records.
+            assert_eq!(
+                per_page,
+                hd * pt / 2 + hd * pt / 32 + heads as u64 * pt * 4 * channels as u64
+            );
+            assert_eq!(used, per_page * lay.pages() as u64);
+            assert_eq!(lay.page_bytes() % PAGE_ALIGN, 0);
+            assert!(lay.page_bytes() - per_page < 2 * SECTION_ALIGN + PAGE_ALIGN);
+            assert_eq!(lay.scales_at() % SECTION_ALIGN, 0);
+            assert_eq!(lay.records_at() % SECTION_ALIGN, 0);
+            assert!(lay.scales_at() >= lay.plane_section_bytes());
+            assert!(lay.records_at() >= lay.scales_at() + lay.scale_section_bytes());
+        }
+    }
+
+    #[test]
+    fn out_of_range_indices_are_errors() {
+        let lay = PagedLayout::new(
+            Dims {
+                heads: 2,
+                channels: 64,
+            },
+            128,
+            4,
+        )
+        .unwrap();
+        let p = PageId(0);
+        assert!(matches!(
+            lay.plane_run_offset(PageId(4), 0, 0),
+            Err(PageError::OutOfRange {
+                what: "page",
+                index: 4,
+                limit: 4
+            })
+        ));
+        assert!(matches!(
+            lay.plane_run_offset(p, 2, 0),
+            Err(PageError::OutOfRange { what: "head", .. })
+        ));
+        assert!(matches!(
+            lay.scale_offset(p, 0, 64),
+            Err(PageError::OutOfRange {
+                what: "channel",
+                ..
+            })
+        ));
+        assert!(matches!(
+            lay.plane_word_offset(p, 0, 0, 4, 0),
+            Err(PageError::OutOfRange { what: "plane", .. })
+        ));
+        assert!(matches!(
+            lay.plane_word_offset(p, 0, 0, 0, 2),
+            Err(PageError::OutOfRange { what: "block", .. })
+        ));
+        assert!(matches!(
+            lay.record_offset(p, 128, 0),
+            Err(PageError::OutOfRange { what: "slot", .. })
+        ));
+        assert!(lay.plane_run_bytes(5).is_err());
+    }
+
+    #[test]
+    fn bad_configs_are_errors() {
+        let d = Dims {
+            heads: 1,
+            channels: 64,
+        };
+        for p in [0, 32, 96, 192] {
+            assert!(matches!(
+                PagedLayout::new(d, p, 1),
+                Err(PageError::Config {
+                    what: "page_tokens",
+                    ..
+                })
+            ));
+        }
+        assert!(PagedLayout::new(d, 64, 0).is_err());
+        assert!(PagedLayout::new(
+            Dims {
+                heads: 0,
+                channels: 64
+            },
+            64,
+            1
+        )
+        .is_err());
+        assert!(matches!(
+            PagedLayout::new(
+                Dims {
+                    heads: 1 << 12,
+                    channels: 1 << 12
+                },
+                1 << 20,
+                u32::MAX as usize
+            ),
+            Err(PageError::Config { what: "pages", .. })
+        ));
+    }
+
+    #[test]
+    fn qwen3_8b_page_of_1024_tokens() {
+        // Hkv = 8, D = 128, P = 1024: 512 KiB of planes (runs of t·128 bytes), 32 KiB of
+        // scales, 4 MiB of records; sections already aligned, so no padding.
+        let lay = PagedLayout::new(
+            Dims {
+                heads: 8,
+                channels: 128,
+            },
+            1024,
+            2,
+        )
+        .unwrap();
+        assert_eq!(lay.plane_section_bytes(), 512 << 10);
+        assert_eq!(lay.scale_section_bytes(), 32 << 10);
+        assert_eq!(lay.record_section_bytes(), 4 << 20);
+        assert_eq!(lay.page_bytes(), (512 << 10) + (32 << 10) + (4 << 20));
+        assert_eq!(lay.plane_run_bytes(4).unwrap(), 512);
+    }
+}
