@@ -35,8 +35,10 @@
 //! ```
 //!
 //! The paged cache a model drives (docs/SPEC.md §6.1) starts from a pure-CPU core that every
-//! build has: [`pages`] (the page pool, per-session page tables, copy-on-write forks) and
-//! [`paged_layout`] (byte offsets of planes, scales and K|V records inside a page).
+//! build has: [`pages`] (the page pool, per-session page tables, copy-on-write forks),
+//! [`paged_layout`] (byte offsets of planes, scales and K|V records inside a page) and
+//! [`paged_ref`] (the CPU reference of paged appends, equal to `fathom_store::KeyStore` bit
+//! for bit: the oracle of a GPU append kernel).
 //!
 //! **Architecture invariant:** the CPU references are `fathom-plan`'s (`water_fill`,
 //! `scan::reference_scores`, `select_per_head`, `attend`); the kernels mirror them and the
@@ -48,6 +50,7 @@ pub mod bench;
 pub mod config;
 pub mod error;
 pub mod paged_layout;
+pub mod paged_ref;
 pub mod pages;
 pub mod synth;
 pub mod types;
@@ -68,6 +71,7 @@ pub use config::{
 };
 pub use error::{CudaError, Result};
 pub use paged_layout::PagedLayout;
+pub use paged_ref::{PagedExport, PagedStoreRef};
 pub use pages::{
     AppendPlan, CacheSessions, PageConfig, PageCopy, PageError, PageId, PagePool, PartialBlock,
     SessionId,
