@@ -18,6 +18,7 @@ use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use fathom_results::stages::StageRecord;
 
 fn main() -> ExitCode {
     match run() {
@@ -56,21 +57,6 @@ fn build_cli(features: &[&str]) -> Result<PathBuf> {
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
     Ok(target.join("release/fathom"))
-}
-
-fn json_str(s: &str) -> String {
-    let mut o = String::from("\"");
-    for ch in s.chars() {
-        match ch {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
 }
 
 /// One stage: a `fathom` command line, its name and a rough duration estimate (s).
@@ -132,14 +118,16 @@ fn run_stages(bin: &Path, stages: &[Stage], log: &Path, budget: Option<f64>) -> 
         };
         let cmd = format!("fathom {}", s.args.join(" "));
         let log_line = |f: &mut std::fs::File, ok: bool, secs: f64, err: &str, skipped: &str| {
-            writeln!(
-                f,
-                "{{\"stage\": {}, \"ok\": {ok}, \"seconds\": {secs:.2}, \"command\": {}, \"error\": {}, \"skipped\": {}}}",
-                json_str(&s.name),
-                json_str(&cmd),
-                json_str(err),
-                json_str(skipped)
-            )
+            let rec = StageRecord {
+                version: fathom_results::VERSION,
+                stage: s.name.clone(),
+                ok,
+                seconds: (secs * 100.0).round() / 100.0,
+                command: cmd.clone(),
+                error: err.into(),
+                skipped: skipped.into(),
+            };
+            writeln!(f, "{}", rec.to_line())
         };
         done_est += s.estimate;
         // A stage is skipped (not failed) when it would overrun the budget or an earlier
@@ -381,6 +369,8 @@ fn pipeline(
                 &format!("{dir}/fidelity.json"),
                 "--plot",
                 &format!("{dir}/fidelity.png"),
+                "--study",
+                "main",
             ],
         ));
         st.push(stage(
@@ -400,6 +390,8 @@ fn pipeline(
                 &format!("{dir}/ablations.json"),
                 "--plot",
                 &format!("{dir}/ablations.png"),
+                "--study",
+                "ablation",
             ],
         ));
         for &kk in ks {
@@ -419,6 +411,8 @@ fn pipeline(
                     &kk,
                     "--json",
                     &format!("{dir}/k{kk}.json"),
+                    "--study",
+                    "k",
                 ],
             ));
         }
@@ -464,6 +458,8 @@ fn pipeline(
                     &k,
                     "--json",
                     &format!("{dir}/cross-context-{}k.json", c2 / 1024),
+                    "--study",
+                    "ablation",
                 ],
             ));
         }
@@ -887,18 +883,34 @@ mod tests {
             ("fathom-plan", &["fathom-store"]),
             ("fathom-baselines", &["fathom-plan", "fathom-store"]),
             ("fathom-capture", &[]),
+            ("fathom-results", &["fathom-plan", "fathom-store"]),
             (
                 "fathom-bench",
                 &[
                     "fathom-baselines",
                     "fathom-capture",
                     "fathom-plan",
+                    "fathom-results",
+                    "fathom-store",
+                ],
+            ),
+            (
+                "fathom-report",
+                &[
+                    "fathom-bench",
+                    "fathom-plan",
+                    "fathom-results",
                     "fathom-store",
                 ],
             ),
             (
                 "fathom-cuda",
-                &["fathom-baselines", "fathom-plan", "fathom-store"],
+                &[
+                    "fathom-baselines",
+                    "fathom-plan",
+                    "fathom-results",
+                    "fathom-store",
+                ],
             ),
             ("fathom-model", &["fathom-capture"]),
             (

@@ -16,6 +16,7 @@
 
 pub mod calib;
 pub mod capture;
+pub mod document;
 pub mod fidelity;
 pub mod synthetic;
 pub mod tensors;

@@ -26,9 +26,14 @@ use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
 use fathom_model::{LoadOptions, Model, Tokenizer};
 use fathom_plan::scanner::Scanner;
 use fathom_plan::SelectParams;
+use fathom_results::downstream::{
+    AgentDoc, AgentRecord, AgentSteps, AgentSummary, CalibrationInfo, RulerDoc, RulerGeneration,
+    RulerRecord, RunHeader, SelectRecord, TaskScore, TaskSummary,
+};
 use fathom_store::write_atomic;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::{json, Value};
+use serde_json::json;
+use std::collections::BTreeMap;
 
 use crate::methods::{parse_methods, BasisArg};
 
@@ -213,21 +218,25 @@ fn calibration(
     kind: CorpusKind,
     context: usize,
     queries: usize,
-) -> Result<(Option<LayerCalib>, Value)> {
+) -> Result<(Option<LayerCalib>, Option<CalibrationInfo>)> {
     if !needs_calib(&s.methods) {
-        return Ok((None, json!(null)));
+        return Ok((None, None));
     }
     let t0 = Instant::now();
     let docs =
         load_split(kind, Split::Calib, &s.corpus).context("loading the calibration split")?;
     let (ids, used) = context_tokens(&docs, s.model.tokenizer(), context, 0)?;
     let cal = calibrate(&s.model, &ids, queries)?;
-    let info = json!({
-        "corpus": kind.name(), "split": "calib", "tokens": ids.len(), "documents": used,
-        "queries": queries, "seconds": t0.elapsed().as_secs_f64(),
-        "what": "sigma2, KLT, Loki PCA basis and DS channels per global (layer, KV head) from the keys of one held-out calibration context and the queries of its last positions",
-    });
-    Ok((Some(cal), info))
+    let info = CalibrationInfo {
+        corpus: kind.name().into(),
+        split: "calib".into(),
+        tokens: ids.len(),
+        documents: used,
+        queries,
+        seconds: t0.elapsed().as_secs_f64(),
+        what: "sigma2, KLT, Loki PCA basis and DS channels per global (layer, KV head) from the keys of one held-out calibration context and the queries of its last positions".into(),
+    };
+    Ok((Some(cal), Some(info)))
 }
 
 fn bar(total: u64) -> ProgressBar {
@@ -249,10 +258,9 @@ fn first_line_done(tok: &Tokenizer, ids: &[u32]) -> bool {
     }
 }
 
-fn write_json(path: &Option<PathBuf>, v: &Value) -> Result<()> {
+fn write_json(path: &Option<PathBuf>, doc: fathom_results::Document) -> Result<()> {
     if let Some(p) = path {
-        let bytes = serde_json::to_vec_pretty(v)?;
-        write_atomic(p, &bytes).with_context(|| format!("writing {}", p.display()))?;
+        fathom_results::write(p, doc)?;
         eprintln!("wrote {}", p.display());
         let mut q = p.clone().into_os_string();
         q.push(".partial");
@@ -262,7 +270,7 @@ fn write_json(path: &Option<PathBuf>, v: &Value) -> Result<()> {
 }
 
 /// The results so far, next to the final file (`OUT.partial`), so an interrupted run keeps them.
-fn partial(path: &Option<PathBuf>, records: &[Value]) -> Result<()> {
+fn partial<T: serde::Serialize>(path: &Option<PathBuf>, records: &[T]) -> Result<()> {
     if let Some(p) = path {
         let mut q = p.clone().into_os_string();
         q.push(".partial");
@@ -272,24 +280,42 @@ fn partial(path: &Option<PathBuf>, records: &[Value]) -> Result<()> {
     Ok(())
 }
 
-fn header(s: &Setup, c: &EvalCommon) -> Value {
+fn header(
+    s: &Setup,
+    c: &EvalCommon,
+    calibration: Option<CalibrationInfo>,
+    seconds: f64,
+) -> RunHeader {
     let cfg = s.model.config();
-    json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "version": env!("CARGO_PKG_VERSION"),
-        "model": s.model_id.name(),
-        "layers": cfg.n_layers,
-        "global_layers": cfg.layer_kinds.iter().filter(|k| **k == fathom_model::LayerKind::Global).count(),
-        "layer_kinds": cfg.layer_kinds.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
-        "hq": cfg.n_heads, "hkv": cfg.n_kv_heads, "d": cfg.head_dim,
-        "context": c.context,
-        "select": {"sink": s.params.sink, "local": s.params.local, "k": s.params.k},
-        "methods": s.methods.iter().map(|m| m.name()).collect::<Vec<_>>(),
-        "seed": c.seed,
-        "device": format!("cpu ({} threads)", rayon::current_num_threads()),
-        "protocol": "one dense prefill per sample; per method a greedy (or teacher-forced) decode from a clone of its KV cache with the method's sink 4 + local 32 + top-k per query head and exact attention on every generated token of every global layer; sliding-window layers keep their window and stay dense",
-        "load_seconds": s.load_s,
-    })
+    RunHeader {
+        version: fathom_results::VERSION,
+        fathom: env!("CARGO_PKG_VERSION").into(),
+        command: fathom_results::command_line(),
+        model: s.model_id.name().into(),
+        layers: cfg.n_layers,
+        global_layers: cfg
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == fathom_model::LayerKind::Global)
+            .count(),
+        layer_kinds: cfg.layer_kinds.iter().map(|k| k.to_string()).collect(),
+        hq: cfg.n_heads,
+        hkv: cfg.n_kv_heads,
+        d: cfg.head_dim,
+        context: c.context,
+        select: SelectRecord {
+            sink: s.params.sink,
+            local: s.params.local,
+            k: s.params.k,
+        },
+        methods: s.methods.iter().map(|m| m.name()).collect(),
+        seed: c.seed,
+        device: format!("cpu ({} threads)", rayon::current_num_threads()),
+        protocol: "one dense prefill per sample; per method a greedy (or teacher-forced) decode from a clone of its KV cache with the method's sink 4 + local 32 + top-k per query head and exact attention on every generated token of every global layer; sliding-window layers keep their window and stay dense".into(),
+        load_seconds: s.load_s,
+        calibration,
+        seconds,
+    }
 }
 
 /// Runs `fathom ruler`.
@@ -360,7 +386,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
                 pb.inc(1);
             }
             let exact_tokens = outs[exact_i].1.tokens.clone();
-            let mut methods_json = serde_json::Map::new();
+            let mut methods_json = BTreeMap::new();
             for (mi, (name, br, text, sc, secs)) in outs.iter().enumerate() {
                 let same = br.tokens == exact_tokens;
                 let diverge = br
@@ -375,11 +401,19 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
                 sums[ti][mi].0 += sc;
                 sums[ti][mi].1 += same as usize;
                 sums[ti][mi].2 += br.stats.mean_bits();
-                methods_json.insert(name.clone(), json!({
-                    "generation": text, "score": sc, "tokens": br.tokens.len(),
-                    "same_as_exact": same, "first_divergence_from_exact": diverge,
-                    "mean_bits": br.stats.mean_bits(), "density": br.stats.density(), "seconds": secs,
-                }));
+                methods_json.insert(
+                    name.clone(),
+                    RulerGeneration {
+                        generation: text.clone(),
+                        score: *sc,
+                        tokens: br.tokens.len(),
+                        same_as_exact: same,
+                        first_divergence_from_exact: diverge,
+                        mean_bits: br.stats.mean_bits(),
+                        density: br.stats.density(),
+                        seconds: *secs,
+                    },
+                );
             }
             let secs = t0.elapsed().as_secs_f64();
             per_task_secs[ti] += secs;
@@ -393,9 +427,12 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
                     scores.join(", ")
                 );
             }
-            records.push(json!({
-                "sample": sample, "prefill_seconds": prefill_s, "seconds": secs, "methods": methods_json,
-            }));
+            records.push(RulerRecord {
+                sample: serde_json::to_value(&sample)?,
+                prefill_seconds: prefill_s,
+                seconds: secs,
+                methods: methods_json,
+            });
             partial(&c.json, &records)?;
         }
     }
@@ -409,7 +446,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     );
     println!("| task | {} |", names.join(" | "));
     println!("|---|{}", "---|".repeat(nm));
-    let mut summary = serde_json::Map::new();
+    let mut summary = BTreeMap::new();
     for (ti, task) in tasks.iter().enumerate() {
         let cells: Vec<String> = (0..nm)
             .map(|mi| {
@@ -418,20 +455,27 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
             })
             .collect();
         println!("| {} | {} |", task.name(), cells.join(" | "));
-        let row: serde_json::Map<String, Value> = names
+        let row: BTreeMap<String, TaskScore> = names
             .iter()
             .enumerate()
             .map(|(mi, m)| {
                 let (sc, same, bits) = sums[ti][mi];
                 (
                     m.clone(),
-                    json!({"score": sc / n, "same_as_exact": same, "mean_bits": bits / n}),
+                    TaskScore {
+                        score: sc / n,
+                        same_as_exact: same,
+                        mean_bits: bits / n,
+                    },
                 )
             })
             .collect();
         summary.insert(
-            task.name().into(),
-            json!({"methods": row, "seconds": per_task_secs[ti]}),
+            task.name().to_string(),
+            TaskSummary {
+                methods: row,
+                seconds: per_task_secs[ti],
+            },
         );
     }
     let mean_cells: Vec<String> = (0..nm)
@@ -443,18 +487,17 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     println!("| **mean** | {} |", mean_cells.join(" | "));
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
-    let mut out = header(&s, c);
-    out["task"] = json!("ruler");
-    out["tasks"] = json!(tasks.iter().map(|t| t.name()).collect::<Vec<_>>());
-    out["samples_per_task"] = json!(a.samples);
-    out["line_stop"] = json!(!a.no_line_stop);
-    out["haystack"] = json!(haystack.source);
-    out["words"] = json!(words.source);
-    out["calibration"] = calib_info;
-    out["summary"] = Value::Object(summary);
-    out["results"] = Value::Array(records);
-    out["seconds"] = json!(total);
-    write_json(&c.json, &out)
+    let doc = RulerDoc {
+        header: header(&s, c, calib_info, total),
+        tasks: tasks.iter().map(|t| t.name().to_string()).collect(),
+        samples_per_task: a.samples,
+        line_stop: !a.no_line_stop,
+        haystack: haystack.source.clone(),
+        words: Some(words.source.clone()),
+        summary,
+        results: records,
+    };
+    write_json(&c.json, doc.into())
 }
 
 /// Runs `fathom agent-steps`.
@@ -510,7 +553,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
             pb.inc(1);
         }
         let truth = &ses.continuation[1..];
-        let mut mj = serde_json::Map::new();
+        let mut mj = BTreeMap::new();
         for (mi, (br, secs)) in preds.iter().enumerate() {
             let ae = agreement(&br.tokens, &preds[exact_i].0.tokens);
             let ad = agreement(&br.tokens, &preds[dense_i].0.tokens);
@@ -527,11 +570,19 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
             sums[mi].1 += ad;
             sums[mi].2 += top1;
             sums[mi].3 += br.stats.mean_bits();
-            mj.insert(names[mi].clone(), json!({
-                "agree_exact": ae, "agree_dense": ad, "top1_vs_truth": top1,
-                "steps_differing_from_exact": differ, "argmax": br.tokens,
-                "mean_bits": br.stats.mean_bits(), "density": br.stats.density(), "seconds": secs,
-            }));
+            mj.insert(
+                names[mi].clone(),
+                AgentSteps {
+                    agree_exact: ae,
+                    agree_dense: ad,
+                    top1_vs_truth: top1,
+                    steps_differing_from_exact: differ,
+                    argmax: br.tokens.clone(),
+                    mean_bits: br.stats.mean_bits(),
+                    density: br.stats.density(),
+                    seconds: *secs,
+                },
+            );
         }
         if pb.is_hidden() {
             eprintln!(
@@ -540,10 +591,13 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
                 t0.elapsed().as_secs_f64()
             );
         }
-        records.push(json!({
-            "session": ses, "continuation": ses.continuation, "prefill_seconds": prefill_s,
-            "seconds": t0.elapsed().as_secs_f64(), "methods": mj,
-        }));
+        records.push(AgentRecord {
+            session: serde_json::to_value(&ses)?,
+            continuation: ses.continuation.clone(),
+            prefill_seconds: prefill_s,
+            seconds: t0.elapsed().as_secs_f64(),
+            methods: mj,
+        });
         partial(&c.json, &records)?;
     }
     pb.finish_and_clear();
@@ -554,7 +608,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     );
     println!("| method | bits | agree w/ exact | agree w/ dense | top-1 vs truth |");
     println!("|---|---|---|---|---|");
-    let mut summary = serde_json::Map::new();
+    let mut summary = BTreeMap::new();
     for (mi, m) in names.iter().enumerate() {
         let (ae, ad, t1, bits) = sums[mi];
         println!(
@@ -564,18 +618,25 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
             ad / n,
             t1 / n
         );
-        summary.insert(m.clone(), json!({"agree_exact": ae / n, "agree_dense": ad / n, "top1_vs_truth": t1 / n, "mean_bits": bits / n}));
+        summary.insert(
+            m.clone(),
+            AgentSummary {
+                agree_exact: ae / n,
+                agree_dense: ad / n,
+                top1_vs_truth: t1 / n,
+                mean_bits: bits / n,
+            },
+        );
     }
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
-    let mut out = header(&s, c);
-    out["task"] = json!("agent-steps");
-    out["sessions"] = json!(a.sessions);
-    out["steps"] = json!(a.steps);
-    out["code"] = json!(source);
-    out["calibration"] = calib_info;
-    out["summary"] = Value::Object(summary);
-    out["results"] = Value::Array(records);
-    out["seconds"] = json!(total);
-    write_json(&c.json, &out)
+    let doc = AgentDoc {
+        header: header(&s, c, calib_info, total),
+        sessions: a.sessions,
+        steps: a.steps,
+        code: Some(source),
+        summary,
+        results: records,
+    };
+    write_json(&c.json, doc.into())
 }

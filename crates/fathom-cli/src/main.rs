@@ -4,8 +4,6 @@ mod eval_cmds;
 mod methods;
 mod model_cmds;
 mod offload_cmds;
-mod plot;
-mod report;
 mod repro_report;
 mod speed_cmds;
 
@@ -16,10 +14,12 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use fathom_bench::calib::{calibrate, CalibParams, Calibration};
 use fathom_bench::capture::Capture;
+use fathom_bench::document::DocMeta;
 use fathom_bench::fidelity::{self, FidelityParams, InMemory, LayerSource};
 use fathom_bench::synthetic::{generate, SyntheticParams};
 use fathom_bench::tensors::{to_safetensors, TensorFile, WriteDtype};
 use fathom_plan::SelectParams;
+use fathom_results::fidelity::Study;
 use fathom_store::{file::FLAG_SQUEEZE_HEADS, write_atomic, Dims, KeyStore, MappedStore};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -199,6 +199,11 @@ struct FidelityArgs {
     /// PNG plot of error against bits.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Which study of the experiment matrix the run belongs to, recorded in the JSON for the
+    /// report: `main` (a Fathom sweep beside the baselines), `k` (the k-varied ablation) or
+    /// `ablation` (basis, proxy, Loki fp16, cross-context).
+    #[arg(long, default_value = "main", value_parser = ["main", "k", "ablation"])]
+    study: String,
 }
 
 fn main() -> ExitCode {
@@ -486,24 +491,31 @@ fn demo(a: DemoArgs) -> Result<()> {
     let pb = bar(src.info.layers.len() as u64, "layers");
     let rep = fidelity::run(&src, Some(&calib), &methods, &fp, &|_| pb.inc(1))?;
     pb.finish_and_clear();
-    let eq = report::equal_error(&rep, src.info.d);
+    let doc = fathom_bench::document::document(
+        &rep,
+        DocMeta {
+            command: fathom_results::command_line(),
+            study: Study::Main,
+            capture: if a.synthetic {
+                "synthetic".into()
+            } else {
+                "embedded:smollm2-prose-eval-2k".into()
+            },
+            model: src.info.model.clone(),
+            synthetic: a.synthetic,
+            basis: None,
+            d: src.info.d,
+            n: src.info.n,
+            hkv: src.info.hkv,
+            g: src.info.g(),
+            k: a.k,
+        },
+    );
     let label = format!("{label_head}, k={}, sink 4, local 32", a.k);
-    print!("{}", report::markdown(&rep, &eq, &label));
+    print!("{}", fathom_report::tables::fidelity_markdown(&doc, &label));
     println!("\n({:.1} s)", t0.elapsed().as_secs_f64());
     if let Some(path) = a.json {
-        let doc = report::json_doc(
-            &rep,
-            if a.synthetic {
-                "synthetic"
-            } else {
-                "embedded:smollm2-prose-eval-2k"
-            },
-            a.k,
-            eq,
-            json!({"synthetic": a.synthetic, "model": src.info.model, "d": src.info.d, "n": src.info.n}),
-        );
-        write_atomic(&path, serde_json::to_string_pretty(&doc)?.as_bytes())
-            .with_context(|| format!("writing {}", path.display()))?;
+        fathom_results::write(&path, doc.clone())?;
     }
     if let Some(p) = a.plot {
         let title = if a.synthetic {
@@ -511,7 +523,7 @@ fn demo(a: DemoArgs) -> Result<()> {
         } else {
             format!("{} (embedded capture): error against bits", src.info.model)
         };
-        plot::error_vs_bits(&rep, &title, &p)?;
+        fathom_report::plot::error_vs_bits(&doc.methods, &title, &p)?;
         eprintln!("wrote {}", p.display());
     }
     Ok(())
@@ -561,16 +573,7 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
     let bytes = serde_json::to_vec(&cal)?;
     write_atomic(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;
     let summary = Calibration::summary_path(&a.out);
-    let command = std::env::args().collect::<Vec<_>>().join(" ");
-    write_atomic(
-        &summary,
-        format!(
-            "{}\n",
-            serde_json::to_string_pretty(&cal.summary(&command))?
-        )
-        .as_bytes(),
-    )
-    .with_context(|| format!("writing {}", summary.display()))?;
+    fathom_results::write(&summary, cal.summary(&fathom_results::command_line()))?;
     if let Some(r) = &cal.basis_rule {
         eprintln!(
             "basis rule at {} bits: raw error {:.4e}, KLT error {:.4e} → {:?}",
@@ -620,7 +623,25 @@ fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
         pb.inc(1)
     })?;
     pb.finish_and_clear();
-    let eq = report::equal_error(&rep, info.d);
+    let doc = fathom_bench::document::document(
+        &rep,
+        DocMeta {
+            command: fathom_results::command_line(),
+            study: Study::parse(&a.study).unwrap_or_default(),
+            capture: a.capture.display().to_string(),
+            model: info.model.clone(),
+            synthetic: info.model.contains("synthetic"),
+            basis: calib
+                .as_ref()
+                .and_then(|c| c.basis_rule.as_ref())
+                .map(|r| format!("{:?}", r.choice)),
+            d: info.d,
+            n: info.n,
+            hkv: info.hkv,
+            g: info.g(),
+            k,
+        },
+    );
     let label = format!(
         "capture {} (model {}), k={k}, {} positions, layers {:?}",
         a.capture.display(),
@@ -628,24 +649,13 @@ fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
         rep.positions,
         rep.layers
     );
-    print!("{}", report::markdown(&rep, &eq, &label));
+    print!("{}", fathom_report::tables::fidelity_markdown(&doc, &label));
     if let Some(path) = &a.json {
-        let extra = json!({
-            "model": info.model,
-            "basis": calib.as_ref().and_then(|c| c.basis_rule.as_ref()).map(|r| format!("{:?}", r.choice)),
-            "synthetic": info.model.contains("synthetic"),
-            "d": info.d,
-            "n": info.n,
-            "hkv": info.hkv,
-            "g": info.g(),
-        });
-        let doc = report::json_doc(&rep, &a.capture.display().to_string(), k, eq, extra);
-        write_atomic(path, serde_json::to_string_pretty(&doc)?.as_bytes())
-            .with_context(|| format!("writing {}", path.display()))?;
+        fathom_results::write(path, doc.clone())?;
     }
     if let Some(p) = &a.plot {
-        plot::error_vs_bits(
-            &rep,
+        fathom_report::plot::error_vs_bits(
+            &doc.methods,
             &format!("{}: error against bits, k={k}", info.model),
             p,
         )?;

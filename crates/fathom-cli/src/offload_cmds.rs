@@ -124,6 +124,10 @@ pub struct OffloadBenchArgs {
     /// Write the JSON report here (rewritten after every context).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// What the run is for, recorded in its JSON: `main` (every method; the report's Claim 4)
+    /// or `pipeline-sweep` (one method pair under many --groups / --gather-ctas settings).
+    #[arg(long, default_value = "main", value_parser = ["main", "pipeline-sweep"])]
+    pub study: String,
 }
 
 /// Runs `fathom offload-bench`.
@@ -158,7 +162,12 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         .map(|r| Residency::parse(r))
         .collect::<Result<Vec<_>, _>>()?;
     let cfg = BenchConfig {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: fathom_results::command_line(),
+        study: if a.study == "pipeline-sweep" {
+            fathom_cuda::bench::OffloadStudy::PipelineSweep
+        } else {
+            fathom_cuda::bench::OffloadStudy::Main
+        },
         shape_label,
         shape,
         contexts,

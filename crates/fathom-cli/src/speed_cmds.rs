@@ -15,7 +15,8 @@ use anyhow::{bail, Context, Result};
 use fathom_model::corpus::{context_tokens, load_split, CorpusKind, Split};
 use fathom_model::fetch::fetch_model;
 use fathom_model::{argmax, Dense};
-use serde_json::{json, Value};
+use fathom_results::speed::{ModelSpeed, SpeedRun, Throughput};
+use serde_json::json;
 
 use crate::model_cmds::{load_model, CacheArgs};
 
@@ -50,7 +51,12 @@ pub struct SpeedArgs {
 /// The llama.cpp driver (`scripts/llama_speed.py`), run with `python3 -c`.
 const LLAMA_SCRIPT: &str = include_str!("../scripts/llama_speed.py");
 
-fn llama(model_path: &std::path::Path, ids: &[u32], steps: usize, threads: usize) -> Result<Value> {
+fn llama(
+    model_path: &std::path::Path,
+    ids: &[u32],
+    steps: usize,
+    threads: usize,
+) -> Result<Throughput> {
     let req =
         json!({"ids": ids, "n_predict": steps, "n_ctx": ids.len() + steps + 8, "threads": threads});
     let path = std::env::temp_dir().join(format!("fathom-speed-{}.json", std::process::id()));
@@ -73,7 +79,7 @@ fn llama(model_path: &std::path::Path, ids: &[u32], steps: usize, threads: usize
         );
     }
     let line = String::from_utf8_lossy(&out.stdout);
-    let v: Value = serde_json::from_str(line.lines().last().unwrap_or(""))
+    let v: Throughput = serde_json::from_str(line.lines().last().unwrap_or(""))
         .context("parsing llama.cpp's timings")?;
     Ok(v)
 }
@@ -133,49 +139,53 @@ pub fn run_speed(a: SpeedArgs) -> Result<()> {
         }
         let decode_s = t1.elapsed().as_secs_f64();
         drop(cache);
-        let ours = json!({
-            "prefill_tok_s": n as f64 / prefill_s, "prefill_s": prefill_s,
-            "decode_tok_s": a.decode_steps as f64 / decode_s, "decode_steps": a.decode_steps,
-        });
+        let ours = Throughput {
+            prefill_tok_s: n as f64 / prefill_s,
+            prefill_s,
+            decode_tok_s: a.decode_steps as f64 / decode_s,
+            decode_steps: a.decode_steps,
+            prompt_tokens: None,
+        };
         let (theirs, err) = if a.no_llama {
-            (Value::Null, Some("skipped (--no-llama)".to_string()))
+            (None, Some("skipped (--no-llama)".to_string()))
         } else {
             eprintln!("speed: llama.cpp on the same {n} ids…");
             match llama(&model_path, &ids, a.decode_steps, a.threads) {
-                Ok(v) => (v, None),
-                Err(e) => (Value::Null, Some(format!("{e:#}"))),
+                Ok(v) => (Some(v), None),
+                Err(e) => (None, Some(format!("{e:#}"))),
             }
         };
-        let f = |v: &Value, k: &str, p: usize| {
-            v[k].as_f64()
-                .map_or("—".to_string(), |x| format!("{x:.prec$}", prec = p))
-        };
+        let f = |x: Option<f64>, p: usize| x.map_or("—".to_string(), |x| format!("{x:.p$}"));
         println!(
             "| {n} | {} | {} | {} | {} |",
-            f(&ours, "prefill_tok_s", 1),
-            f(&theirs, "prefill_tok_s", 1),
-            f(&ours, "decode_tok_s", 2),
-            f(&theirs, "decode_tok_s", 2)
+            f(Some(ours.prefill_tok_s), 1),
+            f(theirs.as_ref().map(|t| t.prefill_tok_s), 1),
+            f(Some(ours.decode_tok_s), 2),
+            f(theirs.as_ref().map(|t| t.decode_tok_s), 2)
         );
         if let Some(e) = &err {
             eprintln!("speed: llama.cpp: {e}");
         }
-        runs.push(json!({"context": n, "fathom_model": ours, "llama_cpp": theirs, "llama_cpp_error": err}));
+        runs.push(SpeedRun {
+            context: n,
+            fathom_model: ours,
+            llama_cpp: theirs,
+            llama_cpp_error: err,
+        });
     }
-    let doc = json!({
-        "task": "model-speed",
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "model": a.model,
-        "cpu": cpu,
-        "cores": std::thread::available_parallelism().map(|x| x.get()).unwrap_or(1),
-        "llama_threads": a.threads,
-        "text": "prose eval split (real text), cut with the model's tokenizer",
-        "runs": runs,
-    });
+    let doc = ModelSpeed {
+        version: fathom_results::VERSION,
+        fathom: env!("CARGO_PKG_VERSION").into(),
+        command: fathom_results::command_line(),
+        model: a.model.clone(),
+        cpu,
+        cores: std::thread::available_parallelism().map_or(1, |x| x.get()),
+        llama_threads: a.threads,
+        text: "prose eval split (real text), cut with the model's tokenizer".into(),
+        runs,
+    };
     if let Some(p) = &a.json {
-        let txt = serde_json::to_string_pretty(&doc)?;
-        fathom_store::write_atomic(p, txt.as_bytes())
-            .with_context(|| format!("writing {}", p.display()))?;
+        fathom_results::write(p, doc)?;
         eprintln!("wrote {}", p.display());
     }
     Ok(())

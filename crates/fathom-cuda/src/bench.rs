@@ -10,14 +10,20 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Method, ModelShape, Residency, SessionConfig};
 use crate::error::{CudaError, Result};
 use crate::synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
-use crate::types::{DeviceInfo, SessionLayout, StepStats, STAGES};
+use crate::types::{StepStats, STAGES};
 use crate::{Gpu, Session};
+pub use fathom_results::offload::{
+    BenchResult, OffloadBench, OffloadStudy, ShapeRecord, StageBytes,
+};
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchConfig {
     /// The command line that asked for this run (recorded in the report).
     pub command: String,
+    /// What the run is for (recorded in the report).
+    #[serde(default)]
+    pub study: OffloadStudy,
     /// Shape label as given (`qwen3-8b`, ...).
     pub shape_label: String,
     /// Model shape (per sequence).
@@ -59,100 +65,6 @@ pub struct BenchConfig {
     pub json: Option<PathBuf>,
 }
 
-/// Bytes each stage moves per step (all layers), and the PCIe total.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct StageBytes {
-    /// Planner: queries and variances read, run list written.
-    pub plan: u64,
-    /// Gather: planned runs of planes + scales (or the method's table), host → HBM.
-    pub gather: u64,
-    /// Scan: the gathered bytes read from HBM plus scores written.
-    pub scan: u64,
-    /// Top-k: scores read twice (histogram, collect).
-    pub topk: u64,
-    /// Row gather: union rows × record bytes (misses over PCIe, hits from HBM).
-    pub row_gather: u64,
-    /// Of the row gather, bytes that crossed PCIe (cache misses).
-    pub row_gather_pcie: u64,
-    /// Attention: gathered rows read.
-    pub attention: u64,
-    /// Everything that crossed PCIe (host residency): gather + row misses.
-    pub pcie_total: u64,
-}
-
-/// One (context, residency, method) measurement.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct BenchResult {
-    /// Context tokens.
-    pub context: usize,
-    /// `host` or `hbm`.
-    pub residency: String,
-    /// Method label.
-    pub method: String,
-    /// Top-k per query head.
-    pub k: usize,
-    /// Head groups pipelined per layer in the timed steps (instrumented steps use 1).
-    pub groups: usize,
-    /// Gather grid cap in the timed steps, resolved (0 = uncapped).
-    #[serde(default)]
-    pub gather_ctas: usize,
-    /// Nominal scan bits.
-    pub bits_nominal: f64,
-    /// Measured mean plan bits.
-    pub bits: f64,
-    /// Median GPU time per step, ms.
-    pub gpu_ms: f64,
-    /// Every timed step's GPU time, ms.
-    pub gpu_ms_steps: Vec<f64>,
-    /// Median wall-clock per step, ms.
-    pub wall_ms: f64,
-    /// Median per-stage GPU time (instrumented steps), ms, keyed by stage.
-    pub stage_ms: BTreeMap<String, f64>,
-    /// Bytes per stage per step.
-    pub bytes: StageBytes,
-    /// Link-rate floor: PCIe bytes / measured H2D bandwidth (host residency), ms.
-    pub link_floor_ms: Option<f64>,
-    /// GPU time over the floor.
-    pub floor_ratio: Option<f64>,
-    /// Planner time over step GPU time.
-    pub planner_share: f64,
-    /// Union rows per step (all layers and KV heads).
-    pub union_rows: f64,
-    /// Fraction of union rows served by the HBM row cache.
-    pub cache_hit_rate: f64,
-    /// GPU-time speedup against each 136-bit scan at the same context and residency.
-    pub speedup_vs_136: BTreeMap<String, f64>,
-}
-
-/// The whole run.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct BenchReport {
-    /// Command line.
-    pub command: String,
-    /// fathom-cuda version.
-    pub version: String,
-    /// Device.
-    pub device: Option<DeviceInfo>,
-    /// Shape label and shape.
-    pub shape_label: String,
-    /// Shape.
-    pub shape: Option<ModelShape>,
-    /// Batch.
-    pub batch: usize,
-    /// Key generator.
-    pub generator: String,
-    /// Measured pinned H2D memcpy bandwidth, GB/s.
-    pub h2d_gbps: f64,
-    /// Measured zero-copy gather kernel bandwidth (one long run), GB/s.
-    pub gather_gbps: f64,
-    /// Session layout per (context, residency), keyed `"{context}/{residency}"`.
-    pub layouts: BTreeMap<String, SessionLayout>,
-    /// Results.
-    pub results: Vec<BenchResult>,
-    /// Notes on what is simulated or reused.
-    pub notes: Vec<String>,
-}
-
 fn median(v: &[f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -187,7 +99,7 @@ pub fn parse_context(s: &str) -> Result<usize> {
 /// # Errors
 /// [`CudaError::NotCompiledWithCuda`] / [`CudaError::NoDevice`] when there is no GPU path;
 /// allocation and driver failures.
-pub fn run_offload_bench(c: &BenchConfig, progress: impl FnMut(&str)) -> Result<BenchReport> {
+pub fn run_offload_bench(c: &BenchConfig, progress: impl FnMut(&str)) -> Result<OffloadBench> {
     run_offload_bench_with(c, None, progress)
 }
 
@@ -210,19 +122,26 @@ pub fn run_offload_bench_with(
     c: &BenchConfig,
     real: Option<RealSources>,
     mut progress: impl FnMut(&str),
-) -> Result<BenchReport> {
+) -> Result<OffloadBench> {
     let gpu = Gpu::open(0)?;
     let shape = ModelShape {
         kv_heads: c.shape.kv_heads * c.batch.max(1),
         ..c.shape
     }
     .validate()?;
-    let mut rep = BenchReport {
+    let mut rep = OffloadBench {
         command: c.command.clone(),
-        version: env!("CARGO_PKG_VERSION").into(),
+        study: c.study,
+        version: fathom_results::VERSION,
+        fathom: env!("CARGO_PKG_VERSION").into(),
         device: Some(gpu.info().clone()),
         shape_label: c.shape_label.clone(),
-        shape: Some(c.shape),
+        shape: Some(ShapeRecord {
+            layers: c.shape.layers,
+            kv_heads: c.shape.kv_heads,
+            group: c.shape.group,
+            dim: c.shape.dim,
+        }),
         batch: c.batch,
         generator: real
             .as_ref()
@@ -412,17 +331,15 @@ pub fn run_offload_bench_with(
     Ok(rep)
 }
 
-fn write_json(rep: &BenchReport, p: &Path) -> Result<()> {
-    let txt = serde_json::to_string_pretty(rep)
-        .map_err(|e| CudaError::invalid("report", e.to_string()))?;
+fn write_json(rep: &OffloadBench, p: &Path) -> Result<()> {
     // Atomic (temporary file, fsync, rename): the report is rewritten after every context, and
     // a crash mid-write must leave the previous whole report, not a partial one.
-    fathom_store::write_atomic(p, txt.as_bytes())
-        .map_err(|e| CudaError::invalid("json path", format!("{}: {e}", p.display())))
+    fathom_results::write(p, rep.clone())
+        .map_err(|e| CudaError::invalid("json path", e.to_string()))
 }
 
 fn summarize(
-    rep: &BenchReport,
+    rep: &OffloadBench,
     cfg: &SessionConfig,
     m: Method,
     timed: &[StepStats],

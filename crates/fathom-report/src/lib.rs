@@ -1,0 +1,198 @@
+//! The reproduction report: `REPORT.md` rendered from the typed result documents of a
+//! results directory ([`fathom_results`]), claims first, each with the paper's figure, ours
+//! and a verdict in words; then the ablations, the CPU runtime's speed, the memory table, and
+//! the stage log as an appendix. Also the error-against-bits plot ([`plot`]) and the
+//! Markdown table of one fidelity run ([`tables::fidelity_markdown`]).
+//!
+//! The paper's figures and our targets are data ([`claims::PAPER`], [`claims::TARGETS`]); each
+//! claim is one function ([`claims::CLAIMS`]).
+//!
+//! ```
+//! let dir = tempfile::tempdir()?;
+//! let inputs = fathom_report::collect(dir.path(), None, dir.path())?;
+//! let md = fathom_report::render(&inputs);
+//! assert!(md.starts_with("# Fathom: reproduction report"));
+//! assert!(md.contains("## Claim 1:"));
+//! assert!(md.contains("not measured in this run"));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+#![deny(missing_docs)]
+
+pub mod claims;
+pub mod plot;
+pub mod sections;
+pub mod tables;
+
+use std::path::{Path, PathBuf};
+
+use fathom_results::calibration::CalibrationSummary;
+use fathom_results::downstream::{AgentDoc, RulerDoc};
+use fathom_results::fidelity::FidelityDoc;
+use fathom_results::offload::OffloadBench;
+use fathom_results::speed::ModelSpeed;
+use fathom_results::stages::StageRecord;
+use fathom_results::{Document, ResultsError};
+
+/// What went wrong building the report or a plot.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// A result document could not be read (named, with the cause).
+    #[error(transparent)]
+    Results(#[from] ResultsError),
+    /// A directory or file is missing or unreadable.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The plot could not be drawn.
+    #[error("plot: {0}")]
+    Plot(String),
+}
+
+/// A document and the file it came from.
+#[derive(Debug, Clone)]
+pub struct Source<T> {
+    /// The file.
+    pub path: PathBuf,
+    /// Its document.
+    pub doc: T,
+}
+
+/// Every document of a results directory, by kind, each list in path order.
+#[derive(Debug, Clone, Default)]
+pub struct Inputs {
+    /// The directory that was read (as given).
+    pub dir: PathBuf,
+    /// Paths in the report are written relative to this (the report's own folder).
+    pub base: PathBuf,
+    /// Fidelity runs.
+    pub fidelity: Vec<Source<FidelityDoc>>,
+    /// Calibration summaries.
+    pub calibration: Vec<Source<CalibrationSummary>>,
+    /// Offload-step timings.
+    pub offload: Vec<Source<OffloadBench>>,
+    /// RULER-style runs.
+    pub ruler: Vec<Source<RulerDoc>>,
+    /// Agent-step runs.
+    pub agent: Vec<Source<AgentDoc>>,
+    /// CPU runtime speed tables.
+    pub speed: Vec<Source<ModelSpeed>>,
+    /// JSON files that are no result document, with why (listed, never read as results).
+    pub others: Vec<(PathBuf, String)>,
+    /// The stage log, when one was given.
+    pub stages: Vec<StageRecord>,
+}
+
+impl Inputs {
+    /// `p` relative to the report's folder.
+    pub fn rel(&self, p: &Path) -> String {
+        p.strip_prefix(&self.base)
+            .unwrap_or(p)
+            .display()
+            .to_string()
+    }
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), ReportError> {
+    let rd = std::fs::read_dir(dir).map_err(|source| ReportError::Io {
+        path: dir.into(),
+        source,
+    })?;
+    let mut entries: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            walk(&p, out)?;
+        } else if p.extension().is_some_and(|e| e == "json") {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+/// Reads every `*.json` under `dir` (recursively) and the stage log `stages`, if given.
+/// `base` is the folder the report will be written to (its links are relative to it).
+///
+/// A file that is JSON but no result document (a calibration file, a comparison table) is
+/// listed in [`Inputs::others`]; a result document that does not fit its schema, or a
+/// file that is not JSON at all, is an error naming the file: a report never silently drops a
+/// result. A calibration summary is read in place of the calibration beside it.
+pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs, ReportError> {
+    let mut files = Vec::new();
+    walk(dir, &mut files)?;
+    let mut inp = Inputs {
+        dir: dir.into(),
+        base: base.into(),
+        ..Inputs::default()
+    };
+    for path in files {
+        match fathom_results::read(&path) {
+            Ok(doc) => {
+                macro_rules! push {
+                    ($list:ident, $d:expr) => {
+                        inp.$list.push(Source {
+                            path: path.clone(),
+                            doc: $d,
+                        })
+                    };
+                }
+                match doc {
+                    Document::Fidelity(d) => push!(fidelity, d),
+                    Document::CalibrationSummary(d) => push!(calibration, d),
+                    Document::OffloadBench(d) => push!(offload, d),
+                    Document::Ruler(d) => push!(ruler, d),
+                    Document::AgentSteps(d) => push!(agent, d),
+                    Document::ModelSpeed(d) => push!(speed, d),
+                    Document::Stage(_) => inp
+                        .others
+                        .push((path.clone(), "a single stage record".into())),
+                }
+            }
+            Err(ResultsError::NotAResult { why, .. }) => inp.others.push((path, why)),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if let Some(st) = stages {
+        inp.stages = fathom_results::stages::read_stage_log(st)?;
+    }
+    Ok(inp)
+}
+
+/// Renders the whole report: the header, every claim of [`claims::CLAIMS`] in order, then
+/// [`sections`]' ablations, CPU speed, memory and other files, and the stage log appendix.
+pub fn render(inp: &Inputs) -> String {
+    let mut s = String::new();
+    s.push_str("# Fathom: reproduction report\n\n");
+    s.push_str(&format!(
+        "Generated by `fathom report --dir {}` from the JSON files beside this report. Every table names the JSON it came from; each JSON holds the command line that produced it.\n\n",
+        inp.dir.display()
+    ));
+    for c in claims::CLAIMS {
+        s.push_str(&format!("## {}: {}\n\n", c.id, c.title));
+        s.push_str(&format!("Paper: {}\n\n", (c.paper)()));
+        (c.render)(inp, &mut s);
+    }
+    sections::ablations(inp, &mut s);
+    sections::cpu_speed(inp, &mut s);
+    sections::memory(inp, &mut s);
+    sections::others(inp, &mut s);
+    sections::stage_log(inp, &mut s);
+    s
+}
+
+/// [`collect`], [`render`] and an atomic write of the report to `out`.
+pub fn write_report(dir: &Path, stages: Option<&Path>, out: &Path) -> Result<(), ReportError> {
+    let base = out
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let inp = collect(dir, stages, &base)?;
+    fathom_store::write_atomic(out, render(&inp).as_bytes()).map_err(|e| ReportError::Io {
+        path: out.into(),
+        source: std::io::Error::other(e.to_string()),
+    })
+}

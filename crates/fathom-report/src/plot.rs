@@ -1,0 +1,185 @@
+//! Error-against-bits plots (PNG, log y): one curve per budgeted method family, one point per
+//! fixed method.
+
+use std::path::Path;
+
+use fathom_results::fidelity::MethodRow;
+use plotters::prelude::*;
+
+use crate::ReportError;
+
+type Result<T> = std::result::Result<T, ReportError>;
+
+fn draw<E: std::fmt::Display>(e: E) -> ReportError {
+    ReportError::Plot(e.to_string())
+}
+
+const FONTS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+];
+
+fn register_font() -> Result<()> {
+    let path = std::env::var("FATHOM_FONT")
+        .ok()
+        .or_else(|| FONTS.iter().find(|p| Path::new(p).exists()).map(|s| s.to_string()))
+        .ok_or_else(|| ReportError::Plot("no TrueType font found for plot labels (install Debian's fonts-dejavu-core or set FATHOM_FONT)".into()))?;
+    let bytes =
+        std::fs::read(&path).map_err(|e| ReportError::Plot(format!("reading font {path}: {e}")))?;
+    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+        .map_err(|_| ReportError::Plot(format!("font {path} could not be loaded")))?;
+    Ok(())
+}
+
+/// Distinct colours (Okabe–Ito plus extras), so neighbouring families never look alike.
+const PALETTE: [RGBColor; 12] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(86, 180, 233),
+    RGBColor(230, 159, 0),
+    RGBColor(0, 0, 0),
+    RGBColor(240, 228, 66),
+    RGBColor(120, 60, 160),
+    RGBColor(160, 40, 40),
+    RGBColor(100, 100, 100),
+    RGBColor(40, 120, 40),
+];
+
+fn family(name: &str) -> &str {
+    name.split(':').next().unwrap_or(name)
+}
+
+/// Writes the plot of `methods`' error against bits to `path` atomically (rendered into a
+/// temporary PNG, then renamed): one curve per budgeted method family, one point per fixed
+/// method, a horizontal line per full-precision oracle.
+pub fn error_vs_bits(methods: &[MethodRow], title: &str, path: &Path) -> Result<()> {
+    register_font()?;
+    let pts: Vec<(&str, f64, f64)> = methods
+        .iter()
+        .filter(|m| m.error > 0.0 && m.bits > 0.0)
+        .map(|m| (m.name.as_str(), m.bits, m.error))
+        .collect();
+    if pts.is_empty() {
+        return Err(ReportError::Plot(
+            "nothing to plot: every method has zero error or zero bits".into(),
+        ));
+    }
+    // Oracles that read full-precision keys (thousands of bits) are drawn as horizontal lines.
+    let xmax = pts
+        .iter()
+        .map(|p| p.1)
+        .filter(|&b| b <= 600.0)
+        .fold(16.0, f64::max)
+        * 1.08;
+    let ymin = pts.iter().map(|p| p.2).fold(f64::INFINITY, f64::min) / 1.5;
+    let ymax = pts.iter().map(|p| p.2).fold(0.0, f64::max) * 1.5;
+    let tmp = path.with_extension(format!("tmp-{}.png", std::process::id()));
+    let _cleanup = RemoveOnDrop(&tmp);
+    {
+        let root = BitMapBackend::new(&tmp, (1000, 650)).into_drawing_area();
+        root.fill(&WHITE).map_err(draw)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..xmax, (ymin..ymax).log_scale())
+            .map_err(draw)?;
+        chart
+            .configure_mesh()
+            .x_desc("bits per token per KV head")
+            .y_desc("mean relative error of attention output")
+            .y_label_formatter(&|y| format!("{y:.3}"))
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .draw()
+            .map_err(draw)?;
+        let mut families: Vec<&str> = pts.iter().map(|p| family(p.0)).collect();
+        families.dedup();
+        families.sort();
+        families.dedup();
+        for (i, fam) in families.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()].to_rgba();
+            let mut series: Vec<(f64, f64)> = pts
+                .iter()
+                .filter(|p| family(p.0) == *fam && p.1 <= xmax)
+                .map(|p| (p.1, p.2))
+                .collect();
+            series.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let oracle = pts
+                .iter()
+                .filter(|p| family(p.0) == *fam && p.1 > xmax)
+                .map(|p| p.2)
+                .next();
+            if let Some(e) = oracle {
+                chart
+                    .draw_series(LineSeries::new(
+                        vec![(0.0, e), (xmax, e)],
+                        color.stroke_width(1),
+                    ))
+                    .map_err(draw)?
+                    .label(format!("{fam} (full-precision keys)"))
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(1))
+                    });
+                continue;
+            }
+            if series.len() > 1 {
+                chart
+                    .draw_series(LineSeries::new(series.clone(), color.stroke_width(2)))
+                    .map_err(draw)?
+                    .label(*fam)
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                    });
+                chart
+                    .draw_series(
+                        series
+                            .iter()
+                            .map(|&(x, y)| Circle::new((x, y), 3, color.filled())),
+                    )
+                    .map_err(draw)?;
+            } else {
+                chart
+                    .draw_series(
+                        series
+                            .iter()
+                            .map(|&(x, y)| Circle::new((x, y), 6, color.filled())),
+                    )
+                    .map_err(draw)?
+                    .label(*fam)
+                    .legend(move |(x, y)| Circle::new((x + 9, y), 5, color.filled()));
+            }
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(draw)?;
+        root.present().map_err(|e| {
+            ReportError::Plot(format!("rendering the plot into {}: {e}", path.display()))
+        })?;
+    }
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|source| ReportError::Io {
+            path: path.into(),
+            source,
+        })?;
+    Ok(())
+}
+
+/// Removes a temporary file on every exit (after a successful rename it is already gone).
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
+}

@@ -1,0 +1,203 @@
+//! The report's sections after the claims: ablations, the CPU runtime's speed, the memory
+//! table, other files, and the stage log appendix.
+
+use fathom_results::fidelity::Study;
+
+use crate::tables::{method_table, opt};
+use crate::Inputs;
+
+/// The text a downstream run used, as its document records it. Runs from before the PyPI
+/// corpora (`new_era` false: no pinned word list, no `code` field) are labelled as made on
+/// the earlier Debian corpus.
+pub fn text_source(field: Option<&str>, new_era: bool) -> String {
+    const OLD: &str = "the earlier Debian corpus (python3.11-doc prose, libpython3.11-stdlib code)";
+    match (field, new_era) {
+        (Some(t), true) if t.contains("==") || t.starts_with("user text") => t.to_string(),
+        (Some(t), true) => format!("{t}, Django-5.1.4.tar.gz"),
+        (Some(t), false) => format!("{t}, {OLD}"),
+        (None, _) => OLD.to_string(),
+    }
+}
+
+/// The ablations: the k-varied table (saving against ds:32 per run directory and k), then
+/// every other ablation's method table.
+pub fn ablations(inp: &Inputs, s: &mut String) {
+    s.push_str("## Ablations\n\n");
+    s.push_str("k varied, the basis (raw against KLT), the importance proxy (variance against mean squared block max: `fathom-blockmax`), Loki with fp16 coordinates, and a plan calibrated at one context and evaluated at another. Flat against per-layer budgets (`fathom` against `fathom-layer`), uniform depth at equal bits (`fathom-uniform`, A4) and the SparQ per-head union are in Claim 1's tables.\n\n");
+    let kruns: Vec<_> = inp
+        .fidelity
+        .iter()
+        .filter(|f| f.doc.study == Study::K)
+        .collect();
+    let others: Vec<_> = inp
+        .fidelity
+        .iter()
+        .filter(|f| f.doc.study == Study::Ablation)
+        .collect();
+    if kruns.is_empty() && others.is_empty() {
+        s.push_str("No ablation runs were found: not measured in this run.\n\n");
+    }
+    if !kruns.is_empty() {
+        let mut ks: Vec<usize> = kruns.iter().map(|f| f.doc.k).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        let mut dirs: Vec<_> = kruns
+            .iter()
+            .filter_map(|f| f.path.parent().map(std::path::Path::to_path_buf))
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        s.push_str("**k varied** (Fathom at 48, 64 and 92 bits against ds:32 at the same k; equal-error saving; `≥` where Fathom's 48-bit point already beats ds:32, so the saving is at least 136/48):\n\n");
+        s.push_str(&format!(
+            "| run | {} |\n|---|{}\n",
+            ks.iter()
+                .map(|k| format!("k = {k}"))
+                .collect::<Vec<_>>()
+                .join(" | "),
+            "---:|".repeat(ks.len())
+        ));
+        for d in &dirs {
+            let cells: Vec<String> = ks
+                .iter()
+                .map(|k| {
+                    kruns
+                        .iter()
+                        .find(|f| f.path.parent() == Some(d.as_path()) && f.doc.k == *k)
+                        .and_then(|f| {
+                            let e = f.doc.equal_error_against("ds:32")?;
+                            let x = e.saving?;
+                            Some(if f.doc.is_lower_bound(e) {
+                                format!("≥ {x:.2}×")
+                            } else {
+                                format!("{x:.2}×")
+                            })
+                        })
+                        .unwrap_or_else(|| "—".into())
+                })
+                .collect();
+            s.push_str(&format!("| `{}` | {} |\n", inp.rel(d), cells.join(" | ")));
+        }
+        s.push('\n');
+    }
+    for f in others {
+        let v = &f.doc;
+        s.push_str(&format!(
+            "**{}** k = {}, {} positions, `{}` (capture `{}`)\n\n",
+            if v.model.is_empty() {
+                "capture"
+            } else {
+                &v.model
+            },
+            v.k,
+            v.positions,
+            inp.rel(&f.path),
+            v.capture
+        ));
+        s.push_str(&method_table(v));
+        let png = f.path.with_extension("png");
+        if png.exists() {
+            s.push_str(&format!("\n![error against bits]({})\n", inp.rel(&png)));
+        }
+        s.push('\n');
+    }
+}
+
+/// The CPU model runtime beside llama.cpp (not a paper claim).
+pub fn cpu_speed(inp: &Inputs, s: &mut String) {
+    s.push_str("## The CPU model runtime beside llama.cpp\n\n");
+    s.push_str("Not a paper claim: the throughput of `fathom-model` (candle GGUF, own layer loop, dense attention) on this machine, beside llama.cpp (`xllamacpp`, its defaults) on the same token ids and threads.\n\n");
+    if inp.speed.is_empty() {
+        s.push_str("No `fathom speed` results were found: not measured in this run.\n\n");
+    }
+    for sp in &inp.speed {
+        let v = &sp.doc;
+        s.push_str(&format!(
+            "`{}` ({}, {} cores; `{}`):\n\n",
+            inp.rel(&sp.path),
+            v.cpu,
+            v.cores,
+            v.command
+        ));
+        s.push_str("| model | context | prefill tok/s | llama.cpp prefill tok/s | decode tok/s | llama.cpp decode tok/s | decode ratio |\n|---|---:|---:|---:|---:|---:|---:|\n");
+        for r in &v.runs {
+            let l = r.llama_cpp.as_ref();
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {} |\n",
+                v.model,
+                r.context,
+                opt(Some(r.fathom_model.prefill_tok_s), 1),
+                opt(l.map(|x| x.prefill_tok_s), 1),
+                opt(Some(r.fathom_model.decode_tok_s), 2),
+                opt(l.map(|x| x.decode_tok_s), 2),
+                r.decode_ratio().map_or("—".into(), |x| format!("{x:.2}×"))
+            ));
+            if let Some(e) = &r.llama_cpp_error {
+                s.push_str(&format!("\n(llama.cpp at {}: {e})\n\n", r.context));
+            }
+        }
+        s.push('\n');
+    }
+}
+
+/// Bytes per token per KV head, read per scan and kept by each index, from the first
+/// fidelity run with more than three methods.
+pub fn memory(inp: &Inputs, s: &mut String) {
+    s.push_str("## Memory: bytes per token per KV head, read per scan and kept by each index\n\n");
+    let Some(f) = inp.fidelity.iter().find(|f| f.doc.methods.len() > 3) else {
+        s.push_str("No fidelity run with a method table was found: not measured in this run.\n\n");
+        return;
+    };
+    let v = &f.doc;
+    let d = (v.d > 0).then_some(v.d);
+    s.push_str(&format!(
+        "From `{}`. *Read per scan* is the measured bits / 8 (what crosses the link in one scan); *index kept* is what the method stores per token (docs/SPEC.md §4's convention); K+V rows in bf16 are 4·D bytes.\n\n",
+        inp.rel(&f.path)
+    ));
+    s.push_str("| method | read per scan (bytes) | index kept (bytes) |\n|---|---:|---:|\n");
+    for m in &v.methods {
+        let kept = d
+            .and_then(|d| {
+                fathom_plan::method::MethodSpec::parse(&m.name, d)
+                    .ok()
+                    .map(|spec| spec.index_bits(d) / 8.0)
+            })
+            .map_or("—".to_string(), |b| format!("{b:.2}"));
+        s.push_str(&format!("| {} | {:.2} | {kept} |\n", m.name, m.bits / 8.0));
+    }
+    if let Some(d) = d {
+        s.push_str(&format!("| bf16 K+V rows | — | {:.0} |\n", 4.0 * d as f64));
+    }
+    s.push_str("\nEvery Fathom variant and SparQ read from the same 4-plane store (D/2 + D/32 bytes per token per KV head, 68 at D = 128), which a quantized serving stack already holds as its 4-bit K cache; a scan reads only the planned part.\n\n");
+}
+
+/// JSON files under the directory that are no result document, listed with why.
+pub fn others(inp: &Inputs, s: &mut String) {
+    if inp.others.is_empty() {
+        return;
+    }
+    s.push_str("## Other JSON files in this directory (not result documents)\n\n");
+    for (p, why) in &inp.others {
+        s.push_str(&format!("- `{}`: {why}\n", inp.rel(p)));
+    }
+    s.push('\n');
+}
+
+/// The appendix: every stage of the run, with its status, time and command.
+pub fn stage_log(inp: &Inputs, s: &mut String) {
+    if inp.stages.is_empty() {
+        return;
+    }
+    s.push_str(
+        "## Appendix: stage log\n\n| stage | status | seconds | command |\n|---|---|---:|---|\n",
+    );
+    for r in &inp.stages {
+        s.push_str(&format!(
+            "| {} | {} | {:.1} | `{}` |\n",
+            r.stage,
+            r.status(),
+            r.seconds,
+            r.command
+        ));
+    }
+    s.push('\n');
+}

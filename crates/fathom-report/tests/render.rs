@@ -1,0 +1,180 @@
+//! The report reads typed documents only, puts the claims first, flags bounds, and refuses a
+//! result document that does not fit its schema.
+
+use std::path::Path;
+
+use fathom_results::fidelity::{EqualErrorRow, FidelityDoc, MethodRow, Study};
+use fathom_results::stages::StageRecord;
+
+fn method(name: &str, bits: f64, error: f64) -> MethodRow {
+    MethodRow {
+        name: name.into(),
+        bits,
+        error,
+        error_se: Some(1e-4),
+        per_layer: vec![],
+        per_layer_bits: vec![],
+        per_position: vec![],
+    }
+}
+
+fn doc(study: Study, k: usize, saving: f64, lower_bound: bool) -> FidelityDoc {
+    FidelityDoc {
+        version: fathom_results::VERSION,
+        fathom: "test".into(),
+        command: "fathom fidelity …".into(),
+        study,
+        capture: "c.safetensors".into(),
+        model: "toy-model".into(),
+        synthetic: false,
+        basis: Some("Raw".into()),
+        d: 64,
+        n: 4096,
+        hkv: 3,
+        g: 3,
+        k,
+        positions: 128,
+        layers: vec![0, 1],
+        skipped_local_layers: vec![],
+        o_consistency_max: None,
+        methods: vec![
+            method("fathom:24", 24.0, 0.2),
+            method("fathom:48", 48.0, 0.1),
+            method("fathom:96", 96.0, 0.05),
+            method("ds:32", 136.0, 0.1),
+            method("sparq:16", 68.0, 0.2),
+        ],
+        equal_error: vec![EqualErrorRow {
+            baseline: "ds:32".into(),
+            convention: Some("r = 32 (136 bits)".into()),
+            baseline_bits: 136.0,
+            baseline_error: 0.1,
+            baseline_error_se: Some(1e-4),
+            fathom_bits: Some(136.0 / saving),
+            saving: Some(saving),
+            lower_bound: Some(lower_bound),
+            saving_ci95: Some([saving * 0.9, saving * 1.1]),
+            bootstrap: None,
+        }],
+    }
+}
+
+fn render(dir: &Path, stages: Option<&Path>) -> String {
+    let inp = fathom_report::collect(dir, stages, dir).unwrap();
+    fathom_report::render(&inp)
+}
+
+#[test]
+fn claims_come_first_and_the_stage_log_last() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("toy-4k");
+    std::fs::create_dir_all(&sub).unwrap();
+    fathom_results::write(
+        &sub.join("fidelity.json"),
+        doc(Study::Main, 128, 2.83, false),
+    )
+    .unwrap();
+    fathom_results::write(&sub.join("k64.json"), doc(Study::K, 64, 2.83, true)).unwrap();
+    let log = dir.path().join("stages.jsonl");
+    std::fs::write(
+        &log,
+        StageRecord::ok("toy: fidelity", 3.0, "fathom fidelity").to_line(),
+    )
+    .unwrap();
+    let md = render(dir.path(), Some(&log));
+    let at = |h: &str| md.find(h).unwrap_or_else(|| panic!("no {h:?} in\n{md}"));
+    let claims: Vec<usize> = (1..=6).map(|i| at(&format!("## Claim {i}:"))).collect();
+    assert!(claims.windows(2).all(|w| w[0] < w[1]));
+    assert!(claims[5] < at("## Ablations"));
+    assert!(at("## Ablations") < at("## Appendix: stage log"));
+    // The main run's saving with its interval, against the paper's 1.8×: holds.
+    assert!(md.contains("2.83× [2.55–3.11]"), "{md}");
+    assert!(md.contains("holds at 2.83×"), "{md}");
+    // The k run is tabled as a bound, under the ablations, not as a main run.
+    assert!(md.contains("| k = 64 |"), "{md}");
+    assert!(md.contains("≥ 2.83×"), "{md}");
+    assert_eq!(md.matches("from `toy-4k/").count(), 1, "{md}");
+    // Claim 2 reads the Fathom curve at 68 bits by log-linear interpolation.
+    assert!(md.contains("sparq:16 error 2.0000e-1"), "{md}");
+    assert!(
+        md.contains("| toy: fidelity | ok | 3.0 | `fathom fidelity` |"),
+        "{md}"
+    );
+}
+
+#[test]
+fn a_saving_below_the_paper_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    fathom_results::write(
+        &dir.path().join("fidelity.json"),
+        doc(Study::Main, 128, 1.2, false),
+    )
+    .unwrap();
+    let md = render(dir.path(), None);
+    assert!(
+        md.contains("holds at 1.20× [1.08–1.32] (below the paper's 1.8–2.9×)"),
+        "{md}"
+    );
+}
+
+#[test]
+fn a_result_that_does_not_fit_its_schema_is_an_error_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("broken.json");
+    std::fs::write(&p, r#"{"kind":"fidelity","version":2,"capture":"c"}"#).unwrap();
+    let e = fathom_report::collect(dir.path(), None, dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("broken.json") && e.contains("missing field"),
+        "{e}"
+    );
+    std::fs::write(&p, "{not json").unwrap();
+    let e = fathom_report::collect(dir.path(), None, dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("broken.json") && e.contains("not JSON"), "{e}");
+}
+
+#[test]
+fn json_that_is_no_result_is_listed_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("table.json"), r#"{"rows":[]}"#).unwrap();
+    let md = render(dir.path(), None);
+    assert!(md.contains("- `table.json`: no `kind` field"), "{md}");
+}
+
+/// `results/REPORT.md` is what `fathom report` renders from the committed results today: a
+/// result changed without re-rendering the report fails here.
+#[test]
+fn the_committed_report_is_rendered_from_the_committed_results() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let results = root.join("results");
+    let committed = std::fs::read_to_string(results.join("REPORT.md")).unwrap();
+    let inp = fathom_report::collect(
+        Path::new("results"),
+        Some(&results.join("full/stages.jsonl")),
+        Path::new("results"),
+    );
+    // `collect` resolves paths relative to the working directory: run from the root.
+    let inp = inp.or_else(|_| {
+        std::env::set_current_dir(&root).unwrap();
+        fathom_report::collect(
+            Path::new("results"),
+            Some(Path::new("results/full/stages.jsonl")),
+            Path::new("results"),
+        )
+    });
+    let md = fathom_report::render(&inp.unwrap());
+    if md != committed {
+        let line = md
+            .lines()
+            .zip(committed.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(0);
+        panic!(
+            "results/REPORT.md is stale from line {}: re-run `fathom report --dir results --out results/REPORT.md --stages results/full/stages.jsonl`",
+            line + 1
+        );
+    }
+}

@@ -1,0 +1,227 @@
+//! The downstream documents (docs/SPEC.md §7): `ruler` (RULER-style tasks, greedy generation
+//! scored against gold strings) and `agent-steps` (teacher-forced step agreement on real code).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The selection parameters of docs/SPEC.md §5.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SelectRecord {
+    /// Sink tokens.
+    pub sink: usize,
+    /// Local tokens.
+    pub local: usize,
+    /// Top-k per query head.
+    pub k: usize,
+}
+
+/// What the methods that need a calibration were calibrated on (`None`: no method needed one).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationInfo {
+    /// Corpus (`prose`, `code`).
+    pub corpus: String,
+    /// Split (`calib`).
+    pub split: String,
+    /// Tokens of the calibration context.
+    pub tokens: usize,
+    /// Documents it was cut from.
+    pub documents: Vec<String>,
+    /// Query positions used.
+    pub queries: usize,
+    /// Seconds it took.
+    pub seconds: f64,
+    /// What was computed.
+    pub what: String,
+}
+
+/// The fields every downstream run records about its model and protocol.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunHeader {
+    /// Schema version.
+    pub version: u32,
+    /// The fathom version that wrote it.
+    #[serde(default)]
+    pub fathom: String,
+    /// The command line.
+    pub command: String,
+    /// Model name.
+    pub model: String,
+    /// Model layers.
+    pub layers: usize,
+    /// Global (full-attention) layers.
+    pub global_layers: usize,
+    /// Every layer's kind (`global`, `local:W`).
+    pub layer_kinds: Vec<String>,
+    /// Query heads.
+    pub hq: usize,
+    /// KV heads.
+    pub hkv: usize,
+    /// Channels per head.
+    pub d: usize,
+    /// Context tokens.
+    pub context: usize,
+    /// Selection.
+    pub select: SelectRecord,
+    /// Methods, in run order.
+    pub methods: Vec<String>,
+    /// Seed.
+    pub seed: u64,
+    /// Where it ran (`cpu (2 threads)`, `NVIDIA H200`).
+    pub device: String,
+    /// The decoding protocol in words.
+    pub protocol: String,
+    /// Seconds to load the model.
+    pub load_seconds: f64,
+    /// The calibration (`None` when no method needed one).
+    #[serde(default)]
+    pub calibration: Option<CalibrationInfo>,
+    /// Total seconds.
+    pub seconds: f64,
+}
+
+/// One method's result on one RULER sample.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RulerGeneration {
+    /// The decoded generation.
+    pub generation: String,
+    /// Fraction of gold strings found.
+    pub score: f64,
+    /// Tokens generated.
+    pub tokens: usize,
+    /// Token-identical to exact top-k's generation.
+    pub same_as_exact: bool,
+    /// First token index where it departs from exact top-k's (`None`: identical).
+    pub first_divergence_from_exact: Option<usize>,
+    /// Mean scan bits per token per KV head.
+    pub mean_bits: f64,
+    /// Mean fraction of the context attended.
+    pub density: f64,
+    /// Seconds.
+    pub seconds: f64,
+}
+
+/// One RULER sample.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RulerRecord {
+    /// The generator's sample (`fathom_eval::ruler::Sample`: task, prompt tokens, gold, …).
+    pub sample: Value,
+    /// Seconds of the dense prefill.
+    pub prefill_seconds: f64,
+    /// Seconds of the whole sample.
+    pub seconds: f64,
+    /// Per method.
+    pub methods: BTreeMap<String, RulerGeneration>,
+}
+
+/// One method's mean over a task's samples.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskScore {
+    /// Mean score.
+    pub score: f64,
+    /// Samples whose generation equals exact top-k's.
+    pub same_as_exact: usize,
+    /// Mean scan bits.
+    pub mean_bits: f64,
+}
+
+/// One task's summary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskSummary {
+    /// Per method.
+    pub methods: BTreeMap<String, TaskScore>,
+    /// Seconds spent on the task.
+    pub seconds: f64,
+}
+
+/// A `fathom ruler` run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RulerDoc {
+    /// Model, protocol and timing.
+    #[serde(flatten)]
+    pub header: RunHeader,
+    /// Tasks, in run order.
+    pub tasks: Vec<String>,
+    /// Samples per task.
+    pub samples_per_task: usize,
+    /// Generation stops at the end of the first answer line.
+    pub line_stop: bool,
+    /// The haystack text's source.
+    pub haystack: String,
+    /// The key word list's source.
+    #[serde(default)]
+    pub words: Option<String>,
+    /// Per task.
+    pub summary: BTreeMap<String, TaskSummary>,
+    /// Per sample.
+    pub results: Vec<RulerRecord>,
+}
+
+/// One method's result on one agent session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentSteps {
+    /// Fraction of steps whose argmax equals exact top-k's.
+    pub agree_exact: f64,
+    /// Fraction of steps whose argmax equals dense attention's.
+    pub agree_dense: f64,
+    /// Fraction of steps whose argmax is the true next token.
+    pub top1_vs_truth: f64,
+    /// Steps whose argmax differs from exact top-k's.
+    pub steps_differing_from_exact: Vec<usize>,
+    /// The argmax at every step.
+    pub argmax: Vec<u32>,
+    /// Mean scan bits.
+    pub mean_bits: f64,
+    /// Mean fraction of the context attended.
+    pub density: f64,
+    /// Seconds.
+    pub seconds: f64,
+}
+
+/// One agent session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentRecord {
+    /// The session builder's record (`fathom_eval::agent::Session`: files, prompt tokens, …).
+    pub session: Value,
+    /// The teacher-forced continuation's token ids.
+    pub continuation: Vec<u32>,
+    /// Seconds of the dense prefill.
+    pub prefill_seconds: f64,
+    /// Seconds of the whole session.
+    pub seconds: f64,
+    /// Per method.
+    pub methods: BTreeMap<String, AgentSteps>,
+}
+
+/// One method's means over sessions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentSummary {
+    /// Mean agreement with exact top-k.
+    pub agree_exact: f64,
+    /// Mean agreement with dense.
+    pub agree_dense: f64,
+    /// Mean top-1 accuracy against the true continuation.
+    pub top1_vs_truth: f64,
+    /// Mean scan bits.
+    pub mean_bits: f64,
+}
+
+/// A `fathom agent-steps` run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentDoc {
+    /// Model, protocol and timing.
+    #[serde(flatten)]
+    pub header: RunHeader,
+    /// Sessions.
+    pub sessions: usize,
+    /// Teacher-forced steps per session.
+    pub steps: usize,
+    /// The code text's source (absent in runs made on the earlier Debian corpus).
+    #[serde(default)]
+    pub code: Option<String>,
+    /// Per method.
+    pub summary: BTreeMap<String, AgentSummary>,
+    /// Per session.
+    pub results: Vec<AgentRecord>,
+}

@@ -1,0 +1,180 @@
+//! The `offload-bench` document: every method of the docs/SPEC.md §6 offload step at every
+//! context and residency, timed with CUDA events, with per-stage times, bytes, the measured
+//! link rate and the link-rate floor.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// A model's attention shape as the document records it (`fathom_cuda::ModelShape`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShapeRecord {
+    /// Layers `L`.
+    pub layers: usize,
+    /// KV heads `Hkv`.
+    pub kv_heads: usize,
+    /// Query heads per KV head `G`.
+    pub group: usize,
+    /// Channels per head `D`.
+    pub dim: usize,
+}
+
+/// What the device is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// The driver's device name.
+    pub name: String,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (i32, i32),
+    /// Device memory in bytes.
+    pub total_mem_bytes: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: i32,
+    /// Driver version (e.g. 13000).
+    pub driver_version: i32,
+    /// The NVRTC target the kernels were compiled for.
+    pub arch: String,
+}
+
+/// Where the session's data lives and what is reused (reported with every result).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SessionLayout {
+    /// Distinct synthetic source layers (tiled over the model's layers cyclically).
+    pub source_layers: usize,
+    /// Base tokens of each source layer (tiled to the context).
+    pub source_tokens: usize,
+    /// Layers with their own K/V row buffers; layer `l` uses rows of `l mod row_layers`.
+    pub row_layers: usize,
+    /// Bytes of scan store (planes + scales) over all layers.
+    pub store_bytes: u64,
+    /// Bytes of landmark + Quest tables over all layers.
+    pub table_bytes: u64,
+    /// Bytes of K/V records allocated.
+    pub row_bytes: u64,
+    /// Bytes of the HBM row cache.
+    pub cache_bytes: u64,
+    /// Seconds spent allocating and filling.
+    pub setup_s: f64,
+}
+
+/// Bytes each stage moves per step (all layers), and the PCIe total.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageBytes {
+    /// Planner: queries and variances read, run list written.
+    pub plan: u64,
+    /// Gather: planned runs of planes + scales (or the method's table), host → HBM.
+    pub gather: u64,
+    /// Scan: the gathered bytes read from HBM plus scores written.
+    pub scan: u64,
+    /// Top-k: scores read twice (histogram, collect).
+    pub topk: u64,
+    /// Row gather: union rows × record bytes (misses over PCIe, hits from HBM).
+    pub row_gather: u64,
+    /// Of the row gather, bytes that crossed PCIe (cache misses).
+    pub row_gather_pcie: u64,
+    /// Attention: gathered rows read.
+    pub attention: u64,
+    /// Everything that crossed PCIe (host residency): gather + row misses.
+    pub pcie_total: u64,
+}
+
+/// One (context, residency, method) measurement.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct BenchResult {
+    /// Context tokens.
+    pub context: usize,
+    /// `host` or `hbm`.
+    pub residency: String,
+    /// Method label.
+    pub method: String,
+    /// Top-k per query head.
+    pub k: usize,
+    /// Head groups pipelined per layer in the timed steps (instrumented steps use 1).
+    pub groups: usize,
+    /// Gather grid cap in the timed steps, resolved (0 = uncapped).
+    #[serde(default)]
+    pub gather_ctas: usize,
+    /// Nominal scan bits.
+    pub bits_nominal: f64,
+    /// Measured mean plan bits.
+    pub bits: f64,
+    /// Median GPU time per step, ms.
+    pub gpu_ms: f64,
+    /// Every timed step's GPU time, ms.
+    pub gpu_ms_steps: Vec<f64>,
+    /// Median wall-clock per step, ms.
+    pub wall_ms: f64,
+    /// Median per-stage GPU time (instrumented steps), ms, keyed by stage.
+    pub stage_ms: BTreeMap<String, f64>,
+    /// Bytes per stage per step.
+    pub bytes: StageBytes,
+    /// Link-rate floor: PCIe bytes / measured H2D bandwidth (host residency), ms.
+    pub link_floor_ms: Option<f64>,
+    /// GPU time over the floor.
+    pub floor_ratio: Option<f64>,
+    /// Planner time over step GPU time.
+    pub planner_share: f64,
+    /// Union rows per step (all layers and KV heads).
+    pub union_rows: f64,
+    /// Fraction of union rows served by the HBM row cache.
+    pub cache_hit_rate: f64,
+    /// GPU-time speedup against each 136-bit scan at the same context and residency.
+    pub speedup_vs_136: BTreeMap<String, f64>,
+}
+
+/// An `offload-bench` run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OffloadBench {
+    /// Schema version.
+    pub version: u32,
+    /// The fathom version that wrote it.
+    #[serde(default)]
+    pub fathom: String,
+    /// Command line.
+    pub command: String,
+    /// What the run is for: the main comparison, or a pipelining sweep that times one method
+    /// pair under many head-group and gather-grid settings (tabled in its README, not in the
+    /// report's claims).
+    #[serde(default)]
+    pub study: OffloadStudy,
+    /// Device.
+    pub device: Option<DeviceInfo>,
+    /// Shape label and shape.
+    pub shape_label: String,
+    /// Shape.
+    pub shape: Option<ShapeRecord>,
+    /// Batch.
+    pub batch: usize,
+    /// Key generator.
+    pub generator: String,
+    /// Measured pinned H2D memcpy bandwidth, GB/s.
+    pub h2d_gbps: f64,
+    /// Measured zero-copy gather kernel bandwidth (one long run), GB/s.
+    pub gather_gbps: f64,
+    /// Session layout per (context, residency), keyed `"{context}/{residency}"`.
+    pub layouts: BTreeMap<String, SessionLayout>,
+    /// Results.
+    pub results: Vec<BenchResult>,
+    /// Notes on what is simulated or reused.
+    pub notes: Vec<String>,
+}
+
+/// What an offload run is for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OffloadStudy {
+    /// Every method at the default settings (Claim 4).
+    #[default]
+    Main,
+    /// Head-group pipelining and gather-grid settings swept over one method pair.
+    PipelineSweep,
+}
+
+/// Version 1 offload files said a pipelining sweep only by their file name (`pipeline*`).
+pub(crate) fn upgrade_legacy(what: &str, obj: &mut serde_json::Map<String, serde_json::Value>) {
+    let sweep = std::path::Path::new(what)
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().starts_with("pipeline"));
+    let study = if sweep { "pipeline-sweep" } else { "main" };
+    obj.insert("study".into(), study.into());
+}
