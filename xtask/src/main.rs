@@ -74,6 +74,16 @@ fn stage(name: &str, estimate: f64, args: &[&str]) -> Stage {
     }
 }
 
+/// A stage from one command line (arguments split on whitespace; none of the pipeline's
+/// arguments contain spaces).
+fn stage_cmd(name: &str, estimate: f64, cmd: &str) -> Stage {
+    Stage {
+        name: name.into(),
+        args: cmd.split_whitespace().map(String::from).collect(),
+        estimate,
+    }
+}
+
 /// The files a stage reads that an earlier stage writes (`--capture X`, `--calib X`).
 fn stage_inputs(args: &[String]) -> Vec<PathBuf> {
     args.windows(2)
@@ -209,6 +219,7 @@ fn run_stages(bin: &Path, stages: &[Stage], log: &Path, budget: Option<f64>) -> 
 }
 
 /// One (model, context) setting of the pipeline.
+#[derive(Clone, Copy)]
 struct Setting {
     model: &'static str,
     context: usize,
@@ -256,6 +267,7 @@ fn main_methods(d: usize) -> String {
 
 const MAIN_METHODS: &str = "dense,exact,fathom-sweep:24-136/8,fathom-layer:48,fathom-layer:64,fathom-uniform:48,fathom-uniform:64,sparq:16,sparq:32,sparq-union:16,sparq-union:32,ds:32,loki:32,thumb2,landmark,quest";
 const ABLATION_METHODS: &str = "exact,fathom-raw:32,fathom-raw:48,fathom-raw:64,fathom-raw:92,fathom-raw:136,fathom-klt:32,fathom-klt:48,fathom-klt:64,fathom-klt:92,fathom-klt:136,fathom-blockmax:48,fathom-blockmax:64,loki:32,loki-f16:32,loki-f16:8";
+const CROSS_METHODS: &str = "exact,fathom:48,fathom:64,fathom-layer:48,fathom-layer:64,ds:32";
 const K_METHODS: &str = "exact,fathom:48,fathom:64,fathom:92,sparq:32,ds:32,loki:32";
 
 /// Rough seconds of a downstream stage at `context` tokens on 2 cores (measured: ~6 s per
@@ -285,195 +297,174 @@ fn downstream_estimate(cmd: &str, context: usize) -> f64 {
     }
 }
 
-fn pipeline(
-    settings: &[Setting],
+/// The experiment matrix of one repro mode, as data: the (model, context) settings, the k
+/// values of the k-varied study, the downstream commands and the speed table's contexts.
+/// Each fidelity stage records its study (`--study`), which is how the report tables it.
+struct Matrix {
+    settings: Vec<Setting>,
+    ks: Vec<usize>,
+    downstream: Vec<String>,
+    speed: Vec<(&'static str, &'static str)>,
+}
+
+const RULER_FULL: &str = "ruler --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples 20 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
+const RULER_QUICK: &str =
+    "ruler --tasks niah_single,niah_multikey,vt --samples 1 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32";
+const AGENT_FULL: &str = "agent-steps --sessions 4 --steps 64 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
+const AGENT_QUICK: &str =
+    "agent-steps --sessions 1 --steps 16 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32";
+
+const fn setting(model: &'static str, context: usize, k: usize, cross: Option<usize>) -> Setting {
+    Setting {
+        model,
+        context,
+        positions: 128,
+        k,
+        cross,
+    }
+}
+
+const FULL_SETTINGS: [Setting; 5] = [
+    setting("smollm2-135m", 4096, 128, Some(8192)),
+    setting("smollm2-135m", 8192, 256, None),
+    setting("gemma3-270m", 8192, 256, None),
+    setting("gemma3-270m", 16384, 256, None),
+    setting("gemma3-270m", 32768, 512, None),
+];
+const QUICK_SETTING: Setting = Setting {
+    model: "smollm2-135m",
+    context: 2048,
+    positions: 16,
+    k: 128,
+    cross: Some(4096),
+};
+
+/// The matrix of `--full` or `--quick`; the downstream commands only where the CLI has them
+/// (`help` is `fathom --help`).
+fn matrix(full: bool, help: &str) -> Matrix {
+    let mut downstream = Vec::new();
+    if help.contains("ruler") {
+        downstream.push(if full { RULER_FULL } else { RULER_QUICK }.to_string());
+    }
+    if help.contains("agent-steps") {
+        downstream.push(if full { AGENT_FULL } else { AGENT_QUICK }.to_string());
+    }
+    if full {
+        Matrix {
+            settings: FULL_SETTINGS.to_vec(),
+            ks: vec![64, 128, 256, 512, 1024],
+            downstream,
+            speed: vec![
+                ("smollm2-135m", "2048,8176"),
+                ("gemma3-270m", "2048,8192,32752"),
+            ],
+        }
+    } else {
+        Matrix {
+            settings: vec![QUICK_SETTING],
+            ks: vec![64, 256],
+            downstream,
+            speed: vec![("smollm2-135m", "2048")],
+        }
+    }
+}
+
+/// The stages of one setting: its captures, calibration, fidelity studies (main, ablation,
+/// k, cross-context), and, in `later`, its downstream runs.
+fn setting_stages(
+    s: &Setting,
     ks: &[usize],
     out: &str,
     cache: &str,
     downstream: &[String],
-    speed: &[(&str, &str)],
-) -> Vec<Stage> {
-    let mut st = vec![
-        stage("fetch models", 5.0, &["fetch-models"]),
-        stage("fetch corpus", 10.0, &["fetch-corpus"]),
-    ];
-    // Downstream stages run after every setting's fidelity work and the speed table, so that a
-    // time budget cuts the most expensive part first.
-    let mut later = Vec::new();
-    for s in settings {
-        let tag = format!("{}-{}k", s.model, s.context / 1024);
-        let dir = format!("{out}/{tag}");
-        let cap = |split: &str, ctx: usize| {
-            format!("{cache}/{}-{split}-{}k.safetensors", s.model, ctx / 1024)
-        };
-        let est = s.context as f64 / 150.0;
-        let (ctx, pos, k) = (
-            s.context.to_string(),
-            s.positions.to_string(),
-            s.k.to_string(),
-        );
-        for split in ["calib", "eval"] {
-            st.push(stage(
-                &format!("{tag}: capture {split}"),
-                est,
-                &[
-                    "capture",
-                    "--model",
-                    s.model,
-                    "--corpus",
-                    "prose",
-                    "--split",
-                    split,
-                    "--context",
-                    &ctx,
-                    "--positions",
-                    &pos,
-                    "--dtype",
-                    "f16",
-                    "--out",
-                    &cap(split, s.context),
-                ],
-            ));
-        }
-        let calib = format!("{dir}/calibration.json");
-        st.push(stage(
-            &format!("{tag}: calibrate"),
-            est / 2.0,
-            &[
-                "calibrate",
-                "--capture",
-                &cap("calib", s.context),
-                "--out",
-                &calib,
-                "--targets",
-                "48,64",
-                "--k",
-                &k,
-            ],
-        ));
-        let main = main_methods(head_dim(s.model));
-        st.push(stage(
-            &format!("{tag}: fidelity"),
+    st: &mut Vec<Stage>,
+    later: &mut Vec<Stage>,
+) {
+    let (model, context, k) = (s.model, s.context, s.k);
+    let tag = format!("{model}-{}k", context / 1024);
+    let dir = format!("{out}/{tag}");
+    let cap =
+        |split: &str, ctx: usize| format!("{cache}/{model}-{split}-{}k.safetensors", ctx / 1024);
+    let est = context as f64 / 150.0;
+    let capture = |split: &str, ctx: usize| {
+        format!(
+            "capture --model {model} --corpus prose --split {split} --context {ctx} --positions {} --dtype f16 --out {}",
+            s.positions,
+            cap(split, ctx)
+        )
+    };
+    for split in ["calib", "eval"] {
+        st.push(stage_cmd(
+            &format!("{tag}: capture {split}"),
             est,
-            &[
-                "fidelity",
-                "--capture",
-                &cap("eval", s.context),
-                "--calib",
-                &calib,
-                "--methods",
-                &main,
-                "--k",
-                &k,
-                "--json",
-                &format!("{dir}/fidelity.json"),
-                "--plot",
-                &format!("{dir}/fidelity.png"),
-                "--study",
-                "main",
-            ],
+            &capture(split, context),
         ));
-        st.push(stage(
-            &format!("{tag}: ablations (basis, proxy, Loki fp16)"),
-            est,
-            &[
-                "fidelity",
-                "--capture",
-                &cap("eval", s.context),
-                "--calib",
-                &calib,
-                "--methods",
-                ABLATION_METHODS,
-                "--k",
-                &k,
-                "--json",
-                &format!("{dir}/ablations.json"),
-                "--plot",
-                &format!("{dir}/ablations.png"),
-                "--study",
-                "ablation",
-            ],
-        ));
-        for &kk in ks {
-            let kk = kk.to_string();
-            st.push(stage(
-                &format!("{tag}: k = {kk}"),
-                est / 3.0,
-                &[
-                    "fidelity",
-                    "--capture",
-                    &cap("eval", s.context),
-                    "--calib",
-                    &calib,
-                    "--methods",
-                    K_METHODS,
-                    "--k",
-                    &kk,
-                    "--json",
-                    &format!("{dir}/k{kk}.json"),
-                    "--study",
-                    "k",
-                ],
-            ));
-        }
-        if let Some(c2) = s.cross {
-            let c2s = c2.to_string();
-            st.push(stage(
-                &format!("{tag}: capture eval at {}k (cross-context)", c2 / 1024),
-                c2 as f64 / 150.0,
-                &[
-                    "capture",
-                    "--model",
-                    s.model,
-                    "--corpus",
-                    "prose",
-                    "--split",
-                    "eval",
-                    "--context",
-                    &c2s,
-                    "--positions",
-                    &pos,
-                    "--dtype",
-                    "f16",
-                    "--out",
-                    &cap("eval", c2),
-                ],
-            ));
-            st.push(stage(
-                &format!(
-                    "{tag}: plan calibrated at {}k, evaluated at {}k",
-                    s.context / 1024,
-                    c2 / 1024
-                ),
-                c2 as f64 / 150.0,
-                &[
-                    "fidelity",
-                    "--capture",
-                    &cap("eval", c2),
-                    "--calib",
-                    &calib,
-                    "--methods",
-                    "exact,fathom:48,fathom:64,fathom-layer:48,fathom-layer:64,ds:32",
-                    "--k",
-                    &k,
-                    "--json",
-                    &format!("{dir}/cross-context-{}k.json", c2 / 1024),
-                    "--study",
-                    "ablation",
-                ],
-            ));
-        }
-        for d in downstream {
-            let mut args: Vec<&str> = d.split(' ').collect();
-            let json = format!("{dir}/{}.json", args[0]);
-            args.extend(["--model", s.model, "--context", &ctx, "--json", &json]);
-            later.push(stage(
-                &format!("{tag}: {}", d.split(' ').next().unwrap_or("")),
-                downstream_estimate(d, s.context),
-                &args,
-            ));
-        }
     }
+    let calib = format!("{dir}/calibration.json");
+    st.push(stage_cmd(
+        &format!("{tag}: calibrate"),
+        est / 2.0,
+        &format!(
+            "calibrate --capture {} --out {calib} --targets 48,64 --k {k}",
+            cap("calib", context)
+        ),
+    ));
+    let eval = cap("eval", context);
+    let fidelity = |methods: &str, k: usize, json: &str, study: &str| {
+        format!("fidelity --capture {eval} --calib {calib} --methods {methods} --k {k} --json {dir}/{json} --study {study}")
+    };
+    let main = main_methods(head_dim(model));
+    st.push(stage_cmd(
+        &format!("{tag}: fidelity"),
+        est,
+        &format!(
+            "{} --plot {dir}/fidelity.png",
+            fidelity(&main, k, "fidelity.json", "main")
+        ),
+    ));
+    st.push(stage_cmd(
+        &format!("{tag}: ablations (basis, proxy, Loki fp16)"),
+        est,
+        &format!(
+            "{} --plot {dir}/ablations.png",
+            fidelity(ABLATION_METHODS, k, "ablations.json", "ablation")
+        ),
+    ));
+    for &kk in ks {
+        st.push(stage_cmd(
+            &format!("{tag}: k = {kk}"),
+            est / 3.0,
+            &fidelity(K_METHODS, kk, &format!("k{kk}.json"), "k"),
+        ));
+    }
+    if let Some(c2) = s.cross {
+        st.push(stage_cmd(
+            &format!("{tag}: capture eval at {}k (cross-context)", c2 / 1024),
+            c2 as f64 / 150.0,
+            &capture("eval", c2),
+        ));
+        st.push(stage_cmd(
+            &format!("{tag}: plan calibrated at {}k, evaluated at {}k", context / 1024, c2 / 1024),
+            c2 as f64 / 150.0,
+            &format!(
+                "fidelity --capture {} --calib {calib} --methods {CROSS_METHODS} --k {k} --json {dir}/cross-context-{}k.json --study ablation",
+                cap("eval", c2),
+                c2 / 1024
+            ),
+        ));
+    }
+    for d in downstream {
+        let name = d.split(' ').next().unwrap_or("");
+        later.push(stage_cmd(
+            &format!("{tag}: {name}"),
+            downstream_estimate(d, context),
+            &format!("{d} --model {model} --context {context} --json {dir}/{name}.json"),
+        ));
+    }
+}
+
+/// The speed table's stages.
+fn speed_stages(speed: &[(&str, &str)], out: &str, st: &mut Vec<Stage>) {
     for (model, ctxs) in speed {
         let n: f64 = ctxs.split(',').filter_map(|c| c.parse::<f64>().ok()).sum();
         st.push(stage(
@@ -492,6 +483,21 @@ fn pipeline(
             ],
         ));
     }
+}
+
+/// Every stage of a run, in order: fetches, each distinct capture once, the fidelity work and
+/// speed table, then the downstream runs (so that a time budget cuts the most expensive
+/// part first).
+fn pipeline(m: &Matrix, out: &str, cache: &str) -> Vec<Stage> {
+    let mut st = vec![
+        stage("fetch models", 5.0, &["fetch-models"]),
+        stage("fetch corpus", 10.0, &["fetch-corpus"]),
+    ];
+    let mut later = Vec::new();
+    for s in &m.settings {
+        setting_stages(s, &m.ks, out, cache, &m.downstream, &mut st, &mut later);
+    }
+    speed_stages(&m.speed, out, &mut st);
     st.extend(later);
     // Captures first (they depend only on the fetches), each distinct command once: a budgeted
     // run spends its first minutes on the model forward passes, and a later run reuses them.
@@ -511,163 +517,7 @@ fn run() -> Result<bool> {
         bail!("usage: cargo xtask <repro [--quick|--full] [--gpu] [--out DIR] [--budget-min M] | fetch-models | fetch-corpus | fuzz [--seconds N] [--target T] | stress [--seconds N]>");
     };
     match cmd.as_str() {
-        "repro" => {
-            let mut out = "results".to_string();
-            let (mut full, mut gpu) = (false, false);
-            let mut budget: Option<f64> = None;
-            let mut it = args.iter().skip(1);
-            while let Some(a) = it.next() {
-                match a.as_str() {
-                    "--quick" => full = false,
-                    "--full" => full = true,
-                    "--gpu" => gpu = true,
-                    "--out" => out = it.next().context("--out needs a directory")?.clone(),
-                    "--budget-min" => {
-                        let v = it.next().context("--budget-min needs minutes")?;
-                        let m: f64 = v
-                            .parse()
-                            .ok()
-                            .filter(|m: &f64| m.is_finite() && *m > 0.0)
-                            .with_context(|| format!("--budget-min {v:?} is not a positive number"))?;
-                        budget = Some(m * 60.0);
-                    }
-                    other => bail!("unknown repro flag {other:?}"),
-                }
-            }
-            let bin = build_cli(&[])?;
-            let mode = if full { "full" } else { "quick" };
-            let run_dir = format!("{out}/{mode}");
-            std::fs::create_dir_all(root().join(&run_dir))
-                .with_context(|| format!("creating {run_dir}"))?;
-            let cache = ".cache/captures".to_string();
-            std::fs::create_dir_all(root().join(&cache))?;
-            let help = Command::new(&bin)
-                .arg("--help")
-                .output()
-                .context("running fathom --help")?;
-            let help = String::from_utf8_lossy(&help.stdout).to_string();
-            let mut downstream = Vec::new();
-            if help.contains("ruler") {
-                downstream.push(if full {
-                    "ruler --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples 20 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark".to_string()
-                } else {
-                    "ruler --tasks niah_single,niah_multikey,vt --samples 1 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32".to_string()
-                });
-            }
-            if help.contains("agent-steps") {
-                downstream.push(if full {
-                    "agent-steps --sessions 4 --steps 64 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark".to_string()
-                } else {
-                    "agent-steps --sessions 1 --steps 16 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32".to_string()
-                });
-            }
-            let (settings, ks): (Vec<Setting>, Vec<usize>) = if full {
-                (
-                    vec![
-                        Setting {
-                            model: "smollm2-135m",
-                            context: 4096,
-                            positions: 128,
-                            k: 128,
-                            cross: Some(8192),
-                        },
-                        Setting {
-                            model: "smollm2-135m",
-                            context: 8192,
-                            positions: 128,
-                            k: 256,
-                            cross: None,
-                        },
-                        Setting {
-                            model: "gemma3-270m",
-                            context: 8192,
-                            positions: 128,
-                            k: 256,
-                            cross: None,
-                        },
-                        Setting {
-                            model: "gemma3-270m",
-                            context: 16384,
-                            positions: 128,
-                            k: 256,
-                            cross: None,
-                        },
-                        Setting {
-                            model: "gemma3-270m",
-                            context: 32768,
-                            positions: 128,
-                            k: 512,
-                            cross: None,
-                        },
-                    ],
-                    vec![64, 128, 256, 512, 1024],
-                )
-            } else {
-                (
-                    vec![Setting {
-                        model: "smollm2-135m",
-                        context: 2048,
-                        positions: 16,
-                        k: 128,
-                        cross: Some(4096),
-                    }],
-                    vec![64, 256],
-                )
-            };
-            for s in &settings {
-                let dir = root().join(&run_dir).join(format!("{}-{}k", s.model, s.context / 1024));
-                std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            }
-            let speed: Vec<(&str, &str)> = if full {
-                vec![("smollm2-135m", "2048,8176"), ("gemma3-270m", "2048,8192,32752")]
-            } else {
-                vec![("smollm2-135m", "2048")]
-            };
-            let mut stages = pipeline(&settings, &ks, &run_dir, &cache, &downstream, &speed);
-            if gpu {
-                stages.push(stage(
-                    "offload timing (device)",
-                    120.0,
-                    &[
-                        "offload-bench",
-                        "--context",
-                        "32k,256k,1m",
-                        "--residency",
-                        "host,hbm",
-                        "--json",
-                        &format!("{run_dir}/device-offload.json"),
-                    ],
-                ));
-            } else {
-                eprintln!("xtask: device timing skipped: --gpu not given (this machine has no GPU); the report lists the last committed device results under results/device/, labelled as such");
-            }
-            let log = root().join(&run_dir).join("stages.jsonl");
-            let ok = run_stages(&bin, &stages, &log, budget)?;
-            // The report: this run plus the last committed device results.
-            let report = format!("{out}/REPORT.md");
-            let mut report_stage = vec![stage(
-                "report",
-                1.0,
-                &[
-                    "report",
-                    "--dir",
-                    &out,
-                    "--out",
-                    &report,
-                    "--stages",
-                    &log.display().to_string(),
-                ],
-            )];
-            let ok2 = run_stages(
-                &bin,
-                &report_stage,
-                &root().join(&run_dir).join("report-stage.jsonl"),
-                None,
-            )?;
-            report_stage.clear();
-            eprintln!("xtask: report at {report}");
-            Ok(ok && ok2)
-        }
+        "repro" => repro(&args[1..]),
         "fetch-models" => {
             let bin = build_cli(&[])?;
             Ok(Command::new(bin).arg("fetch-models").status()?.success())
@@ -694,6 +544,112 @@ fn run() -> Result<bool> {
 }
 /// The fuzz targets under `fuzz/fuzz_targets/`.
 const FUZZ_TARGETS: [&str; 4] = ["store", "capture", "calib", "gguf"];
+
+/// `cargo xtask repro` flags.
+struct ReproArgs {
+    out: String,
+    full: bool,
+    gpu: bool,
+    /// Seconds.
+    budget: Option<f64>,
+}
+
+impl ReproArgs {
+    fn parse(args: &[String]) -> Result<ReproArgs> {
+        let mut r = ReproArgs {
+            out: "results".into(),
+            full: false,
+            gpu: false,
+            budget: None,
+        };
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            match a.as_str() {
+                "--quick" => r.full = false,
+                "--full" => r.full = true,
+                "--gpu" => r.gpu = true,
+                "--out" => r.out = it.next().context("--out needs a directory")?.clone(),
+                "--budget-min" => {
+                    let v = it.next().context("--budget-min needs minutes")?;
+                    let m: f64 = v
+                        .parse()
+                        .ok()
+                        .filter(|m: &f64| m.is_finite() && *m > 0.0)
+                        .with_context(|| format!("--budget-min {v:?} is not a positive number"))?;
+                    r.budget = Some(m * 60.0);
+                }
+                other => bail!("unknown repro flag {other:?}"),
+            }
+        }
+        Ok(r)
+    }
+}
+
+/// `cargo xtask repro`: build the CLI, run the matrix's stages, then render the report.
+fn repro(args: &[String]) -> Result<bool> {
+    let a = ReproArgs::parse(args)?;
+    let bin = build_cli(&[])?;
+    let mode = if a.full { "full" } else { "quick" };
+    let run_dir = format!("{}/{mode}", a.out);
+    std::fs::create_dir_all(root().join(&run_dir))
+        .with_context(|| format!("creating {run_dir}"))?;
+    let cache = ".cache/captures".to_string();
+    std::fs::create_dir_all(root().join(&cache))?;
+    let help = Command::new(&bin)
+        .arg("--help")
+        .output()
+        .context("running fathom --help")?;
+    let m = matrix(a.full, &String::from_utf8_lossy(&help.stdout));
+    for s in &m.settings {
+        let dir = root()
+            .join(&run_dir)
+            .join(format!("{}-{}k", s.model, s.context / 1024));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let mut stages = pipeline(&m, &run_dir, &cache);
+    if a.gpu {
+        stages.push(stage(
+            "offload timing (device)",
+            120.0,
+            &[
+                "offload-bench",
+                "--context",
+                "32k,256k,1m",
+                "--residency",
+                "host,hbm",
+                "--json",
+                &format!("{run_dir}/device-offload.json"),
+            ],
+        ));
+    } else {
+        eprintln!("xtask: device timing skipped: --gpu not given (this machine has no GPU); the report lists the last committed device results under results/device/, labelled as such");
+    }
+    let log = root().join(&run_dir).join("stages.jsonl");
+    let ok = run_stages(&bin, &stages, &log, a.budget)?;
+    // The report: this run plus the last committed device results.
+    let report = format!("{}/REPORT.md", a.out);
+    let report_stage = [stage(
+        "report",
+        1.0,
+        &[
+            "report",
+            "--dir",
+            &a.out,
+            "--out",
+            &report,
+            "--stages",
+            &log.display().to_string(),
+        ],
+    )];
+    let ok2 = run_stages(
+        &bin,
+        &report_stage,
+        &root().join(&run_dir).join("report-stage.jsonl"),
+        None,
+    )?;
+    eprintln!("xtask: report at {report}");
+    Ok(ok && ok2)
+}
 
 fn seconds_flag(args: &[String], default: u64) -> Result<u64> {
     let mut secs = default;
@@ -807,14 +763,13 @@ mod tests {
             "ruler --tasks niah_single,vt --samples 2 --methods dense,exact".to_string(),
             "agent-steps --sessions 1 --steps 16 --methods dense,exact".to_string(),
         ];
-        let st = pipeline(
-            &settings(),
-            &[64, 256],
-            "results/quick",
-            ".cache/captures",
-            &down,
-            &[("smollm2-135m", "2048")],
-        );
+        let m = Matrix {
+            settings: settings(),
+            ks: vec![64, 256],
+            downstream: down,
+            speed: vec![("smollm2-135m", "2048")],
+        };
+        let st = pipeline(&m, "results/quick", ".cache/captures");
         let mut written: Vec<String> = Vec::new();
         for s in &st {
             assert!(s.estimate > 0.0, "{}", s.name);
