@@ -85,3 +85,104 @@ impl StepSession for crate::Session {
         crate::Session::layer_debug(self, method, layer, step)
     }
 }
+
+/// The paged KV cache a model drives (docs/SPEC.md §6.1) on a [`Device`].
+pub trait KvCache: Sized {
+    /// The device type.
+    type Device: Device;
+    /// Allocates the cache.
+    fn new(gpu: &Self::Device, cfg: crate::cache::CacheConfig) -> Result<Self>;
+    /// The configuration.
+    fn config(&self) -> &crate::cache::CacheConfig;
+    /// A new, empty session.
+    fn create(&mut self) -> Result<crate::pages::SessionId>;
+    /// Tokens in a session.
+    fn len(&self, session: crate::pages::SessionId) -> Result<usize>;
+    /// A session sharing every page of `parent`.
+    fn fork(&mut self, parent: crate::pages::SessionId) -> Result<crate::pages::SessionId>;
+    /// Frees a session.
+    fn free(&mut self, session: crate::pages::SessionId) -> Result<()>;
+    /// Grows the sessions of a batch (all or nothing).
+    fn reserve(
+        &mut self,
+        batch: &[(crate::pages::SessionId, usize)],
+    ) -> Result<crate::cache::AppendBatch>;
+    /// Appends one layer's K/V rows from device memory.
+    fn append(
+        &mut self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        kv: &crate::cache::KvRows,
+    ) -> Result<()>;
+    /// Appends one layer's K/V rows from host slices `[rows][Hkv][D]`.
+    fn append_host(
+        &mut self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<()>;
+    /// Faults counted per layer.
+    fn faults(&self) -> Result<Vec<u32>>;
+    /// One layer's store of a session, in `fathom-store`'s layout.
+    fn export(
+        &self,
+        session: crate::pages::SessionId,
+        layer: usize,
+    ) -> Result<crate::paged_ref::PagedExport>;
+}
+
+impl KvCache for crate::PagedCache {
+    type Device = crate::Gpu;
+    fn new(gpu: &crate::Gpu, cfg: crate::cache::CacheConfig) -> Result<Self> {
+        crate::PagedCache::new(gpu, cfg)
+    }
+    fn config(&self) -> &crate::cache::CacheConfig {
+        crate::PagedCache::config(self)
+    }
+    fn create(&mut self) -> Result<crate::pages::SessionId> {
+        crate::PagedCache::create(self)
+    }
+    fn len(&self, session: crate::pages::SessionId) -> Result<usize> {
+        crate::PagedCache::len(self, session)
+    }
+    fn fork(&mut self, parent: crate::pages::SessionId) -> Result<crate::pages::SessionId> {
+        crate::PagedCache::fork(self, parent)
+    }
+    fn free(&mut self, session: crate::pages::SessionId) -> Result<()> {
+        crate::PagedCache::free(self, session)
+    }
+    fn reserve(
+        &mut self,
+        batch: &[(crate::pages::SessionId, usize)],
+    ) -> Result<crate::cache::AppendBatch> {
+        crate::PagedCache::reserve(self, batch)
+    }
+    fn append(
+        &mut self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        kv: &crate::cache::KvRows,
+    ) -> Result<()> {
+        crate::PagedCache::append(self, batch, layer, kv)
+    }
+    fn append_host(
+        &mut self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<()> {
+        crate::PagedCache::append_host(self, batch, layer, k, v)
+    }
+    fn faults(&self) -> Result<Vec<u32>> {
+        crate::PagedCache::faults(self)
+    }
+    fn export(
+        &self,
+        session: crate::pages::SessionId,
+        layer: usize,
+    ) -> Result<crate::paged_ref::PagedExport> {
+        crate::PagedCache::export(self, session, layer)
+    }
+}

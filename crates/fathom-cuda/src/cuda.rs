@@ -49,7 +49,7 @@ struct Run {
 }
 const _: () = assert!(std::mem::size_of::<Run>() == 16);
 
-fn drv(op: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+pub(crate) fn drv(op: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |e| CudaError::Driver {
         op,
         message: e.to_string(),
@@ -61,13 +61,13 @@ fn drv(op: &'static str) -> impl FnOnce(DriverError) -> CudaError {
 
 /// Device memory (`cuMemAlloc`), freed on drop.
 #[derive(Debug)]
-struct DevBuf {
-    ptr: CUdeviceptr,
+pub(crate) struct DevBuf {
+    pub(crate) ptr: CUdeviceptr,
     bytes: usize,
 }
 
 impl DevBuf {
-    fn new(bytes: usize, what: &'static str) -> Result<Self> {
+    pub(crate) fn new(bytes: usize, what: &'static str) -> Result<Self> {
         // SAFETY: a plain allocation of `bytes.max(16)` bytes; the pointer is owned by the
         // returned value and freed once in `Drop`.
         let ptr =
@@ -78,19 +78,19 @@ impl DevBuf {
             })?;
         Ok(DevBuf { ptr, bytes })
     }
-    fn zeroed(bytes: usize, what: &'static str) -> Result<Self> {
+    pub(crate) fn zeroed(bytes: usize, what: &'static str) -> Result<Self> {
         let b = Self::new(bytes, what)?;
         // SAFETY: `b.ptr` is a live allocation of at least `bytes` bytes.
         unsafe { result::memset_d8_sync(b.ptr, 0, bytes.max(16)) }.map_err(drv("memset"))?;
         Ok(b)
     }
-    fn from_slice<T: Copy>(data: &[T], what: &'static str) -> Result<Self> {
+    pub(crate) fn from_slice<T: Copy>(data: &[T], what: &'static str) -> Result<Self> {
         let b = Self::new(std::mem::size_of_val(data), what)?;
         // SAFETY: the allocation holds `size_of_val(data)` bytes; the copy is synchronous.
         unsafe { result::memcpy_htod_sync(b.ptr, data) }.map_err(drv("memcpy_htod"))?;
         Ok(b)
     }
-    fn read<T: Copy + Default>(&self, len: usize) -> Result<Vec<T>> {
+    pub(crate) fn read<T: Copy + Default>(&self, len: usize) -> Result<Vec<T>> {
         assert!(len * std::mem::size_of::<T>() <= self.bytes.max(16));
         let mut v = vec![T::default(); len];
         // SAFETY: reads `len` elements that lie inside the allocation (asserted above).
@@ -108,10 +108,10 @@ impl Drop for DevBuf {
 
 /// Pinned, mapped host memory (`cuMemHostAlloc` with `DEVICEMAP | PORTABLE`).
 #[derive(Debug)]
-struct HostBuf {
+pub(crate) struct HostBuf {
     ptr: *mut u8,
     bytes: usize,
-    dptr: CUdeviceptr,
+    pub(crate) dptr: CUdeviceptr,
 }
 
 // SAFETY: the buffer is plain memory owned by this value; access is through &/&mut self.
@@ -120,7 +120,7 @@ unsafe impl Send for HostBuf {}
 unsafe impl Sync for HostBuf {}
 
 impl HostBuf {
-    fn new(bytes: usize, what: &'static str) -> Result<Self> {
+    pub(crate) fn new(bytes: usize, what: &'static str) -> Result<Self> {
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: allocation of `bytes` page-locked bytes; freed once in `Drop`.
         let ptr = unsafe { result::malloc_host(bytes.max(16), flags) }.map_err(|e| {
@@ -137,7 +137,12 @@ impl HostBuf {
             .map_err(drv("cuMemHostGetDevicePointer"))?;
         Ok(HostBuf { ptr, bytes, dptr })
     }
-    fn as_mut_bytes(&mut self) -> &mut [u8] {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `bytes` bytes owned by `self`; the caller has synchronised
+        // every stream that writes them.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
+    }
+    pub(crate) fn as_mut_bytes(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` points to `bytes` bytes owned by `self`, uniquely borrowed here.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
     }
@@ -202,7 +207,7 @@ impl Mem {
 }
 
 /// Views 8-aligned bytes as `T`s.
-fn cast_mut<T>(b: &mut [u8]) -> &mut [T] {
+pub(crate) fn cast_mut<T>(b: &mut [u8]) -> &mut [T] {
     let n = b.len() / std::mem::size_of::<T>();
     assert_eq!(
         b.as_ptr() as usize % std::mem::align_of::<T>(),
@@ -344,6 +349,21 @@ impl Gpu {
         &self.info
     }
 
+    /// The stream every session and cache of this device launches on, in order: enqueue
+    /// the model's own kernels on it (or synchronise with it) to order them with appends
+    /// and attends.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub(crate) fn arch(&self) -> &'static str {
+        self.arch
+    }
+
     fn kernels(&self, g: usize, d: usize) -> Result<Arc<Kernels>> {
         let mut cache = self.modules.lock().expect("module cache poisoned");
         if let Some(k) = cache.get(&(g, d)) {
@@ -473,6 +493,30 @@ impl Gpu {
     }
 }
 
+/// Compiles one `.cu` source (with `common.cuh` inlined) for `arch` with `defines`.
+pub(crate) fn compile_one(
+    arch: &'static str,
+    name: &'static str,
+    src: &str,
+    defines: Vec<String>,
+) -> Result<cudarc::nvrtc::Ptx> {
+    let src = src.replace("#include \"common.cuh\"", COMMON);
+    let opts = CompileOptions {
+        arch: Some(arch),
+        options: defines,
+        name: Some(name.to_string()),
+        ..Default::default()
+    };
+    std::panic::catch_unwind(|| compile_ptx_with_opts(&src, opts))
+        .map_err(|_| CudaError::NoDevice {
+            message: "NVRTC library (libnvrtc) not found".into(),
+        })?
+        .map_err(|e| CudaError::Compile {
+            kernel: name,
+            log: format!("{e:?}"),
+        })
+}
+
 fn compile_all(
     arch: &'static str,
     g: usize,
@@ -480,30 +524,20 @@ fn compile_all(
 ) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>> {
     let mut out = Vec::new();
     for (name, src) in KERNELS {
-        let src = src.replace("#include \"common.cuh\"", COMMON);
-        let opts = CompileOptions {
-            arch: Some(arch),
-            options: {
-                let mut o = vec![format!("-DGQ={g}"), format!("-DDIM={d}")];
-                // Experiment switch: warp-aggregated histogram updates in the scan.
-                if std::env::var("FATHOM_SCAN_HIST").is_ok_and(|v| v == "match") {
-                    o.push("-DHIST_MATCH=1".into());
-                }
-                o
-            },
-            name: Some(name.to_string()),
-            ..Default::default()
-        };
-        let ptx = std::panic::catch_unwind(|| compile_ptx_with_opts(&src, opts))
-            .map_err(|_| CudaError::NoDevice {
-                message: "NVRTC library (libnvrtc) not found".into(),
-            })?
-            .map_err(|e| CudaError::Compile {
-                kernel: name,
-                log: format!("{e:?}"),
-            })?;
-        out.push((name, ptx));
+        let mut o = vec![format!("-DGQ={g}"), format!("-DDIM={d}")];
+        // Experiment switch: warp-aggregated histogram updates in the scan.
+        if std::env::var("FATHOM_SCAN_HIST").is_ok_and(|v| v == "match") {
+            o.push("-DHIST_MATCH=1".into());
+        }
+        out.push((name, compile_one(arch, name, src, o)?));
     }
+    let append = compile_one(
+        arch,
+        "append.cu",
+        crate::cuda_cache::APPEND_SRC,
+        vec![format!("-DDIM={d}")],
+    )?;
+    out.push(("append.cu", append));
     Ok(out)
 }
 
@@ -534,7 +568,7 @@ fn gather_grid(items: u64, cap: usize) -> u32 {
     g.clamp(1, i32::MAX as u64) as u32
 }
 
-fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
+pub(crate) fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: grid,
         block_dim: (threads, 1, 1),

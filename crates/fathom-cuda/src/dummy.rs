@@ -97,3 +97,133 @@ impl Session {
         Err(CudaError::NotCompiledWithCuda)
     }
 }
+
+/// The paged KV cache (stub: cannot be created without the `cuda` feature).
+#[derive(Debug)]
+pub struct PagedCache {
+    cfg: crate::cache::CacheConfig,
+    layout: crate::paged_layout::PagedLayout,
+    sessions: crate::pages::CacheSessions,
+}
+
+impl PagedCache {
+    /// Allocates the cache.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build (after validating `cfg`).
+    pub fn new(_gpu: &Gpu, cfg: crate::cache::CacheConfig) -> Result<Self> {
+        cfg.validate()?;
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// The configuration.
+    pub fn config(&self) -> &crate::cache::CacheConfig {
+        &self.cfg
+    }
+    /// The byte layout of each layer's pool.
+    pub fn layout(&self) -> &crate::paged_layout::PagedLayout {
+        &self.layout
+    }
+    /// The host-side page tables and sessions.
+    pub fn sessions(&self) -> &crate::pages::CacheSessions {
+        &self.sessions
+    }
+    /// A new, empty session.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn create(&mut self) -> Result<crate::pages::SessionId> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Tokens in `session`.
+    ///
+    /// # Errors
+    /// An unknown session.
+    pub fn len(&self, session: crate::pages::SessionId) -> Result<usize> {
+        Ok(self.sessions.len(session)?)
+    }
+    /// Whether `session` holds no token.
+    ///
+    /// # Errors
+    /// An unknown session.
+    pub fn is_empty(&self, session: crate::pages::SessionId) -> Result<bool> {
+        Ok(self.sessions.is_empty(session)?)
+    }
+    /// Forks `parent`.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn fork(&mut self, _parent: crate::pages::SessionId) -> Result<crate::pages::SessionId> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Frees `session`.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn free(&mut self, _session: crate::pages::SessionId) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Grows the sessions of a batch.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn reserve(
+        &mut self,
+        _batch: &[(crate::pages::SessionId, usize)],
+    ) -> Result<crate::cache::AppendBatch> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Appends one layer's K/V rows.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn append(
+        &mut self,
+        _batch: &crate::cache::AppendBatch,
+        _layer: usize,
+        _kv: &crate::cache::KvRows,
+    ) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Appends one layer's K/V rows from host slices.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn append_host(
+        &mut self,
+        _batch: &crate::cache::AppendBatch,
+        _layer: usize,
+        _k: &[f32],
+        _v: &[f32],
+    ) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Faults counted per layer.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn faults(&self) -> Result<Vec<u32>> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// One layer's store of `session`.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn export(
+        &self,
+        _session: crate::pages::SessionId,
+        _layer: usize,
+    ) -> Result<crate::paged_ref::PagedExport> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// One layer's K|V records of `session`.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn records(
+        &self,
+        _session: crate::pages::SessionId,
+        _layer: usize,
+    ) -> Result<Vec<half::bf16>> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+}

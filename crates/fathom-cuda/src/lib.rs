@@ -47,6 +47,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod cache;
 pub mod config;
 pub mod error;
 pub mod paged_layout;
@@ -58,12 +59,16 @@ pub mod types;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+mod cuda_cache;
+#[cfg(feature = "cuda")]
 pub use cuda::{compile_kernels, Gpu, Session};
+#[cfg(feature = "cuda")]
+pub use cuda_cache::PagedCache;
 
 #[cfg(not(feature = "cuda"))]
 mod dummy;
 #[cfg(not(feature = "cuda"))]
-pub use dummy::{Gpu, Session};
+pub use dummy::{Gpu, PagedCache, Session};
 
 pub use config::{
     Method, ModelShape, Residency, SessionConfig, AUTO_GATHER_CTAS, AUTO_PIPELINE_GROUPS,

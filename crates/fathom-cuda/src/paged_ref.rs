@@ -339,36 +339,13 @@ impl PagedStoreRef {
 
     /// The session's planes and scales in `fathom-store`'s layout (capacity = blocks held).
     pub fn export(&self, session: SessionId) -> Result<PagedExport> {
-        let lay = self.layout;
-        let dims = lay.dims();
         let n = self.sessions.len(session)?;
-        let table = self.sessions.page_table(session)?;
-        let nb = blocks_for(n as u64) as usize;
-        let bp = lay.blocks_per_page();
-        let mut planes = vec![0u64; dims.row() * PLANES * nb];
-        let mut scales = vec![f16::ZERO; dims.row() * nb];
-        for h in 0..dims.heads {
-            for c in 0..dims.channels {
-                let hc = h * dims.channels + c;
-                for gb in 0..nb {
-                    let page = table[gb / bp];
-                    let b = gb % bp;
-                    for pl in 0..PLANES {
-                        let off = lay.plane_word_offset(page, h, c, pl, b)?;
-                        planes[(hc * PLANES + pl) * nb + gb] =
-                            u64::from_le_bytes(get::<8>(&self.pool, off)?);
-                    }
-                    let off = lay.block_scale_offset(page, h, c, b)?;
-                    scales[hc * nb + gb] = f16::from_le_bytes(get::<2>(&self.pool, off)?);
-                }
-            }
-        }
-        Ok(PagedExport {
-            dims,
-            tokens: n,
-            planes,
-            scales,
-        })
+        export_pool(
+            &self.layout,
+            &self.pool,
+            self.sessions.page_table(session)?,
+            n,
+        )
     }
 
     /// The session's K|V records, `[head][token][K (D) | V (D)]` bf16 (the layout of
@@ -396,3 +373,74 @@ impl PagedStoreRef {
 
 #[cfg(test)]
 mod tests;
+
+/// The planes and scales of a session of `n` tokens whose pages are `table`, read from one
+/// layer's pool bytes `pool` laid out by `layout`, in `fathom-store`'s layout (capacity =
+/// blocks held). The CPU reference and the GPU cache both export through this.
+pub fn export_pool(
+    layout: &PagedLayout,
+    pool: &[u8],
+    table: &[PageId],
+    n: usize,
+) -> Result<PagedExport> {
+    let dims = layout.dims();
+    let nb = blocks_for(n as u64) as usize;
+    let bp = layout.blocks_per_page();
+    if table.len() < nb.div_ceil(bp) {
+        return Err(CudaError::invalid(
+            "page table",
+            format!("{} pages for {n} tokens", table.len()),
+        ));
+    }
+    let mut planes = vec![0u64; dims.row() * PLANES * nb];
+    let mut scales = vec![f16::ZERO; dims.row() * nb];
+    for h in 0..dims.heads {
+        for c in 0..dims.channels {
+            let hc = h * dims.channels + c;
+            for gb in 0..nb {
+                let page = table[gb / bp];
+                let b = gb % bp;
+                for pl in 0..PLANES {
+                    let off = layout.plane_word_offset(page, h, c, pl, b)?;
+                    planes[(hc * PLANES + pl) * nb + gb] = u64::from_le_bytes(get::<8>(pool, off)?);
+                }
+                let off = layout.block_scale_offset(page, h, c, b)?;
+                scales[hc * nb + gb] = f16::from_le_bytes(get::<2>(pool, off)?);
+            }
+        }
+    }
+    Ok(PagedExport {
+        dims,
+        tokens: n,
+        planes,
+        scales,
+    })
+}
+
+/// The K|V records `[head][token][K (D) | V (D)]` (bf16) of a session of `n` tokens whose
+/// pages are `table`, read from one layer's pool bytes.
+pub fn records_pool(
+    layout: &PagedLayout,
+    pool: &[u8],
+    table: &[PageId],
+    n: usize,
+) -> Result<Vec<bf16>> {
+    let Dims { heads, channels: d } = layout.dims();
+    let p = layout.page_tokens();
+    let mut out = Vec::with_capacity(heads * n * 2 * d);
+    for h in 0..heads {
+        for i in 0..n {
+            let page = *table.get(i / p).ok_or_else(|| {
+                CudaError::invalid(
+                    "page table",
+                    format!("{} pages for {n} tokens", table.len()),
+                )
+            })?;
+            let off = layout.record_offset(page, i % p, h)?;
+            for e in 0..2 * d {
+                out.push(bf16::from_le_bytes(get::<2>(pool, off + 2 * e as u64)?));
+            }
+        }
+    }
+    Ok(out)
+}

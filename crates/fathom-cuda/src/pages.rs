@@ -166,6 +166,12 @@ pub enum PageError {
         /// Pages in the pool.
         capacity: usize,
     },
+    /// One batch names a session twice.
+    #[error("{session} appears twice in one append batch")]
+    DuplicateInBatch {
+        /// The session.
+        session: SessionId,
+    },
     /// Every session slot is taken.
     #[error("too many sessions: all {max_sessions} slots are live (free one first)")]
     TooManySessions {
@@ -742,6 +748,54 @@ impl CacheSessions {
             copy,
             requant,
         })
+    }
+
+    /// Reserves room for a ragged batch, all or nothing: `batch[i] = (session, new_tokens)`,
+    /// each session at most once. Every check of [`CacheSessions::reserve`] runs for every
+    /// entry, and the pages the whole batch needs (growth plus copy-on-write) are counted
+    /// against the free list, before any state changes; then the plans are made in order.
+    pub fn reserve_many(
+        &mut self,
+        batch: &[(SessionId, usize)],
+    ) -> Result<Vec<AppendPlan>, PageError> {
+        let p = self.cfg.page_tokens;
+        let mut needed = 0usize;
+        for (i, &(session, new_tokens)) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|(s, _)| *s == session) {
+                return Err(PageError::DuplicateInBatch { session });
+            }
+            let st = self.state(session)?;
+            if new_tokens == 0 {
+                return Err(PageError::ZeroLengthAppend { session });
+            }
+            let n = st.len;
+            let full = PageError::SessionFull {
+                session,
+                len: n,
+                requested: new_tokens,
+                max_tokens: self.cfg.max_tokens,
+            };
+            let end = n.checked_add(new_tokens).ok_or(full.clone())?;
+            if end > self.cfg.max_tokens {
+                return Err(full);
+            }
+            let shared_last = match st.table.last() {
+                Some(&last) => n % p != 0 && self.pool.refcount(last)? > 1,
+                None => false,
+            };
+            needed += self.cfg.pages_for(end) - st.table.len() + usize::from(shared_last);
+        }
+        if needed > self.pool.free_pages() {
+            return Err(PageError::PoolExhausted {
+                needed,
+                free: self.pool.free_pages(),
+                capacity: self.pool.capacity(),
+            });
+        }
+        batch
+            .iter()
+            .map(|&(session, new_tokens)| self.reserve(session, new_tokens))
+            .collect()
     }
 
     /// Verifies every invariant of the module docs; `Err` names the first one broken.

@@ -1,0 +1,168 @@
+// Appends of the paged cache (docs/SPEC.md §2, §6.1): quantize and pack the new tokens'
+// keys into the bit-plane pages, re-quantizing every 64-token block they touch (the partial
+// last block included), and write each token's bf16 K|V record. Compiled by NVRTC with
+// -DDIM=<D>; no fast-math, so every division and rounding is IEEE and the result equals
+// fathom-store's CPU quantizer bit for bit. The parameter structs mirror `#[repr(C)]` ones in
+// cuda_cache.rs.
+#include "common.cuh"
+
+// One session of an append batch.
+struct AppendDesc {
+    u32 slot;  // session slot (row of the page-table and tail arrays)
+    u32 n0;    // tokens before the append
+    u32 m;     // new tokens
+    u32 row0;  // first row of its tokens in the layer's K/V arrays
+};
+
+// One layer's pool geometry (paged_layout.rs).
+struct PoolGeom {
+    u64 page_bytes;  // stride of pages in the pool
+    u64 scales_at;   // offset of the fp16 scales section in a page
+    u64 records_at;  // offset of the K|V records section in a page
+    u32 page_tokens; // P
+    u32 max_pages;   // page-table row length
+    u32 heads;       // Hkv
+    u32 layers;      // L (the tail array holds every layer)
+};
+
+#define BLOCK 64
+
+// Round-to-nearest-even f32 -> bf16 bits (NaN stays NaN), as half::bf16::from_f32.
+__device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (u16)(x >> 16);
+}
+
+// Round-to-nearest-even f32 -> f16 bits, as half::f16::from_f32.
+__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Element `i` of a K/V array of dtype 0 = f32, 1 = f16, 2 = bf16.
+__device__ __forceinline__ float load_elem(const void* p, u64 i, u32 dtype) {
+    if (dtype == 0) return ((const float*)p)[i];
+    u16 h = ((const u16*)p)[i];
+    return dtype == 1 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+// The key as stored: bf16 of the model's key.
+__device__ __forceinline__ float key_bf16(const void* k, u64 i, u32 dtype, u16* bits) {
+    u16 b = f32_to_bf16_bits(load_elem(k, i, dtype));
+    *bits = b;
+    return bf16_to_f32(b);
+}
+
+// grid (batch, Hkv, blocks touched), DIM threads (one per channel). Re-quantizes block
+// b = n0/64 + blockIdx.z of one session and head: its tokens before n0 come from the tail
+// (the bf16 keys of the session's last partial block), the rest from the new rows. Writes
+// all four plane words and the fp16 scale of the block (bits past the session's length are
+// zero). A non-finite key or a block maximum past fp16 skips the channel's write and counts
+// a fault.
+extern "C" __global__ void append_quant(
+    const AppendDesc* __restrict__ descs,
+    const u32* __restrict__ tables,
+    u8* pool,
+    PoolGeom g,
+    const u16* __restrict__ tails,
+    const void* __restrict__ k,
+    u32 dtype,
+    u32 layer,
+    u32* faults)
+{
+    const AppendDesc d = descs[blockIdx.x];
+    const u32 h = blockIdx.y, c = threadIdx.x;
+    const u32 b = d.n0 / BLOCK + blockIdx.z;
+    const u32 end = d.n0 + d.m;
+    const u32 t0 = b * BLOCK;
+    if (t0 >= end || c >= DIM) return;
+    const u32 t1 = min(t0 + BLOCK, end);
+    // tails: [slot][layer][head][64][D] bf16
+    const u16* tail = tails + ((((u64)d.slot * g.layers + layer) * g.heads + h) * BLOCK) * DIM;
+    float vals[BLOCK];
+    float mx = 0.0f;
+    bool bad = false;
+    for (u32 i = t0; i < t1; ++i) {
+        float x;
+        if (i < d.n0) {
+            x = bf16_to_f32(tail[(i % BLOCK) * DIM + c]);
+        } else {
+            u16 bits;
+            x = key_bf16(k, ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c, dtype, &bits);
+        }
+        if (!isfinite(x)) bad = true;
+        vals[i - t0] = x;
+        mx = fmaxf(mx, fabsf(x));
+    }
+    const u16 m16 = f32_to_f16_bits(mx);
+    const float m = f16_to_f32(m16);
+    if (bad || !isfinite(m)) {
+        atomicAdd(faults + layer, 1u);
+        return;
+    }
+    u64 w0 = 0, w1 = 0, w2 = 0, w3 = 0;
+    const float delta = m / 8.0f;
+    for (u32 i = t0; i < t1; ++i) {
+        u32 q = 8;
+        if (m != 0.0f) {
+            float v = floorf(vals[i - t0] / delta) + 8.0f;
+            v = fminf(fmaxf(v, 0.0f), 15.0f);
+            q = (u32)v;
+        }
+        const u64 bit = 1ull << (i - t0);
+        if (q & 8u) w0 |= bit;
+        if (q & 4u) w1 |= bit;
+        if (q & 2u) w2 |= bit;
+        if (q & 1u) w3 |= bit;
+    }
+    const u32 bp = g.page_tokens / BLOCK;
+    const u32 page = tables[(u64)d.slot * g.max_pages + t0 / g.page_tokens];
+    const u32 bb = (t0 % g.page_tokens) / BLOCK;
+    u8* base = pool + (u64)page * g.page_bytes;
+    u64* words = (u64*)base + ((u64)(h * DIM + c) * 4) * bp + bb;
+    words[0] = w0;
+    words[bp] = w1;
+    words[2 * (u64)bp] = w2;
+    words[3 * (u64)bp] = w3;
+    u16* scales = (u16*)(base + g.scales_at);
+    scales[(u64)(h * DIM + c) * bp + bb] = m16;
+}
+
+// grid (batch, Hkv, most new tokens of one session), DIM threads. Writes token n0 + z's bf16
+// K|V record of one head, and, when the token is in the session's last block, its key into
+// the tail (run after append_quant, which reads the old tail).
+extern "C" __global__ void append_records(
+    const AppendDesc* __restrict__ descs,
+    const u32* __restrict__ tables,
+    u8* pool,
+    PoolGeom g,
+    u16* tails,
+    const void* __restrict__ k,
+    const void* __restrict__ v,
+    u32 dtype,
+    u32 layer)
+{
+    const AppendDesc d = descs[blockIdx.x];
+    const u32 h = blockIdx.y, c = threadIdx.x;
+    const u32 j = blockIdx.z;
+    if (j >= d.m || c >= DIM) return;
+    const u32 tok = d.n0 + j;
+    const u64 src = ((u64)(d.row0 + j) * g.heads + h) * DIM + c;
+    u16 kb;
+    key_bf16(k, src, dtype, &kb);
+    const u16 vb = f32_to_bf16_bits(load_elem(v, src, dtype));
+    const u32 page = tables[(u64)d.slot * g.max_pages + tok / g.page_tokens];
+    const u32 s = tok % g.page_tokens;
+    u16* rec = (u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
+               ((u64)h * g.page_tokens + s) * (2 * DIM);
+    rec[c] = kb;
+    rec[DIM + c] = vb;
+    const u32 end = d.n0 + d.m;
+    if (tok >= ((end - 1) / BLOCK) * BLOCK) {
+        u16* tail = tails + ((((u64)d.slot * g.layers + layer) * g.heads + h) * BLOCK) * DIM;
+        tail[(tok % BLOCK) * DIM + c] = kb;
+    }
+}

@@ -1,0 +1,290 @@
+//! The offloaded KV cache a model drives (docs/SPEC.md §6.1): its configuration, the K/V rows
+//! a model appends from device memory, and the checks every backend runs before a launch.
+//!
+//! A [`CacheConfig`] fixes one model shape (`L` layers, `Hkv` KV heads, `G`, `D`) and a page
+//! pool ([`PageConfig`]). Each layer has its own pool of `pages` pages in pinned, mapped host
+//! memory ([`crate::paged_layout::PagedLayout`]); the layers share the sessions' page tables
+//! ([`crate::pages::CacheSessions`]), since every layer of a session has the same length.
+//!
+//! A decode step appends one token per session, a prefill a chunk, for a ragged batch:
+//!
+//! 1. [`crate::PagedCache::reserve`] grows every session of the batch (all or nothing:
+//!    [`crate::pages::CacheSessions::reserve_many`]) and performs the copy-on-write of shared
+//!    partial pages in every layer's pool; it returns the [`AppendBatch`] that names where
+//!    each new token goes;
+//! 2. per layer, [`crate::PagedCache::append`] takes that layer's K and V rows `[rows][Hkv][D]`
+//!    from device memory ([`KvRows`]; rows in batch order, `rows = Σ new_tokens`) and, on the
+//!    cache's stream, writes each token's bf16 K|V record and re-quantizes every 64-token
+//!    block the new tokens touch, the partial last block included, so that each session's
+//!    store equals `fathom_store::KeyStore` of the same bf16 keys **bit for bit**.
+//!
+//! Shapes, sessions, capacities and pointers are checked on the host before anything is
+//! launched or written ([`check_rows`]); the keys' values live on the device, so a NaN, an
+//! infinity or a key past fp16's range is caught by the kernel, which skips that block's
+//! write and counts the fault ([`crate::PagedCache::faults`]).
+
+use crate::config::ModelShape;
+use crate::error::{CudaError, Result};
+use crate::pages::{AppendPlan, PageConfig, SessionId};
+
+/// Element type of the K/V rows a model appends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// IEEE f32.
+    F32,
+    /// IEEE f16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// The code the kernels take (`0` f32, `1` f16, `2` bf16).
+    pub fn code(self) -> u32 {
+        match self {
+            KvDtype::F32 => 0,
+            KvDtype::F16 => 1,
+            KvDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// One layer's K and V rows in device memory: `k` and `v` are device pointers to
+/// `[rows][Hkv][D]` elements of `dtype`, after RoPE and any QK-norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvRows {
+    /// Device pointer to the keys.
+    pub k: u64,
+    /// Device pointer to the values.
+    pub v: u64,
+    /// Element type of both.
+    pub dtype: KvDtype,
+    /// Rows (tokens) of both.
+    pub rows: usize,
+}
+
+/// The shape and capacity of a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// The model's attention shape (`L`, `Hkv`, `G`, `D`).
+    pub shape: ModelShape,
+    /// Page size, pool size (per layer), session slots and tokens per session.
+    pub pages: PageConfig,
+    /// Most sessions in one append or attend batch (sizes the launch descriptors).
+    pub max_batch: usize,
+}
+
+impl CacheConfig {
+    /// Checks the shape, the page settings and the batch limit.
+    pub fn validate(self) -> Result<Self> {
+        let s = self.shape;
+        if s.layers == 0 || s.kv_heads == 0 || s.group == 0 {
+            return Err(CudaError::invalid(
+                "shape",
+                format!("{s:?}: layers, KV heads and G must be at least 1"),
+            ));
+        }
+        if !matches!(s.dim, 64 | 128 | 256) {
+            return Err(CudaError::invalid(
+                "shape",
+                format!("D = {} (the kernels take D ∈ {{64, 128, 256}})", s.dim),
+            ));
+        }
+        self.pages.validate()?;
+        if self.max_batch == 0 || self.max_batch > self.pages.max_sessions {
+            return Err(CudaError::invalid(
+                "max_batch",
+                format!(
+                    "{} (want 1..={}, the session slots)",
+                    self.max_batch, self.pages.max_sessions
+                ),
+            ));
+        }
+        Ok(self)
+    }
+}
+
+/// Where one reserve step's new tokens go: one [`AppendPlan`] per session of the batch, in
+/// batch order, and each session's first row in the layer's [`KvRows`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppendBatch {
+    /// Per session, in batch order.
+    pub plans: Vec<AppendPlan>,
+    /// `row0[i]`: the first row of `plans[i]`'s tokens (a prefix sum of their counts).
+    pub row0: Vec<usize>,
+    /// `Σ tokens`: the rows every layer's [`KvRows`] must hold.
+    pub rows: usize,
+    /// A serial number: an append batch is valid until the next reserve.
+    pub step: u64,
+}
+
+impl AppendBatch {
+    /// The plans' row offsets and total.
+    pub fn new(plans: Vec<AppendPlan>, step: u64) -> AppendBatch {
+        let mut row0 = Vec::with_capacity(plans.len());
+        let mut rows = 0;
+        for p in &plans {
+            row0.push(rows);
+            rows += p.tokens;
+        }
+        AppendBatch {
+            plans,
+            row0,
+            rows,
+            step,
+        }
+    }
+
+    /// The sessions, in batch order.
+    pub fn sessions(&self) -> Vec<SessionId> {
+        self.plans.iter().map(|p| p.session).collect()
+    }
+}
+
+/// The checks of an append before its launch: the layer exists, the batch is the current
+/// one, the rows match the batch and neither pointer is null.
+pub fn check_rows(
+    cfg: &CacheConfig,
+    batch: &AppendBatch,
+    current_step: u64,
+    layer: usize,
+    kv: &KvRows,
+) -> Result<()> {
+    if layer >= cfg.shape.layers {
+        return Err(CudaError::invalid(
+            "layer",
+            format!("{layer} (the cache has {} layers)", cfg.shape.layers),
+        ));
+    }
+    if batch.step != current_step {
+        return Err(CudaError::invalid(
+            "append batch",
+            format!(
+                "batch of step {} is stale: the cache has reserved step {current_step} since",
+                batch.step
+            ),
+        ));
+    }
+    if kv.rows != batch.rows {
+        return Err(CudaError::invalid(
+            "kv rows",
+            format!(
+                "{} rows of K/V for a batch of {} new tokens ([rows][Hkv = {}][D = {}])",
+                kv.rows, batch.rows, cfg.shape.kv_heads, cfg.shape.dim
+            ),
+        ));
+    }
+    if kv.k == 0 || kv.v == 0 {
+        return Err(CudaError::invalid("kv rows", "null device pointer"));
+    }
+    Ok(())
+}
+
+/// The checks of a host-slice append before any copy: `k` and `v` hold `batch.rows` rows of
+/// `[Hkv][D]` and every element is finite.
+pub fn check_host_rows(cfg: &CacheConfig, batch: &AppendBatch, k: &[f32], v: &[f32]) -> Result<()> {
+    let row = cfg.shape.kv_heads * cfg.shape.dim;
+    for (what, x) in [("keys", k), ("values", v)] {
+        if x.len() != batch.rows * row {
+            return Err(CudaError::invalid(
+                "kv rows",
+                format!(
+                    "{} {what} for a batch of {} new tokens (want [{}][Hkv = {}][D = {}] = {})",
+                    x.len(),
+                    batch.rows,
+                    batch.rows,
+                    cfg.shape.kv_heads,
+                    cfg.shape.dim,
+                    batch.rows * row
+                ),
+            ));
+        }
+        if let Some(i) = x.iter().position(|e| !e.is_finite()) {
+            return Err(CudaError::invalid(
+                "kv rows",
+                format!(
+                    "{what}: {} at row {}, head {}, channel {} is not finite",
+                    x[i],
+                    i / row,
+                    i % row / cfg.shape.dim,
+                    i % cfg.shape.dim
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> CacheConfig {
+        CacheConfig {
+            shape: ModelShape {
+                layers: 2,
+                kv_heads: 2,
+                group: 4,
+                dim: 128,
+            },
+            pages: PageConfig {
+                page_tokens: 128,
+                pages: 8,
+                max_sessions: 4,
+                max_tokens: 512,
+            },
+            max_batch: 4,
+        }
+    }
+
+    #[test]
+    fn configs_are_validated() {
+        assert!(cfg().validate().is_ok());
+        let mut c = cfg();
+        c.shape.dim = 96;
+        assert!(c.validate().unwrap_err().to_string().contains("D = 96"));
+        let mut c = cfg();
+        c.max_batch = 5;
+        assert!(c.validate().unwrap_err().to_string().contains("max_batch"));
+        let mut c = cfg();
+        c.pages.page_tokens = 96;
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn rows_are_checked_against_the_batch() {
+        let c = cfg();
+        let mut s = crate::pages::CacheSessions::new(c.pages).unwrap();
+        let (a, b) = (s.create().unwrap(), s.create().unwrap());
+        let batch = AppendBatch::new(s.reserve_many(&[(a, 3), (b, 70)]).unwrap(), 1);
+        assert_eq!(batch.row0, vec![0, 3]);
+        assert_eq!(batch.rows, 73);
+        let kv = KvRows {
+            k: 16,
+            v: 32,
+            dtype: KvDtype::Bf16,
+            rows: 73,
+        };
+        assert!(check_rows(&c, &batch, 1, 1, &kv).is_ok());
+        let e = check_rows(&c, &batch, 1, 2, &kv).unwrap_err().to_string();
+        assert!(e.contains("2 layers"), "{e}");
+        let e = check_rows(&c, &batch, 2, 0, &kv).unwrap_err().to_string();
+        assert!(e.contains("stale"), "{e}");
+        let e = check_rows(&c, &batch, 1, 0, &KvRows { rows: 72, ..kv })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("72 rows"), "{e}");
+        let e = check_rows(&c, &batch, 1, 0, &KvRows { k: 0, ..kv })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("null"), "{e}");
+    }
+}

@@ -1,0 +1,349 @@
+//! The paged cache on the device against its CPU references: appends (prefill chunks and
+//! decode tokens, ragged batches, lengths that are not multiples of 64, partial blocks) give
+//! each session the store `fathom_store::KeyStore` builds from the same bf16 keys, bit for
+//! bit, and the same bf16 K|V records; forks diverge without disturbing each other; a freed
+//! and reused slot sees none of the old data; bad calls are typed errors before any launch.
+//!
+//! Skips (printing why) without a GPU path, as on CI; `FATHOM_REQUIRE_GPU=1` turns the skip
+//! into a failure.
+
+use fathom_cuda::cache::{CacheConfig, KvDtype, KvRows};
+use fathom_cuda::pages::{PageConfig, SessionId};
+use fathom_cuda::{CudaError, Gpu, ModelShape, PagedCache};
+use fathom_store::{Dims, KeyStore};
+use half::bf16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn gpu() -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e @ (CudaError::NotCompiledWithCuda | CudaError::NoDevice { .. })) => {
+            if std::env::var("FATHOM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("FATHOM_REQUIRE_GPU=1 and there is no GPU path: {e}");
+            }
+            eprintln!("skipping GPU test: {e}");
+            None
+        }
+        Err(e) => panic!("unexpected error opening the GPU: {e}"),
+    }
+}
+
+fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize) -> CacheConfig {
+    CacheConfig {
+        shape: ModelShape {
+            layers,
+            kv_heads: hkv,
+            group: 4,
+            dim: d,
+        },
+        pages: PageConfig {
+            page_tokens,
+            pages,
+            max_sessions: 8,
+            max_tokens: 1 << 16,
+        },
+        max_batch: 8,
+    }
+}
+
+/// The CPU side of one (session, layer): every key and value appended so far, `[n][Hkv][D]`.
+#[derive(Default, Clone)]
+struct Shadow {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+fn bf(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
+/// Checks one session's store and records in every layer against `KeyStore::from_keys` of
+/// the bf16 keys and the bf16 values.
+fn check(cache: &PagedCache, s: SessionId, shadows: &[Shadow], what: &str) {
+    let c = cache.config().shape;
+    let dims = Dims {
+        heads: c.kv_heads,
+        channels: c.dim,
+    };
+    for (l, sh) in shadows.iter().enumerate() {
+        let n = sh.k.len() / dims.row();
+        assert_eq!(cache.len(s).unwrap(), n, "{what}: length");
+        let keys: Vec<f32> = sh.k.iter().map(|&x| bf(x)).collect();
+        let store = KeyStore::from_keys(dims, &keys, None).unwrap();
+        let got = cache.export(s, l).unwrap();
+        if let Err(e) = got.compare(&store.view()) {
+            panic!("{what}, layer {l}, {n} tokens: {e}");
+        }
+        let rec = cache.records(s, l).unwrap();
+        let d = c.dim;
+        for h in 0..c.kv_heads {
+            for i in 0..n {
+                let r = &rec[(h * n + i) * 2 * d..(h * n + i + 1) * 2 * d];
+                for ch in 0..d {
+                    let src = (i * c.kv_heads + h) * d + ch;
+                    assert_eq!(r[ch].to_f32(), bf(sh.k[src]), "{what}: K record");
+                    assert_eq!(r[d + ch].to_f32(), bf(sh.v[src]), "{what}: V record");
+                }
+            }
+        }
+    }
+}
+
+/// One reserve + append of every layer for `batch = [(session, tokens)]`, mirrored in the
+/// shadows.
+// `l` indexes the inner dimension of `shadows[slot][layer]` and names the layer appended.
+#[allow(clippy::needless_range_loop)]
+fn step(
+    cache: &mut PagedCache,
+    rng: &mut StdRng,
+    batch: &[(SessionId, usize)],
+    shadows: &mut [Vec<Shadow>],
+    slot_of: &dyn Fn(SessionId) -> usize,
+) {
+    let c = cache.config().shape;
+    let row = c.kv_heads * c.dim;
+    let ab = cache.reserve(batch).unwrap();
+    for l in 0..c.layers {
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for &(s, m) in batch {
+            // Keys with a per-channel scale (as real keys have) and an occasional outlier.
+            let kk: Vec<f32> = (0..m * row)
+                .map(|i| {
+                    let scale = 0.1 + (i % c.dim) as f32 / c.dim as f32;
+                    let x: f32 = rng.gen_range(-1.0..1.0) * scale;
+                    if rng.gen_ratio(1, 500) {
+                        x * 40.0
+                    } else {
+                        x
+                    }
+                })
+                .collect();
+            let vv: Vec<f32> = (0..m * row).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let sh = &mut shadows[slot_of(s)][l];
+            sh.k.extend_from_slice(&kk);
+            sh.v.extend_from_slice(&vv);
+            k.extend(kk);
+            v.extend(vv);
+        }
+        cache.append_host(&ab, l, &k, &v).unwrap();
+    }
+}
+
+#[test]
+fn ragged_prefill_and_decode_equal_the_cpu_store_bit_for_bit() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(7);
+    // (D, Hkv, tokens per page, pages per layer's pool)
+    for (d, hkv, page, pages) in [
+        (64, 3, 128, 48),
+        (128, 2, 4096, 6),
+        (256, 1, 256, 32),
+        (128, 1, 64, 80),
+    ] {
+        let cfg = config(2, hkv, d, page, pages);
+        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+        let ids: Vec<SessionId> = (0..3).map(|_| cache.create().unwrap()).collect();
+        let mut shadows = vec![vec![Shadow::default(); 2]; 8];
+        let slot = |s: SessionId| s.slot();
+        // A ragged prefill in chunks of mixed sizes (1, 63, 65, 200 and 4097 tokens in all),
+        // then 16 decode steps of the whole batch.
+        let plan: [&[(usize, usize)]; 4] = [
+            &[(0, 1), (1, 63), (2, 65)],
+            &[(1, 137), (2, 4032)],
+            &[(0, 62), (2, 0)],
+            &[(0, 1)],
+        ];
+        for chunk in plan {
+            let batch: Vec<(SessionId, usize)> = chunk
+                .iter()
+                .filter(|(_, m)| *m > 0)
+                .map(|&(i, m)| (ids[i], m))
+                .collect();
+            step(&mut cache, &mut rng, &batch, &mut shadows, &slot);
+        }
+        for i in 0..3 {
+            check(
+                &cache,
+                ids[i],
+                &shadows[ids[i].slot()],
+                &format!("D={d} prefill {i}"),
+            );
+        }
+        for t in 0..16 {
+            let batch: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
+            step(&mut cache, &mut rng, &batch, &mut shadows, &slot);
+            if t % 5 == 4 {
+                check(&cache, ids[t % 3], &shadows[ids[t % 3].slot()], "decode");
+            }
+        }
+        for i in 0..3 {
+            check(
+                &cache,
+                ids[i],
+                &shadows[ids[i].slot()],
+                &format!("D={d} decode {i}"),
+            );
+        }
+        assert_eq!(cache.faults().unwrap(), vec![0, 0]);
+        let lens: Vec<usize> = ids.iter().map(|&s| cache.len(s).unwrap()).collect();
+        assert_eq!(lens, vec![64 + 16, 200 + 16, 4097 + 16]);
+    }
+}
+
+#[test]
+fn forks_diverge_without_disturbing_each_other() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut cache = PagedCache::new(&gpu, config(2, 2, 128, 128, 64)).unwrap();
+    let parent = cache.create().unwrap();
+    let mut shadows = vec![vec![Shadow::default(); 2]; 8];
+    let slot = |s: SessionId| s.slot();
+    // Fork mid-block and mid-page (300 tokens: pages of 128, block 4 partial).
+    step(&mut cache, &mut rng, &[(parent, 300)], &mut shadows, &slot);
+    let child = cache.fork(parent).unwrap();
+    shadows[child.slot()] = shadows[parent.slot()].clone();
+    check(&cache, child, &shadows[child.slot()], "child at fork");
+    for i in 0..40 {
+        // Both sides append different tokens, sometimes together, sometimes alone.
+        let batch: Vec<(SessionId, usize)> = match i % 3 {
+            0 => vec![(parent, 1), (child, 1)],
+            1 => vec![(child, 1 + i % 7)],
+            _ => vec![(parent, 2)],
+        };
+        step(&mut cache, &mut rng, &batch, &mut shadows, &slot);
+    }
+    let grandchild = cache.fork(child).unwrap();
+    shadows[grandchild.slot()] = shadows[child.slot()].clone();
+    step(
+        &mut cache,
+        &mut rng,
+        &[(grandchild, 5), (child, 3)],
+        &mut shadows,
+        &slot,
+    );
+    for (s, what) in [
+        (parent, "parent"),
+        (child, "child"),
+        (grandchild, "grandchild"),
+    ] {
+        check(&cache, s, &shadows[s.slot()], what);
+    }
+    cache.free(parent).unwrap();
+    check(
+        &cache,
+        child,
+        &shadows[child.slot()],
+        "child after the parent is freed",
+    );
+    check(
+        &cache,
+        grandchild,
+        &shadows[grandchild.slot()],
+        "grandchild after the parent is freed",
+    );
+    cache.sessions().check().unwrap();
+}
+
+#[test]
+fn a_freed_and_reused_session_sees_none_of_the_old_data() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut cfg = config(1, 2, 64, 128, 8);
+    cfg.pages.max_sessions = 1;
+    cfg.max_batch = 1;
+    let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+    let mut shadows = vec![vec![Shadow::default(); 1]; 1];
+    let slot = |s: SessionId| s.slot();
+    let a = cache.create().unwrap();
+    step(&mut cache, &mut rng, &[(a, 700)], &mut shadows, &slot);
+    cache.free(a).unwrap();
+    let b = cache.create().unwrap();
+    assert_eq!(b.slot(), a.slot());
+    shadows[0] = vec![Shadow::default(); 1];
+    // A partial block of a reused page and a reused tail: only the new keys may show.
+    step(&mut cache, &mut rng, &[(b, 33)], &mut shadows, &slot);
+    step(&mut cache, &mut rng, &[(b, 40)], &mut shadows, &slot);
+    check(&cache, b, &shadows[0], "reused slot");
+    let e = cache.len(a).unwrap_err().to_string();
+    assert!(e.contains("generation"), "{e}");
+}
+
+#[test]
+fn bad_calls_are_typed_errors_before_any_launch() {
+    let Some(gpu) = gpu() else { return };
+    let mut cfg = config(2, 2, 64, 128, 4);
+    cfg.pages.max_tokens = 300;
+    let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+    let a = cache.create().unwrap();
+    let b = cache.create().unwrap();
+    let e = cache.reserve(&[(a, 301)]).unwrap_err().to_string();
+    assert!(e.contains("300"), "past capacity: {e}");
+    let e = cache
+        .reserve(&[(a, 200), (b, 300)])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("needed") || e.contains("pages"),
+        "pool exhausted: {e}"
+    );
+    assert_eq!(cache.len(a).unwrap(), 0, "a failed batch changes nothing");
+    let e = cache.reserve(&[(a, 1), (a, 1)]).unwrap_err().to_string();
+    assert!(e.contains("twice"), "{e}");
+    let e = cache.reserve(&[]).unwrap_err().to_string();
+    assert!(e.contains("0 sessions"), "{e}");
+    let batch = cache.reserve(&[(a, 2)]).unwrap();
+    let row = 2 * 64;
+    let e = cache
+        .append_host(&batch, 0, &vec![0.5; row], &vec![0.5; 2 * row])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("128 keys") && e.contains("want [2]"), "{e}");
+    let mut k = vec![0.5; 2 * row];
+    k[row + 3] = f32::NAN;
+    let e = cache
+        .append_host(&batch, 0, &k, &vec![0.5; 2 * row])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("row 1, head 0, channel 3"), "{e}");
+    let e = cache
+        .append_host(&batch, 2, &vec![0.5; 2 * row], &vec![0.5; 2 * row])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("2 layers"), "{e}");
+    let kv = KvRows {
+        k: 0,
+        v: 0,
+        dtype: KvDtype::F32,
+        rows: 2,
+    };
+    let e = cache.append(&batch, 0, &kv).unwrap_err().to_string();
+    assert!(e.contains("null"), "{e}");
+    let stale = batch.clone();
+    let _next = cache.reserve(&[(b, 1)]).unwrap();
+    let e = cache
+        .append_host(&stale, 0, &vec![0.5; 2 * row], &vec![0.5; 2 * row])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("stale"), "{e}");
+    cache.free(b).unwrap();
+    let e = cache.reserve(&[(b, 1)]).unwrap_err().to_string();
+    assert!(e.contains("generation"), "freed session: {e}");
+    assert_eq!(cache.faults().unwrap(), vec![0, 0], "nothing was launched");
+}
+
+#[test]
+fn a_key_past_fp16_range_is_a_counted_fault_not_a_silent_store() {
+    let Some(gpu) = gpu() else { return };
+    let mut cache = PagedCache::new(&gpu, config(1, 1, 64, 128, 4)).unwrap();
+    let a = cache.create().unwrap();
+    let batch = cache.reserve(&[(a, 1)]).unwrap();
+    let mut k = vec![0.25f32; 64];
+    k[5] = 1e6; // finite, but its block scale overflows fp16
+    cache.append_host(&batch, 0, &k, &vec![0.0; 64]).unwrap();
+    assert_eq!(
+        cache.faults().unwrap(),
+        vec![1],
+        "one channel block refused"
+    );
+}
