@@ -124,6 +124,33 @@ pub trait KvCache: Sized {
     ) -> Result<()>;
     /// Faults counted per layer.
     fn faults(&self) -> Result<Vec<u32>>;
+    /// Loads one layer's calibration (σ², Double Sparsity's channels) per KV head.
+    fn load_calibration(
+        &mut self,
+        layer: usize,
+        heads: &[fathom_plan::scanner::HeadCalib],
+    ) -> Result<()>;
+    /// Makes a method's static depth tables.
+    fn prepare(&mut self, method: Method) -> Result<()>;
+    /// One layer's attention for a ragged batch, device queries to device outputs.
+    fn attend(
+        &mut self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        method: crate::cache::AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &crate::cache::QueryRows,
+        out: u64,
+    ) -> Result<()>;
+    /// One layer's attention from and to host slices.
+    fn attend_host(
+        &mut self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        method: crate::cache::AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &[f32],
+    ) -> Result<Vec<f32>>;
     /// One layer's store of a session, in `fathom-store`'s layout.
     fn export(
         &self,
@@ -177,6 +204,37 @@ impl KvCache for crate::PagedCache {
     }
     fn faults(&self) -> Result<Vec<u32>> {
         crate::PagedCache::faults(self)
+    }
+    fn load_calibration(
+        &mut self,
+        layer: usize,
+        heads: &[fathom_plan::scanner::HeadCalib],
+    ) -> Result<()> {
+        crate::PagedCache::load_calibration(self, layer, heads)
+    }
+    fn prepare(&mut self, method: Method) -> Result<()> {
+        crate::PagedCache::prepare(self, method)
+    }
+    fn attend(
+        &mut self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        method: crate::cache::AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &crate::cache::QueryRows,
+        out: u64,
+    ) -> Result<()> {
+        crate::PagedCache::attend(self, batch, layer, method, params, q, out)
+    }
+    fn attend_host(
+        &mut self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        method: crate::cache::AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &[f32],
+    ) -> Result<Vec<f32>> {
+        crate::PagedCache::attend_host(self, batch, layer, method, params, q)
     }
     fn export(
         &self,

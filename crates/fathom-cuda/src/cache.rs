@@ -80,6 +80,8 @@ pub struct CacheConfig {
     pub pages: PageConfig,
     /// Most sessions in one append or attend batch (sizes the launch descriptors).
     pub max_batch: usize,
+    /// Largest top-k per query head an attend may ask for (sizes the winner lists).
+    pub max_k: usize,
 }
 
 impl CacheConfig {
@@ -108,8 +110,86 @@ impl CacheConfig {
                 ),
             ));
         }
+        if self.max_k == 0 || self.max_k > self.pages.max_tokens {
+            return Err(CudaError::invalid(
+                "max_k",
+                format!(
+                    "{} (want 1..={}, the tokens per session)",
+                    self.max_k, self.pages.max_tokens
+                ),
+            ));
+        }
         Ok(self)
     }
+}
+
+/// How an attend reads the cache: exact attention over every token, or one scan method of the
+/// grammar followed by the docs/SPEC.md §5 selection (sink, local and each query head's own
+/// top-k) and exact attention over each head's own set.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AttendMethod {
+    /// Every token (the reference a selection is measured against).
+    Dense,
+    /// A scan method: `fathom:B`, `sparq:r`, `ds:r`, `thumb2` or `exact` (the 4-bit store).
+    Scan(crate::config::Method),
+}
+
+impl AttendMethod {
+    /// Parses `dense` or any method of the grammar at head dimension `dim`.
+    pub fn parse(s: &str, dim: usize) -> Result<Self> {
+        if s.trim() == "dense" {
+            return Ok(AttendMethod::Dense);
+        }
+        Ok(AttendMethod::Scan(crate::config::Method::parse(s, dim)?))
+    }
+}
+
+/// One layer's queries in device memory: `q` points to `[batch][Hq][D]` elements of `dtype`,
+/// one query per session of the batch (at its last token), after RoPE and any QK-norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryRows {
+    /// Device pointer.
+    pub q: u64,
+    /// Element type.
+    pub dtype: KvDtype,
+}
+
+/// The checks of an attend before its launch: the layer exists, the batch is the current
+/// one, the selection fits the cache's limits and the pointers are not null.
+pub fn check_attend(
+    cfg: &CacheConfig,
+    batch: &AppendBatch,
+    current_step: u64,
+    layer: usize,
+    params: &fathom_plan::SelectParams,
+    q: &QueryRows,
+    out: u64,
+) -> Result<()> {
+    if layer >= cfg.shape.layers {
+        return Err(CudaError::invalid(
+            "layer",
+            format!("{layer} (the cache has {} layers)", cfg.shape.layers),
+        ));
+    }
+    if batch.step != current_step {
+        return Err(CudaError::invalid(
+            "append batch",
+            format!(
+                "batch of step {} is stale: the cache has reserved step {current_step} since",
+                batch.step
+            ),
+        ));
+    }
+    if q.q == 0 || out == 0 {
+        return Err(CudaError::invalid("attend", "null query or output pointer"));
+    }
+    if params.k == 0 || params.k > cfg.max_k {
+        return Err(CudaError::invalid(
+            "k",
+            format!("{} (want 1..={}, the cache's max_k)", params.k, cfg.max_k),
+        ));
+    }
+    Ok(())
 }
 
 /// Where one reserve step's new tokens go: one [`AppendPlan`] per session of the batch, in
@@ -223,6 +303,17 @@ pub fn check_host_rows(cfg: &CacheConfig, batch: &AppendBatch, k: &[f32], v: &[f
     Ok(())
 }
 
+/// What `PagedCache::debug_readback` returns for one session.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttendDebug {
+    /// Depths `[Hkv][D]` of the last GPU-planned method (static plans are not copied here).
+    pub depths: Vec<u8>,
+    /// Scores `[Hkv][G][n]`.
+    pub scores: Vec<f32>,
+    /// Winners per query head `h·G + g`, sorted (middle tokens only).
+    pub winners: Vec<Vec<u32>>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +333,7 @@ mod tests {
                 max_tokens: 512,
             },
             max_batch: 4,
+            max_k: 64,
         }
     }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, CudaFunction, CudaStream, PushKernelArg};
 use half::bf16;
 
-use crate::cache::{check_rows, AppendBatch, CacheConfig, KvRows};
+use crate::cache::{check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows};
 use crate::cuda::{cast_mut, cfg, compile_one, drv, DevBuf, HostBuf};
 use crate::error::{CudaError, Result};
 use crate::paged_layout::PagedLayout;
@@ -25,6 +25,11 @@ use fathom_store::Dims;
 
 /// The append kernels' source.
 pub(crate) const APPEND_SRC: &str = include_str!("../kernels/append.cu");
+/// The attend kernels' source.
+pub(crate) const ATTEND_SRC: &str = include_str!("../kernels/attend.cu");
+const PLAN_SRC: &str = include_str!("../kernels/plan.cu");
+/// Threads of `paged_topk` (`TK` in attend.cu).
+const TOPK_THREADS: u32 = 1024;
 
 /// `struct AppendDesc` of append.cu.
 #[repr(C)]
@@ -54,6 +59,64 @@ const _: () = assert!(std::mem::size_of::<PoolGeom>() == 40);
 // SAFETY: plain `#[repr(C)]` data of integers, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for PoolGeom {}
 
+/// `struct AttendGeom` of attend.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct AttendGeom {
+    sink: u32,
+    local: u32,
+    k: u32,
+    max_k: u32,
+    max_tokens: u64,
+    depth_stride: u32,
+    dense: u32,
+    scale: f32,
+    pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<AttendGeom>() == 40);
+
+// SAFETY: plain `#[repr(C)]` data of integers and one f32, passed by value.
+unsafe impl cudarc::driver::DeviceRepr for AttendGeom {}
+
+struct AttendKernels {
+    queries: CudaFunction,
+    scan: CudaFunction,
+    topk: CudaFunction,
+    attend: CudaFunction,
+    fathom_plan: CudaFunction,
+    sparq_plan: CudaFunction,
+}
+
+/// Attend's working memory, sized once for `max_batch` sessions of `max_tokens` tokens and
+/// `max_k` winners per query head.
+struct Work {
+    /// Queries as f32, `[max_batch][Hq][D]`.
+    qf: DevBuf,
+    /// Planned depths, `[max_batch][Hkv][D]`.
+    depths: DevBuf,
+    /// Plan bits, `[max_batch][Hkv]` f32.
+    bits: DevBuf,
+    /// The plan kernels' run list (unused by the paged scan), `[max_batch][Hkv][2D]` × 16 B.
+    runs: DevBuf,
+    /// Sum of plan bits over every attend since the last reset (f32) and its count.
+    bits_acc: DevBuf,
+    /// Scores, `[max_batch][Hkv][G][max_tokens]` f32.
+    scores: DevBuf,
+    /// Winners, `[max_batch][Hq][max_k]` u32, and their counts `[max_batch][Hq]`.
+    winners: DevBuf,
+    counts: DevBuf,
+}
+
+/// Per-layer calibration the planners read.
+struct Calib {
+    /// σ² tiled for the batch, `[max_batch][Hkv][D]` f32, per layer (`None`: not loaded).
+    sigma2: Vec<Option<DevBuf>>,
+    /// Double Sparsity channels, best first, per layer and KV head.
+    ds_channels: Vec<Option<Vec<Vec<u16>>>>,
+    /// Static plans, `[L][Hkv][D]` depths, keyed by method label.
+    statics: std::collections::HashMap<String, DevBuf>,
+}
+
 struct AppendKernels {
     quant: CudaFunction,
     records: CudaFunction,
@@ -70,6 +133,7 @@ struct AppendKernels {
 ///     shape: ModelShape { layers: 1, kv_heads: 2, group: 4, dim: 128 },
 ///     pages: PageConfig { page_tokens: 4096, pages: 64, max_sessions: 8, max_tokens: 32768 },
 ///     max_batch: 8,
+///     max_k: 512,
 /// };
 /// let mut cache = PagedCache::new(&gpu, cfg)?;
 /// let (a, b) = (cache.create()?, cache.create()?);
@@ -100,8 +164,14 @@ pub struct PagedCache {
     batch_max_blocks: usize,
     /// Device staging of [`PagedCache::append_host`] and its capacity in bytes.
     staging: Option<(DevBuf, usize)>,
-    // Keeps the module alive.
+    attend_kernels: AttendKernels,
+    work: Work,
+    calib: Calib,
+    /// Plans counted into `work.bits_acc` (host side: launches × heads).
+    plans_counted: u64,
+    // Keep the modules alive.
     _module: Arc<cudarc::driver::CudaModule>,
+    _attend_modules: [Arc<cudarc::driver::CudaModule>; 2],
 }
 
 impl std::fmt::Debug for PagedCache {
@@ -148,6 +218,46 @@ impl PagedCache {
             quant: f("append_quant")?,
             records: f("append_records")?,
         };
+        let gd = vec![format!("-DGQ={}", s.group), format!("-DDIM={}", s.dim)];
+        let attend_mod = gpu
+            .ctx()
+            .load_module(compile_one(
+                gpu.arch(),
+                "attend.cu",
+                ATTEND_SRC,
+                gd.clone(),
+            )?)
+            .map_err(drv("load_module"))?;
+        let plan_mod = gpu
+            .ctx()
+            .load_module(compile_one(gpu.arch(), "plan.cu", PLAN_SRC, gd)?)
+            .map_err(drv("load_module"))?;
+        let fa = |n: &str| attend_mod.load_function(n).map_err(drv("load_function"));
+        let fp = |n: &str| plan_mod.load_function(n).map_err(drv("load_function"));
+        let attend_kernels = AttendKernels {
+            queries: fa("attend_queries")?,
+            scan: fa("paged_scan")?,
+            topk: fa("paged_topk")?,
+            attend: fa("paged_attend")?,
+            fathom_plan: fp("fathom_plan")?,
+            sparq_plan: fp("sparq_plan")?,
+        };
+        let (mb, hkv, hq, d) = (cfg.max_batch, s.kv_heads, s.kv_heads * s.group, s.dim);
+        let work = Work {
+            qf: DevBuf::new(mb * hq * d * 4, "attend queries")?,
+            depths: DevBuf::zeroed(mb * hkv * d, "attend depths")?,
+            bits: DevBuf::zeroed(mb * hkv * 4, "attend bits")?,
+            runs: DevBuf::new(mb * hkv * 2 * d * 16, "attend runs")?,
+            bits_acc: DevBuf::zeroed(8, "attend bit counter")?,
+            scores: DevBuf::new(mb * hq * cfg.pages.max_tokens * 4, "attend scores")?,
+            winners: DevBuf::new(mb * hq * cfg.max_k * 4, "attend winners")?,
+            counts: DevBuf::zeroed(mb * hq * 4, "attend winner counts")?,
+        };
+        let calib = Calib {
+            sigma2: (0..s.layers).map(|_| None).collect(),
+            ds_channels: vec![None; s.layers],
+            statics: std::collections::HashMap::new(),
+        };
         let pool_bytes = usize::try_from(layout.pool_bytes()).map_err(|_| {
             CudaError::invalid("pages", "pool larger than the address space".to_string())
         })?;
@@ -177,7 +287,12 @@ impl PagedCache {
             batch_max_m: 0,
             batch_max_blocks: 0,
             staging: None,
+            attend_kernels,
+            work,
+            calib,
+            plans_counted: 0,
             _module: module,
+            _attend_modules: [attend_mod, plan_mod],
         })
     }
 
@@ -425,6 +540,393 @@ impl PagedCache {
             rows: batch.rows,
         };
         self.append(batch, layer, &kv)
+    }
+
+    /// Loads one layer's calibration: per KV head σ² (Fathom's importance) and Double
+    /// Sparsity's channels (`fathom_plan::calib::head_calib`'s `sigma2` and `ds_channels`).
+    ///
+    /// # Errors
+    /// A layer out of range, a head count or σ² length that differs from the shape, a σ² that
+    /// is negative or not finite.
+    pub fn load_calibration(
+        &mut self,
+        layer: usize,
+        heads: &[fathom_plan::scanner::HeadCalib],
+    ) -> Result<()> {
+        let s = self.cfg.shape;
+        if layer >= s.layers {
+            return Err(CudaError::invalid(
+                "layer",
+                format!("{layer} (the cache has {} layers)", s.layers),
+            ));
+        }
+        if heads.len() != s.kv_heads {
+            return Err(CudaError::invalid(
+                "calibration",
+                format!("{} heads for Hkv = {}", heads.len(), s.kv_heads),
+            ));
+        }
+        let mut tiled = Vec::with_capacity(self.cfg.max_batch * s.kv_heads * s.dim);
+        for (h, hc) in heads.iter().enumerate() {
+            if hc.sigma2.len() != s.dim {
+                return Err(CudaError::invalid(
+                    "calibration",
+                    format!("head {h}: {} σ² for D = {}", hc.sigma2.len(), s.dim),
+                ));
+            }
+            if let Some(x) = hc.sigma2.iter().find(|x| !x.is_finite() || **x < 0.0) {
+                return Err(CudaError::invalid(
+                    "calibration",
+                    format!("head {h}: σ² {x} is not a finite non-negative number"),
+                ));
+            }
+        }
+        for _ in 0..self.cfg.max_batch {
+            for hc in heads {
+                tiled.extend_from_slice(&hc.sigma2);
+            }
+        }
+        self.calib.sigma2[layer] = Some(DevBuf::from_slice(&tiled, "calibration σ²")?);
+        self.calib.ds_channels[layer] = Some(heads.iter().map(|h| h.ds_channels.clone()).collect());
+        // A static plan made before this calibration is stale.
+        self.calib.statics.retain(|k, _| !k.starts_with("ds:"));
+        Ok(())
+    }
+
+    /// Makes the static depth table of `method` (Double Sparsity, thumb2, exact) for every
+    /// layer; Fathom and SparQ plan on the GPU per query and need nothing.
+    ///
+    /// # Errors
+    /// A method the paged cache does not run yet (Loki in its own basis, landmark, Quest), or
+    /// Double Sparsity before every layer's calibration is loaded.
+    pub fn prepare(&mut self, method: crate::config::Method) -> Result<()> {
+        use crate::config::Method as M;
+        let s = self.cfg.shape;
+        let (hkv, d) = (s.kv_heads, s.dim);
+        let depths: Vec<u8> = match method {
+            M::Fathom(_) | M::SparQ(_) => return Ok(()),
+            M::Thumb2 => vec![2; s.layers * hkv * d],
+            M::Exact => vec![4; s.layers * hkv * d],
+            M::DoubleSparsity(r) => {
+                let mut out = vec![0u8; s.layers * hkv * d];
+                for l in 0..s.layers {
+                    let ch = self.calib.ds_channels[l].as_ref().ok_or_else(|| {
+                        CudaError::invalid(
+                            "method",
+                            format!("{} needs layer {l}'s calibration (load_calibration)", method.label()),
+                        )
+                    })?;
+                    for (h, c) in ch.iter().enumerate() {
+                        for &x in c.iter().take(r) {
+                            out[(l * hkv + h) * d + x as usize] = 4;
+                        }
+                    }
+                }
+                out
+            }
+            M::Loki(_) | M::Landmark | M::Quest => {
+                return Err(CudaError::invalid(
+                    "method",
+                    format!(
+                        "{} is not run by the paged cache yet (it reads its own basis or table); use fathom, sparq, ds, thumb2, exact or dense",
+                        method.label()
+                    ),
+                ))
+            }
+        };
+        let buf = DevBuf::from_slice(&depths, "static plan")?;
+        self.calib.statics.insert(method.label(), buf);
+        Ok(())
+    }
+
+    /// One layer's attention for the sessions of `batch` (each at its last token), on the
+    /// cache's stream with no host synchronisation: queries `q` `[batch][Hq][D]` give outputs
+    /// `out` `[batch][Hq][D]` f32 (device pointers). Each query head attends exactly over its
+    /// own sink + local + top-k set (docs/SPEC.md §5), or over every token for
+    /// [`AttendMethod::Dense`]. Launch parameters are fixed-size structs; working memory was
+    /// sized when the cache was made.
+    ///
+    /// # Errors
+    /// Checked before any launch ([`crate::cache::check_attend`]): layer, stale batch, k past
+    /// `max_k`, null pointers; a method that needs a calibration or a static plan not loaded.
+    pub fn attend(
+        &mut self,
+        batch: &AppendBatch,
+        layer: usize,
+        method: crate::cache::AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &crate::cache::QueryRows,
+        out: u64,
+    ) -> Result<()> {
+        use crate::cache::AttendMethod;
+        use crate::config::Method as M;
+        crate::cache::check_attend(&self.cfg, batch, self.step, layer, params, q, out)?;
+        let s = self.cfg.shape;
+        let (hkv, hq, d) = (s.kv_heads, s.kv_heads * s.group, s.dim);
+        let nb = self.batch_len;
+        // Where this method's depths come from (checked before any launch).
+        let static_depths = match method {
+            AttendMethod::Dense | AttendMethod::Scan(M::Fathom(_) | M::SparQ(_)) => None,
+            AttendMethod::Scan(m) => {
+                let buf = self.calib.statics.get(&m.label()).ok_or_else(|| {
+                    CudaError::invalid(
+                        "method",
+                        format!("{} was not prepared (PagedCache::prepare)", m.label()),
+                    )
+                })?;
+                Some(buf.ptr + (layer * hkv * d) as u64)
+            }
+        };
+        let sigma = match method {
+            AttendMethod::Scan(M::Fathom(_)) => Some(
+                self.calib.sigma2[layer]
+                    .as_ref()
+                    .ok_or_else(|| {
+                        CudaError::invalid(
+                            "method",
+                            format!("fathom needs layer {layer}'s σ² (load_calibration)"),
+                        )
+                    })?
+                    .ptr,
+            ),
+            _ => None,
+        };
+        let lay = self.layout;
+        let geom = PoolGeom {
+            page_bytes: lay.page_bytes(),
+            scales_at: lay.scales_at(),
+            records_at: lay.records_at(),
+            page_tokens: lay.page_tokens() as u32,
+            max_pages: self.max_pages as u32,
+            heads: hkv as u32,
+            layers: s.layers as u32,
+        };
+        let dense = matches!(method, AttendMethod::Dense);
+        let ag = AttendGeom {
+            sink: params.sink as u32,
+            local: params.local as u32,
+            k: params.k as u32,
+            max_k: self.cfg.max_k as u32,
+            max_tokens: self.cfg.pages.max_tokens as u64,
+            depth_stride: if static_depths.is_some() {
+                0
+            } else {
+                (hkv * d) as u32
+            },
+            dense: u32::from(dense),
+            scale: 1.0 / (d as f32).sqrt(),
+            pad: 0,
+        };
+        let k = &self.attend_kernels;
+        let w = &self.work;
+        let st = &self.stream;
+        let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr);
+        let dtype = q.dtype.code();
+        // 1. Queries to f32.
+        let mut b = st.launch_builder(&k.queries);
+        b.arg(&q.q).arg(&dtype).arg(&w.qf.ptr);
+        // SAFETY: q holds batch·Hq·D elements (the caller's contract), qf max_batch·Hq·D.
+        unsafe { b.launch(cfg(((nb * hq) as u32, 1, 1), d as u32)) }
+            .map_err(drv("launch attend_queries"))?;
+        if !dense {
+            // 2. Plan.
+            let heads = (nb * hkv) as i32;
+            let one = 1u64;
+            match method {
+                AttendMethod::Scan(M::Fathom(budget)) => {
+                    let steps = fathom_plan::waterfill::BISECTION_STEPS as i32;
+                    let sig = sigma.unwrap_or(0);
+                    let mut b = st.launch_builder(&k.fathom_plan);
+                    b.arg(&w.qf.ptr)
+                        .arg(&sig)
+                        .arg(&budget)
+                        .arg(&steps)
+                        .arg(&heads)
+                        .arg(&one)
+                        .arg(&w.depths.ptr)
+                        .arg(&w.bits.ptr)
+                        .arg(&w.runs.ptr)
+                        .arg(&w.bits_acc.ptr);
+                    // SAFETY: qf [B·Hkv][G][D], σ² tiled [max_batch][Hkv][D], depths, bits and
+                    // runs sized for max_batch·Hkv heads; one warp per head.
+                    unsafe { b.launch(cfg((heads as u32, 1, 1), 32)) }
+                        .map_err(drv("launch fathom_plan"))?;
+                }
+                AttendMethod::Scan(M::SparQ(r)) => {
+                    let r = r as i32;
+                    let mut b = st.launch_builder(&k.sparq_plan);
+                    b.arg(&w.qf.ptr)
+                        .arg(&r)
+                        .arg(&heads)
+                        .arg(&one)
+                        .arg(&w.depths.ptr)
+                        .arg(&w.bits.ptr)
+                        .arg(&w.runs.ptr)
+                        .arg(&w.bits_acc.ptr);
+                    // SAFETY: as above; one CTA of D threads per head.
+                    unsafe { b.launch(cfg((heads as u32, 1, 1), d as u32)) }
+                        .map_err(drv("launch sparq_plan"))?;
+                }
+                _ => {}
+            }
+            let depths = static_depths.unwrap_or(w.depths.ptr);
+            // 3. Scan every block of every session in place (zero-copy from the pages).
+            let blocks = batch
+                .plans
+                .iter()
+                .map(|p| p.end_token().div_ceil(BLOCK_TOKENS))
+                .max()
+                .unwrap_or(0) as u32;
+            let mut b = st.launch_builder(&k.scan);
+            b.arg(&descs)
+                .arg(&tables)
+                .arg(&pool)
+                .arg(&geom)
+                .arg(&ag)
+                .arg(&w.qf.ptr)
+                .arg(&depths)
+                .arg(&w.scores.ptr);
+            // SAFETY: every session's pages are in its table (reserve wrote them); scores
+            // hold max_batch·Hkv·G rows of max_tokens.
+            unsafe { b.launch(cfg((nb as u32, hkv as u32, blocks), 64)) }
+                .map_err(drv("launch paged_scan"))?;
+            // 4. Each query head's top-k.
+            let mut b = st.launch_builder(&k.topk);
+            b.arg(&descs)
+                .arg(&geom)
+                .arg(&ag)
+                .arg(&w.scores.ptr)
+                .arg(&w.winners.ptr)
+                .arg(&w.counts.ptr);
+            // SAFETY: winners hold max_k per row; k ≤ max_k was checked.
+            unsafe { b.launch(cfg((nb as u32, hq as u32, 1), TOPK_THREADS)) }
+                .map_err(drv("launch paged_topk"))?;
+        }
+        // 5. Exact attention over each head's own set.
+        let mut b = st.launch_builder(&k.attend);
+        b.arg(&descs)
+            .arg(&tables)
+            .arg(&pool)
+            .arg(&geom)
+            .arg(&ag)
+            .arg(&w.qf.ptr)
+            .arg(&w.winners.ptr)
+            .arg(&w.counts.ptr)
+            .arg(&out);
+        // SAFETY: out holds batch·Hq·D f32 (the caller's contract); rows are read through
+        // the session's pages only at tokens < its length.
+        unsafe { b.launch(cfg((nb as u32, hq as u32, 1), d as u32)) }
+            .map_err(drv("launch paged_attend"))?;
+        if matches!(method, AttendMethod::Scan(M::Fathom(_) | M::SparQ(_))) {
+            self.plans_counted += (nb * hkv) as u64;
+        }
+        Ok(())
+    }
+
+    /// [`PagedCache::attend`] from and to host slices (a convenience for CPU callers and tests):
+    /// `q` is `[batch][Hq][D]` f32; returns the outputs `[batch][Hq][D]`. Waits for the stream.
+    ///
+    /// # Errors
+    /// As [`PagedCache::attend`], and a `q` of the wrong length or with a non-finite value.
+    pub fn attend_host(
+        &mut self,
+        batch: &AppendBatch,
+        layer: usize,
+        method: crate::cache::AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &[f32],
+    ) -> Result<Vec<f32>> {
+        let s = self.cfg.shape;
+        let want = batch.plans.len() * s.kv_heads * s.group * s.dim;
+        if q.len() != want {
+            return Err(CudaError::invalid(
+                "queries",
+                format!(
+                    "{} values (want [{}][Hq][D] = {want})",
+                    q.len(),
+                    batch.plans.len()
+                ),
+            ));
+        }
+        if let Some(x) = q.iter().find(|x| !x.is_finite()) {
+            return Err(CudaError::invalid("queries", format!("{x} is not finite")));
+        }
+        let bytes = want * 4;
+        if self
+            .staging
+            .as_ref()
+            .is_none_or(|(_, cap)| *cap < 2 * bytes)
+        {
+            self.sync()?;
+            self.staging = Some((DevBuf::new(2 * bytes, "attend staging")?, 2 * bytes));
+        }
+        let base = self.staging.as_ref().map_or(0, |(b, _)| b.ptr);
+        self.sync()?;
+        // SAFETY: the staging buffer holds 2·bytes; the copy is synchronous.
+        unsafe { result::memcpy_htod_sync(base, q) }.map_err(drv("memcpy_htod queries"))?;
+        let qr = crate::cache::QueryRows {
+            q: base,
+            dtype: crate::cache::KvDtype::F32,
+        };
+        self.attend(batch, layer, method, params, &qr, base + bytes as u64)?;
+        self.sync()?;
+        let mut out = vec![0f32; want];
+        // SAFETY: `out` has `want` f32 slots; the source holds as many; synchronous copy.
+        unsafe { result::memcpy_dtoh_sync(&mut out, base + bytes as u64) }
+            .map_err(drv("memcpy_dtoh outputs"))?;
+        Ok(out)
+    }
+
+    /// After an attend (waits for the stream): session `b`'s depths `[Hkv][D]` (of the last
+    /// planned method), scores `[Hkv][G][n]` and each query head's winners, sorted. For tests
+    /// and debugging; the step itself never reads back.
+    pub fn debug_readback(&self, batch: &AppendBatch, b: usize) -> Result<AttendDebug> {
+        self.sync()?;
+        let s = self.cfg.shape;
+        let (hkv, g, d, hq) = (s.kv_heads, s.group, s.dim, s.kv_heads * s.group);
+        let p = batch.plans.get(b).ok_or_else(|| {
+            CudaError::invalid("batch index", format!("{b} of {}", batch.plans.len()))
+        })?;
+        let n = p.end_token();
+        let depths: Vec<u8> = self.work.depths.read(self.cfg.max_batch * hkv * d)?;
+        let scores: Vec<f32> = self
+            .work
+            .scores
+            .read(self.cfg.max_batch * hq * self.cfg.pages.max_tokens)?;
+        let winners: Vec<u32> = self
+            .work
+            .winners
+            .read(self.cfg.max_batch * hq * self.cfg.max_k)?;
+        let counts: Vec<u32> = self.work.counts.read(self.cfg.max_batch * hq)?;
+        let mt = self.cfg.pages.max_tokens;
+        let mut sc = Vec::with_capacity(hq * n);
+        for r in 0..hq {
+            let row = (b * hq + r) * mt;
+            sc.extend_from_slice(&scores[row..row + n]);
+        }
+        let win = (0..hq)
+            .map(|r| {
+                let row = (b * hq + r) * self.cfg.max_k;
+                let mut v = winners[row..row + counts[b * hq + r] as usize].to_vec();
+                v.sort_unstable();
+                v
+            })
+            .collect();
+        let _ = g;
+        Ok(AttendDebug {
+            depths: depths[b * hkv * d..(b + 1) * hkv * d].to_vec(),
+            scores: sc,
+            winners: win,
+        })
+    }
+
+    /// Waits for the stream, then the mean plan bits per (session, KV head) of every
+    /// GPU-planned attend (Fathom, SparQ) since the cache was made, and how many plans that is.
+    pub fn plan_bits(&self) -> Result<(f64, u64)> {
+        self.sync()?;
+        let v: Vec<f32> = self.work.bits_acc.read(1)?;
+        let n = self.plans_counted;
+        Ok((if n > 0 { v[0] as f64 / n as f64 } else { 0.0 }, n))
     }
 
     /// Waits for the stream, then the faults counted per layer since the cache was made

@@ -226,4 +226,69 @@ impl PagedCache {
     ) -> Result<Vec<half::bf16>> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Loads one layer's calibration.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn load_calibration(
+        &mut self,
+        _layer: usize,
+        _heads: &[fathom_plan::scanner::HeadCalib],
+    ) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Makes a method's static depth tables.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn prepare(&mut self, _method: Method) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// One layer's attention from device queries to device outputs.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn attend(
+        &mut self,
+        _batch: &crate::cache::AppendBatch,
+        _layer: usize,
+        _method: crate::cache::AttendMethod,
+        _params: &fathom_plan::SelectParams,
+        _q: &crate::cache::QueryRows,
+        _out: u64,
+    ) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// One layer's attention from and to host slices.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn attend_host(
+        &mut self,
+        _batch: &crate::cache::AppendBatch,
+        _layer: usize,
+        _method: crate::cache::AttendMethod,
+        _params: &fathom_plan::SelectParams,
+        _q: &[f32],
+    ) -> Result<Vec<f32>> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Depths, scores and winners of one session after an attend.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn debug_readback(
+        &self,
+        _batch: &crate::cache::AppendBatch,
+        _b: usize,
+    ) -> Result<crate::cache::AttendDebug> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Mean plan bits of every GPU-planned attend and how many plans.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn plan_bits(&self) -> Result<(f64, u64)> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
 }

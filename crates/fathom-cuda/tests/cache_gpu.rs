@@ -43,6 +43,7 @@ fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize)
             max_tokens: 1 << 16,
         },
         max_batch: 8,
+        max_k: 256,
     }
 }
 
@@ -99,7 +100,7 @@ fn step(
     batch: &[(SessionId, usize)],
     shadows: &mut [Vec<Shadow>],
     slot_of: &dyn Fn(SessionId) -> usize,
-) {
+) -> fathom_cuda::cache::AppendBatch {
     let c = cache.config().shape;
     let row = c.kv_heads * c.dim;
     let ab = cache.reserve(batch).unwrap();
@@ -128,6 +129,7 @@ fn step(
         }
         cache.append_host(&ab, l, &k, &v).unwrap();
     }
+    ab
 }
 
 #[test]
@@ -346,4 +348,237 @@ fn a_key_past_fp16_range_is_a_counted_fault_not_a_silent_store() {
         vec![1],
         "one channel block refused"
     );
+}
+
+/// f32 accumulation of ≤ D = 256 products on the GPU against f64 on the CPU: |error| ≤
+/// D·ε·Σ|terms| ≈ 1.5e-5 of the magnitude in the worst case; 2e-5 leaves headroom.
+const SCORE_TOL: f64 = 2e-5;
+/// bf16 rows, f32 online softmax on the GPU against the CPU's f64 (as the step's tests).
+const ATTN_TOL: f64 = 1e-3;
+
+/// The CPU plan of docs/SPEC.md §3–4 for one KV head, from the method's rule.
+fn cpu_depths(
+    m: fathom_cuda::Method,
+    calib: &fathom_plan::scanner::HeadCalib,
+    qh: &[f32],
+    g: usize,
+    d: usize,
+) -> Vec<u8> {
+    use fathom_cuda::Method as M;
+    match m {
+        M::Fathom(b) => {
+            let w = fathom_plan::importance(&calib.sigma2, qh, g).unwrap();
+            fathom_plan::water_fill(&w, b).unwrap().depths
+        }
+        M::SparQ(r) => {
+            let s: Vec<f32> = (0..d)
+                .map(|c| (0..g).map(|gg| qh[gg * d + c].abs()).sum())
+                .collect();
+            let mut o: Vec<usize> = (0..d).collect();
+            o.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
+            let mut dep = vec![0u8; d];
+            o.iter().take(r).for_each(|&c| dep[c] = 4);
+            dep
+        }
+        M::DoubleSparsity(r) => {
+            let mut dep = vec![0u8; d];
+            calib
+                .ds_channels
+                .iter()
+                .take(r)
+                .for_each(|&c| dep[c as usize] = 4);
+            dep
+        }
+        M::Thumb2 => vec![2; d],
+        M::Exact => vec![4; d],
+        other => panic!("{other:?} is not run by the paged cache"),
+    }
+}
+
+#[test]
+fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
+    use fathom_cuda::cache::AttendMethod;
+    use fathom_plan::{KvView, SelectParams};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(5);
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 64,
+    };
+    let methods = [
+        "dense",
+        "exact",
+        "fathom:48",
+        "fathom:92",
+        "sparq:16",
+        "ds:16",
+        "thumb2",
+    ];
+    // (D, G, Hkv, tokens per page)
+    for (d, g, hkv, page) in [
+        (64, 3, 3, 128),
+        (128, 4, 2, 256),
+        (256, 1, 1, 128),
+        (128, 8, 1, 64),
+    ] {
+        let mut cfg = config(2, hkv, d, page, 160);
+        cfg.shape.group = g;
+        let hq = hkv * g;
+        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+        let ids: Vec<SessionId> = (0..3).map(|_| cache.create().unwrap()).collect();
+        let mut shadows = vec![vec![Shadow::default(); 2]; 8];
+        let slot = |s: SessionId| s.slot();
+        // A ragged prefill: 300, 1000 and 2100 tokens (the last two in two chunks).
+        step(
+            &mut cache,
+            &mut rng,
+            &[(ids[0], 300), (ids[1], 700), (ids[2], 1100)],
+            &mut shadows,
+            &slot,
+        );
+        step(
+            &mut cache,
+            &mut rng,
+            &[(ids[1], 300), (ids[2], 1000)],
+            &mut shadows,
+            &slot,
+        );
+        // Calibration from session 0's keys (bf16) and random queries, per layer and head.
+        let dims = Dims {
+            heads: hkv,
+            channels: d,
+        };
+        let calibs: Vec<Vec<fathom_plan::scanner::HeadCalib>> = (0..2)
+            .map(|l| {
+                let kb: Vec<f32> = shadows[ids[0].slot()][l].k.iter().map(|&x| bf(x)).collect();
+                let qs: Vec<f32> = (0..16 * g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                (0..hkv)
+                    .map(|h| fathom_plan::calib::head_calib(&KvView::head(&kb, hkv, d, h), &qs))
+                    .collect()
+            })
+            .collect();
+        for (l, c) in calibs.iter().enumerate() {
+            cache.load_calibration(l, c).unwrap();
+        }
+        for m in &methods {
+            if let AttendMethod::Scan(mm) = AttendMethod::parse(m, d).unwrap() {
+                cache.prepare(mm).unwrap();
+            }
+        }
+        for t in 0..3 {
+            // A decode step of all three sessions, then attend at each one's new token.
+            let all: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
+            let batch = step(&mut cache, &mut rng, &all, &mut shadows, &slot);
+            for l in 0..2 {
+                let q: Vec<f32> = (0..3 * hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                for m in &methods {
+                    let am = AttendMethod::parse(m, d).unwrap();
+                    let out = cache.attend_host(&batch, l, am, &params, &q).unwrap();
+                    let dbg: Vec<_> = (0..3)
+                        .map(|b| cache.debug_readback(&batch, b).unwrap())
+                        .collect();
+                    for (b, &s) in ids.iter().enumerate() {
+                        let sh = &shadows[s.slot()][l];
+                        let n = sh.k.len() / dims.row();
+                        let kb: Vec<f32> = sh.k.iter().map(|&x| bf(x)).collect();
+                        let vb: Vec<f32> = sh.v.iter().map(|&x| bf(x)).collect();
+                        let store = KeyStore::from_keys(dims, &kb, None).unwrap();
+                        let view = store.view();
+                        for h in 0..hkv {
+                            let qh = &q[(b * hq + h * g) * d..(b * hq + (h + 1) * g) * d];
+                            let kv = KvView::head(&kb, hkv, d, h);
+                            let vv = KvView::head(&vb, hkv, d, h);
+                            let scale = 1.0 / (d as f32).sqrt();
+                            let what =
+                                format!("D={d} G={g} {m} step {t} layer {l} session {b} head {h}");
+                            let sets: Vec<Vec<u32>> = match am {
+                                AttendMethod::Dense => {
+                                    (0..g).map(|_| (0..n as u32).collect()).collect()
+                                }
+                                AttendMethod::Scan(mm) => {
+                                    let depths = cpu_depths(mm, &calibs[l][h], qh, g, d);
+                                    if matches!(
+                                        mm,
+                                        fathom_cuda::Method::Fathom(_)
+                                            | fathom_cuda::Method::SparQ(_)
+                                    ) {
+                                        assert_eq!(
+                                            &dbg[b].depths[h * d..(h + 1) * d],
+                                            &depths[..],
+                                            "{what}: depths"
+                                        );
+                                    }
+                                    let (refs, mag) = fathom_plan::scan::reference_scores(
+                                        &view, h, qh, g, &depths,
+                                    )
+                                    .unwrap();
+                                    (0..g)
+                                        .map(|gg| {
+                                            let row = &dbg[b].scores
+                                                [(h * g + gg) * n..(h * g + gg + 1) * n];
+                                            for i in 0..n {
+                                                let (got, want) = (row[i] as f64, refs[gg * n + i]);
+                                                assert!(
+                                                    (got - want).abs()
+                                                        <= SCORE_TOL * mag[gg * n + i] + 1e-30,
+                                                    "{what} q {gg} token {i}: gpu {got} cpu {want}"
+                                                );
+                                            }
+                                            // The CPU selection over the GPU's scores: equal,
+                                            // ties included (both take the lower index).
+                                            let mut sel = Vec::new();
+                                            fathom_plan::select_per_head(
+                                                n - 1,
+                                                row,
+                                                &params,
+                                                &mut sel,
+                                            )
+                                            .unwrap();
+                                            let mid = params.middle(n - 1);
+                                            let cpu_mid: Vec<u32> = sel
+                                                .iter()
+                                                .copied()
+                                                .filter(|&i| mid.contains(&(i as usize)))
+                                                .collect();
+                                            assert_eq!(
+                                                dbg[b].winners[h * g + gg],
+                                                cpu_mid,
+                                                "{what} q {gg}: top-k"
+                                            );
+                                            sel
+                                        })
+                                        .collect()
+                                }
+                            };
+                            for gg in 0..g {
+                                let mut want = vec![0f32; d];
+                                fathom_plan::attend(
+                                    &qh[gg * d..(gg + 1) * d],
+                                    kv,
+                                    vv,
+                                    &sets[gg],
+                                    scale,
+                                    None,
+                                    &mut want,
+                                )
+                                .unwrap();
+                                let o = (b * hq + h * g + gg) * d;
+                                let err = fathom_plan::relative_error(&out[o..o + d], &want);
+                                assert!(
+                                    err <= ATTN_TOL,
+                                    "{what} q {gg}: attention relative error {err}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let (bits, plans) = cache.plan_bits().unwrap();
+        assert!(
+            plans > 0 && bits > 0.0,
+            "plan counters: {bits} over {plans}"
+        );
+    }
 }
