@@ -466,6 +466,48 @@ impl Gpu {
         Ok(bytes as f64 / (best * 1e-3) / 1e9)
     }
 
+    /// Bandwidth of the zero-copy gather kernel over runs of `run_bytes` (a multiple of 16)
+    /// spaced `2·run_bytes` apart, `total_bytes` gathered in all, GB/s: how long a run must be
+    /// to move at link rate (the paged store's page size follows from it, docs/SPEC.md §6.1).
+    ///
+    /// # Errors
+    /// A run length that is zero or not a multiple of 16; allocation, compile or driver
+    /// failures.
+    pub fn gather_run_bandwidth(&self, run_bytes: usize, total_bytes: usize) -> Result<f64> {
+        if run_bytes == 0 || run_bytes % 16 != 0 || total_bytes < run_bytes {
+            return Err(CudaError::invalid(
+                "run_bytes",
+                format!("{run_bytes} (want a positive multiple of 16 ≤ {total_bytes})"),
+            ));
+        }
+        let k = self.kernels(1, 128)?;
+        let nruns = total_bytes / run_bytes;
+        let span = nruns * run_bytes * 2;
+        let mut h = HostBuf::new(span, "gather sweep source")?;
+        h.as_mut_bytes()
+            .par_chunks_mut(1 << 20)
+            .enumerate()
+            .for_each(|(i, c)| c.fill(i as u8));
+        let d = DevBuf::new(span, "gather sweep destination")?;
+        let list: Vec<Run> = (0..nruns)
+            .map(|i| Run {
+                off: (2 * i * run_bytes) as u64,
+                len: run_bytes as u64,
+            })
+            .collect();
+        let runs = DevBuf::from_slice(&list, "runs")?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let (a, b) = (self.event()?, self.event()?);
+            a.record(&self.stream)?;
+            self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, nruns, run_bytes as u64)?;
+            b.record(&self.stream)?;
+            self.stream.synchronize().map_err(drv("synchronize"))?;
+            best = best.min(a.elapsed_ms(&b)?);
+        }
+        Ok((nruns * run_bytes) as f64 / (best * 1e-3) / 1e9)
+    }
+
     fn launch_gather(
         &self,
         k: &Kernels,

@@ -38,6 +38,13 @@ impl Gpu {
     pub fn gather_bandwidth(&self, _bytes: usize) -> Result<f64> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Bandwidth of the zero-copy gather over runs of `run_bytes`, GB/s.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn gather_run_bandwidth(&self, _run_bytes: usize, _total_bytes: usize) -> Result<f64> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
 }
 
 /// A decode session on the device (stub).

@@ -34,8 +34,21 @@
 //! # Ok::<(), CudaError>(())
 //! ```
 //!
-//! The paged cache a model drives (docs/SPEC.md §6.1) starts from a pure-CPU core that every
-//! build has: [`pages`] (the page pool, per-session page tables, copy-on-write forks),
+//! # The paged cache a model drives (docs/SPEC.md §6.1)
+//!
+//! [`PagedCache`] holds many sessions of one model shape in pages of pinned, mapped host
+//! memory. Per step a model reserves room for a ragged batch, appends each layer's K and V
+//! from device memory (quantized and packed on the GPU, bit-exact with `fathom-store`), and
+//! attends each layer's queries with any method of the grammar; each query head attends over
+//! its own sink + local + top-k set. This example (`examples/paged_decode.rs`) prefills two
+//! sessions of different lengths and decodes 16 steps, checking every output against the CPU
+//! reference; without a GPU it prints why and returns.
+//!
+//! ```
+#![doc = include_str!("../examples/paged_decode.rs")]
+//! ```
+//!
+//! Its pure-CPU core compiles in every build: [`pages`] (the page pool, per-session page tables, copy-on-write forks),
 //! [`paged_layout`] (byte offsets of planes, scales and K|V records inside a page) and
 //! [`paged_ref`] (the CPU reference of paged appends, equal to `fathom_store::KeyStore` bit
 //! for bit: the oracle of a GPU append kernel).
