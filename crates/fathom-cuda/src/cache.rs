@@ -34,6 +34,9 @@ use crate::pages::{AppendPlan, PageConfig, SessionId};
 /// page of each session.
 pub const DEFAULT_PAGE_TOKENS: usize = 2048;
 
+/// Sink plus local rows an attend may keep (with `G·max_k` it sizes the union lists).
+pub const MAX_SINK_LOCAL: usize = 64;
+
 /// Element type of the K/V rows a model appends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvDtype {
@@ -117,6 +120,15 @@ impl CacheConfig {
                 ),
             ));
         }
+        if self.shape.group > 8 || self.shape.group * self.max_k > 8192 {
+            return Err(CudaError::invalid(
+                "max_k",
+                format!(
+                    "G = {} × max_k = {} (the union of a KV head's selections holds G ≤ 8 and G·max_k ≤ 8192)",
+                    self.shape.group, self.max_k
+                ),
+            ));
+        }
         if self.max_k == 0 || self.max_k > self.pages.max_tokens {
             return Err(CudaError::invalid(
                 "max_k",
@@ -189,6 +201,15 @@ pub fn check_attend(
     }
     if q.q == 0 || out == 0 {
         return Err(CudaError::invalid("attend", "null query or output pointer"));
+    }
+    if params.sink + params.local > MAX_SINK_LOCAL {
+        return Err(CudaError::invalid(
+            "select",
+            format!(
+                "sink {} + local {} (at most {MAX_SINK_LOCAL} rows are kept by position)",
+                params.sink, params.local
+            ),
+        ));
     }
     if params.k == 0 || params.k > cfg.max_k {
         return Err(CudaError::invalid(

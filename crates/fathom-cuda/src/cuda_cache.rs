@@ -71,17 +71,21 @@ struct AttendGeom {
     depth_stride: u32,
     dense: u32,
     scale: f32,
-    pad: u32,
+    umax: u32,
+    slot_bytes: u64,
 }
-const _: () = assert!(std::mem::size_of::<AttendGeom>() == 40);
+const _: () = assert!(std::mem::size_of::<AttendGeom>() == 48);
 
 // SAFETY: plain `#[repr(C)]` data of integers and one f32, passed by value.
 unsafe impl cudarc::driver::DeviceRepr for AttendGeom {}
 
 struct AttendKernels {
     queries: CudaFunction,
+    gather: CudaFunction,
     scan: CudaFunction,
     topk: CudaFunction,
+    union: CudaFunction,
+    fetch: CudaFunction,
     attend: CudaFunction,
     fathom_plan: CudaFunction,
     sparq_plan: CudaFunction,
@@ -105,6 +109,17 @@ struct Work {
     /// Winners, `[max_batch][Hq][max_k]` u32, and their counts `[max_batch][Hq]`.
     winners: DevBuf,
     counts: DevBuf,
+    /// The gathered planes and scales, `[max_batch][Hkv][max_pages]` slots of `slot_bytes`.
+    staging: DevBuf,
+    slot_bytes: usize,
+    /// The union per (session, KV head): rows `[max_batch][Hkv][umax]` u32, the mask of the
+    /// query heads that chose each `u8`, the count `u32`.
+    urows: DevBuf,
+    umask: DevBuf,
+    ucount: DevBuf,
+    /// The union's K|V records in HBM, `[max_batch][Hkv][umax][2D]` bf16.
+    rows: DevBuf,
+    umax: usize,
 }
 
 /// Per-layer calibration the planners read.
@@ -169,6 +184,8 @@ pub struct PagedCache {
     calib: Calib,
     /// Plans counted into `work.bits_acc` (host side: launches × heads).
     plans_counted: u64,
+    /// While capturing a graph: grids sized for the largest context, decode batches only.
+    fixed_grids: bool,
     // Keep the modules alive.
     _module: Arc<cudarc::driver::CudaModule>,
     _attend_modules: [Arc<cudarc::driver::CudaModule>; 2],
@@ -205,7 +222,6 @@ impl PagedCache {
         };
         let layout = PagedLayout::new(dims, cfg.pages.page_tokens, cfg.pages.pages)?;
         let sessions = CacheSessions::new(cfg.pages)?;
-        let max_pages = cfg.pages.pages_for(cfg.pages.max_tokens);
         let ptx = compile_one(
             gpu.arch(),
             "append.cu",
@@ -236,13 +252,20 @@ impl PagedCache {
         let fp = |n: &str| plan_mod.load_function(n).map_err(drv("load_function"));
         let attend_kernels = AttendKernels {
             queries: fa("attend_queries")?,
+            gather: fa("paged_gather")?,
             scan: fa("paged_scan")?,
             topk: fa("paged_topk")?,
+            union: fa("paged_union")?,
+            fetch: fa("paged_fetch")?,
             attend: fa("paged_attend")?,
             fathom_plan: fp("fathom_plan")?,
             sparq_plan: fp("sparq_plan")?,
         };
         let (mb, hkv, hq, d) = (cfg.max_batch, s.kv_heads, s.kv_heads * s.group, s.dim);
+        let bp = cfg.pages.page_tokens / BLOCK_TOKENS;
+        let slot_bytes = (d * bp * 34).div_ceil(256) * 256;
+        let umax = crate::cache::MAX_SINK_LOCAL + s.group * cfg.max_k;
+        let max_pages = cfg.pages.pages_for(cfg.pages.max_tokens);
         let work = Work {
             qf: DevBuf::new(mb * hq * d * 4, "attend queries")?,
             depths: DevBuf::zeroed(mb * hkv * d, "attend depths")?,
@@ -252,6 +275,13 @@ impl PagedCache {
             scores: DevBuf::new(mb * hq * cfg.pages.max_tokens * 4, "attend scores")?,
             winners: DevBuf::new(mb * hq * cfg.max_k * 4, "attend winners")?,
             counts: DevBuf::zeroed(mb * hq * 4, "attend winner counts")?,
+            staging: DevBuf::new(mb * hkv * max_pages * slot_bytes, "attend staging")?,
+            slot_bytes,
+            urows: DevBuf::new(mb * hkv * umax * 4, "attend union rows")?,
+            umask: DevBuf::new(mb * hkv * umax, "attend union masks")?,
+            ucount: DevBuf::zeroed(mb * hkv * 4, "attend union counts")?,
+            rows: DevBuf::new(mb * hkv * umax * 4 * d, "attend union records")?,
+            umax,
         };
         let calib = Calib {
             sigma2: (0..s.layers).map(|_| None).collect(),
@@ -291,6 +321,7 @@ impl PagedCache {
             work,
             calib,
             plans_counted: 0,
+            fixed_grids: false,
             _module: module,
             _attend_modules: [attend_mod, plan_mod],
         })
@@ -455,6 +486,12 @@ impl PagedCache {
     /// row count that differs from the batch's, a null pointer.
     pub fn append(&mut self, batch: &AppendBatch, layer: usize, kv: &KvRows) -> Result<()> {
         check_rows(&self.cfg, batch, self.step, layer, kv)?;
+        if self.fixed_grids && self.batch_max_m != 1 {
+            return Err(CudaError::invalid(
+                "append",
+                "a captured step appends one token per session (a decode batch)",
+            ));
+        }
         let s = self.cfg.shape;
         let lay = self.layout;
         let geom = PoolGeom {
@@ -715,7 +752,8 @@ impl PagedCache {
             },
             dense: u32::from(dense),
             scale: 1.0 / (d as f32).sqrt(),
-            pad: 0,
+            umax: self.work.umax as u32,
+            slot_bytes: self.work.slot_bytes as u64,
         };
         let k = &self.attend_kernels;
         let w = &self.work;
@@ -770,27 +808,39 @@ impl PagedCache {
                 _ => {}
             }
             let depths = static_depths.unwrap_or(w.depths.ptr);
-            // 3. Scan every block of every session in place (zero-copy from the pages).
-            let blocks = batch
-                .plans
-                .iter()
-                .map(|p| p.end_token().div_ceil(BLOCK_TOKENS))
-                .max()
-                .unwrap_or(0) as u32;
-            let mut b = st.launch_builder(&k.scan);
+            // 3. Gather each page's planned runs into HBM (link rate from 256-byte runs).
+            let (pages, blocks) = if self.fixed_grids {
+                let mt = self.cfg.pages.max_tokens;
+                (self.max_pages, mt.div_ceil(BLOCK_TOKENS))
+            } else {
+                let n = batch.plans.iter().map(|p| p.end_token()).max().unwrap_or(0);
+                (n.div_ceil(lay.page_tokens()), n.div_ceil(BLOCK_TOKENS))
+            };
+            let mut b = st.launch_builder(&k.gather);
             b.arg(&descs)
                 .arg(&tables)
                 .arg(&pool)
                 .arg(&geom)
                 .arg(&ag)
+                .arg(&depths)
+                .arg(&w.staging.ptr);
+            // SAFETY: pages < each session's table length are read (the kernel checks against
+            // its length); staging holds max_batch·Hkv·max_pages slots.
+            unsafe { b.launch(cfg((nb as u32, hkv as u32, pages as u32), 256)) }
+                .map_err(drv("launch paged_gather"))?;
+            // 4. Scan the staging.
+            let mut b = st.launch_builder(&k.scan);
+            b.arg(&descs)
+                .arg(&geom)
+                .arg(&ag)
                 .arg(&w.qf.ptr)
                 .arg(&depths)
+                .arg(&w.staging.ptr)
                 .arg(&w.scores.ptr);
-            // SAFETY: every session's pages are in its table (reserve wrote them); scores
-            // hold max_batch·Hkv·G rows of max_tokens.
-            unsafe { b.launch(cfg((nb as u32, hkv as u32, blocks), 64)) }
+            // SAFETY: scores hold max_batch·Hkv·G rows of max_tokens.
+            unsafe { b.launch(cfg((nb as u32, hkv as u32, blocks as u32), 64)) }
                 .map_err(drv("launch paged_scan"))?;
-            // 4. Each query head's top-k.
+            // 5. Each query head's top-k.
             let mut b = st.launch_builder(&k.topk);
             b.arg(&descs)
                 .arg(&geom)
@@ -801,8 +851,34 @@ impl PagedCache {
             // SAFETY: winners hold max_k per row; k ≤ max_k was checked.
             unsafe { b.launch(cfg((nb as u32, hq as u32, 1), TOPK_THREADS)) }
                 .map_err(drv("launch paged_topk"))?;
+            // 6. The union per KV head, then its rows into HBM.
+            let mut b = st.launch_builder(&k.union);
+            b.arg(&descs)
+                .arg(&geom)
+                .arg(&ag)
+                .arg(&w.winners.ptr)
+                .arg(&w.counts.ptr)
+                .arg(&w.urows.ptr)
+                .arg(&w.umask.ptr)
+                .arg(&w.ucount.ptr);
+            // SAFETY: union lists hold umax = 64 + G·max_k rows ≥ sink + local + G·k.
+            unsafe { b.launch(cfg((nb as u32, hkv as u32, 1), TOPK_THREADS)) }
+                .map_err(drv("launch paged_union"))?;
+            let chunks = self.work.umax.div_ceil(8).min(64) as u32;
+            let mut b = st.launch_builder(&k.fetch);
+            b.arg(&descs)
+                .arg(&tables)
+                .arg(&pool)
+                .arg(&geom)
+                .arg(&ag)
+                .arg(&w.urows.ptr)
+                .arg(&w.ucount.ptr)
+                .arg(&w.rows.ptr);
+            // SAFETY: every union row is a token < the session's length; rows hold umax records.
+            unsafe { b.launch(cfg((nb as u32, hkv as u32, chunks), 256)) }
+                .map_err(drv("launch paged_fetch"))?;
         }
-        // 5. Exact attention over each head's own set.
+        // 7. Exact attention of each query head over its own set.
         let mut b = st.launch_builder(&k.attend);
         b.arg(&descs)
             .arg(&tables)
@@ -810,8 +886,9 @@ impl PagedCache {
             .arg(&geom)
             .arg(&ag)
             .arg(&w.qf.ptr)
-            .arg(&w.winners.ptr)
-            .arg(&w.counts.ptr)
+            .arg(&w.rows.ptr)
+            .arg(&w.umask.ptr)
+            .arg(&w.ucount.ptr)
             .arg(&out);
         // SAFETY: out holds batch·Hq·D f32 (the caller's contract); rows are read through
         // the session's pages only at tokens < its length.
@@ -929,6 +1006,74 @@ impl PagedCache {
         Ok((if n > 0 { v[0] as f64 / n as f64 } else { 0.0 }, n))
     }
 
+    /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and
+    /// must only [`PagedCache::append`] and [`PagedCache::attend`] (device pointers; the model's
+    /// own kernels may run on [`PagedCache::stream`] too) for `batch`, a decode batch (one
+    /// token per session). While capturing, the scan's grid covers `max_tokens`, so the graph
+    /// stays valid as the sessions grow. Replay it with [`PagedCache::replay`] after each
+    /// [`PagedCache::reserve`] of the same sessions, with this step's K, V and queries written
+    /// to the same device buffers.
+    ///
+    /// # Errors
+    /// A batch that is not a decode batch; whatever `step` returns; a failed capture.
+    pub fn capture(
+        &mut self,
+        batch: &AppendBatch,
+        step: impl FnOnce(&mut PagedCache) -> Result<()>,
+    ) -> Result<DecodeGraph> {
+        if batch.plans.iter().any(|p| p.tokens != 1) || batch.step != self.step {
+            return Err(CudaError::invalid(
+                "capture",
+                "capture needs the current decode batch (one token per session)",
+            ));
+        }
+        self.sync()?;
+        let plans0 = self.plans_counted;
+        self.fixed_grids = true;
+        self.stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(drv("begin_capture"))?;
+        let ran = step(self);
+        let graph = self
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        self.fixed_grids = false;
+        // Nothing ran while capturing: the plans are counted when the graph is replayed.
+        let plans = self.plans_counted - plans0;
+        self.plans_counted = plans0;
+        ran?;
+        let graph = graph
+            .map_err(drv("end_capture"))?
+            .ok_or_else(|| CudaError::invalid("capture", "the step launched nothing"))?;
+        Ok(DecodeGraph {
+            graph,
+            sessions: batch.sessions(),
+            plans,
+        })
+    }
+
+    /// Replays a captured decode step for `batch`, the current reserve of the same sessions
+    /// (one token each), on the cache's stream.
+    ///
+    /// # Errors
+    /// A stale batch, or one whose sessions or token counts differ from the captured one's.
+    pub fn replay(&mut self, batch: &AppendBatch, graph: &DecodeGraph) -> Result<()> {
+        if batch.step != self.step
+            || batch.sessions() != graph.sessions
+            || batch.plans.iter().any(|p| p.tokens != 1)
+        {
+            return Err(CudaError::invalid(
+                "replay",
+                "the graph replays the decode step of the sessions it was captured for, after their current reserve",
+            ));
+        }
+        graph.graph.launch().map_err(drv("graph launch"))?;
+        self.plans_counted += graph.plans;
+        Ok(())
+    }
+
     /// Waits for the stream, then the faults counted per layer since the cache was made
     /// (a channel block whose keys were not finite or whose maximum overflowed fp16 was not
     /// written).
@@ -970,5 +1115,20 @@ impl PagedCache {
             self.sessions.page_table(session)?,
             n,
         )
+    }
+}
+
+/// A captured decode step ([`PagedCache::capture`]).
+pub struct DecodeGraph {
+    graph: cudarc::driver::CudaGraph,
+    sessions: Vec<SessionId>,
+    plans: u64,
+}
+
+impl std::fmt::Debug for DecodeGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeGraph")
+            .field("sessions", &self.sessions)
+            .finish_non_exhaustive()
     }
 }

@@ -299,3 +299,34 @@ impl PagedCache {
         Err(CudaError::NotCompiledWithCuda)
     }
 }
+
+/// A captured decode step (stub: cannot be made without the `cuda` feature).
+#[derive(Debug)]
+pub struct DecodeGraph {
+    _private: (),
+}
+
+impl PagedCache {
+    /// Captures one decode step into a CUDA graph.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn capture(
+        &mut self,
+        _batch: &crate::cache::AppendBatch,
+        _step: impl FnOnce(&mut PagedCache) -> Result<()>,
+    ) -> Result<DecodeGraph> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Replays a captured decode step.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn replay(
+        &mut self,
+        _batch: &crate::cache::AppendBatch,
+        _graph: &DecodeGraph,
+    ) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+}

@@ -76,12 +76,12 @@ mod cuda_cache;
 #[cfg(feature = "cuda")]
 pub use cuda::{compile_kernels, Gpu, Session};
 #[cfg(feature = "cuda")]
-pub use cuda_cache::PagedCache;
+pub use cuda_cache::{DecodeGraph, PagedCache};
 
 #[cfg(not(feature = "cuda"))]
 mod dummy;
 #[cfg(not(feature = "cuda"))]
-pub use dummy::{Gpu, PagedCache, Session};
+pub use dummy::{DecodeGraph, Gpu, PagedCache, Session};
 
 pub use config::{
     Method, ModelShape, Residency, SessionConfig, AUTO_GATHER_CTAS, AUTO_PIPELINE_GROUPS,

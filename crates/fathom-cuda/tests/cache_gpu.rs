@@ -582,3 +582,68 @@ fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
         );
     }
 }
+
+/// Keys and values handed over in device memory as bf16 and f16 (what a model passes) give
+/// the store of their bf16 rounding, as f32 host rows do.
+#[cfg(feature = "cuda")]
+#[test]
+fn bf16_and_f16_rows_from_device_memory_are_stored_as_their_bf16_rounding() {
+    use cudarc::driver::DevicePtr;
+    let Some(gpu) = gpu() else { return };
+    let stream = gpu.stream().clone();
+    let mut rng = StdRng::seed_from_u64(9);
+    let (hkv, d) = (2, 128);
+    let mut cache = PagedCache::new(&gpu, config(1, hkv, d, 128, 16)).unwrap();
+    let dims = Dims {
+        heads: hkv,
+        channels: d,
+    };
+    for (dtype, n) in [(KvDtype::Bf16, 200), (KvDtype::F16, 77)] {
+        let s = cache.create().unwrap();
+        let keys: Vec<f32> = (0..n * hkv * d).map(|_| rng.gen_range(-3.0..3.0)).collect();
+        let bits: Vec<u16> = keys
+            .iter()
+            .map(|&x| match dtype {
+                KvDtype::Bf16 => bf16::from_f32(x).to_bits(),
+                _ => half::f16::from_f32(x).to_bits(),
+            })
+            .collect();
+        let as_f32: Vec<f32> = bits
+            .iter()
+            .map(|&b| match dtype {
+                KvDtype::Bf16 => bf16::from_bits(b).to_f32(),
+                _ => half::f16::from_bits(b).to_f32(),
+            })
+            .collect();
+        let kd = stream.clone_htod(&bits).unwrap();
+        let vd = stream.clone_htod(&bits).unwrap();
+        // Two appends: a chunk, then the rest (a partial block re-quantized in place).
+        let first = n / 2 + 1;
+        for (lo, hi) in [(0, first), (first, n)] {
+            let batch = cache.reserve(&[(s, hi - lo)]).unwrap();
+            let off = (lo * hkv * d * 2) as u64;
+            let kv = KvRows {
+                k: kd.device_ptr(&stream).0 + off,
+                v: vd.device_ptr(&stream).0 + off,
+                dtype,
+                rows: hi - lo,
+            };
+            cache.append(&batch, 0, &kv).unwrap();
+        }
+        let want: Vec<f32> = as_f32.iter().map(|&x| bf(x)).collect();
+        let store = KeyStore::from_keys(dims, &want, None).unwrap();
+        if let Err(e) = cache.export(s, 0).unwrap().compare(&store.view()) {
+            panic!("{dtype:?}: {e}");
+        }
+        let rec = cache.records(s, 0).unwrap();
+        for h in 0..hkv {
+            for i in 0..n {
+                for c in 0..d {
+                    let r = rec[(h * n + i) * 2 * d + d + c].to_f32();
+                    assert_eq!(r, want[(i * hkv + h) * d + c], "{dtype:?} V record");
+                }
+            }
+        }
+    }
+    assert_eq!(cache.faults().unwrap(), vec![0]);
+}
