@@ -41,7 +41,7 @@ extern "C" __global__ void attend_queries(const void* __restrict__ q, u32 dtype,
 // Staging slot (b, h, j) holds that head's part of page j in the page's own layout: planes
 // [D][4][B] u64 (the first t planes of each channel filled), then scales [D][B] fp16. One warp
 // per channel run (t*B words, >= 256 B at P = 2048: link rate, results/device/engine).
-// grid = (batch, Hkv, most pages), block = 256.
+// grid = (batch, Hkv, most pages), block = 1024 (any multiple of 32).
 extern "C" __global__ void paged_gather(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                         const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                         const u8* __restrict__ depths, u8* __restrict__ staging) {

@@ -28,6 +28,9 @@ pub(crate) const APPEND_SRC: &str = include_str!("../kernels/append.cu");
 /// The attend kernels' source.
 pub(crate) const ATTEND_SRC: &str = include_str!("../kernels/attend.cu");
 const PLAN_SRC: &str = include_str!("../kernels/plan.cu");
+/// Threads of `paged_gather`: 32 warps, each copying 4 of a page's channel runs (D = 128), so
+/// many host reads are in flight per page.
+const GATHER_THREADS: u32 = 1024;
 /// Threads of `paged_topk` (`TK` in attend.cu).
 const TOPK_THREADS: u32 = 1024;
 
@@ -826,7 +829,7 @@ impl PagedCache {
                 .arg(&w.staging.ptr);
             // SAFETY: pages < each session's table length are read (the kernel checks against
             // its length); staging holds max_batch·Hkv·max_pages slots.
-            unsafe { b.launch(cfg((nb as u32, hkv as u32, pages as u32), 256)) }
+            unsafe { b.launch(cfg((nb as u32, hkv as u32, pages as u32), GATHER_THREADS)) }
                 .map_err(drv("launch paged_gather"))?;
             // 4. Scan the staging.
             let mut b = st.launch_builder(&k.scan);
