@@ -92,92 +92,8 @@ impl Capture {
     fn from_file(file: TensorFile) -> Result<Self, TensorError> {
         let path = &file.path().to_path_buf();
         let meta = file.metadata()?;
-        let names = file.names()?;
-        let mut layers = BTreeSet::new();
-        for n in &names {
-            if let Some(rest) = n.strip_prefix("layers.") {
-                if let Some((l, _)) = rest.split_once('.') {
-                    if let Ok(l) = l.parse::<usize>() {
-                        layers.insert(l);
-                    }
-                }
-            }
-        }
-        if layers.is_empty() {
-            return Err(invalid(
-                path,
-                "no `layers.{l}.q/k/v` tensors: not a capture (docs/SPEC.md §8)".into(),
-            ));
-        }
-        let layers: Vec<usize> = layers.into_iter().collect();
-        let mut dims: Option<(usize, usize, usize, usize, usize)> = None; // P, Hq, N, Hkv, D
-        for &l in &layers {
-            let shape = |t: &str| file.shape(&format!("layers.{l}.{t}"));
-            let (q, k, v) = (shape("q")?, shape("k")?, shape("v")?);
-            for (t, s) in [("q", &q), ("k", &k), ("v", &v)] {
-                if s.len() != 3 {
-                    return Err(TensorError::Shape {
-                        path: path.to_path_buf(),
-                        name: format!("layers.{l}.{t}"),
-                        shape: s.clone(),
-                        expected: if t == "q" {
-                            "[P, Hq, D]"
-                        } else {
-                            "[N, Hkv, D]"
-                        }
-                        .into(),
-                    });
-                }
-            }
-            if k != v {
-                return Err(TensorError::Shape {
-                    path: path.to_path_buf(),
-                    name: format!("layers.{l}.v"),
-                    shape: v,
-                    expected: format!("{k:?} (the shape of layers.{l}.k)"),
-                });
-            }
-            if q[2] != k[2] {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "layers.{l}.q has D = {} but layers.{l}.k has D = {}",
-                        q[2], k[2]
-                    ),
-                ));
-            }
-            if k[1] == 0 || q[1] % k[1] != 0 {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "layers.{l}: {} query heads do not divide into {} KV heads",
-                        q[1], k[1]
-                    ),
-                ));
-            }
-            let this = (q[0], q[1], k[0], k[1], k[2]);
-            match dims {
-                None => dims = Some(this),
-                Some(d) if d != this => {
-                    return Err(invalid(path, format!(
-                        "layers.{l} has shapes q {q:?}, k {k:?}, unlike layer {} (P, Hq, N, Hkv, D) = {d:?}",
-                        layers[0])));
-                }
-                _ => {}
-            }
-            if file.contains(&format!("layers.{l}.o"))? {
-                let o = shape("o")?;
-                if o != q {
-                    return Err(TensorError::Shape {
-                        path: path.to_path_buf(),
-                        name: format!("layers.{l}.o"),
-                        shape: o,
-                        expected: format!("{q:?} (the shape of layers.{l}.q)"),
-                    });
-                }
-            }
-        }
-        let (p, hq, n, hkv, d) = dims.expect("at least one layer");
+        let layers = captured_layers(path, &file.names()?)?;
+        let (p, hq, n, hkv, d) = layer_shapes(&file, path, &layers)?;
         let schema =
             fathom_capture::CaptureMeta::from_map(&meta).map_err(|e| invalid(path, e.0))?;
         let positions = schema.positions;
@@ -196,32 +112,14 @@ impl Capture {
                 format!("positions[{i}] = {pos} is beyond the {n} captured keys (must be < N)"),
             ));
         }
-        let (qk_norm, softcap) = (schema.qk_norm, schema.softcap);
-        let kinds = match schema.layer_kinds {
-            None => vec![LayerKind::Global; layers.len()],
-            Some(all) => {
-                let mut kinds = Vec::with_capacity(layers.len());
-                for &l in &layers {
-                    kinds.push(*all.get(l).ok_or_else(|| {
-                        invalid(
-                            path,
-                            format!(
-                                "metadata `layer_kinds` has {} entries; layer {l} has none",
-                                all.len()
-                            ),
-                        )
-                    })?);
-                }
-                kinds
-            }
-        };
+        let kinds = layer_kinds(path, schema.layer_kinds, &layers)?;
         let info = CaptureInfo {
             model: meta
                 .get("model")
                 .cloned()
                 .unwrap_or_else(|| "unknown".into()),
-            qk_norm,
-            softcap,
+            qk_norm: schema.qk_norm,
+            softcap: schema.softcap,
             positions,
             layers,
             kinds,
@@ -309,4 +207,128 @@ pub fn capture_bytes(
         layers: None,
     };
     crate::tensors::to_safetensors(&tensors, dtype, Some(meta.to_map()))
+}
+
+/// The captured layer indices, sorted: every `l` of a `layers.{l}.*` tensor.
+fn captured_layers(path: &Path, names: &[String]) -> Result<Vec<usize>, TensorError> {
+    let mut layers = BTreeSet::new();
+    for n in names {
+        if let Some(rest) = n.strip_prefix("layers.") {
+            if let Some((l, _)) = rest.split_once('.') {
+                if let Ok(l) = l.parse::<usize>() {
+                    layers.insert(l);
+                }
+            }
+        }
+    }
+    if layers.is_empty() {
+        return Err(invalid(
+            path,
+            "no `layers.{l}.q/k/v` tensors: not a capture (docs/SPEC.md §8)".into(),
+        ));
+    }
+    Ok(layers.into_iter().collect())
+}
+
+/// `(P, Hq, N, Hkv, D)`, the same for every layer: `q` is `[P, Hq, D]`, `k` and `v` are
+/// `[N, Hkv, D]`, `Hkv` divides `Hq`, and an `o` has the shape of `q`.
+fn layer_shapes(
+    file: &TensorFile,
+    path: &Path,
+    layers: &[usize],
+) -> Result<(usize, usize, usize, usize, usize), TensorError> {
+    let mut dims: Option<(usize, usize, usize, usize, usize)> = None;
+    for &l in layers {
+        let shape = |t: &str| file.shape(&format!("layers.{l}.{t}"));
+        let (q, k, v) = (shape("q")?, shape("k")?, shape("v")?);
+        for (t, s) in [("q", &q), ("k", &k), ("v", &v)] {
+            if s.len() != 3 {
+                return Err(TensorError::Shape {
+                    path: path.to_path_buf(),
+                    name: format!("layers.{l}.{t}"),
+                    shape: s.clone(),
+                    expected: if t == "q" {
+                        "[P, Hq, D]"
+                    } else {
+                        "[N, Hkv, D]"
+                    }
+                    .into(),
+                });
+            }
+        }
+        if k != v {
+            return Err(TensorError::Shape {
+                path: path.to_path_buf(),
+                name: format!("layers.{l}.v"),
+                shape: v,
+                expected: format!("{k:?} (the shape of layers.{l}.k)"),
+            });
+        }
+        if q[2] != k[2] {
+            return Err(invalid(
+                path,
+                format!(
+                    "layers.{l}.q has D = {} but layers.{l}.k has D = {}",
+                    q[2], k[2]
+                ),
+            ));
+        }
+        if k[1] == 0 || q[1] % k[1] != 0 {
+            return Err(invalid(
+                path,
+                format!(
+                    "layers.{l}: {} query heads do not divide into {} KV heads",
+                    q[1], k[1]
+                ),
+            ));
+        }
+        let this = (q[0], q[1], k[0], k[1], k[2]);
+        match dims {
+            None => dims = Some(this),
+            Some(d) if d != this => {
+                return Err(invalid(path, format!(
+                    "layers.{l} has shapes q {q:?}, k {k:?}, unlike layer {} (P, Hq, N, Hkv, D) = {d:?}",
+                    layers[0])));
+            }
+            _ => {}
+        }
+        if file.contains(&format!("layers.{l}.o"))? {
+            let o = shape("o")?;
+            if o != q {
+                return Err(TensorError::Shape {
+                    path: path.to_path_buf(),
+                    name: format!("layers.{l}.o"),
+                    shape: o,
+                    expected: format!("{q:?} (the shape of layers.{l}.q)"),
+                });
+            }
+        }
+    }
+    dims.ok_or_else(|| invalid(path, "no layers".into()))
+}
+
+/// The kind of each captured layer: from the metadata's `layer_kinds` (over every model
+/// layer), or global when the capture has none.
+fn layer_kinds(
+    path: &Path,
+    all: Option<Vec<LayerKind>>,
+    layers: &[usize],
+) -> Result<Vec<LayerKind>, TensorError> {
+    let Some(all) = all else {
+        return Ok(vec![LayerKind::Global; layers.len()]);
+    };
+    layers
+        .iter()
+        .map(|&l| {
+            all.get(l).copied().ok_or_else(|| {
+                invalid(
+                    path,
+                    format!(
+                        "metadata `layer_kinds` has {} entries; layer {l} has none",
+                        all.len()
+                    ),
+                )
+            })
+        })
+        .collect()
 }

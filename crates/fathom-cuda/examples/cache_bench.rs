@@ -8,7 +8,9 @@
 //! cargo run --release --features cuda -p fathom-cuda --example cache_bench -- CONTEXT SESSIONS [OUT.json]
 //! ```
 use cudarc::driver::{sys, CudaSlice, DevicePtr};
-use fathom_cuda::cache::{AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS};
+use fathom_cuda::cache::{
+    AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS,
+};
 use fathom_cuda::pages::{PageConfig, SessionId};
 use fathom_cuda::{Gpu, ModelShape, PagedCache};
 use fathom_plan::scanner::HeadCalib;
@@ -21,7 +23,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_json = args.next();
     let gpu = Gpu::open(0)?;
     let stream = gpu.stream().clone();
-    let shape = ModelShape { layers: 36, kv_heads: 8, group: 4, dim: 128 };
+    let shape = ModelShape {
+        layers: 36,
+        kv_heads: 8,
+        group: 4,
+        dim: 128,
+    };
     let (nl, hkv, g, d) = (shape.layers, shape.kv_heads, shape.group, shape.dim);
     let methods = ["fathom:48", "ds:32", "sparq:32", "exact", "dense"];
     let (warm, timed) = (2usize, 8usize);
@@ -43,7 +50,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_, _>>()?;
     let mut seed = 3u64;
     let mut rnd = move || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     };
     // Prefill in chunks of 8192 tokens per session (SYNTHETIC keys and values).
@@ -71,17 +80,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cache.load_calibration(l, &heads)?;
     }
     let setup_s = t0.elapsed().as_secs_f64();
-    let up = |n: usize, rnd: &mut dyn FnMut() -> f32| -> Result<CudaSlice<f32>, Box<dyn std::error::Error>> {
+    let up = |n: usize,
+              rnd: &mut dyn FnMut() -> f32|
+     -> Result<CudaSlice<f32>, Box<dyn std::error::Error>> {
         let h: Vec<f32> = (0..n).map(|_| rnd()).collect();
         Ok(stream.clone_htod(&h)?)
     };
     let mut bufs = Vec::new();
     for _ in 0..nl {
-        bufs.push((up(b * row, &mut rnd)?, up(b * hkv * g * d, &mut rnd)?, stream.alloc_zeros::<f32>(b * hkv * g * d)?));
+        bufs.push((
+            up(b * row, &mut rnd)?,
+            up(b * hkv * g * d, &mut rnd)?,
+            stream.alloc_zeros::<f32>(b * hkv * g * d)?,
+        ));
     }
     let ptr = |s: &CudaSlice<f32>| s.device_ptr(&stream).0;
-    let ptrs: Vec<(u64, u64, u64)> = bufs.iter().map(|(k, q, o)| (ptr(k), ptr(q), ptr(o))).collect();
-    let params = SelectParams { sink: 4, local: 32, k: 512 };
+    let ptrs: Vec<(u64, u64, u64)> = bufs
+        .iter()
+        .map(|(k, q, o)| (ptr(k), ptr(q), ptr(o)))
+        .collect();
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 512,
+    };
     let decode: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
     let mut rows = Vec::new();
     let mut times = Vec::new();
@@ -95,8 +117,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let batch = cache.reserve(&decode)?;
             let e0 = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             for (l, &(k, q, o)) in ptrs.iter().enumerate() {
-                cache.append(&batch, l, &KvRows { k, v: k, dtype: KvDtype::F32, rows: b })?;
-                cache.attend(&batch, l, am, &params, &QueryRows { q, dtype: KvDtype::F32 }, o)?;
+                cache.append(
+                    &batch,
+                    l,
+                    &KvRows {
+                        k,
+                        v: k,
+                        dtype: KvDtype::F32,
+                        rows: b,
+                    },
+                )?;
+                cache.attend(
+                    &batch,
+                    l,
+                    am,
+                    &params,
+                    &QueryRows {
+                        q,
+                        dtype: KvDtype::F32,
+                    },
+                    o,
+                )?;
             }
             let e1 = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             e1.synchronize()?;
