@@ -184,21 +184,7 @@ pub fn check_attend(
     q: &QueryRows,
     out: u64,
 ) -> Result<()> {
-    if layer >= cfg.shape.layers {
-        return Err(CudaError::invalid(
-            "layer",
-            format!("{layer} (the cache has {} layers)", cfg.shape.layers),
-        ));
-    }
-    if batch.step != current_step {
-        return Err(CudaError::invalid(
-            "append batch",
-            format!(
-                "batch of step {} is stale: the cache has reserved step {current_step} since",
-                batch.step
-            ),
-        ));
-    }
+    check_step(cfg, batch, current_step, layer)?;
     if q.q == 0 || out == 0 {
         return Err(CudaError::invalid("attend", "null query or output pointer"));
     }
@@ -257,14 +243,12 @@ impl AppendBatch {
     }
 }
 
-/// The checks of an append before its launch: the layer exists, the batch is the current
-/// one, the rows match the batch and neither pointer is null.
-pub fn check_rows(
+/// The layer exists and `batch` is the cache's current reserve.
+fn check_step(
     cfg: &CacheConfig,
     batch: &AppendBatch,
     current_step: u64,
     layer: usize,
-    kv: &KvRows,
 ) -> Result<()> {
     if layer >= cfg.shape.layers {
         return Err(CudaError::invalid(
@@ -281,6 +265,19 @@ pub fn check_rows(
             ),
         ));
     }
+    Ok(())
+}
+
+/// The checks of an append before its launch: the layer exists, the batch is the current
+/// one, the rows match the batch and neither pointer is null.
+pub fn check_rows(
+    cfg: &CacheConfig,
+    batch: &AppendBatch,
+    current_step: u64,
+    layer: usize,
+    kv: &KvRows,
+) -> Result<()> {
+    check_step(cfg, batch, current_step, layer)?;
     if kv.rows != batch.rows {
         return Err(CudaError::invalid(
             "kv rows",

@@ -335,6 +335,20 @@ impl PagedCache {
         &self.cfg
     }
 
+    /// The pool geometry every kernel takes.
+    fn geom(&self) -> PoolGeom {
+        let lay = self.layout;
+        PoolGeom {
+            page_bytes: lay.page_bytes(),
+            scales_at: lay.scales_at(),
+            records_at: lay.records_at(),
+            page_tokens: lay.page_tokens() as u32,
+            max_pages: self.max_pages as u32,
+            heads: self.cfg.shape.kv_heads as u32,
+            layers: self.cfg.shape.layers as u32,
+        }
+    }
+
     /// The byte layout of each layer's pool.
     pub fn layout(&self) -> &PagedLayout {
         &self.layout
@@ -496,16 +510,7 @@ impl PagedCache {
             ));
         }
         let s = self.cfg.shape;
-        let lay = self.layout;
-        let geom = PoolGeom {
-            page_bytes: lay.page_bytes(),
-            scales_at: lay.scales_at(),
-            records_at: lay.records_at(),
-            page_tokens: lay.page_tokens() as u32,
-            max_pages: self.max_pages as u32,
-            heads: s.kv_heads as u32,
-            layers: s.layers as u32,
-        };
+        let geom = self.geom();
         let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr);
         let (tails, faults) = (self.tails.ptr, self.faults.dptr);
         let dtype = kv.dtype.code();
@@ -732,15 +737,7 @@ impl PagedCache {
             _ => None,
         };
         let lay = self.layout;
-        let geom = PoolGeom {
-            page_bytes: lay.page_bytes(),
-            scales_at: lay.scales_at(),
-            records_at: lay.records_at(),
-            page_tokens: lay.page_tokens() as u32,
-            max_pages: self.max_pages as u32,
-            heads: hkv as u32,
-            layers: s.layers as u32,
-        };
+        let geom = self.geom();
         let dense = matches!(method, AttendMethod::Dense);
         let ag = AttendGeom {
             sink: params.sink as u32,

@@ -430,6 +430,15 @@ pub struct PartialBlock {
     pub tokens: usize,
 }
 
+/// What one append needs (`CacheSessions::need`): the length before and after, the shared
+/// partial last page to copy, if any, and the fresh pages in all.
+struct Need {
+    n: usize,
+    end: usize,
+    shared_last: Option<PageId>,
+    pages: usize,
+}
+
 /// Where an append's tokens go (the result of [`CacheSessions::reserve`]).
 ///
 /// Tokens `first_token .. first_token + tokens` of the session go to page
@@ -685,27 +694,12 @@ impl CacheSessions {
         new_tokens: usize,
     ) -> Result<AppendPlan, PageError> {
         let p = self.cfg.page_tokens;
-        let st = self.state(session)?;
-        if new_tokens == 0 {
-            return Err(PageError::ZeroLengthAppend { session });
-        }
-        let n = st.len;
-        let full = PageError::SessionFull {
-            session,
-            len: n,
-            requested: new_tokens,
-            max_tokens: self.cfg.max_tokens,
-        };
-        let end = n.checked_add(new_tokens).ok_or(full.clone())?;
-        if end > self.cfg.max_tokens {
-            return Err(full);
-        }
-        let grow = self.cfg.pages_for(end) - st.table.len();
-        let shared_last = match st.table.last() {
-            Some(&last) if n % p != 0 && self.pool.refcount(last)? > 1 => Some(last),
-            _ => None,
-        };
-        let needed = grow + usize::from(shared_last.is_some());
+        let Need {
+            n,
+            end,
+            shared_last,
+            pages: needed,
+        } = self.need(session, new_tokens)?;
         // All checks done; from here on nothing can fail (alloc_many is all-or-nothing).
         let mut fresh = self.pool.alloc_many(needed)?;
         let copy = match shared_last {
@@ -750,6 +744,39 @@ impl CacheSessions {
         })
     }
 
+    /// What appending `new_tokens` to `session` needs, with every check of
+    /// [`CacheSessions::reserve`] (a live session, a positive count, the capacity); changes
+    /// nothing.
+    fn need(&self, session: SessionId, new_tokens: usize) -> Result<Need, PageError> {
+        let p = self.cfg.page_tokens;
+        let st = self.state(session)?;
+        if new_tokens == 0 {
+            return Err(PageError::ZeroLengthAppend { session });
+        }
+        let n = st.len;
+        let full = PageError::SessionFull {
+            session,
+            len: n,
+            requested: new_tokens,
+            max_tokens: self.cfg.max_tokens,
+        };
+        let end = n.checked_add(new_tokens).ok_or(full.clone())?;
+        if end > self.cfg.max_tokens {
+            return Err(full);
+        }
+        let grow = self.cfg.pages_for(end) - st.table.len();
+        let shared_last = match st.table.last() {
+            Some(&last) if n % p != 0 && self.pool.refcount(last)? > 1 => Some(last),
+            _ => None,
+        };
+        Ok(Need {
+            n,
+            end,
+            shared_last,
+            pages: grow + usize::from(shared_last.is_some()),
+        })
+    }
+
     /// Reserves room for a ragged batch, all or nothing: `batch[i] = (session, new_tokens)`,
     /// each session at most once. Every check of [`CacheSessions::reserve`] runs for every
     /// entry, and the pages the whole batch needs (growth plus copy-on-write) are counted
@@ -758,32 +785,12 @@ impl CacheSessions {
         &mut self,
         batch: &[(SessionId, usize)],
     ) -> Result<Vec<AppendPlan>, PageError> {
-        let p = self.cfg.page_tokens;
         let mut needed = 0usize;
         for (i, &(session, new_tokens)) in batch.iter().enumerate() {
             if batch[..i].iter().any(|(s, _)| *s == session) {
                 return Err(PageError::DuplicateInBatch { session });
             }
-            let st = self.state(session)?;
-            if new_tokens == 0 {
-                return Err(PageError::ZeroLengthAppend { session });
-            }
-            let n = st.len;
-            let full = PageError::SessionFull {
-                session,
-                len: n,
-                requested: new_tokens,
-                max_tokens: self.cfg.max_tokens,
-            };
-            let end = n.checked_add(new_tokens).ok_or(full.clone())?;
-            if end > self.cfg.max_tokens {
-                return Err(full);
-            }
-            let shared_last = match st.table.last() {
-                Some(&last) => n % p != 0 && self.pool.refcount(last)? > 1,
-                None => false,
-            };
-            needed += self.cfg.pages_for(end) - st.table.len() + usize::from(shared_last);
+            needed += self.need(session, new_tokens)?.pages;
         }
         if needed > self.pool.free_pages() {
             return Err(PageError::PoolExhausted {

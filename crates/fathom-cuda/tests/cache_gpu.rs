@@ -9,24 +9,13 @@
 
 use fathom_cuda::cache::{CacheConfig, KvDtype, KvRows};
 use fathom_cuda::pages::{PageConfig, SessionId};
-use fathom_cuda::{CudaError, Gpu, ModelShape, PagedCache};
+use fathom_cuda::{ModelShape, PagedCache};
 use fathom_store::{Dims, KeyStore};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-fn gpu() -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e @ (CudaError::NotCompiledWithCuda | CudaError::NoDevice { .. })) => {
-            if std::env::var("FATHOM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("FATHOM_REQUIRE_GPU=1 and there is no GPU path: {e}");
-            }
-            eprintln!("skipping GPU test: {e}");
-            None
-        }
-        Err(e) => panic!("unexpected error opening the GPU: {e}"),
-    }
-}
+mod common;
+use common::gpu;
 
 fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize) -> CacheConfig {
     CacheConfig {

@@ -16,19 +16,8 @@ const SCORE_TOL: f64 = 1e-5;
 /// bf16 rows, f32 softmax on the GPU vs f64 on the CPU.
 const ATTN_TOL: f64 = 1e-3;
 
-fn gpu() -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e @ (CudaError::NotCompiledWithCuda | CudaError::NoDevice { .. })) => {
-            if std::env::var("FATHOM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("FATHOM_REQUIRE_GPU=1 and there is no GPU path: {e}");
-            }
-            eprintln!("skipping GPU test: {e}");
-            None
-        }
-        Err(e) => panic!("unexpected error opening the GPU: {e}"),
-    }
-}
+mod common;
+use common::gpu;
 
 const METHODS: [Method; 10] = [
     Method::Fathom(48.0),
