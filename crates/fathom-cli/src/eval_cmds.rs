@@ -16,7 +16,7 @@ use fathom_eval::agent::{agreement, session};
 use fathom_eval::decode::{
     calibrate, decode_branch, default_k, forced_branch, loki_r, LayerCalib, Prefill,
 };
-use fathom_eval::ruler::{generate, score, Haystack, Task, TaskParams};
+use fathom_eval::ruler::{generate, score, ChatTurn, Haystack, PromptFormat, Task, TaskParams};
 use fathom_eval::words::WordList;
 use fathom_model::corpus::{
     context_tokens, documents_from_file, fetch_corpus, load_split, CorpusKind, CorpusOptions,
@@ -102,6 +102,11 @@ pub struct RulerArgs {
     /// newline that follows alphanumeric output: the answer prefix asks for one line).
     #[arg(long)]
     pub no_line_stop: bool,
+    /// Prompt wording around RULER's structure: `ruler` (its templates verbatim) or `chat`
+    /// (the task inside the model's chat turn, the answer prefix opening the reply, and the
+    /// singular "number … is" when one value is asked for).
+    #[arg(long, default_value = "ruler", value_parser = ["ruler", "chat"])]
+    pub prompt: String,
 }
 
 /// `fathom agent-steps`: teacher-forced step agreement on agent-transcript coding contexts.
@@ -337,10 +342,22 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     let words = WordList::fetch(&s.corpus).context("fetching the RULER key word list")?;
     let (calib, calib_info) = calibration(&s, CorpusKind::Prose, c.context, c.calib_queries)?;
     let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());
+    let format = match a.prompt.as_str() {
+        "chat" => {
+            PromptFormat::Chat(ChatTurn::for_model(s.model_id.name()).with_context(|| {
+                format!(
+                    "--prompt chat: no chat turn is known for {}",
+                    s.model_id.name()
+                )
+            })?)
+        }
+        _ => PromptFormat::Ruler,
+    };
     let tp = TaskParams {
         context: c.context,
         tokens_to_generate: a.max_new,
         seed: c.seed,
+        format,
     };
     let nm = s.methods.len();
     let pb = bar((tasks.len() * a.samples * nm) as u64);
@@ -492,6 +509,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         tasks: tasks.iter().map(|t| t.name().to_string()).collect(),
         samples_per_task: a.samples,
         line_stop: !a.no_line_stop,
+        prompt: Some(a.prompt.clone()),
         haystack: haystack.source.clone(),
         words: Some(words.source.clone()),
         summary,

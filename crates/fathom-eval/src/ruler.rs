@@ -119,6 +119,8 @@ pub struct TaskParams {
     pub tokens_to_generate: Option<usize>,
     /// Base seed; a sample's seed mixes it with the task and sample index.
     pub seed: u64,
+    /// How the prompt is worded around RULER's structure.
+    pub format: PromptFormat,
 }
 
 impl TaskParams {
@@ -128,6 +130,63 @@ impl TaskParams {
             context,
             tokens_to_generate: None,
             seed: 0,
+            format: PromptFormat::Ruler,
+        }
+    }
+}
+
+/// A model's chat turn: the text before the user's message and between it and the
+/// assistant's answer (control tokens written as text; the tokenizer recognises them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatTurn {
+    /// Before the user's message (`<|im_start|>user\n`).
+    pub user: String,
+    /// After it, opening the assistant's turn (`<|im_end|>\n<|im_start|>assistant\n`).
+    pub assistant: String,
+}
+
+impl ChatTurn {
+    /// The chat turn of a model by its fathom name: SmolLM2-Instruct's ChatML and Gemma 3's
+    /// turns; `None` for another model.
+    pub fn for_model(name: &str) -> Option<ChatTurn> {
+        let (user, assistant) = match name {
+            "smollm2-135m" => ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),
+            "gemma3-270m" => (
+                "<start_of_turn>user\n",
+                "<end_of_turn>\n<start_of_turn>model\n",
+            ),
+            _ => return None,
+        };
+        Some(ChatTurn {
+            user: user.into(),
+            assistant: assistant.into(),
+        })
+    }
+}
+
+/// How a prompt is worded. The structure (haystack, needles, depths, question, gold, sizing)
+/// is RULER's either way.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PromptFormat {
+    /// RULER's templates verbatim: the question, then the answer prefix, as plain text.
+    #[default]
+    Ruler,
+    /// For small instruction-tuned models: the task inside the model's chat turn, with the
+    /// answer prefix opening the assistant's reply; and the NIAH answer prefix in the singular
+    /// when one value is asked for ("The special magic number for K mentioned in the provided
+    /// text is"), where RULER's plural ("numbers … are") makes small models start a list.
+    Chat(ChatTurn),
+}
+
+impl PromptFormat {
+    /// `text` (a template with its question) and `answer` (the answer prefix) as the model
+    /// reads them.
+    fn wrap(&self, text: &str, answer: &str) -> String {
+        match self {
+            PromptFormat::Ruler => format!("{text}{answer}"),
+            PromptFormat::Chat(c) => {
+                format!("{}{text}{}{}", c.user, c.assistant, answer.trim_start())
+            }
         }
     }
 }
@@ -207,6 +266,9 @@ pub fn depths() -> Vec<u32> {
 const NIAH_TEMPLATE: &str = "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you about the numbers afterwards.\n{context}\nWhat are all the special magic numbers for {query} mentioned in the provided text?";
 const NIAH_ANSWER: &str =
     " The special magic numbers for {query} mentioned in the provided text are";
+/// [`PromptFormat::Chat`]'s answer prefix when one value is asked for.
+const NIAH_ANSWER_ONE: &str =
+    " The special magic number for {query} mentioned in the provided text is";
 const VT_TEMPLATE: &str = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.";
 const VT_ANSWER: &str = " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined the value {query}, they are: ";
 const FWE_TEMPLATE: &str = "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?";
@@ -331,7 +393,7 @@ pub fn generate(
     let count = |text: &str| -> Result<usize, EvalError> { Ok(tok.encode(text)?.len()) };
     let (prompt, gold, question, m, depths_used) = match task {
         Task::Fwe => {
-            let (template, gold, m) = fwe(&mut rng, budget, &count)?;
+            let (template, gold, m) = fwe(&mut rng, budget, &params.format, &count)?;
             let q = template
                 .rsplit_once("\nQuestion:")
                 .map_or(String::new(), |x| format!("Question:{}", x.1));
@@ -366,7 +428,7 @@ pub fn generate(
                     .replace("{context}", &ctx)
                     .replace("{query}", &value);
                 let a = VT_ANSWER.replace("{num_v}", "5").replace("{query}", &value);
-                t + &a
+                params.format.wrap(&t, &a)
             };
             let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
             (build(m), vars, question, m, Vec::new())
@@ -424,12 +486,16 @@ pub fn generate(
                 .rsplit_once("{context}")
                 .map_or("", |x| x.1)
                 .replace("{query}", &query);
+            let answer = match (&params.format, gold.len()) {
+                (PromptFormat::Chat(_), 1) => NIAH_ANSWER_ONE,
+                _ => NIAH_ANSWER,
+            };
             let build = |m: usize| -> String {
                 let ctx = plant(&sentences(haystack.take(offset, m)), &items);
-                NIAH_TEMPLATE
+                let t = NIAH_TEMPLATE
                     .replace("{context}", &ctx)
-                    .replace("{query}", &query)
-                    + &NIAH_ANSWER.replace("{query}", &query)
+                    .replace("{query}", &query);
+                params.format.wrap(&t, &answer.replace("{query}", &query))
             };
             let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
             (build(m), gold, question, m, chosen)
@@ -458,6 +524,7 @@ pub fn generate(
 fn fwe(
     rng: &mut StdRng,
     budget: usize,
+    format: &PromptFormat,
     count: &dyn Fn(&str) -> Result<usize, EvalError>,
 ) -> Result<(String, Vec<String>, usize), EvalError> {
     const VOCAB: usize = 2000;
@@ -479,7 +546,10 @@ fn fwe(
             words.extend(std::iter::repeat_n(v.as_str(), c));
         }
         words.shuffle(&mut StdRng::seed_from_u64(shuffle_seed));
-        FWE_TEMPLATE.replace("{context}", &words.join(" ")) + FWE_ANSWER
+        format.wrap(
+            &FWE_TEMPLATE.replace("{context}", &words.join(" ")),
+            FWE_ANSWER,
+        )
     };
     let w = largest_fitting(budget, |w| Ok(count(&build(w))? <= budget))?;
     Ok((build(w), vocab[1..4].to_vec(), w))

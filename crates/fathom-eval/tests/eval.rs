@@ -69,6 +69,7 @@ fn params(context: usize) -> TaskParams {
         context,
         tokens_to_generate: None,
         seed: 42,
+        format: fathom_eval::ruler::PromptFormat::Ruler,
     }
 }
 
@@ -360,4 +361,43 @@ fn agent_sessions_are_deterministic_and_continue_the_last_file() {
         file.starts_with(&(tail.clone() + &a.continuation_text)),
         "the continuation is the file's next text"
     );
+}
+
+#[test]
+fn the_chat_format_keeps_ruler_structure_inside_the_models_turn() {
+    let Some(m) = model() else { return };
+    let Some(words) = words() else { return };
+    let (tok, hay) = (m.tokenizer(), haystack());
+    let mut p = params(2048);
+    p.format = fathom_eval::ruler::PromptFormat::Chat(
+        fathom_eval::ruler::ChatTurn::for_model("smollm2-135m").unwrap(),
+    );
+    for task in Task::ALL {
+        let chat = generate(task, &p, tok, &hay, &words, 0).unwrap();
+        let plain = generate(task, &params(2048), tok, &hay, &words, 0).unwrap();
+        assert!(chat.prompt.starts_with("<|im_start|>user\n"), "{task:?}");
+        assert!(
+            chat.prompt.contains("<|im_end|>\n<|im_start|>assistant\n"),
+            "{task:?}"
+        );
+        assert!(
+            chat.prompt_tokens + chat.max_new <= 2048,
+            "{task:?} overflows"
+        );
+        // The same needles, gold and question: only the wording around them changes.
+        assert_eq!(chat.gold, plain.gold, "{task:?}");
+        assert_eq!(chat.depths, plain.depths, "{task:?}");
+        let one = chat.gold.len() == 1;
+        let single = "The special magic number for";
+        if matches!(task, Task::NiahSingle | Task::NiahMultikey) {
+            assert!(
+                one && chat.prompt.ends_with("mentioned in the provided text is"),
+                "{task:?}"
+            );
+            assert!(chat.prompt.contains(single));
+        }
+        if task == Task::NiahMultivalue {
+            assert!(chat.prompt.ends_with("mentioned in the provided text are"));
+        }
+    }
 }

@@ -147,6 +147,11 @@ pub struct RulerDoc {
     pub samples_per_task: usize,
     /// Generation stops at the end of the first answer line.
     pub line_stop: bool,
+    /// The prompt format: `ruler` (RULER's templates verbatim) or `chat` (the model's chat
+    /// turn, singular answer prefix for one value); absent in runs before the choice existed
+    /// (RULER's).
+    #[serde(default)]
+    pub prompt: Option<String>,
     /// The haystack text's source.
     pub haystack: String,
     /// The key word list's source.
