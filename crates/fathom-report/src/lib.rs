@@ -81,7 +81,8 @@ pub struct Inputs {
     pub agent: Vec<Source<AgentDoc>>,
     /// CPU runtime speed tables.
     pub speed: Vec<Source<ModelSpeed>>,
-    /// JSON files that are no result document, with why (listed, never read as results).
+    /// JSON files that are no result document, with why (listed, never read as results;
+    /// calibration files, the runs' inputs, are skipped).
     pub others: Vec<(PathBuf, String)>,
     /// The stage log, when one was given.
     pub stages: Vec<StageRecord>,
@@ -153,6 +154,9 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                 }
             }
             Err(ResultsError::NotAResult { why, .. }) => inp.others.push((path, why)),
+            // Inputs (calibration files, git-ignored) are not results: the report does not
+            // depend on whether they are present.
+            Err(ResultsError::Input { .. }) => {}
             Err(e) => return Err(e.into()),
         }
     }

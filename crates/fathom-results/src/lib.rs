@@ -85,6 +85,12 @@ pub enum ResultsError {
         /// Why.
         why: String,
     },
+    /// An input of a run (a calibration file), not a result document: readers skip it.
+    #[error("{what}: a calibration file (an input of `fathom fidelity --calib`; its `-summary.json` is the result)")]
+    Input {
+        /// The file (or `<bytes>`).
+        what: String,
+    },
     /// Written by a newer schema than this crate reads.
     #[error("{what}: schema version {version} is newer than this build reads ({VERSION}); update fathom")]
     TooNew {
@@ -179,14 +185,12 @@ pub fn legacy_kind(v: &Value) -> Option<&'static str> {
 /// `version` set to [`LEGACY_VERSION`].
 fn upgrade_legacy(what: &str, mut v: Value) -> Result<Value, ResultsError> {
     let Some(kind) = legacy_kind(&v) else {
-        let why = if v.get("format").and_then(Value::as_str) == Some("fathom-calibration") {
-            "a calibration file (an input of `fathom fidelity --calib`; its `-summary.json` is the result)"
-        } else {
-            "no `kind` field, and not a document of an earlier schema either"
-        };
+        if v.get("format").and_then(Value::as_str) == Some("fathom-calibration") {
+            return Err(ResultsError::Input { what: what.into() });
+        }
         return Err(ResultsError::NotAResult {
             what: what.into(),
-            why: why.into(),
+            why: "no `kind` field, and not a document of an earlier schema either".into(),
         });
     };
     let obj = v.as_object_mut().ok_or_else(|| ResultsError::NotAResult {
@@ -315,6 +319,11 @@ mod tests {
     #[test]
     fn json_that_is_no_result_is_named_so() {
         let j = r#"{"format":"fathom-calibration","version":1,"heads":[]}"#;
+        assert!(matches!(
+            parse(j.as_bytes()),
+            Err(ResultsError::Input { .. })
+        ));
+        let j = r#"{"rows":[]}"#;
         assert!(matches!(
             parse(j.as_bytes()),
             Err(ResultsError::NotAResult { .. })
