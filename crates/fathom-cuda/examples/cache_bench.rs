@@ -7,6 +7,8 @@
 //! ```text
 //! cargo run --release --features cuda -p fathom-cuda --example cache_bench -- CONTEXT SESSIONS [OUT.json]
 //! ```
+mod common;
+use common::Uniform;
 use cudarc::driver::{sys, CudaSlice, DevicePtr};
 use fathom_cuda::cache::{
     AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS,
@@ -48,13 +50,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t0 = std::time::Instant::now();
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_, _>>()?;
-    let mut seed = 3u64;
-    let mut rnd = move || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
+    let mut rnd = Uniform::new(3);
     // Prefill in chunks of 8192 tokens per session (SYNTHETIC keys and values).
     let row = hkv * d;
     let chunk = 8192usize;
@@ -63,7 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let m = chunk.min(context - done);
         let batch = cache.reserve(&ids.iter().map(|&s| (s, m)).collect::<Vec<_>>())?;
         for l in 0..nl {
-            let k: Vec<f32> = (0..b * m * row).map(|_| rnd()).collect();
+            let k: Vec<f32> = rnd.vec(b * m * row);
             cache.append_host(&batch, l, &k, &k)?;
         }
         done += m;
@@ -80,17 +76,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cache.load_calibration(l, &heads)?;
     }
     let setup_s = t0.elapsed().as_secs_f64();
-    let up = |n: usize,
-              rnd: &mut dyn FnMut() -> f32|
-     -> Result<CudaSlice<f32>, Box<dyn std::error::Error>> {
-        let h: Vec<f32> = (0..n).map(|_| rnd()).collect();
-        Ok(stream.clone_htod(&h)?)
-    };
     let mut bufs = Vec::new();
     for _ in 0..nl {
         bufs.push((
-            up(b * row, &mut rnd)?,
-            up(b * hkv * g * d, &mut rnd)?,
+            rnd.upload(&stream, b * row)?,
+            rnd.upload(&stream, b * hkv * g * d)?,
             stream.alloc_zeros::<f32>(b * hkv * g * d)?,
         ));
     }

@@ -8,6 +8,9 @@
 //! ```
 use std::time::Instant;
 
+mod common;
+use common::Uniform;
+
 use cudarc::driver::{CudaSlice, DevicePtr};
 use fathom_cuda::cache::{AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows};
 use fathom_cuda::pages::{PageConfig, SessionId};
@@ -51,19 +54,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_, _>>()?;
-    let mut seed = 7u64;
-    let mut rnd = move || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
+    let mut rnd = Uniform::new(7);
     // Prefill every session to `context` tokens (SYNTHETIC keys and values).
     let row = hkv * d;
     let pre = cache.reserve(&ids.iter().map(|&s| (s, context)).collect::<Vec<_>>())?;
     for l in 0..nl {
-        let k: Vec<f32> = (0..b * context * row).map(|_| rnd()).collect();
-        let v: Vec<f32> = (0..b * context * row).map(|_| rnd()).collect();
+        let k: Vec<f32> = rnd.vec(b * context * row);
+        let v: Vec<f32> = rnd.vec(b * context * row);
         cache.append_host(&pre, l, &k, &v)?;
         // Uniform keys in [-1, 1): σ² = 1/3 per channel.
         let heads = vec![
@@ -77,17 +74,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let setup_s = t0.elapsed().as_secs_f64();
     // Device buffers of one step: K, V, queries and outputs per layer.
-    let up = |n: usize,
-              rnd: &mut dyn FnMut() -> f32|
-     -> Result<CudaSlice<f32>, Box<dyn std::error::Error>> {
-        let h: Vec<f32> = (0..n).map(|_| rnd()).collect();
-        Ok(stream.clone_htod(&h)?)
-    };
     let mut bufs = Vec::new();
     for _ in 0..nl {
-        let k = up(b * row, &mut rnd)?;
-        let v = up(b * row, &mut rnd)?;
-        let q = up(b * hkv * g * d, &mut rnd)?;
+        let k = rnd.upload(&stream, b * row)?;
+        let v = rnd.upload(&stream, b * row)?;
+        let q = rnd.upload(&stream, b * hkv * g * d)?;
         let o: CudaSlice<f32> = stream.alloc_zeros(b * hkv * g * d)?;
         bufs.push((k, v, q, o));
     }

@@ -359,16 +359,7 @@ fn cpu_depths(
             let w = fathom_plan::importance(&calib.sigma2, qh, g).unwrap();
             fathom_plan::water_fill(&w, b).unwrap().depths
         }
-        M::SparQ(r) => {
-            let s: Vec<f32> = (0..d)
-                .map(|c| (0..g).map(|gg| qh[gg * d + c].abs()).sum())
-                .collect();
-            let mut o: Vec<usize> = (0..d).collect();
-            o.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
-            let mut dep = vec![0u8; d];
-            o.iter().take(r).for_each(|&c| dep[c] = 4);
-            dep
-        }
+        M::SparQ(r) => common::sparq_depths(qh, g, d, r),
         M::DoubleSparsity(r) => {
             let mut dep = vec![0u8; d];
             calib

@@ -66,16 +66,7 @@ fn check_layer(
                 assert_eq!(dbg.bits[h], plan.bits, "{m:?} head {h}: bits");
                 plan.depths
             }
-            Method::SparQ(r) => {
-                let s: Vec<f32> = (0..d)
-                    .map(|c| (0..g).map(|gg| qh[gg * d + c].abs()).sum())
-                    .collect();
-                let mut o: Vec<usize> = (0..d).collect();
-                o.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
-                let mut dep = vec![0u8; d];
-                o.iter().take(r).for_each(|&c| dep[c] = 4);
-                dep
-            }
+            Method::SparQ(r) => common::sparq_depths(qh, g, d, r),
             // The static plans of docs/SPEC.md §4, from their rules (never from the GPU's own
             // readback): all channels at 2 or 4 planes; DS's r channels with the largest
             // offline score (ties to the lower channel); Loki's first r coordinates (the GPU
@@ -83,14 +74,7 @@ fn check_layer(
             Method::Thumb2 => vec![2; d],
             Method::Exact => vec![4; d],
             Method::Loki(r) => (0..d).map(|c| if c < r { 4 } else { 0 }).collect(),
-            Method::DoubleSparsity(r) => {
-                let s = &src.ds_score[h * d..(h + 1) * d];
-                let mut o: Vec<usize> = (0..d).collect();
-                o.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
-                let mut dep = vec![0u8; d];
-                o.iter().take(r).for_each(|&c| dep[c] = 4);
-                dep
-            }
+            Method::DoubleSparsity(r) => common::top_r_depths(&src.ds_score[h * d..(h + 1) * d], r),
             Method::Landmark | Method::Quest => Vec::new(),
         };
         if m.uses_planes() {

@@ -18,3 +18,24 @@ pub fn gpu() -> Option<Gpu> {
         Err(e) => panic!("unexpected error opening the GPU: {e}"),
     }
 }
+
+/// The depths of a static top-r plan (docs/SPEC.md §4): the `r` channels with the largest
+/// `score` at 4 planes, ties to the lower channel.
+#[allow(dead_code)] // each test binary uses what it needs
+pub fn top_r_depths(score: &[f32], r: usize) -> Vec<u8> {
+    let mut o: Vec<usize> = (0..score.len()).collect();
+    o.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
+    let mut dep = vec![0u8; score.len()];
+    o.iter().take(r).for_each(|&c| dep[c] = 4);
+    dep
+}
+
+/// SparQ's plan for one KV head's queries `qh` `[G][D]`: the `r` channels with the largest
+/// `Σ_g |q_gc|` (ties to the lower channel) at 4 planes.
+#[allow(dead_code)]
+pub fn sparq_depths(qh: &[f32], g: usize, d: usize, r: usize) -> Vec<u8> {
+    let s: Vec<f32> = (0..d)
+        .map(|c| (0..g).map(|gg| qh[gg * d + c].abs()).sum())
+        .collect();
+    top_r_depths(&s, r)
+}
