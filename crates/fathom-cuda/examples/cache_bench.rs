@@ -46,6 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         max_batch: b,
         max_k: 512,
+        row_cache: 0,
     };
     let t0 = std::time::Instant::now();
     let mut cache = PagedCache::new(&gpu, cfg)?;

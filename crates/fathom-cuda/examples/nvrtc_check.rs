@@ -3,7 +3,15 @@
 
 fn main() {
     #[cfg(feature = "cuda")]
-    for (g, d) in [(4, 128), (7, 128), (1, 128), (4, 64)] {
+    for (g, d) in [
+        (4, 128),
+        (7, 128),
+        (1, 128),
+        (4, 64),
+        (8, 128),
+        (3, 64),
+        (1, 256),
+    ] {
         match fathom_cuda::compile_kernels("sm_90", g, d) {
             Ok(n) => println!("G={g} D={d}: {n} modules compiled"),
             Err(e) => {

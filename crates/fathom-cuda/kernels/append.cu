@@ -17,7 +17,8 @@ struct AppendDesc {
 // One layer's pool geometry (paged_layout.rs).
 struct PoolGeom {
     u64 page_bytes;  // stride of pages in the pool
-    u64 scales_at;   // offset of the fp16 scales section in a page
+    u32 run_bytes;   // one channel run: S bytes of fp16 scales, then 4 planes of B words
+    u32 scale_pad;   // S
     u64 records_at;  // offset of the K|V records section in a page
     u32 page_tokens; // P
     u32 max_pages;   // page-table row length
@@ -121,14 +122,13 @@ extern "C" __global__ void append_quant(
     const u32 bp = g.page_tokens / BLOCK;
     const u32 page = tables[(u64)d.slot * g.max_pages + t0 / g.page_tokens];
     const u32 bb = (t0 % g.page_tokens) / BLOCK;
-    u8* base = pool + (u64)page * g.page_bytes;
-    u64* words = (u64*)base + ((u64)(h * DIM + c) * 4) * bp + bb;
+    u8* run = pool + (u64)page * g.page_bytes + (u64)(h * DIM + c) * g.run_bytes;
+    u64* words = (u64*)(run + g.scale_pad) + bb;
     words[0] = w0;
     words[bp] = w1;
     words[2 * (u64)bp] = w2;
     words[3 * (u64)bp] = w3;
-    u16* scales = (u16*)(base + g.scales_at);
-    scales[(u64)(h * DIM + c) * bp + bb] = m16;
+    ((u16*)run)[bb] = m16;
 }
 
 // grid (batch, Hkv, most new tokens of one session), DIM threads. Writes token n0 + z's bf16

@@ -1,15 +1,17 @@
 // Attend of the paged cache (docs/SPEC.md §5, §6.1) for a ragged batch, one layer: each
 // session's query (its last token) is scanned against the session's paged store read in
-// place from mapped host memory, each query head takes its own top-k of the middle tokens,
-// and attends exactly over its own sink + local + top-k set, reading the bf16 K|V records
-// from the pages. Compiled by NVRTC with -DGQ=<G> -DDIM=<D>. The parameter structs mirror
-// `#[repr(C)]` ones in cuda_cache.rs.
+// place from mapped host memory (zero-copy: no staging), each query head takes its own top-k
+// of the middle tokens, and attends exactly over its own sink + local + top-k set, reading
+// the bf16 K|V records of the union once per KV head (from an HBM row cache when there).
+// Compiled by NVRTC with -DGQ=<G> -DDIM=<D>. The parameter structs mirror `#[repr(C)]` ones
+// in cuda_cache.rs.
 #include "common.cuh"
 
 struct AppendDesc { u32 slot; u32 n0; u32 m; u32 row0; };
 
+// One layer's pool geometry (paged_layout.rs): channel runs [S scales][4][B] words.
 struct PoolGeom {
-    u64 page_bytes; u64 scales_at; u64 records_at;
+    u64 page_bytes; u32 run_bytes; u32 scale_pad; u64 records_at;
     u32 page_tokens; u32 max_pages; u32 heads; u32 layers;
 };
 
@@ -17,12 +19,15 @@ struct PoolGeom {
 struct AttendGeom {
     u32 sink; u32 local; u32 k;   // docs/SPEC.md §5
     u32 max_k;                    // winners row stride
-    u64 max_tokens;               // scores row stride
+    u64 max_tokens;               // scores and candidates row stride
     u32 depth_stride;             // bytes between sessions' depth rows (0: one static plan)
     u32 dense;                    // 1: attend over every token (no scan, no top-k)
     float scale;                  // softmax scale
     u32 umax;                     // union row capacity per (session, KV head)
-    u64 slot_bytes;               // staging bytes per (session, KV head, page)
+    u32 cache_rows;               // HBM row-cache slots per (session, layer, KV head); 0: none
+    u32 layer;                    // this attend's layer (row-cache index)
+    u32 nsplit;                   // partial-attention CTAs per (session, KV head)
+    u32 pad;
 };
 
 __device__ __forceinline__ float load_elem(const void* p, u64 i, u32 dtype) {
@@ -31,97 +36,158 @@ __device__ __forceinline__ float load_elem(const void* p, u64 i, u32 dtype) {
     return dtype == 1 ? f16_to_f32(h) : bf16_to_f32(h);
 }
 
+// The middle tokens [lo, hi) of a session of n tokens: after the sink, before the local window.
+__device__ __forceinline__ void middle(u32 n, const AttendGeom& a, u32* lo, u32* hi) {
+    const u32 l = min(a.sink, n);
+    const u32 h = n > a.local ? n - a.local : 0u;
+    *lo = l;
+    *hi = max(h, l);
+}
+
 // The query rows as f32: grid = batch * Hq, block = DIM.
 extern "C" __global__ void attend_queries(const void* __restrict__ q, u32 dtype, float* __restrict__ qf) {
     const u64 i = (u64)blockIdx.x * DIM + threadIdx.x;
     qf[i] = load_elem(q, i, dtype);
 }
 
-// The gather: the planned runs of every page of one (session, KV head), host -> HBM staging.
-// Staging slot (b, h, j) holds that head's part of page j in the page's own layout: planes
-// [D][4][B] u64 (the first t planes of each channel filled), then scales [D][B] fp16. One warp
-// per channel run (t*B words, >= 256 B at P = 2048: link rate, results/device/engine).
-// grid = (batch, Hkv, most pages), block = 1024 (any multiple of 32).
-extern "C" __global__ void paged_gather(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
-                                        const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
-                                        const u8* __restrict__ depths, u8* __restrict__ staging) {
-    const AppendDesc d = descs[blockIdx.x];
-    const u32 b = blockIdx.x, h = blockIdx.y, j = blockIdx.z;
-    const u32 n = d.n0 + d.m;
-    if ((u64)j * g.page_tokens >= n) return;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const u32 bp = g.page_tokens / 64;
-    const u32 page = tables[(u64)d.slot * g.max_pages + j];
-    const u8* src = pool + (u64)page * g.page_bytes;
-    u8* dst = staging + (((u64)b * g.heads + h) * g.max_pages + j) * a.slot_bytes;
-    const u8* dep = depths + (u64)b * a.depth_stride + (u64)h * DIM;
-    const u64 plane_bytes = (u64)DIM * 4 * bp * 8;
-    for (u32 c = warp; c < DIM; c += nw) {
-        const u32 t = dep[c];
-        if (t == 0) continue;
-        // Planes: t*B words from ((h*D + c)*4)*B in the page, to (c*4)*B in the slot.
-        const uint4* s4 = (const uint4*)(src + ((u64)(h * DIM + c) * 4) * bp * 8);
-        uint4* d4 = (uint4*)(dst + ((u64)c * 4) * bp * 8);
-        const u32 n16 = t * bp * 8 / 16;
-        for (u32 i = lane; i < n16; i += 32) d4[i] = s4[i];
-        // Scales: B halves from the page's scale section.
-        const u16* ss = (const u16*)(src + g.scales_at) + (u64)(h * DIM + c) * bp;
-        u16* ds = (u16*)(dst + plane_bytes) + (u64)c * bp;
-        for (u32 i = lane; i < bp; i += 32) ds[i] = ss[i];
-    }
-}
+#define BPC 32     // 64-token blocks per scan CTA (at most one page's): 8 threads per block
+#define CHS 8      // active channels staged in shared memory per round
+#define HBINS 1024 // level-1 top-k bins: the top 10 bits of the order-preserving key
 
-// Scores of every token of one 64-token block of one (session, KV head) under its plan, read
-// from the staging: s_g = sum_c q_gc * khat_t(c) (fathom_plan::scan). grid = (batch, Hkv, most
-// blocks), block = 64.
-extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
+// Scores of the tokens of BPC blocks of one (session, KV head) under its plan, read in place
+// from the session's page (docs/SPEC.md §2, §3; fathom_plan::scan): s_g = sum over active
+// channels c of q_gc * khat_t(c), khat_t = (q_t - 2^(t-1) + 1/2) * m * 2^(1-t), t the depth of
+// c. Each round stages CHS active channels' scales and first t plane words of the CTA's
+// blocks in shared memory (one coalesced load per word: the channel run is contiguous), then
+// each thread (8 per block, 8 tokens each) spreads its tokens' t plane bits into 8 codes and
+// does one FMA per token and query head with the exact product khat. Also counts the top 10
+// key bits of every middle token per query head (the top-k's level-1 histogram; hist zeroed
+// by the caller). grid = (CTAs, Hkv, batch), block = 8 * BPC. scores: [b][Hq][max_tokens].
+extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+                                      const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                       const float* __restrict__ qf, const u8* __restrict__ depths,
-                                      const u8* __restrict__ staging, float* __restrict__ scores) {
-    __shared__ float qs[GQ][DIM];
-    __shared__ u64 ws[DIM][4];
-    __shared__ float ms[DIM];
-    __shared__ u8 ts[DIM];
-    const AppendDesc d = descs[blockIdx.x];
-    const u32 b = blockIdx.x, h = blockIdx.y, z = blockIdx.z, tid = threadIdx.x;
+                                      float* __restrict__ scores, u32* __restrict__ hist) {
+    __shared__ int act_c[DIM];
+    __shared__ int act_t[DIM];
+    __shared__ float qa[GQ][DIM];
+    __shared__ int wcnt[8];
+    __shared__ int nact;
+    __shared__ u64 sw[CHS][4][BPC];
+    __shared__ float sm[CHS][BPC];
+    // Two 16-bit bin counts per word (a CTA counts at most 8 * BPC * 8 = 2048 tokens).
+    __shared__ u32 sh[GQ][HBINS / 2];
+    const u32 b = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
+    const AppendDesc d = descs[b];
     const u32 n = d.n0 + d.m;
-    if ((u64)z * 64 >= n) return;
-    const u32 hq0 = h * GQ;
-    const u32 heads_q = g.heads * GQ;
-    for (u32 i = tid; i < GQ * DIM; i += 64)
-        qs[i / DIM][i % DIM] = qf[((u64)b * heads_q + hq0) * DIM + i];
-    const u8* dep = depths + (u64)b * a.depth_stride + (u64)h * DIM;
     const u32 bp = g.page_tokens / 64;
-    const u32 j = (z * 64) / g.page_tokens;
-    const u32 bb = (z * 64 % g.page_tokens) / 64;
-    const u8* base = staging + (((u64)b * g.heads + h) * g.max_pages + j) * a.slot_bytes;
-    const u64* words = (const u64*)base;
-    const u16* sc = (const u16*)(base + (u64)DIM * 4 * bp * 8);
-    for (u32 c = tid; c < DIM; c += 64) {
-        const u32 t = dep[c];
-        ts[c] = (u8)t;
-        const u64 w0 = ((u64)c * 4) * bp + bb;
-        for (u32 p = 0; p < 4; ++p) ws[c][p] = p < t ? words[w0 + (u64)p * bp] : 0ull;
-        ms[c] = t > 0 ? f16_to_f32(sc[(u64)c * bp + bb]) : 0.0f;
+    const u32 cb = min((u32)BPC, bp);
+    const u32 blk0 = blockIdx.x * cb;
+    const u32 nblk = (n + 63) / 64;
+    if (blk0 >= nblk) return;  // uniform over the CTA
+    for (u32 i = tid; i < GQ * HBINS / 2; i += blockDim.x) sh[i / (HBINS / 2)][i % (HBINS / 2)] = 0;
+    // Order-preserving compaction of the active channels (DIM <= blockDim).
+    const u8* dep = depths + (u64)b * a.depth_stride + (u64)h * DIM;
+    int t0 = 0;
+    bool on = false;
+    if (tid < DIM) { t0 = dep[tid]; on = t0 > 0; }
+    const unsigned bal = __ballot_sync(0xffffffffu, on);
+    if ((tid & 31) == 0) wcnt[tid >> 5] = __popc(bal);
+    __syncthreads();
+    const u32 heads_q = g.heads * GQ;
+    if (tid < DIM) {
+        int off = 0;
+        for (u32 w = 0; w < (tid >> 5); w++) off += wcnt[w];
+        off += __popc(bal & ((1u << (tid & 31)) - 1u));
+        if (on) {
+            act_c[off] = tid;
+            act_t[off] = t0;
+            for (int q = 0; q < GQ; q++) qa[q][off] = qf[((u64)b * heads_q + h * GQ + q) * DIM + tid];
+        }
+        if (tid == DIM - 1) nact = off + (on ? 1 : 0);
     }
     __syncthreads();
-    const u32 tok = z * 64 + tid;
-    if (tok >= n) return;
-    float acc[GQ];
+    const u32 page = tables[(u64)d.slot * g.max_pages + blk0 / bp];
+    const u32 bb0 = blk0 % bp;
+    const u8* run0 = pool + (u64)page * g.page_bytes + (u64)h * DIM * g.run_bytes;
+    const u32 lb = tid >> 3, sub = tid & 7;
+    const bool live = lb < cb && blk0 + lb < nblk;
+    float acc[GQ][8];
 #pragma unroll
-    for (int q = 0; q < GQ; ++q) acc[q] = 0.0f;
-    for (u32 c = 0; c < DIM; ++c) {
-        const u32 t = ts[c];
-        if (t == 0) continue;
-        u32 qt = 0;
-        for (u32 p = 0; p < t; ++p) qt = (qt << 1) | (u32)((ws[c][p] >> tid) & 1ull);
-        const float half_range = (float)(1u << (t - 1));
-        const float step = ms[c] * exp2f(1.0f - (float)t);
-        const float v = ((float)qt - half_range + 0.5f) * step;
+    for (int q = 0; q < GQ; q++)
 #pragma unroll
-        for (int q = 0; q < GQ; ++q) acc[q] += qs[q][c] * v;
+        for (int j = 0; j < 8; j++) acc[q][j] = 0.0f;
+    const int na = nact;
+    for (int a0 = 0; a0 < na; a0 += CHS) {
+        for (u32 i = tid; i < CHS * 4 * BPC; i += blockDim.x) {
+            const u32 s = i / (4 * BPC), p = (i / BPC) % 4, j = i % BPC;
+            const int ac = a0 + (int)s;
+            if (ac < na && (int)p < act_t[ac] && j < cb && blk0 + j < nblk) {
+                const u64* w = (const u64*)(run0 + (u64)act_c[ac] * g.run_bytes + g.scale_pad);
+                sw[s][p][j] = w[(u64)p * bp + bb0 + j];
+            }
+        }
+        for (u32 i = tid; i < CHS * BPC; i += blockDim.x) {
+            const u32 s = i / BPC, j = i % BPC;
+            const int ac = a0 + (int)s;
+            if (ac < na && j < cb && blk0 + j < nblk) {
+                const u16* sc = (const u16*)(run0 + (u64)act_c[ac] * g.run_bytes);
+                sm[s][j] = f16_to_f32(sc[bb0 + j]);
+            }
+        }
+        __syncthreads();
+        const int ns = min(CHS, na - a0);
+        if (live) {
+            for (int s = 0; s < ns; s++) {
+                const int ac = a0 + s, t = act_t[ac];
+                // Codes of tokens 0..3 in the bytes of c0, 4..7 in c1 (bit i of a nibble goes
+                // to byte i by one magic multiply: the shifted copies never overlap).
+                u32 c0 = 0, c1 = 0;
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    if (p < t) {
+                        const u32 by = (u32)(sw[s][p][lb] >> (sub * 8)) & 0xffu;
+                        c0 |= (((by & 0xFu) * 0x00204081u) & 0x01010101u) << (t - 1 - p);
+                        c1 |= (((by >> 4) * 0x00204081u) & 0x01010101u) << (t - 1 - p);
+                    }
+                }
+                // m * 2^(1-t): exact (a power-of-two multiple of an fp16 value).
+                const float step = sm[s][lb] * (t == 1 ? 1.0f : t == 2 ? 0.5f : t == 3 ? 0.25f : 0.125f);
+                const float half_range = (float)(1 << (t - 1));
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const u32 code = ((j < 4 ? c0 : c1) >> ((j & 3) * 8)) & 0xffu;
+                    // khat = (q_t - 2^(t-1) + 1/2) * step, exact in f32 (<= 16 significant bits).
+                    const float kv = ((float)code - half_range + 0.5f) * step;
+#pragma unroll
+                    for (int q = 0; q < GQ; q++) acc[q][j] = fmaf(qa[q][ac], kv, acc[q][j]);
+                }
+            }
+        }
+        __syncthreads();
     }
-    for (int q = 0; q < GQ; ++q)
-        scores[(((u64)b * g.heads + h) * GQ + q) * a.max_tokens + tok] = acc[q];
+    u32 lo, hi;
+    middle(n, a, &lo, &hi);
+    const u32 tok0 = (blk0 + lb) * 64 + sub * 8;
+#pragma unroll
+    for (int q = 0; q < GQ; q++) {
+        float* out = scores + ((u64)b * heads_q + h * GQ + q) * a.max_tokens;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const u32 tok = tok0 + j;
+            if (live && tok < n) out[tok] = acc[q][j];
+            if (live && tok >= lo && tok < hi) {
+                const u32 bin = f32_key(acc[q][j]) >> 22;
+                atomicAdd(&sh[q][bin >> 1], 1u << ((bin & 1u) * 16));
+            }
+        }
+    }
+    __syncthreads();
+    for (u32 i = tid; i < GQ * HBINS / 2; i += blockDim.x) {
+        const u32 v = sh[i / (HBINS / 2)][i % (HBINS / 2)];
+        u32* row = hist + ((u64)b * heads_q + h * GQ + i / (HBINS / 2)) * HBINS + 2 * (i % (HBINS / 2));
+        if (v & 0xffffu) atomicAdd(row, v & 0xffffu);
+        if (v >> 16) atomicAdd(row + 1, v >> 16);
+    }
 }
 
 #define TK 1024
@@ -145,65 +211,174 @@ __device__ __forceinline__ u32 block_rank(bool flag, u32* warp_counts, u32* tota
     return r;
 }
 
-// Top-k of the middle tokens of one query head row (docs/SPEC.md §5; ties to the lower
-// index, as fathom_plan::select_per_head): a 4-pass radix select of the k-th largest score,
-// then every larger one and the lowest-index ties. grid = (batch, Hq), block = TK.
-extern "C" __global__ void paged_topk(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
-                                      const float* __restrict__ scores, u32* __restrict__ winners,
-                                      u32* __restrict__ counts) {
-    __shared__ u32 hist[256];
-    __shared__ u32 warp_counts[TK / 32];
-    __shared__ u32 sh_prefix, sh_remaining, sh_total, sh_out;
-    const AppendDesc d = descs[blockIdx.x];
-    const u32 b = blockIdx.x, hq = blockIdx.y, tid = threadIdx.x;
-    const u32 n = d.n0 + d.m;
-    const u32 sink_end = min(a.sink, n);
-    const u32 local_start = max(n > a.local ? n - a.local : 0u, sink_end);
-    const u32 mid = local_start - sink_end;
-    const u32 kk = min(a.k, mid);
-    const float* row = scores + ((u64)b * g.heads * GQ + hq) * a.max_tokens;
-    u32* out = winners + ((u64)b * g.heads * GQ + hq) * a.max_k;
-    if (kk == 0) { if (tid == 0) counts[b * g.heads * GQ + hq] = 0; return; }
-    if (tid == 0) { sh_prefix = 0; sh_remaining = kk; sh_out = 0; }
+#define BINS 2048   // bins of a selection pass (2 per thread of TK)
+#define ELEMS 4096  // middle tokens per CTA of paged_topk_collect
+
+// Over BINS bin counts `cnt` in descending bin order, the bin holding the k-th largest
+// element, the count of the bins above it and the total (in shared memory). All TK threads.
+__device__ void select_bin(const u32* cnt, u32 k, int* out_bin, u32* out_above, u32* out_total) {
+    __shared__ u32 wsum[32];
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    // Position j of the descending order holds bin BINS - 1 - j; thread t owns 2t and 2t + 1.
+    const u32 c0 = cnt[BINS - 1 - 2 * t], c1 = cnt[BINS - 2 - 2 * t];
+    const u32 s = c0 + c1;
+    u32 x = s;
+    for (int o = 1; o < 32; o <<= 1) { const u32 y = __shfl_up_sync(0xffffffffu, x, o); if (lane >= o) x += y; }
+    if (lane == 31) wsum[w] = x;
     __syncthreads();
-    u32 mask = 0;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (u32 i = tid; i < 256; i += TK) hist[i] = 0;
-        __syncthreads();
-        const u32 prefix = sh_prefix;
-        for (u32 i = sink_end + tid; i < local_start; i += TK) {
-            const u32 key = f32_key(row[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-        }
-        __syncthreads();
-        if (tid == 0) {
-            u32 rem = sh_remaining, bin = 255;
-            for (;; --bin) {
-                const u32 c = hist[bin];
-                if (c >= rem || bin == 0) break;
-                rem -= c;
-            }
-            sh_prefix = prefix | (bin << shift);
-            sh_remaining = rem;
-        }
-        mask |= 255u << shift;
-        __syncthreads();
+    if (w == 0) {
+        const u32 v = wsum[lane];
+        u32 z = v;
+        for (int o = 1; o < 32; o <<= 1) { const u32 y = __shfl_up_sync(0xffffffffu, z, o); if (lane >= o) z += y; }
+        wsum[lane] = z - v;
+        if (lane == 31) *out_total = z;
     }
-    const u32 thr = sh_prefix, take_eq = sh_remaining;
-    u32 eq_taken = 0;
-    for (u32 base = sink_end; base < local_start; base += TK) {
-        const u32 i = base + tid;
-        const bool in = i < local_start;
-        const u32 key = in ? f32_key(row[i]) : 0u;
-        const bool gt = in && key > thr;
-        const bool eq = in && key == thr;
-        if (gt) out[atomicAdd(&sh_out, 1u)] = i;
-        const u32 r = block_rank(eq, warp_counts, &sh_total);
-        if (eq && eq_taken + r < take_eq) out[atomicAdd(&sh_out, 1u)] = i;
-        eq_taken += sh_total;
-        __syncthreads();
+    __syncthreads();
+    const u32 excl = wsum[w] + x - s;
+    if (excl < k && excl + c0 >= k) { *out_bin = BINS - 1 - 2 * t; *out_above = excl; }
+    else if (excl + c0 < k && excl + c0 + c1 >= k) { *out_bin = BINS - 2 - 2 * t; *out_above = excl + c0; }
+    __syncthreads();
+}
+
+// The boundary of one query head row's top-k (docs/SPEC.md §5): kk = min(k, middle tokens)
+// winners; from the scan's level-1 histogram, the bucket holding the kk-th largest score and
+// how many of it are still needed (bucket -1: every middle token wins). Resets the row's
+// winner and candidate counts. grid = (Hq, batch), block = TK.
+struct Sel { int bucket; u32 need; };
+extern "C" __global__ void paged_topk_select(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
+                                             const u32* __restrict__ hist, Sel* __restrict__ sel,
+                                             u32* __restrict__ counts, u32* __restrict__ ccount) {
+    __shared__ u32 cnt[BINS];
+    __shared__ int bin;
+    __shared__ u32 above, total;
+    const u32 b = blockIdx.y, hq = blockIdx.x;
+    const u64 r = (u64)b * g.heads * GQ + hq;
+    const AppendDesc d = descs[b];
+    u32 lo, hi;
+    middle(d.n0 + d.m, a, &lo, &hi);
+    const u32 kk = min(a.k, hi - lo);
+    for (u32 i = threadIdx.x; i < BINS; i += TK) cnt[i] = i < HBINS ? hist[r * HBINS + i] : 0u;
+    if (threadIdx.x == 0) { bin = -1; above = 0; }
+    __syncthreads();
+    select_bin(cnt, kk, &bin, &above, &total);
+    if (threadIdx.x == 0) {
+        Sel s;
+        if (kk == 0) { s.bucket = BINS; s.need = 0; }          // nothing wins
+        else if (total <= kk) { s.bucket = -1; s.need = 0; }    // every middle token wins
+        else { s.bucket = bin; s.need = kk - above; }
+        sel[r] = s;
+        counts[r] = 0;
+        ccount[r] = 0;
     }
-    if (tid == 0) counts[b * g.heads * GQ + hq] = sh_out;
+}
+
+// Warp-aggregated append of the lanes with `flag` set to list[row] (one atomic per warp).
+__device__ __forceinline__ void warp_append(bool flag, u32 value, u32* count, u32* list, u32 cap) {
+    const unsigned m = __ballot_sync(0xffffffffu, flag);
+    if (!m) return;
+    const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
+    u32 p0 = 0;
+    if (lane == leader) p0 = atomicAdd(count, (u32)__popc(m));
+    p0 = __shfl_sync(0xffffffffu, p0, leader);
+    if (flag) {
+        const u32 p = p0 + (u32)__popc(m & ((1u << lane) - 1u));
+        if (p < cap) list[p] = value;
+    }
+}
+
+// Streams ELEMS middle tokens of one row once: a score above the boundary bucket wins, one in
+// it is a candidate (its index kept). grid = (chunks, Hq, batch), block = 256.
+extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
+                                              const float* __restrict__ scores, const Sel* __restrict__ sel,
+                                              u32* __restrict__ winners, u32* __restrict__ counts,
+                                              u32* __restrict__ cand, u32* __restrict__ ccount) {
+    const u32 b = blockIdx.z, hq = blockIdx.y;
+    const u64 r = (u64)b * g.heads * GQ + hq;
+    const AppendDesc d = descs[b];
+    u32 lo, hi;
+    middle(d.n0 + d.m, a, &lo, &hi);
+    const u32 st = lo + blockIdx.x * ELEMS;
+    if (st >= hi) return;  // uniform over the CTA
+    const u32 e = min(st + ELEMS, hi);
+    const Sel s = sel[r];
+    const float* row = scores + r * a.max_tokens;
+    // The loop bound is uniform over the CTA, so every lane reaches the ballots.
+    for (u32 b0 = st; b0 < e; b0 += blockDim.x) {
+        const u32 i = b0 + threadIdx.x;
+        const bool in = i < e;
+        const int bk = in ? (int)(f32_key(row[i]) >> 22) : 0;
+        warp_append(in && bk > s.bucket, i, &counts[r], winners + r * a.max_k, a.max_k);
+        warp_append(in && bk == s.bucket, i, &ccount[r], cand + r * a.max_tokens, (u32)a.max_tokens);
+    }
+}
+
+// One radix-select pass over the candidates (row indices `idx`): among those whose value v
+// matches *prefix under *pmask, the bin of bits [shift, shift + width] of v holding the
+// *need-th largest. v is the score's order-preserving key, or, with `ties`, ~index among the
+// candidates whose key is T (so the largest v are the lowest indices). Narrows prefix and
+// mask, lowers need by the count above the bin, and returns the bin's own count. All TK
+// threads, with the same arguments.
+__device__ u32 select_pass(const float* row, const u32* idx, u32 cc, bool ties, u32 T, u32* prefix,
+                           u32* pmask, int shift, u32 width, u32* need, u32* hist) {
+    __shared__ int bin;
+    __shared__ u32 above, total;
+    for (u32 i = threadIdx.x; i < BINS; i += TK) hist[i] = 0;
+    if (threadIdx.x == 0) { bin = -1; above = 0; }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < cc; i += TK) {
+        const u32 key = f32_key(row[idx[i]]);
+        const u32 v = ties ? ~idx[i] : key;
+        if ((!ties || key == T) && (v & *pmask) == *prefix) atomicAdd(&hist[(v >> shift) & width], 1u);
+    }
+    __syncthreads();
+    select_bin(hist, *need, &bin, &above, &total);
+    const u32 own = bin >= 0 ? hist[bin] : 0u;
+    const u32 ab = above;
+    const int bn = bin;
+    __syncthreads();
+    *need -= ab;
+    *prefix |= (u32)bn << shift;
+    *pmask |= width << shift;
+    return own;
+}
+
+// Per row: the `need` largest candidates by their remaining 22 key bits (two passes of 11
+// bits) give the exact kk-th score T; every candidate above T wins, and of those equal to T
+// the lowest indices (three passes over ~index), as fathom_plan::select_per_head.
+// grid = (Hq, batch), block = TK.
+extern "C" __global__ void paged_topk_finish(PoolGeom g, AttendGeom a, const float* __restrict__ scores,
+                                             const Sel* __restrict__ sel, u32* __restrict__ winners,
+                                             u32* __restrict__ counts, const u32* __restrict__ cand,
+                                             const u32* __restrict__ ccount) {
+    __shared__ u32 hist[BINS];
+    const u32 b = blockIdx.y, hq = blockIdx.x;
+    const u64 r = (u64)b * g.heads * GQ + hq;
+    const Sel s = sel[r];
+    if (s.need == 0) return;
+    const float* row = scores + r * a.max_tokens;
+    const u32 cc = min(ccount[r], (u32)a.max_tokens);
+    const u32* idx = cand + r * a.max_tokens;
+    u32* out = winners + r * a.max_k;
+    u32 need = s.need, T = (u32)s.bucket << 22, kmask = 0xffc00000u;
+    select_pass(row, idx, cc, false, 0, &T, &kmask, 11, 0x7ffu, &need, hist);
+    const u32 eq = select_pass(row, idx, cc, false, 0, &T, &kmask, 0, 0x7ffu, &need, hist);
+    // T is now the kk-th score's key: `need` of the `eq` candidates equal to it still win.
+    u32 ilim = 0xffffffffu;  // ties win when their index is <= ilim
+    if (need < eq) {
+        u32 ip = 0, imask = 0;
+        select_pass(row, idx, cc, true, T, &ip, &imask, 21, 0x7ffu, &need, hist);
+        select_pass(row, idx, cc, true, T, &ip, &imask, 10, 0x7ffu, &need, hist);
+        select_pass(row, idx, cc, true, T, &ip, &imask, 0, 0x3ffu, &need, hist);
+        ilim = ~ip;  // ip is ~(the need-th lowest tied index)
+    }
+    for (u32 i = threadIdx.x; i < cc; i += TK) {
+        const u32 t = idx[i];
+        const u32 key = f32_key(row[t]);
+        if (key > T || (key == T && t <= ilim)) {
+            const u32 p = atomicAdd(&counts[r], 1u);
+            if (p < a.max_k) out[p] = t;
+        }
+    }
 }
 
 // The union of one (session, KV head)'s selections: sink and local (every query head), then
@@ -232,7 +407,7 @@ extern "C" __global__ void paged_union(const AppendDesc* __restrict__ descs, Poo
     }
     // Every head's winners as keys token*8 + g, padded to a power of two with ~0.
     u32 total = 0;
-    for (u32 q = 0; q < GQ; ++q) total += counts[(u64)b * g.heads * GQ + h * GQ + q];
+    for (u32 q = 0; q < GQ; ++q) total += min(counts[(u64)b * g.heads * GQ + h * GQ + q], a.max_k);
     u32 len = 1;
     while (len < total) len <<= 1;
     for (u32 i = tid; i < len; i += TK) keys[i] = 0xffffffffu;
@@ -242,7 +417,7 @@ extern "C" __global__ void paged_union(const AppendDesc* __restrict__ descs, Poo
         u32 off = 0;
         for (u32 q = 0; q < GQ; ++q) {
             const u64 r = (u64)b * g.heads * GQ + h * GQ + q;
-            const u32 c = counts[r];
+            const u32 c = min(counts[r], a.max_k);
             for (u32 i = tid; i < c; i += 32) keys[off + i] = winners[r * a.max_k + i] * 8u + q;
             off += c;
         }
@@ -284,94 +459,219 @@ extern "C" __global__ void paged_union(const AppendDesc* __restrict__ descs, Poo
     if (tid == 0) ucount[(u64)b * g.heads + h] = fixed + sh_out;
 }
 
-// The fetch: every union row's bf16 K|V record, host pages -> HBM rows [b][h][umax][2D]. One
-// warp per row (4D bytes: 16-byte lanes). grid = (batch, Hkv, row chunks of 8), block = 256.
+// The row cache of one (session, layer, KV head): C direct-mapped slots (slot = token mod
+// C), tags[slot] = token + 1 when slot holds that token's record (0: empty), data [C][4D].
+__device__ __forceinline__ u64 cache_base(const AppendDesc& d, const PoolGeom& g, const AttendGeom& a, u32 h) {
+    return (((u64)d.slot * g.layers + a.layer) * g.heads + h) * a.cache_rows;
+}
+
+// The fetch: every union row's bf16 K|V record into HBM rows [b][h][umax][2D], from the row
+// cache when it holds the token, else from the host page (one warp per row: 4D bytes in
+// 16-byte lanes). A miss bids for its cache slot (the largest token of this attend wins it).
+// Counts union rows and hits into counters[0], counters[1]. grid = (row chunks of 8, Hkv,
+// batch), block = 256.
 extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                        const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                        const u32* __restrict__ urows, const u32* __restrict__ ucount,
-                                       u16* __restrict__ rows) {
-    const AppendDesc d = descs[blockIdx.x];
-    const u32 b = blockIdx.x, h = blockIdx.y;
+                                       const u32* __restrict__ tags, const u16* __restrict__ cdata,
+                                       u32* __restrict__ claim, u16* __restrict__ rows,
+                                       unsigned long long* __restrict__ counters) {
+    __shared__ u32 sh_hits;
+    const u32 b = blockIdx.z, h = blockIdx.y;
+    const AppendDesc d = descs[b];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 ub = ((u64)b * g.heads + h) * a.umax;
-    const u32 cnt = ucount[(u64)b * g.heads + h];
-    for (u32 r = blockIdx.z * 8 + warp; r < cnt; r += gridDim.z * 8) {
+    const u32 cnt = min(ucount[(u64)b * g.heads + h], a.umax);
+    if (threadIdx.x == 0) sh_hits = 0;
+    __syncthreads();
+    const u64 cb = a.cache_rows ? cache_base(d, g, a, h) : 0;
+    const u32 r = blockIdx.x * 8 + warp;
+    if (r < cnt) {
         const u32 t = urows[ub + r];
-        const u32 page = tables[(u64)d.slot * g.max_pages + t / g.page_tokens];
-        const uint4* src = (const uint4*)((const u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
-                                          ((u64)h * g.page_tokens + t % g.page_tokens) * 2 * DIM);
+        const uint4* src;
+        bool hit = false;
+        if (a.cache_rows) {
+            const u64 slot = cb + t % a.cache_rows;
+            hit = tags[slot] == t + 1;
+            if (hit) src = (const uint4*)(cdata + slot * 2 * DIM);
+            else if (lane == 0) atomicMax(&claim[slot], t + 1);
+        }
+        if (!hit) {
+            const u32 page = tables[(u64)d.slot * g.max_pages + t / g.page_tokens];
+            src = (const uint4*)((const u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
+                                 ((u64)h * g.page_tokens + t % g.page_tokens) * 2 * DIM);
+        }
         uint4* dst = (uint4*)(rows + (ub + r) * 2 * DIM);
         for (u32 i = lane; i < 2 * DIM * 2 / 16; i += 32) dst[i] = src[i];
+        if (hit && lane == 0) atomicAdd(&sh_hits, 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (blockIdx.x == 0) atomicAdd(&counters[0], (unsigned long long)cnt);
+        if (sh_hits) atomicAdd(&counters[1], (unsigned long long)sh_hits);
     }
 }
 
-// Exact attention of one query head over its own set (the union rows whose mask has its bit),
-// from the HBM rows, or over every token read from the pages when dense; an online softmax
-// over chunks of 32 rows. grid = (batch, Hq), block = DIM.
-extern "C" __global__ void paged_attend(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
-                                        const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
-                                        const float* __restrict__ qf, const u16* __restrict__ rows,
-                                        const u8* __restrict__ umask, const u32* __restrict__ ucount,
-                                        float* __restrict__ out) {
-    __shared__ float qs[DIM];
-    __shared__ float logits[32];
-    __shared__ const u16* recs[32];
-    const AppendDesc d = descs[blockIdx.x];
-    const u32 b = blockIdx.x, hq = blockIdx.y, c = threadIdx.x;
-    const u32 lane = c & 31, warp = c >> 5, nwarps = DIM / 32;
-    const u32 h = hq / GQ, gq = hq % GQ;
-    const u32 n = d.n0 + d.m;
-    const u64 qi = ((u64)b * g.heads * GQ + hq) * DIM;
-    qs[c] = qf[qi + c];
+// The winners of the fetch's bids copy their row into the cache, set the tag and clear the
+// bid (so every bid is zero again after this launch). grid as paged_fetch.
+extern "C" __global__ void paged_fill(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
+                                      const u32* __restrict__ urows, const u32* __restrict__ ucount,
+                                      u32* __restrict__ tags, u16* __restrict__ cdata, u32* __restrict__ claim,
+                                      const u16* __restrict__ rows) {
+    const u32 b = blockIdx.z, h = blockIdx.y;
+    const AppendDesc d = descs[b];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 ub = ((u64)b * g.heads + h) * a.umax;
-    const u32 total = a.dense ? n : ucount[(u64)b * g.heads + h];
-    float M = -INFINITY, L = 0.0f, acc = 0.0f;
+    const u32 cnt = min(ucount[(u64)b * g.heads + h], a.umax);
+    const u32 r = blockIdx.x * 8 + warp;
+    if (r >= cnt) return;
+    const u32 t = urows[ub + r];
+    const u64 slot = cache_base(d, g, a, h) + t % a.cache_rows;
+    if (claim[slot] != t + 1) return;
+    const uint4* src = (const uint4*)(rows + (ub + r) * 2 * DIM);
+    uint4* dst = (uint4*)(cdata + slot * 2 * DIM);
+    for (u32 i = lane; i < 2 * DIM * 2 / 16; i += 32) dst[i] = src[i];
+    __syncwarp();
+    if (lane == 0) { tags[slot] = t + 1; claim[slot] = 0; }
+}
+
+#define CH 64   // rows per tile of the partial attention
+#define NT 128  // threads of the partial attention
+
+// Exact attention of the G query heads of one (session, KV head) over one split of its rows
+// (docs/SPEC.md §5): the union rows from HBM, each head counting only the rows whose mask has
+// its bit (its own set), or every token read from the pages when dense. Each K row is read
+// once for all G heads; an online softmax over tiles of CH rows; the split's partial max, sum
+// and weighted V go to pm, pl [b][Hq][nsplit] and pacc [b][Hq][nsplit][D].
+// grid = (nsplit, Hkv, batch), block = NT.
+extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+                                              const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
+                                              const float* __restrict__ qf, const u16* __restrict__ rows,
+                                              const u8* __restrict__ umask, const u32* __restrict__ ucount,
+                                              float* __restrict__ pm, float* __restrict__ pl,
+                                              float* __restrict__ pacc) {
+    __shared__ float qs[GQ][DIM];
+    __shared__ float p[GQ][CH];
+    __shared__ const u16* recs[CH];
+    __shared__ float tmax[GQ], corr[GQ], msum[GQ], lsum[GQ];
+    const u32 b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
+    const AppendDesc d = descs[b];
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 n = d.n0 + d.m;
+    const u64 ub = ((u64)b * g.heads + h) * a.umax;
+    const u32 total = a.dense ? n : min(ucount[(u64)b * g.heads + h], a.umax);
+    const u32 per = (total + a.nsplit - 1) / a.nsplit;
+    const u32 span = (per + CH - 1) / CH * CH;
+    const u32 r0 = min(split * span, total), r1 = min(r0 + span, total);
+    const u32 heads_q = g.heads * GQ;
+    for (u32 i = tid; i < GQ * DIM; i += NT) qs[i / DIM][i % DIM] = qf[((u64)b * heads_q + h * GQ) * DIM + i];
+    if (tid < GQ) { msum[tid] = -INFINITY; lsum[tid] = 0.0f; }
+    constexpr int CPT = (DIM + NT - 1) / NT;  // channels per thread
+    float acc[GQ][CPT];
+#pragma unroll
+    for (int q = 0; q < GQ; q++)
+#pragma unroll
+        for (int j = 0; j < CPT; j++) acc[q][j] = 0.0f;
     __syncthreads();
-    for (u32 j0 = 0; j0 < total; j0 += 32) {
-        const u32 cnt = min(32u, total - j0);
-        if (c < 32) {
-            const u16* rp = 0;
-            if (c < cnt) {
-                const u32 j = j0 + c;
-                if (a.dense) {
-                    const u32 page = tables[(u64)d.slot * g.max_pages + j / g.page_tokens];
-                    rp = (const u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
-                         ((u64)h * g.page_tokens + j % g.page_tokens) * 2 * DIM;
-                } else if ((umask[ub + j] >> gq) & 1u) {
-                    rp = rows + (ub + j) * 2 * DIM;
+    for (u32 t0 = r0; t0 < r1; t0 += CH) {
+        const u32 nr = min((u32)CH, r1 - t0);
+        if (tid < nr) {
+            const u32 j = t0 + tid;
+            if (a.dense) {
+                const u32 page = tables[(u64)d.slot * g.max_pages + j / g.page_tokens];
+                recs[tid] = (const u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
+                            ((u64)h * g.page_tokens + j % g.page_tokens) * 2 * DIM;
+            } else {
+                recs[tid] = rows + (ub + j) * 2 * DIM;
+            }
+        }
+        __syncthreads();
+        // Logits: one warp per row, all G heads at once.
+        for (u32 r = warp; r < nr; r += NT / 32) {
+            const u16* k = recs[r];
+            const u32 m = a.dense ? 0xffu : umask[ub + t0 + r];
+            float dt[GQ];
+#pragma unroll
+            for (int q = 0; q < GQ; q++) dt[q] = 0.0f;
+            for (u32 c = lane; c < DIM; c += 32) {
+                const float kv = bf16_to_f32(k[c]);
+#pragma unroll
+                for (int q = 0; q < GQ; q++) dt[q] += qs[q][c] * kv;
+            }
+#pragma unroll
+            for (int q = 0; q < GQ; q++) {
+                float x = dt[q];
+                for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                if (lane == 0) p[q][r] = ((m >> q) & 1u) ? x * a.scale : -INFINITY;
+            }
+        }
+        __syncthreads();
+        // Per head: the tile's max, the rescale of the running sums, the weights.
+        if (tid < GQ) {
+            float tm = msum[tid];
+            for (u32 r = 0; r < nr; r++) tm = fmaxf(tm, p[tid][r]);
+            corr[tid] = (msum[tid] == -INFINITY || tm == -INFINITY) ? (tm == -INFINITY ? 1.0f : 0.0f) : expf(msum[tid] - tm);
+            tmax[tid] = tm;
+        }
+        __syncthreads();
+        for (u32 i = tid; i < GQ * nr; i += NT) {
+            const u32 q = i / nr, r = i % nr;
+            p[q][r] = p[q][r] == -INFINITY ? 0.0f : expf(p[q][r] - tmax[q]);
+        }
+        __syncthreads();
+        if (tid < GQ) {
+            float l = lsum[tid] * corr[tid];
+            for (u32 r = 0; r < nr; r++) l += p[tid][r];
+            lsum[tid] = l;
+            msum[tid] = tmax[tid];
+        }
+#pragma unroll
+        for (int j = 0; j < CPT; j++) {
+            const u32 c = tid + j * NT;
+            if (c < DIM) {
+#pragma unroll
+                for (int q = 0; q < GQ; q++) acc[q][j] *= corr[q];
+                for (u32 r = 0; r < nr; r++) {
+                    const float v = bf16_to_f32(recs[r][DIM + c]);
+#pragma unroll
+                    for (int q = 0; q < GQ; q++) acc[q][j] = fmaf(p[q][r], v, acc[q][j]);
                 }
             }
-            recs[c] = rp;
-        }
-        __syncthreads();
-        for (u32 r = warp; r < cnt; r += nwarps) {
-            const u16* rec = recs[r];
-            float s = -INFINITY;
-            if (rec) {
-                s = 0.0f;
-                for (u32 ch = lane; ch < DIM; ch += 32) s += qs[ch] * bf16_to_f32(rec[ch]);
-                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                s *= a.scale;
-            }
-            if (lane == 0) logits[r] = s;
-        }
-        __syncthreads();
-        float cm = M;
-        for (u32 r = 0; r < cnt; ++r) cm = fmaxf(cm, logits[r]);
-        if (cm != -INFINITY) {
-            const float corr = M == -INFINITY ? 0.0f : expf(M - cm);
-            L *= corr;
-            acc *= corr;
-            for (u32 r = 0; r < cnt; ++r) {
-                const u16* rec = recs[r];
-                if (!rec) continue;
-                const float p = expf(logits[r] - cm);
-                L += p;
-                acc += p * bf16_to_f32(rec[DIM + c]);
-            }
-            M = cm;
         }
         __syncthreads();
     }
-    out[qi + c] = L > 0.0f ? acc / L : 0.0f;
+    const u64 pb = ((u64)b * heads_q + h * GQ) * a.nsplit + split;  // + q * nsplit
+#pragma unroll
+    for (int q = 0; q < GQ; q++) {
+        const u64 i = pb + (u64)q * a.nsplit;
+        if (tid == 0) { pm[i] = msum[q]; pl[i] = lsum[q]; }
+#pragma unroll
+        for (int j = 0; j < CPT; j++) {
+            const u32 c = tid + j * NT;
+            if (c < DIM) pacc[i * DIM + c] = acc[q][j];
+        }
+    }
+}
+
+// The splits of one query head combined: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// grid = (Hq, batch), block = DIM. out: [b][Hq][D] f32.
+extern "C" __global__ void paged_attn_combine(PoolGeom g, AttendGeom a, const float* __restrict__ pm,
+                                              const float* __restrict__ pl, const float* __restrict__ pacc,
+                                              float* __restrict__ out) {
+    const u32 b = blockIdx.y, hq = blockIdx.x, c = threadIdx.x;
+    const u64 row = (u64)b * g.heads * GQ + hq;
+    const u64 base = row * a.nsplit;
+    float M = -INFINITY;
+    for (u32 s = 0; s < a.nsplit; s++) M = fmaxf(M, pm[base + s]);
+    float L = 0.0f, o = 0.0f;
+    if (M != -INFINITY) {
+        for (u32 s = 0; s < a.nsplit; s++) {
+            const float m = pm[base + s];
+            if (m == -INFINITY) continue;
+            const float w = expf(m - M);
+            L += pl[base + s] * w;
+            o += pacc[(base + s) * DIM + c] * w;
+        }
+    }
+    out[row * DIM + c] = L > 0.0f ? o / L : 0.0f;
 }

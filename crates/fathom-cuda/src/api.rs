@@ -157,6 +157,8 @@ pub trait KvCache: Sized {
         session: crate::pages::SessionId,
         layer: usize,
     ) -> Result<crate::paged_ref::PagedExport>;
+    /// Union rows fetched and row-cache hits since the cache was made.
+    fn row_counters(&self) -> Result<crate::cache::RowCounters>;
 }
 
 impl KvCache for crate::PagedCache {
@@ -235,6 +237,9 @@ impl KvCache for crate::PagedCache {
         q: &[f32],
     ) -> Result<Vec<f32>> {
         crate::PagedCache::attend_host(self, batch, layer, method, params, q)
+    }
+    fn row_counters(&self) -> Result<crate::cache::RowCounters> {
+        crate::PagedCache::row_counters(self)
     }
     fn export(
         &self,

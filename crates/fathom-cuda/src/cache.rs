@@ -92,6 +92,10 @@ pub struct CacheConfig {
     pub max_batch: usize,
     /// Largest top-k per query head an attend may ask for (sizes the winner lists).
     pub max_k: usize,
+    /// Slots of the HBM row cache per (session, layer, KV head), direct-mapped by token: a
+    /// union row found there is not fetched over the link again (0: no row cache). Costs
+    /// `max_sessions · L · Hkv · row_cache · (4D + 8)` bytes of HBM.
+    pub row_cache: usize,
 }
 
 impl CacheConfig {
@@ -139,6 +143,26 @@ impl CacheConfig {
             ));
         }
         Ok(self)
+    }
+}
+
+/// Union rows fetched and row-cache hits ([`crate::PagedCache::row_counters`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RowCounters {
+    /// Union rows (K|V records) the attends needed.
+    pub rows: u64,
+    /// Of those, rows the HBM row cache served (the rest crossed the link).
+    pub hits: u64,
+}
+
+impl RowCounters {
+    /// Hits over rows (0 when no row was fetched).
+    pub fn hit_rate(&self) -> f64 {
+        if self.rows == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.rows as f64
+        }
     }
 }
 
@@ -359,6 +383,7 @@ mod tests {
             },
             max_batch: 4,
             max_k: 64,
+            row_cache: 0,
         }
     }
 

@@ -580,6 +580,13 @@ fn compile_all(
         vec![format!("-DDIM={d}")],
     )?;
     out.push(("append.cu", append));
+    if g <= 8 {
+        let gd = vec![format!("-DGQ={g}"), format!("-DDIM={d}")];
+        out.push((
+            "attend.cu",
+            compile_one(arch, "attend.cu", crate::cuda_cache::ATTEND_SRC, gd)?,
+        ));
+    }
     Ok(out)
 }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, CudaFunction, CudaStream, PushKernelArg};
 use half::bf16;
 
-use crate::cache::{check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows};
+use crate::cache::{check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows, RowCounters};
 use crate::cuda::{cast_mut, cfg, compile_one, drv, DevBuf, HostBuf};
 use crate::error::{CudaError, Result};
 use crate::paged_layout::PagedLayout;
@@ -28,11 +28,21 @@ pub(crate) const APPEND_SRC: &str = include_str!("../kernels/append.cu");
 /// The attend kernels' source.
 pub(crate) const ATTEND_SRC: &str = include_str!("../kernels/attend.cu");
 const PLAN_SRC: &str = include_str!("../kernels/plan.cu");
-/// Threads of `paged_gather`: 32 warps, each copying 4 of a page's channel runs (D = 128), so
-/// many host reads are in flight per page.
-const GATHER_THREADS: u32 = 1024;
-/// Threads of `paged_topk` (`TK` in attend.cu).
+/// Threads of the per-row top-k kernels and the union (`TK` in attend.cu).
 const TOPK_THREADS: u32 = 1024;
+/// Blocks per scan CTA (`BPC` in attend.cu): 8 threads per 64-token block.
+const SCAN_BLOCKS: usize = 32;
+/// Level-1 bins of the top-k histogram (`HBINS` in attend.cu).
+const HIST_BINS: usize = 1024;
+/// Middle tokens per CTA of `paged_topk_collect` (`ELEMS` in attend.cu).
+const COLLECT_ELEMS: usize = 4096;
+/// Rows per tile of the partial attention (`CH` in attend.cu) and its threads (`NT`).
+const ATTN_ROWS: usize = 64;
+const ATTN_THREADS: u32 = 128;
+/// Splits of the partial attention over one (session, KV head): of the union (at most
+/// [`SPARSE_SPLITS`]) or, when dense, of every token ([`DENSE_SPLITS`]).
+const SPARSE_SPLITS: usize = 32;
+const DENSE_SPLITS: usize = 256;
 
 /// `struct AppendDesc` of append.cu.
 #[repr(C)]
@@ -50,7 +60,8 @@ const _: () = assert!(std::mem::size_of::<AppendDesc>() == 16);
 #[derive(Debug, Clone, Copy, Default)]
 struct PoolGeom {
     page_bytes: u64,
-    scales_at: u64,
+    run_bytes: u32,
+    scale_pad: u32,
     records_at: u64,
     page_tokens: u32,
     max_pages: u32,
@@ -75,21 +86,27 @@ struct AttendGeom {
     dense: u32,
     scale: f32,
     umax: u32,
-    slot_bytes: u64,
+    cache_rows: u32,
+    layer: u32,
+    nsplit: u32,
+    pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<AttendGeom>() == 48);
+const _: () = assert!(std::mem::size_of::<AttendGeom>() == 56);
 
 // SAFETY: plain `#[repr(C)]` data of integers and one f32, passed by value.
 unsafe impl cudarc::driver::DeviceRepr for AttendGeom {}
 
 struct AttendKernels {
     queries: CudaFunction,
-    gather: CudaFunction,
     scan: CudaFunction,
-    topk: CudaFunction,
+    topk_select: CudaFunction,
+    topk_collect: CudaFunction,
+    topk_finish: CudaFunction,
     union: CudaFunction,
     fetch: CudaFunction,
-    attend: CudaFunction,
+    fill: CudaFunction,
+    attn_partial: CudaFunction,
+    attn_combine: CudaFunction,
     fathom_plan: CudaFunction,
     sparq_plan: CudaFunction,
 }
@@ -112,9 +129,26 @@ struct Work {
     /// Winners, `[max_batch][Hq][max_k]` u32, and their counts `[max_batch][Hq]`.
     winners: DevBuf,
     counts: DevBuf,
-    /// The gathered planes and scales, `[max_batch][Hkv][max_pages]` slots of `slot_bytes`.
-    staging: DevBuf,
-    slot_bytes: usize,
+    /// The top-k's level-1 histogram `[max_batch][Hq][HIST_BINS]` u32 (built by the scan),
+    /// each row's boundary `[max_batch][Hq]` (8 bytes), its candidates (token indices in the
+    /// boundary bucket) `[max_batch][Hq][max_tokens]` u32 and their counts.
+    hist: DevBuf,
+    sel: DevBuf,
+    cand: DevBuf,
+    ccount: DevBuf,
+    /// Partial attention: max and sum `[max_batch][Hq][DENSE_SPLITS]` f32, weighted V
+    /// `[max_batch][Hq][DENSE_SPLITS][D]` f32.
+    pm: DevBuf,
+    pl: DevBuf,
+    pacc: DevBuf,
+    /// Union rows and row-cache hits summed over every attend since the cache was made (u64).
+    counters: DevBuf,
+    /// The HBM row cache (`cache_rows` slots per (session, layer, KV head); absent at 0):
+    /// tags u32 (token + 1, 0 empty), records `[4D]` bytes, and the bids of one attend u32
+    /// (zero between attends).
+    row_tags: Option<DevBuf>,
+    row_data: Option<DevBuf>,
+    row_claim: Option<DevBuf>,
     /// The union per (session, KV head): rows `[max_batch][Hkv][umax]` u32, the mask of the
     /// query heads that chose each `u8`, the count `u32`.
     urows: DevBuf,
@@ -152,6 +186,7 @@ struct AppendKernels {
 ///     pages: PageConfig { page_tokens: 4096, pages: 64, max_sessions: 8, max_tokens: 32768 },
 ///     max_batch: 8,
 ///     max_k: 512,
+///     row_cache: 0,
 /// };
 /// let mut cache = PagedCache::new(&gpu, cfg)?;
 /// let (a, b) = (cache.create()?, cache.create()?);
@@ -201,6 +236,17 @@ impl std::fmt::Debug for PagedCache {
             .field("live_sessions", &self.sessions.live_sessions())
             .finish_non_exhaustive()
     }
+}
+
+/// A zeroed row-cache array of `elem` bytes per slot for every (session, layer, KV head), or
+/// none when the cache has no row cache.
+fn row_cache_buf(cfg: &CacheConfig, elem: usize, what: &'static str) -> Result<Option<DevBuf>> {
+    if cfg.row_cache == 0 {
+        return Ok(None);
+    }
+    let s = cfg.shape;
+    let slots = cfg.pages.max_sessions * s.layers * s.kv_heads * cfg.row_cache;
+    Ok(Some(DevBuf::zeroed(slots * elem, what)?))
 }
 
 fn tail_elems(cfg: &CacheConfig) -> usize {
@@ -255,18 +301,19 @@ impl PagedCache {
         let fp = |n: &str| plan_mod.load_function(n).map_err(drv("load_function"));
         let attend_kernels = AttendKernels {
             queries: fa("attend_queries")?,
-            gather: fa("paged_gather")?,
             scan: fa("paged_scan")?,
-            topk: fa("paged_topk")?,
+            topk_select: fa("paged_topk_select")?,
+            topk_collect: fa("paged_topk_collect")?,
+            topk_finish: fa("paged_topk_finish")?,
             union: fa("paged_union")?,
             fetch: fa("paged_fetch")?,
-            attend: fa("paged_attend")?,
+            fill: fa("paged_fill")?,
+            attn_partial: fa("paged_attn_partial")?,
+            attn_combine: fa("paged_attn_combine")?,
             fathom_plan: fp("fathom_plan")?,
             sparq_plan: fp("sparq_plan")?,
         };
         let (mb, hkv, hq, d) = (cfg.max_batch, s.kv_heads, s.kv_heads * s.group, s.dim);
-        let bp = cfg.pages.page_tokens / BLOCK_TOKENS;
-        let slot_bytes = (d * bp * 34).div_ceil(256) * 256;
         let umax = crate::cache::MAX_SINK_LOCAL + s.group * cfg.max_k;
         let max_pages = cfg.pages.pages_for(cfg.pages.max_tokens);
         let work = Work {
@@ -278,8 +325,17 @@ impl PagedCache {
             scores: DevBuf::new(mb * hq * cfg.pages.max_tokens * 4, "attend scores")?,
             winners: DevBuf::new(mb * hq * cfg.max_k * 4, "attend winners")?,
             counts: DevBuf::zeroed(mb * hq * 4, "attend winner counts")?,
-            staging: DevBuf::new(mb * hkv * max_pages * slot_bytes, "attend staging")?,
-            slot_bytes,
+            hist: DevBuf::zeroed(mb * hq * HIST_BINS * 4, "top-k histogram")?,
+            sel: DevBuf::zeroed(mb * hq * 8, "top-k boundaries")?,
+            cand: DevBuf::new(mb * hq * cfg.pages.max_tokens * 4, "top-k candidates")?,
+            ccount: DevBuf::zeroed(mb * hq * 4, "top-k candidate counts")?,
+            pm: DevBuf::new(mb * hq * DENSE_SPLITS * 4, "attention partial max")?,
+            pl: DevBuf::new(mb * hq * DENSE_SPLITS * 4, "attention partial sum")?,
+            pacc: DevBuf::new(mb * hq * DENSE_SPLITS * d * 4, "attention partials")?,
+            counters: DevBuf::zeroed(16, "attend counters")?,
+            row_tags: row_cache_buf(&cfg, 4, "row-cache tags")?,
+            row_data: row_cache_buf(&cfg, 4 * d, "row cache")?,
+            row_claim: row_cache_buf(&cfg, 4, "row-cache bids")?,
             urows: DevBuf::new(mb * hkv * umax * 4, "attend union rows")?,
             umask: DevBuf::new(mb * hkv * umax, "attend union masks")?,
             ucount: DevBuf::zeroed(mb * hkv * 4, "attend union counts")?,
@@ -340,7 +396,8 @@ impl PagedCache {
         let lay = self.layout;
         PoolGeom {
             page_bytes: lay.page_bytes(),
-            scales_at: lay.scales_at(),
+            run_bytes: lay.channel_run_bytes() as u32,
+            scale_pad: lay.scale_pad_bytes() as u32,
             records_at: lay.records_at(),
             page_tokens: lay.page_tokens() as u32,
             max_pages: self.max_pages as u32,
@@ -368,9 +425,25 @@ impl PagedCache {
         self.stream.synchronize().map_err(drv("stream synchronize"))
     }
 
-    /// A new, empty session.
+    /// A new, empty session (its slot's row cache emptied: it sees none of an old session's
+    /// rows).
     pub fn create(&mut self) -> Result<SessionId> {
-        Ok(self.sessions.create()?)
+        let s = self.sessions.create()?;
+        self.clear_row_cache(s)?;
+        Ok(s)
+    }
+
+    /// Empties the row cache of `session`'s slot, on the stream.
+    fn clear_row_cache(&self, session: SessionId) -> Result<()> {
+        if let Some(tags) = &self.work.row_tags {
+            let s = self.cfg.shape;
+            let bytes = s.layers * s.kv_heads * self.cfg.row_cache * 4;
+            let at = tags.ptr + (session.slot() * bytes) as u64;
+            // SAFETY: the slot's tags lie inside the buffer (slot < max_sessions).
+            unsafe { result::memset_d8_async(at, 0, bytes, self.stream.cu_stream()) }
+                .map_err(drv("memset row-cache tags"))?;
+        }
+        Ok(())
     }
 
     /// Tokens in `session`.
@@ -389,6 +462,7 @@ impl PagedCache {
     pub fn fork(&mut self, parent: SessionId) -> Result<SessionId> {
         self.sync()?;
         let child = self.sessions.fork(parent)?;
+        self.clear_row_cache(child)?;
         self.write_table(child)?;
         let bytes = tail_elems(&self.cfg) * 2;
         let src = self.tails.ptr + (parent.slot() * bytes) as u64;
@@ -753,12 +827,27 @@ impl PagedCache {
             dense: u32::from(dense),
             scale: 1.0 / (d as f32).sqrt(),
             umax: self.work.umax as u32,
-            slot_bytes: self.work.slot_bytes as u64,
+            cache_rows: self.cfg.row_cache as u32,
+            layer: layer as u32,
+            nsplit: if dense {
+                DENSE_SPLITS
+            } else {
+                self.work.umax.div_ceil(ATTN_ROWS).min(SPARSE_SPLITS)
+            } as u32,
+            pad: 0,
         };
         let k = &self.attend_kernels;
         let w = &self.work;
         let st = &self.stream;
         let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr);
+        let (nb32, hkv32, hq32) = (nb as u32, hkv as u32, hq as u32);
+        // Grids cover the longest session of the batch, or `max_tokens` while capturing (the
+        // kernels skip what lies past each session's length).
+        let longest = if self.fixed_grids {
+            self.cfg.pages.max_tokens
+        } else {
+            batch.plans.iter().map(|p| p.end_token()).max().unwrap_or(0)
+        };
         let dtype = q.dtype.code();
         // 1. Queries to f32.
         let mut b = st.launch_builder(&k.queries);
@@ -808,50 +897,69 @@ impl PagedCache {
                 _ => {}
             }
             let depths = static_depths.unwrap_or(w.depths.ptr);
-            // 3. Gather each page's planned runs into HBM (link rate from 256-byte runs).
-            let (pages, blocks) = if self.fixed_grids {
-                let mt = self.cfg.pages.max_tokens;
-                (self.max_pages, mt.div_ceil(BLOCK_TOKENS))
-            } else {
-                let n = batch.plans.iter().map(|p| p.end_token()).max().unwrap_or(0);
-                (n.div_ceil(lay.page_tokens()), n.div_ceil(BLOCK_TOKENS))
-            };
-            let mut b = st.launch_builder(&k.gather);
+            // 3. Scan each page in place (zero-copy), with the top-k's level-1 histogram.
+            // SAFETY: the histogram holds max_batch·Hq rows of HIST_BINS u32.
+            unsafe {
+                result::memset_d8_async(w.hist.ptr, 0, nb * hq * HIST_BINS * 4, st.cu_stream())
+            }
+            .map_err(drv("memset top-k histogram"))?;
+            let per_cta = SCAN_BLOCKS.min(lay.blocks_per_page());
+            let ctas = longest.div_ceil(BLOCK_TOKENS).div_ceil(per_cta) as u32;
+            let mut b = st.launch_builder(&k.scan);
             b.arg(&descs)
                 .arg(&tables)
                 .arg(&pool)
                 .arg(&geom)
                 .arg(&ag)
+                .arg(&w.qf.ptr)
                 .arg(&depths)
-                .arg(&w.staging.ptr);
-            // SAFETY: pages < each session's table length are read (the kernel checks against
-            // its length); staging holds max_batch·Hkv·max_pages slots.
-            unsafe { b.launch(cfg((nb as u32, hkv as u32, pages as u32), GATHER_THREADS)) }
-                .map_err(drv("launch paged_gather"))?;
-            // 4. Scan the staging.
-            let mut b = st.launch_builder(&k.scan);
+                .arg(&w.scores.ptr)
+                .arg(&w.hist.ptr);
+            // SAFETY: only pages < each session's table length are read (the kernel checks
+            // its length); scores hold max_batch·Hq rows of max_tokens.
+            unsafe { b.launch(cfg((ctas.max(1), hkv32, nb32), 8 * SCAN_BLOCKS as u32)) }
+                .map_err(drv("launch paged_scan"))?;
+            // 4. Each query head's top-k: the boundary bucket, one streaming pass, the exact
+            // boundary among the bucket's candidates (ties to the lower index).
+            let mut b = st.launch_builder(&k.topk_select);
             b.arg(&descs)
                 .arg(&geom)
                 .arg(&ag)
-                .arg(&w.qf.ptr)
-                .arg(&depths)
-                .arg(&w.staging.ptr)
-                .arg(&w.scores.ptr);
-            // SAFETY: scores hold max_batch·Hkv·G rows of max_tokens.
-            unsafe { b.launch(cfg((nb as u32, hkv as u32, blocks as u32), 64)) }
-                .map_err(drv("launch paged_scan"))?;
-            // 5. Each query head's top-k.
-            let mut b = st.launch_builder(&k.topk);
+                .arg(&w.hist.ptr)
+                .arg(&w.sel.ptr)
+                .arg(&w.counts.ptr)
+                .arg(&w.ccount.ptr);
+            // SAFETY: rows < max_batch·Hq of every per-row array.
+            unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
+                .map_err(drv("launch paged_topk_select"))?;
+            let chunks = longest.div_ceil(COLLECT_ELEMS).max(1) as u32;
+            let mut b = st.launch_builder(&k.topk_collect);
             b.arg(&descs)
                 .arg(&geom)
                 .arg(&ag)
                 .arg(&w.scores.ptr)
+                .arg(&w.sel.ptr)
                 .arg(&w.winners.ptr)
-                .arg(&w.counts.ptr);
-            // SAFETY: winners hold max_k per row; k ≤ max_k was checked.
-            unsafe { b.launch(cfg((nb as u32, hq as u32, 1), TOPK_THREADS)) }
-                .map_err(drv("launch paged_topk"))?;
-            // 6. The union per KV head, then its rows into HBM.
+                .arg(&w.counts.ptr)
+                .arg(&w.cand.ptr)
+                .arg(&w.ccount.ptr);
+            // SAFETY: winners hold max_k per row (k ≤ max_k was checked), candidates
+            // max_tokens per row; both lists are bounded in the kernel.
+            unsafe { b.launch(cfg((chunks, hq32, nb32), 256)) }
+                .map_err(drv("launch paged_topk_collect"))?;
+            let mut b = st.launch_builder(&k.topk_finish);
+            b.arg(&geom)
+                .arg(&ag)
+                .arg(&w.scores.ptr)
+                .arg(&w.sel.ptr)
+                .arg(&w.winners.ptr)
+                .arg(&w.counts.ptr)
+                .arg(&w.cand.ptr)
+                .arg(&w.ccount.ptr);
+            // SAFETY: as above.
+            unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
+                .map_err(drv("launch paged_topk_finish"))?;
+            // 5. The union per KV head, then its rows into HBM (row cache first).
             let mut b = st.launch_builder(&k.union);
             b.arg(&descs)
                 .arg(&geom)
@@ -862,9 +970,11 @@ impl PagedCache {
                 .arg(&w.umask.ptr)
                 .arg(&w.ucount.ptr);
             // SAFETY: union lists hold umax = 64 + G·max_k rows ≥ sink + local + G·k.
-            unsafe { b.launch(cfg((nb as u32, hkv as u32, 1), TOPK_THREADS)) }
+            unsafe { b.launch(cfg((nb32, hkv32, 1), TOPK_THREADS)) }
                 .map_err(drv("launch paged_union"))?;
-            let chunks = self.work.umax.div_ceil(8).min(64) as u32;
+            let row_chunks = self.work.umax.div_ceil(8) as u32;
+            let ptr = |x: &Option<DevBuf>| x.as_ref().map_or(0, |b| b.ptr);
+            let (tags, data, claim) = (ptr(&w.row_tags), ptr(&w.row_data), ptr(&w.row_claim));
             let mut b = st.launch_builder(&k.fetch);
             b.arg(&descs)
                 .arg(&tables)
@@ -873,13 +983,33 @@ impl PagedCache {
                 .arg(&ag)
                 .arg(&w.urows.ptr)
                 .arg(&w.ucount.ptr)
-                .arg(&w.rows.ptr);
-            // SAFETY: every union row is a token < the session's length; rows hold umax records.
-            unsafe { b.launch(cfg((nb as u32, hkv as u32, chunks), 256)) }
+                .arg(&tags)
+                .arg(&data)
+                .arg(&claim)
+                .arg(&w.rows.ptr)
+                .arg(&w.counters.ptr);
+            // SAFETY: every union row is a token < the session's length; rows hold umax
+            // records; the row cache (when present) has cache_rows slots per (slot, layer, head).
+            unsafe { b.launch(cfg((row_chunks, hkv32, nb32), 256)) }
                 .map_err(drv("launch paged_fetch"))?;
+            if self.cfg.row_cache > 0 {
+                let mut b = st.launch_builder(&k.fill);
+                b.arg(&descs)
+                    .arg(&geom)
+                    .arg(&ag)
+                    .arg(&w.urows.ptr)
+                    .arg(&w.ucount.ptr)
+                    .arg(&tags)
+                    .arg(&data)
+                    .arg(&claim)
+                    .arg(&w.rows.ptr);
+                // SAFETY: as paged_fetch.
+                unsafe { b.launch(cfg((row_chunks, hkv32, nb32), 256)) }
+                    .map_err(drv("launch paged_fill"))?;
+            }
         }
-        // 7. Exact attention of each query head over its own set.
-        let mut b = st.launch_builder(&k.attend);
+        // 6. Exact attention of each query head over its own set, split, then combined.
+        let mut b = st.launch_builder(&k.attn_partial);
         b.arg(&descs)
             .arg(&tables)
             .arg(&pool)
@@ -889,11 +1019,23 @@ impl PagedCache {
             .arg(&w.rows.ptr)
             .arg(&w.umask.ptr)
             .arg(&w.ucount.ptr)
+            .arg(&w.pm.ptr)
+            .arg(&w.pl.ptr)
+            .arg(&w.pacc.ptr);
+        // SAFETY: partials hold DENSE_SPLITS ≥ nsplit per row; rows are read through the
+        // session's pages only at tokens < its length.
+        unsafe { b.launch(cfg((ag.nsplit, hkv32, nb32), ATTN_THREADS)) }
+            .map_err(drv("launch paged_attn_partial"))?;
+        let mut b = st.launch_builder(&k.attn_combine);
+        b.arg(&geom)
+            .arg(&ag)
+            .arg(&w.pm.ptr)
+            .arg(&w.pl.ptr)
+            .arg(&w.pacc.ptr)
             .arg(&out);
-        // SAFETY: out holds batch·Hq·D f32 (the caller's contract); rows are read through
-        // the session's pages only at tokens < its length.
-        unsafe { b.launch(cfg((nb as u32, hq as u32, 1), d as u32)) }
-            .map_err(drv("launch paged_attend"))?;
+        // SAFETY: out holds batch·Hq·D f32 (the caller's contract).
+        unsafe { b.launch(cfg((hq32, nb32, 1), d as u32)) }
+            .map_err(drv("launch paged_attn_combine"))?;
         if matches!(method, AttendMethod::Scan(M::Fathom(_) | M::SparQ(_))) {
             self.plans_counted += (nb * hkv) as u64;
         }
@@ -1004,6 +1146,17 @@ impl PagedCache {
         let v: Vec<f32> = self.work.bits_acc.read(1)?;
         let n = self.plans_counted;
         Ok((if n > 0 { v[0] as f64 / n as f64 } else { 0.0 }, n))
+    }
+
+    /// Waits for the stream, then the union rows fetched and how many of them the HBM row
+    /// cache served, summed over every attend since the cache was made.
+    pub fn row_counters(&self) -> Result<RowCounters> {
+        self.sync()?;
+        let v: Vec<u64> = self.work.counters.read(2)?;
+        Ok(RowCounters {
+            rows: v[0],
+            hits: v[1],
+        })
     }
 
     /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and

@@ -298,6 +298,13 @@ impl PagedCache {
     pub fn plan_bits(&self) -> Result<(f64, u64)> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Union rows fetched and row-cache hits since the cache was made.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn row_counters(&self) -> Result<crate::cache::RowCounters> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
 }
 
 /// A captured decode step (stub: cannot be made without the `cuda` feature).

@@ -9,17 +9,20 @@
 //!
 //! | section | element | index inside the section | bytes |
 //! |---|---|---|---|
-//! | planes  | `u64` word, little-endian | `((h·D + c)·4 + p)·B + b` | `H·D·P/2` |
-//! | scales  | fp16 block scale | `(h·D + c)·B + b` | `H·D·B·2` |
+//! | keys    | one channel run of `R = S + 32·B` bytes per (head, channel) | `h·D + c` | `H·D·R` |
 //! | records | bf16 K then bf16 V of one token and head (`4·D` bytes) | `h·P + s` | `H·P·4D` |
 //!
-//! (`h` head, `c` channel, `p` plane with 0 the most significant, `b` block in the page,
-//! `s` slot in the page). It is `fathom-store`'s `[head][channel][plane][block]` layout with
-//! the capacity set to one page, so the first `t` planes of a channel in one page are **one
-//! contiguous run** of `t·B` words, `t·P/8` bytes, and its scales one run of `2B` bytes.
-//! Each section starts on a [`SECTION_ALIGN`]-byte boundary and pages on a [`PAGE_ALIGN`]-byte
-//! boundary (padding is never read). Bit `i` of a word is token `64·b + i` of the page; the
-//! session token in slot `s` of its `j`-th page is `j·P + s`.
+//! A channel run holds the channel's `B` fp16 block scales (block `b` at byte `2b`, padded to
+//! `S = ⌈2B/16⌉·16` bytes), then its four planes of `B` little-endian `u64` words each, word
+//! (`p`, `b`) at byte `S + (p·B + b)·8` (`h` head, `c` channel, `p` plane with 0 the most
+//! significant, `b` block in the page, `s` slot in the page). Scales first, so that the
+//! bytes a scan of depth `t` reads from one channel of one page, its scales and its first `t`
+//! planes, are **one contiguous run** of `S + t·P/8` bytes ([`PagedLayout::read_run_bytes`]):
+//! `64 + 256·t` at `P = 2048`, long enough for the link rate
+//! (`results/device/engine/gather-sweep.md`). Runs start on 16-byte boundaries, sections on
+//! [`SECTION_ALIGN`]-byte and pages on [`PAGE_ALIGN`]-byte boundaries (padding is never read).
+//! Bit `i` of a word is token `64·b + i` of the page; the session token in slot `s` of its
+//! `j`-th page is `j·P + s`.
 
 use fathom_store::{Dims, PLANES};
 
@@ -36,7 +39,8 @@ pub struct PagedLayout {
     dims: Dims,
     page_tokens: usize,
     pages: usize,
-    scales_at: u64,
+    scale_pad: u64,
+    run_bytes: u64,
     records_at: u64,
     page_bytes: u64,
 }
@@ -79,19 +83,14 @@ impl PagedLayout {
         let (h, d, p) = (dims.heads as u64, dims.channels as u64, page_tokens as u64);
         let blocks = p / BLOCK_TOKENS as u64;
         let hd = h.checked_mul(d).ok_or_else(overflow)?;
-        let plane_bytes = hd
-            .checked_mul(PLANES as u64 * blocks * 8)
-            .ok_or_else(overflow)?;
-        let scale_bytes = hd.checked_mul(blocks * 2).ok_or_else(overflow)?;
+        let scale_pad = (blocks * 2).div_ceil(16) * 16;
+        let run_bytes = scale_pad + PLANES as u64 * blocks * 8;
+        let key_bytes = hd.checked_mul(run_bytes).ok_or_else(overflow)?;
         let record_bytes = h
             .checked_mul(p)
             .and_then(|x| x.checked_mul(4 * d))
             .ok_or_else(overflow)?;
-        let scales_at = align_up(plane_bytes, SECTION_ALIGN).ok_or_else(overflow)?;
-        let records_at = scales_at
-            .checked_add(scale_bytes)
-            .and_then(|x| align_up(x, SECTION_ALIGN))
-            .ok_or_else(overflow)?;
+        let records_at = align_up(key_bytes, SECTION_ALIGN).ok_or_else(overflow)?;
         let page_bytes = records_at
             .checked_add(record_bytes)
             .and_then(|x| align_up(x, PAGE_ALIGN))
@@ -104,7 +103,8 @@ impl PagedLayout {
             dims,
             page_tokens,
             pages,
-            scales_at,
+            scale_pad,
+            run_bytes,
             records_at,
             page_bytes,
         })
@@ -134,21 +134,31 @@ impl PagedLayout {
     pub fn pool_bytes(&self) -> u64 {
         self.page_bytes * self.pages as u64
     }
-    /// Bytes of the plane section of one page (`Hkv·D·P/2`).
-    pub fn plane_section_bytes(&self) -> u64 {
-        (self.dims.row() * PLANES * self.blocks_per_page() * 8) as u64
-    }
-    /// Bytes of the scale section of one page (`Hkv·D·B·2`).
-    pub fn scale_section_bytes(&self) -> u64 {
-        (self.dims.row() * self.blocks_per_page() * 2) as u64
+    /// Bytes of the key section of one page (`Hkv·D·R`).
+    pub fn key_section_bytes(&self) -> u64 {
+        self.dims.row() as u64 * self.run_bytes
     }
     /// Bytes of the record section of one page (`Hkv·P·4D`).
     pub fn record_section_bytes(&self) -> u64 {
         (self.dims.heads * self.page_tokens) as u64 * self.record_bytes()
     }
-    /// Offset of the scale section inside a page.
-    pub fn scales_at(&self) -> u64 {
-        self.scales_at
+    /// Bytes of one channel run `R = S + 32·B` (the stride of channel runs in a page).
+    pub fn channel_run_bytes(&self) -> u64 {
+        self.run_bytes
+    }
+    /// Bytes `S` of the scales at the head of a channel run (`2B` padded to 16).
+    pub fn scale_pad_bytes(&self) -> u64 {
+        self.scale_pad
+    }
+    /// Bytes a scan of depth `t` reads from one channel of one page: its scales and first `t`
+    /// planes, one contiguous run from [`PagedLayout::channel_run_offset`] (`S + t·P/8`; 0 at
+    /// `t = 0`).
+    pub fn read_run_bytes(&self, t: usize) -> Result<u64, PageError> {
+        Ok(if t == 0 {
+            0
+        } else {
+            self.scale_pad + self.plane_run_bytes(t)?
+        })
     }
     /// Offset of the record section inside a page.
     pub fn records_at(&self) -> u64 {
@@ -167,6 +177,18 @@ impl PagedLayout {
         self.page_offset(page)
     }
 
+    /// Offset of the channel run of (`head`, `channel`) in `page`: its scales, then its planes.
+    pub fn channel_run_offset(
+        &self,
+        page: PageId,
+        head: usize,
+        channel: usize,
+    ) -> Result<u64, PageError> {
+        let base = self.check_hc(page, head, channel)?;
+        let hc = (head * self.dims.channels + channel) as u64;
+        Ok(base + hc * self.run_bytes)
+    }
+
     /// Offset of plane 0, block 0 of (`head`, `channel`) in `page`: the start of the run whose
     /// first [`PagedLayout::plane_run_bytes`]`(t)` bytes are the channel's first `t` planes.
     pub fn plane_run_offset(
@@ -175,9 +197,7 @@ impl PagedLayout {
         head: usize,
         channel: usize,
     ) -> Result<u64, PageError> {
-        let base = self.check_hc(page, head, channel)?;
-        let hc = (head * self.dims.channels + channel) as u64;
-        Ok(base + hc * (PLANES * self.blocks_per_page() * 8) as u64)
+        Ok(self.channel_run_offset(page, head, channel)? + self.scale_pad)
     }
 
     /// Bytes of the first `t` planes of one channel in one page (`t·P/8`), `0 ≤ t ≤ 4`.
@@ -209,9 +229,7 @@ impl PagedLayout {
         head: usize,
         channel: usize,
     ) -> Result<u64, PageError> {
-        let base = self.check_hc(page, head, channel)?;
-        let hc = (head * self.dims.channels + channel) as u64;
-        Ok(base + self.scales_at + hc * (self.blocks_per_page() * 2) as u64)
+        self.channel_run_offset(page, head, channel)
     }
 
     /// Offset of the fp16 scale of `block` (in the page) of (`head`, `channel`).
@@ -302,7 +320,8 @@ mod tests {
                         }
                         mark(&mut map, run, lay.plane_run_bytes(4).unwrap(), "planes");
                         let s = lay.scale_offset(page, h, c).unwrap();
-                        assert_eq!(s % 2, 0);
+                        assert_eq!(s % 16, 0);
+                        assert_eq!(s, lay.channel_run_offset(page, h, c).unwrap());
                         for b in 0..bp {
                             assert_eq!(
                                 lay.block_scale_offset(page, h, c, b).unwrap(),
@@ -310,6 +329,14 @@ mod tests {
                             );
                         }
                         mark(&mut map, s, lay.scale_run_bytes(), "scales");
+                        // Scales then the first t planes: one run of S + t·P/8 bytes.
+                        for t in 1..=PLANES {
+                            assert_eq!(
+                                s + lay.read_run_bytes(t).unwrap(),
+                                run + lay.plane_run_bytes(t).unwrap()
+                            );
+                        }
+                        assert_eq!(lay.read_run_bytes(0).unwrap(), 0);
                     }
                     for slot in 0..lay.page_tokens() {
                         let r = lay.record_offset(page, slot, h).unwrap();
@@ -319,22 +346,23 @@ mod tests {
                 }
             }
             let used = map.iter().filter(|&&m| m == 1).count() as u64;
-            let per_page =
-                lay.plane_section_bytes() + lay.scale_section_bytes() + lay.record_section_bytes();
+            let per_page = lay.key_section_bytes() + lay.record_section_bytes();
             let hd = (heads * channels) as u64;
             let pt = lay.page_tokens() as u64;
-            // 64 bytes of planes + 4 of scales per token per head at D = 128, plus 4D of records.
+            // 64 bytes of planes per token per head at D = 128 and 2 bytes of scale per block
+            // (padded to 16 per channel run), plus 4D of records.
+            let pad = (2 * bp as u64).div_ceil(16) * 16;
             assert_eq!(
                 per_page,
-                hd * pt / 2 + hd * pt / 32 + heads as u64 * pt * 4 * channels as u64
+                hd * (pt / 2 + pad) + heads as u64 * pt * 4 * channels as u64
             );
-            assert_eq!(used, per_page * lay.pages() as u64);
+            // Every byte of a channel run is a scale, a plane word or the scales' padding.
+            let padding = hd * (pad - 2 * bp as u64) * lay.pages() as u64;
+            assert_eq!(used + padding, per_page * lay.pages() as u64);
             assert_eq!(lay.page_bytes() % PAGE_ALIGN, 0);
-            assert!(lay.page_bytes() - per_page < 2 * SECTION_ALIGN + PAGE_ALIGN);
-            assert_eq!(lay.scales_at() % SECTION_ALIGN, 0);
+            assert!(lay.page_bytes() - per_page < SECTION_ALIGN + PAGE_ALIGN);
             assert_eq!(lay.records_at() % SECTION_ALIGN, 0);
-            assert!(lay.scales_at() >= lay.plane_section_bytes());
-            assert!(lay.records_at() >= lay.scales_at() + lay.scale_section_bytes());
+            assert!(lay.records_at() >= lay.key_section_bytes());
         }
     }
 
@@ -424,8 +452,8 @@ mod tests {
 
     #[test]
     fn qwen3_8b_page_of_1024_tokens() {
-        // Hkv = 8, D = 128, P = 1024: 512 KiB of planes (runs of t·128 bytes), 32 KiB of
-        // scales, 4 MiB of records; sections already aligned, so no padding.
+        // Hkv = 8, D = 128, P = 1024: 512 KiB of planes, 32 KiB of scales, 4 MiB of records;
+        // sections already aligned, so no padding.
         let lay = PagedLayout::new(
             Dims {
                 heads: 8,
@@ -435,8 +463,9 @@ mod tests {
             2,
         )
         .unwrap();
-        assert_eq!(lay.plane_section_bytes(), 512 << 10);
-        assert_eq!(lay.scale_section_bytes(), 32 << 10);
+        // Channel runs of 32 + 512 bytes (scales, then runs of t·128 bytes of planes).
+        assert_eq!(lay.channel_run_bytes(), 544);
+        assert_eq!(lay.key_section_bytes(), (512 << 10) + (32 << 10));
         assert_eq!(lay.record_section_bytes(), 4 << 20);
         assert_eq!(lay.page_bytes(), (512 << 10) + (32 << 10) + (4 << 20));
         assert_eq!(lay.plane_run_bytes(4).unwrap(), 512);

@@ -33,6 +33,7 @@ fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize)
         },
         max_batch: 8,
         max_k: 256,
+        row_cache: 0,
     }
 }
 
