@@ -128,6 +128,19 @@ pub struct OffloadBenchArgs {
     /// or `pipeline-sweep` (one method pair under many --groups / --gather-ctas settings).
     #[arg(long, default_value = "main", value_parser = ["main", "pipeline-sweep"])]
     pub study: String,
+    /// The path timed: `cache`, the library's paged cache a model drives (prefilled by
+    /// appends, one token appended per session every step, host residency), or `step`, the
+    /// fixed benchmark step (sessions filled from their sources, a batch as B·Hkv heads).
+    #[arg(long, default_value = "cache", value_parser = ["cache", "step"])]
+    pub engine: String,
+    /// Cache engine: also time one ragged batch of these session lengths (e.g.
+    /// `32k,64k,128k,256k,512k`), after the contexts.
+    #[arg(long, value_delimiter = ',')]
+    pub ragged: Vec<String>,
+    /// Cache engine: pinned host memory the page pools may take, GiB (past it, fewer layers
+    /// are timed and the JSON says so).
+    #[arg(long, default_value_t = 72.0)]
+    pub pool_budget_gib: f64,
 }
 
 /// Runs `fathom offload-bench`.
@@ -155,6 +168,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         .methods
         .iter()
         .map(|m| Method::parse(m, shape.dim))
+        .collect::<Result<Vec<_>, _>>()?;
+    let ragged = a
+        .ragged
+        .iter()
+        .map(|c| parse_context(c))
         .collect::<Result<Vec<_>, _>>()?;
     let residencies = a
         .residency
@@ -187,6 +205,13 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         groups: a.groups.clone(),
         gather_ctas: a.gather_ctas.clone(),
         json: a.json.clone(),
+        engine: if a.engine == "step" {
+            fathom_cuda::bench::OffloadEngine::Step
+        } else {
+            fathom_cuda::bench::OffloadEngine::Cache
+        },
+        ragged,
+        pool_budget: (a.pool_budget_gib * (1u64 << 30) as f64) as u64,
     };
     let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;

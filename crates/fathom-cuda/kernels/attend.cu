@@ -72,8 +72,9 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
     __shared__ float qa[GQ][DIM];
     __shared__ int wcnt[8];
     __shared__ int nact;
-    __shared__ u64 sw[CHS][4][BPC];
-    __shared__ float sm[CHS][BPC];
+    // Double-buffered: round r + 1's words are loaded (into registers) while round r computes.
+    __shared__ u64 sw[2][CHS][4][BPC];
+    __shared__ float sm[2][CHS][BPC];
     // Two 16-bit bin counts per word (a CTA counts at most 8 * BPC * 8 = 2048 tokens).
     __shared__ u32 sh[GQ][HBINS / 2];
     const u32 b = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
@@ -117,24 +118,47 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[q][j] = 0.0f;
     const int na = nact;
-    for (int a0 = 0; a0 < na; a0 += CHS) {
-        for (u32 i = tid; i < CHS * 4 * BPC; i += blockDim.x) {
+    // Each thread stages SCAN_WORDS plane words and one scale of every round (blockDim = 8 * BPC).
+    constexpr u32 NT_SCAN = 8 * BPC, SCAN_WORDS = CHS * 4 * BPC / NT_SCAN;
+    u64 wreg[SCAN_WORDS];
+    float sreg = 0.0f;
+    // Issues round a0's global loads into registers (zero-copy reads of the page).
+    auto load = [&](int a0) {
+#pragma unroll
+        for (u32 k = 0; k < SCAN_WORDS; k++) {
+            const u32 i = tid + k * NT_SCAN;
             const u32 s = i / (4 * BPC), p = (i / BPC) % 4, j = i % BPC;
             const int ac = a0 + (int)s;
+            wreg[k] = 0ull;
             if (ac < na && (int)p < act_t[ac] && j < cb && blk0 + j < nblk) {
                 const u64* w = (const u64*)(run0 + (u64)act_c[ac] * g.run_bytes + g.scale_pad);
-                sw[s][p][j] = w[(u64)p * bp + bb0 + j];
+                wreg[k] = w[(u64)p * bp + bb0 + j];
             }
         }
-        for (u32 i = tid; i < CHS * BPC; i += blockDim.x) {
-            const u32 s = i / BPC, j = i % BPC;
-            const int ac = a0 + (int)s;
-            if (ac < na && j < cb && blk0 + j < nblk) {
-                const u16* sc = (const u16*)(run0 + (u64)act_c[ac] * g.run_bytes);
-                sm[s][j] = f16_to_f32(sc[bb0 + j]);
-            }
+        const u32 s = tid / BPC, j = tid % BPC;
+        const int ac = a0 + (int)s;
+        sreg = 0.0f;
+        if (ac < na && j < cb && blk0 + j < nblk) {
+            const u16* sc = (const u16*)(run0 + (u64)act_c[ac] * g.run_bytes);
+            sreg = f16_to_f32(sc[bb0 + j]);
         }
-        __syncthreads();
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+        for (u32 k = 0; k < SCAN_WORDS; k++) {
+            const u32 i = tid + k * NT_SCAN;
+            sw[buf][i / (4 * BPC)][(i / BPC) % 4][i % BPC] = wreg[k];
+        }
+        sm[buf][tid / BPC][tid % BPC] = sreg;
+    };
+    if (na > 0) {
+        load(0);
+        store(0);
+    }
+    __syncthreads();
+    for (int a0 = 0, buf = 0; a0 < na; a0 += CHS, buf ^= 1) {
+        const bool next = a0 + CHS < na;
+        if (next) load(a0 + CHS);
         const int ns = min(CHS, na - a0);
         if (live) {
             for (int s = 0; s < ns; s++) {
@@ -145,13 +169,13 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
 #pragma unroll
                 for (int p = 0; p < 4; p++) {
                     if (p < t) {
-                        const u32 by = (u32)(sw[s][p][lb] >> (sub * 8)) & 0xffu;
+                        const u32 by = (u32)(sw[buf][s][p][lb] >> (sub * 8)) & 0xffu;
                         c0 |= (((by & 0xFu) * 0x00204081u) & 0x01010101u) << (t - 1 - p);
                         c1 |= (((by >> 4) * 0x00204081u) & 0x01010101u) << (t - 1 - p);
                     }
                 }
                 // m * 2^(1-t): exact (a power-of-two multiple of an fp16 value).
-                const float step = sm[s][lb] * (t == 1 ? 1.0f : t == 2 ? 0.5f : t == 3 ? 0.25f : 0.125f);
+                const float step = sm[buf][s][lb] * (t == 1 ? 1.0f : t == 2 ? 0.5f : t == 3 ? 0.25f : 0.125f);
                 const float half_range = (float)(1 << (t - 1));
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
@@ -163,6 +187,8 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
                 }
             }
         }
+        // The other buffer was last read before the previous round's barrier.
+        if (next) store(buf ^ 1);
         __syncthreads();
     }
     u32 lo, hi;

@@ -13,7 +13,7 @@ use crate::synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
 use crate::types::{StepStats, STAGES};
 use crate::{Gpu, Session};
 pub use fathom_results::offload::{
-    BenchResult, OffloadBench, OffloadStudy, ShapeRecord, StageBytes,
+    BenchResult, OffloadBench, OffloadEngine, OffloadStudy, ShapeRecord, StageBytes,
 };
 
 /// What to run.
@@ -63,6 +63,22 @@ pub struct BenchConfig {
     pub gather_ctas: Vec<usize>,
     /// Write the report here after every (context, residency).
     pub json: Option<PathBuf>,
+    /// Which path is timed: the library's paged cache (the default) or the fixed benchmark
+    /// step.
+    #[serde(default)]
+    pub engine: OffloadEngine,
+    /// Cache engine only: one ragged batch of these session lengths, timed after the
+    /// contexts (empty: none).
+    #[serde(default)]
+    pub ragged: Vec<usize>,
+    /// Cache engine only: pinned host bytes the page pools may take (fewer layers are timed
+    /// past it).
+    #[serde(default = "default_pool_budget")]
+    pub pool_budget: u64,
+}
+
+fn default_pool_budget() -> u64 {
+    72 << 30
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -124,8 +140,14 @@ pub fn run_offload_bench_with(
     mut progress: impl FnMut(&str),
 ) -> Result<OffloadBench> {
     let gpu = Gpu::open(0)?;
+    let cache_engine = c.engine == OffloadEngine::Cache;
+    // The step lays a batch out as B·Hkv KV heads of one length; the cache holds sessions.
     let shape = ModelShape {
-        kv_heads: c.shape.kv_heads * c.batch.max(1),
+        kv_heads: if cache_engine {
+            c.shape.kv_heads
+        } else {
+            c.shape.kv_heads * c.batch.max(1)
+        },
         ..c.shape
     }
     .validate()?;
@@ -146,6 +168,7 @@ pub fn run_offload_bench_with(
         generator: real
             .as_ref()
             .map_or_else(|| SYNTH_LABEL.to_string(), |r| r.label.clone()),
+        engine: c.engine,
         ..Default::default()
     };
     progress(&format!("device: {:?}", gpu.info()));
@@ -207,12 +230,21 @@ pub fn run_offload_bench_with(
         ));
         sources
     };
+    if cache_engine {
+        return run_cache_engine(c, &gpu, &sources, rep, progress);
+    }
     rep.notes.push("exact = the full 4-bit store (all channels at 4 planes, 544 bits), read through the same gather; loki reads channels 0..r of the store (the timing store is in the raw basis, bytes identical to a KLT store); ds uses channels chosen offline by mean|q|·mean|k| on the source layers' own keys and queries; landmark and quest read their own fp16 tables".into());
     rep.notes.push("every step scores all n tokens with that step's queries (n is not grown between steps); weights are not modelled (W = 0 in docs/SPEC.md §6's traffic model)".into());
     if c.batch > 1 {
         rep.notes.push(format!(
             "batch {}: the B sequences are laid out as B·Hkv = {} KV heads per layer",
             c.batch, shape.kv_heads
+        ));
+    }
+    if !c.ragged.is_empty() {
+        return Err(CudaError::invalid(
+            "ragged",
+            "a ragged batch is timed by the cache engine only (--engine cache)",
         ));
     }
     let total_steps = c.warmup + c.steps + c.instrumented_steps;
@@ -304,20 +336,7 @@ pub fn run_offload_bench_with(
                 ));
                     rep.results.push(r);
                 }
-                // Speedups against every 136-bit scan at this context and residency.
-                let base: Vec<(String, f64)> = rep.results[first..]
-                    .iter()
-                    .filter(|r| {
-                        fathom_plan::method::MethodSpec::parse(&r.method, shape.dim)
-                            .is_ok_and(|m| m.is_136_bit_scan())
-                    })
-                    .map(|r| (r.method.clone(), r.gpu_ms))
-                    .collect();
-                for r in &mut rep.results[first..] {
-                    for (name, ms) in &base {
-                        r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
-                    }
-                }
+                add_speedups(&mut rep.results[first..], shape.dim);
             }
             // The CUDA session frees its device and pinned memory here, before the next
             // context allocates; the stub's session has nothing to free.
@@ -331,7 +350,118 @@ pub fn run_offload_bench_with(
     Ok(rep)
 }
 
-fn write_json(rep: &OffloadBench, p: &Path) -> Result<()> {
+/// The cache engine ([`crate::bench_cache`]): host residency, every context at `batch`
+/// equal sessions, then the ragged batch.
+#[cfg(feature = "cuda")]
+fn run_cache_engine(
+    c: &BenchConfig,
+    gpu: &Gpu,
+    sources: &[LayerSource],
+    mut rep: OffloadBench,
+    mut progress: impl FnMut(&str),
+) -> Result<OffloadBench> {
+    if c.residencies.iter().any(|&r| r != Residency::Host) {
+        return Err(CudaError::invalid(
+            "residency",
+            "the cache engine keeps its pages in host memory (hbm is timed by --engine step)",
+        ));
+    }
+    rep.notes.push("engine: the library path (PagedCache): sessions are prefilled by appends of the tiled source keys and values (tiles after the first made distinct as the step's store is: half of the channels negated, ±3% per block and channel; LayerSource::tiled_keys); every timed step reserves one token per session, appends that token's K/V for every layer from device memory and attends the step's queries; each query head attends over its own sink + local + top-k set (docs/SPEC.md §5); GPU time is the event pair around the appends and attends".into());
+    let mut runs: Vec<Vec<usize>> = c
+        .contexts
+        .iter()
+        .map(|&n| vec![n; c.batch.max(1)])
+        .collect();
+    if !c.ragged.is_empty() {
+        runs.push(c.ragged.clone());
+    }
+    crate::bench_cache::run(c, gpu, sources, &runs, &mut rep, &mut progress)?;
+    Ok(rep)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cache_engine(
+    _c: &BenchConfig,
+    _gpu: &Gpu,
+    _sources: &[LayerSource],
+    _rep: OffloadBench,
+    _progress: impl FnMut(&str),
+) -> Result<OffloadBench> {
+    Err(CudaError::NotCompiledWithCuda)
+}
+
+/// Speedups of every result against every 136-bit scan among `results` (one context and
+/// residency).
+pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
+    let base: Vec<(String, f64)> = results
+        .iter()
+        .filter(|r| {
+            fathom_plan::method::MethodSpec::parse(&r.method, dim)
+                .is_ok_and(|m| m.is_136_bit_scan())
+        })
+        .map(|r| (r.method.clone(), r.gpu_ms))
+        .collect();
+    for r in results {
+        for (name, ms) in &base {
+            r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
+        }
+    }
+}
+
+/// Bytes each stage of one step moves (docs/SPEC.md §6's traffic model) for sessions of
+/// `lens` tokens with `shape.kv_heads` KV heads each: the planned scan bytes at `bits` per
+/// token and head (`Σ t_c + ¼·active`, so bytes = bits·nb·8), the scores the top-k reads, and
+/// `union` K|V records per step of which `hits` came from the HBM row cache.
+pub(crate) fn stage_bytes(
+    shape: ModelShape,
+    lens: &[usize],
+    m: Method,
+    bits: f64,
+    union: f64,
+    hits: f64,
+    host: bool,
+) -> StageBytes {
+    let (l_n, hn, g, d) = (
+        shape.layers as u64,
+        shape.kv_heads as u64,
+        shape.group as u64,
+        shape.dim as u64,
+    );
+    let (mut gather, mut scores) = (0u64, 0u64);
+    for &n in lens {
+        let n = n as u64;
+        gather += match m {
+            Method::Landmark => hn * n.div_ceil(8) * d * 2 * l_n,
+            Method::Quest => hn * n.div_ceil(16) * 2 * d * 2 * l_n,
+            _ => (bits * (n.div_ceil(64) * 8) as f64) as u64 * hn * l_n,
+        };
+        scores += hn * g * n * 4 * l_n;
+    }
+    let rec = shape.record_bytes() as u64;
+    let row = (union * rec as f64) as u64;
+    let row_pcie = if host {
+        ((union - hits).max(0.0) * rec as f64) as u64
+    } else {
+        0
+    };
+    StageBytes {
+        plan: if matches!(m, Method::Fathom(_) | Method::SparQ(_)) {
+            l_n * hn * lens.len() as u64 * (g * d * 4 + d * 4 + 2 * d * 16)
+        } else {
+            0
+        },
+        gather: if host { gather } else { 0 },
+        scan: gather + scores,
+        // Plane scans build the level-1 histogram themselves (G ≤ 8): one read of the scores.
+        topk: if m.uses_planes() && g <= 8 { 1 } else { 2 } * scores,
+        row_gather: row,
+        row_gather_pcie: row_pcie,
+        attention: row,
+        pcie_total: if host { gather + row_pcie } else { 0 },
+    }
+}
+
+pub(crate) fn write_json(rep: &OffloadBench, p: &Path) -> Result<()> {
     // Atomic (temporary file, fsync, rename): the report is rewritten after every context, and
     // a crash mid-write must leave the previous whole report, not a partial one.
     fathom_results::write(p, rep.clone())
@@ -346,14 +476,6 @@ fn summarize(
     inst: &[StepStats],
 ) -> BenchResult {
     let sh = cfg.shape;
-    let (l_n, hn, g, d) = (
-        sh.layers as u64,
-        sh.kv_heads as u64,
-        sh.group as u64,
-        sh.dim as u64,
-    );
-    let n = cfg.context as u64;
-    let nb = n.div_ceil(64);
     let gpu: Vec<f64> = timed.iter().map(|s| s.gpu_ms).collect();
     let wall: Vec<f64> = timed.iter().map(|s| s.wall_ms).collect();
     let all: Vec<&StepStats> = timed.iter().chain(inst).collect();
@@ -368,36 +490,8 @@ fn summarize(
             .collect();
         stage_ms.insert(name.to_string(), median(&v));
     }
-    let rec = sh.record_bytes() as u64;
-    let r_n = hn * g;
-    let gather = match m {
-        Method::Landmark => hn * n.div_ceil(8) * d * 2 * l_n,
-        Method::Quest => hn * n.div_ceil(16) * 2 * d * 2 * l_n,
-        // bits per token = Σ t_c + ¼·active; bytes = Σ t_c·nb·8 + active·nb·2 = bits·nb·8.
-        _ => (bits * (nb * 8) as f64) as u64 * hn * l_n,
-    };
     let host = cfg.residency == Residency::Host;
-    let row = (union * rec as f64) as u64;
-    let row_pcie = if host {
-        ((union - hits).max(0.0) * rec as f64) as u64
-    } else {
-        0
-    };
-    let bytes = StageBytes {
-        plan: if matches!(m, Method::Fathom(_) | Method::SparQ(_)) {
-            l_n * hn * (g * d * 4 + d * 4 + 2 * d * 16)
-        } else {
-            0
-        },
-        gather: if host { gather } else { 0 },
-        scan: gather + r_n * n * 4 * l_n,
-        // Plane scans build the level-1 histogram themselves (G ≤ 8): one read of the scores.
-        topk: if m.uses_planes() && g <= 8 { 1 } else { 2 } * r_n * n * 4 * l_n,
-        row_gather: row,
-        row_gather_pcie: row_pcie,
-        attention: row,
-        pcie_total: if host { gather + row_pcie } else { 0 },
-    };
+    let bytes = stage_bytes(sh, &[cfg.context], m, bits, union, hits, host);
     let gpu_ms = median(&gpu);
     let link_floor_ms = host.then(|| bytes.pcie_total as f64 / (rep.h2d_gbps * 1e9) * 1e3);
     let plan_ms = stage_ms.get("plan").copied().unwrap_or(0.0);

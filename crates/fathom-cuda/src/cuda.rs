@@ -672,20 +672,7 @@ impl Drop for Event {
 // ---------------------------------------------------------------------------------------------
 // Host-side layout of the session (tiling synthetic sources to the context)
 
-fn hash01(a: u64, b: u64, c: u64) -> f32 {
-    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
-        ^ c.wrapping_mul(0x1656_67B1_9E37_79F9);
-    x ^= x >> 31;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 29;
-    ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-}
-
-/// Whether tile `t ≥ 1` of channel `hc` of `layer` is negated (half of them are).
-fn tile_flips(layer: usize, hc: usize, tile: usize) -> bool {
-    tile > 0 && hash01(layer as u64 ^ 0xF1, hc as u64, tile as u64) < 0.0
-}
+use crate::synth::{hash01, tile_flips};
 
 /// Writes one layer's store for `nb` blocks into `dst` (planes `[H][D][4][nb]` then scales
 /// `[H][D][nb]`), tiling the source's `nb0` blocks. Tiles after the first are made distinct

@@ -429,12 +429,17 @@ impl PagedCache {
     /// rows).
     pub fn create(&mut self) -> Result<SessionId> {
         let s = self.sessions.create()?;
-        self.clear_row_cache(s)?;
+        self.reset_row_cache(s)?;
         Ok(s)
     }
 
-    /// Empties the row cache of `session`'s slot, on the stream.
-    fn clear_row_cache(&self, session: SessionId) -> Result<()> {
+    /// Empties the HBM row cache of `session` (on the stream): its next attends fetch every
+    /// row over the link again. A no-op without a row cache.
+    ///
+    /// # Errors
+    /// An unknown or freed session.
+    pub fn reset_row_cache(&self, session: SessionId) -> Result<()> {
+        self.sessions.len(session)?;
         if let Some(tags) = &self.work.row_tags {
             let s = self.cfg.shape;
             let bytes = s.layers * s.kv_heads * self.cfg.row_cache * 4;
@@ -462,7 +467,7 @@ impl PagedCache {
     pub fn fork(&mut self, parent: SessionId) -> Result<SessionId> {
         self.sync()?;
         let child = self.sessions.fork(parent)?;
-        self.clear_row_cache(child)?;
+        self.reset_row_cache(child)?;
         self.write_table(child)?;
         let bytes = tail_elems(&self.cfg) * 2;
         let src = self.tails.ptr + (parent.slot() * bytes) as u64;

@@ -305,6 +305,13 @@ impl PagedCache {
     pub fn row_counters(&self) -> Result<crate::cache::RowCounters> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Empties the HBM row cache of a session.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn reset_row_cache(&self, _session: crate::pages::SessionId) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
 }
 
 /// A captured decode step (stub: cannot be made without the `cuda` feature).

@@ -70,6 +70,8 @@ pub mod synth;
 pub mod types;
 
 #[cfg(feature = "cuda")]
+mod bench_cache;
+#[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_cache;

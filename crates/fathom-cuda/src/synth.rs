@@ -302,7 +302,67 @@ impl LayerSource {
     }
 }
 
+/// A hash of three integers to a uniform value in [-1, 1) (the tiling's jitter).
+pub(crate) fn hash01(a: u64, b: u64, c: u64) -> f32 {
+    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        ^ c.wrapping_mul(0x1656_67B1_9E37_79F9);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 29;
+    ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// Whether tile `t ≥ 1` of channel `hc` of `layer` is negated (half of them are).
+pub(crate) fn tile_flips(layer: usize, hc: usize, tile: usize) -> bool {
+    tile > 0 && hash01(layer as u64 ^ 0xF1, hc as u64, tile as u64) < 0.0
+}
+
 impl LayerSource {
+    /// Keys of tokens `[t0, t0 + m)` of this source tiled to any length, `[m][H][D]`, for
+    /// model layer `layer`: token `t` is source token `t mod n0`, and tiles after the first
+    /// are made distinct tokens as the benchmark step's store is (`fill_store`): half of their
+    /// channels negated ([`tile_flips`]) and every (channel, 64-token block) past the first
+    /// tile scaled by `1 + 0.03·u`, `u ∈ [-1, 1)` hashed, so tiled copies neither tie nor win
+    /// together.
+    pub fn tiled_keys(&self, layer: usize, t0: usize, m: usize) -> Vec<f32> {
+        let (hn, d) = (self.params.heads, self.params.dim);
+        let row = hn * d;
+        let n0 = self.keys.len() / row;
+        let mut out = vec![0f32; m * row];
+        out.par_chunks_mut(64 * row)
+            .enumerate()
+            .for_each(|(ci, chunk)| {
+                let mut factor = vec![1f32; row];
+                let mut key = (usize::MAX, usize::MAX);
+                for (j, o) in chunk.chunks_mut(row).enumerate() {
+                    let t = t0 + ci * 64 + j;
+                    let (tile, block) = (t / n0, t / 64);
+                    let src = &self.keys[(t % n0) * row..(t % n0 + 1) * row];
+                    if tile == 0 {
+                        o.copy_from_slice(src);
+                        continue;
+                    }
+                    if key != (tile, block) {
+                        for (hc, f) in factor.iter_mut().enumerate() {
+                            let sign = if tile_flips(layer, hc, tile) {
+                                -1.0
+                            } else {
+                                1.0
+                            };
+                            *f =
+                                sign * (1.0 + 0.03 * hash01(layer as u64, hc as u64, block as u64));
+                        }
+                        key = (tile, block);
+                    }
+                    for ((o, &x), &f) in o.iter_mut().zip(src).zip(&factor) {
+                        *o = x * f;
+                    }
+                }
+            });
+        out
+    }
+
     /// The queries of decode step `step`, `[H][G][D]`.
     pub fn queries(&self, step: usize) -> Vec<f32> {
         let (hn, g, d) = (self.params.heads, self.params.group, self.params.dim);
@@ -359,6 +419,47 @@ impl LayerSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tiled_keys_copy_the_first_tile_and_flip_and_jitter_the_others() {
+        let p = SynthParams {
+            heads: 2,
+            group: 2,
+            dim: 16,
+            tokens: 128,
+            seed: 3,
+        };
+        let s = synth_layer(&p, 1).unwrap();
+        let row = p.heads * p.dim;
+        // Any window, across tile boundaries and at unaligned starts, equals token-by-token.
+        for (t0, m) in [(0, 128), (100, 60), (128, 1), (250, 200), (383, 1)] {
+            let got = s.tiled_keys(5, t0, m);
+            assert_eq!(got.len(), m * row);
+            for j in 0..m {
+                let t = t0 + j;
+                let one = s.tiled_keys(5, t, 1);
+                assert_eq!(&got[j * row..(j + 1) * row], &one[..], "token {t}");
+                let src = &s.keys[(t % 128) * row..(t % 128 + 1) * row];
+                for hc in 0..row {
+                    let (x, y) = (src[hc], one[hc]);
+                    if t < 128 {
+                        assert_eq!(x, y);
+                    } else {
+                        let sign = if tile_flips(5, hc, t / 128) {
+                            -1.0
+                        } else {
+                            1.0
+                        };
+                        let r = y / (sign * x);
+                        assert!(x == 0.0 || (0.97..=1.03).contains(&r), "t {t} hc {hc}: {r}");
+                    }
+                }
+            }
+        }
+        // Half of the channels of a later tile are negated, not all or none.
+        let flips = (0..row).filter(|&hc| tile_flips(5, hc, 1)).count();
+        assert!(flips > 0 && flips < row, "{flips} of {row}");
+    }
 
     #[test]
     fn capture_sources_cut_to_blocks_cycle_queries_and_reject_bad_input() {

@@ -157,6 +157,24 @@ pub struct OffloadBench {
     pub results: Vec<BenchResult>,
     /// Notes on what is simulated or reused.
     pub notes: Vec<String>,
+    /// The path that was timed (files before the cache engine timed the benchmark step).
+    #[serde(default)]
+    pub engine: OffloadEngine,
+}
+
+/// Which path an offload run timed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OffloadEngine {
+    /// The fixed benchmark step (`fathom_cuda::Session`): sessions filled from their
+    /// sources, a batch laid out as B·Hkv KV heads of one length, each query head attending
+    /// over its KV head's whole union.
+    #[default]
+    Step,
+    /// The library path a model drives (`fathom_cuda::PagedCache`): sessions prefilled by
+    /// appends, one token appended per session every step, each query head attending over its
+    /// own set.
+    Cache,
 }
 
 /// What an offload run is for.

@@ -1,0 +1,384 @@
+//! `fathom offload-bench --engine cache`: the offload benchmark as a client of the library
+//! (docs/SPEC.md §6, §6.1). Every timed step goes through the public [`PagedCache`] path a
+//! model drives: sessions are built by appending (prefilling) the source keys and values, and
+//! every timed step reserves one token per session, then per layer appends that token's K/V
+//! from device memory and attends the step's queries (device to device). GPU time is the CUDA
+//! event pair around the step's appends and attends; the host-side `reserve` (one stream
+//! synchronisation) is in the wall time only.
+//!
+//! Host residency only: the pools are pinned, mapped host memory. When every layer's pool of
+//! a run does not fit `pool_budget` bytes, fewer layers are timed (recorded in the notes):
+//! every layer of the step is the same work, so the ratios between methods are unchanged.
+
+use cudarc::driver::{result, sys, CudaSlice, DevicePtr};
+
+use crate::bench::{add_speedups, stage_bytes, BenchConfig, BenchResult, OffloadBench};
+use crate::cache::{AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS};
+use crate::config::{Method, ModelShape};
+use crate::error::{CudaError, Result};
+use crate::paged_layout::PagedLayout;
+use crate::pages::{PageConfig, SessionId};
+use crate::synth::LayerSource;
+use crate::{Gpu, PagedCache};
+use fathom_plan::scanner::HeadCalib;
+use fathom_plan::SelectParams;
+use fathom_store::Dims;
+
+/// Tokens per prefill append (per session).
+const PREFILL_CHUNK: usize = 8192;
+
+fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+    crate::cuda::drv(op)
+}
+
+/// One source layer's values in device memory, `[n0][Hkv][D]` f32 (keys are tiled on the
+/// host: [`LayerSource::tiled_keys`]).
+struct DeviceSource {
+    v: CudaSlice<f32>,
+    n0: usize,
+}
+
+/// Layers whose pools fit `budget` bytes (at least 1, at most `layers`), and one pool's bytes.
+fn layers_that_fit(shape: ModelShape, pages: usize, budget: u64) -> Result<(usize, u64)> {
+    let lay = PagedLayout::new(
+        Dims {
+            heads: shape.kv_heads,
+            channels: shape.dim,
+        },
+        DEFAULT_PAGE_TOKENS,
+        pages,
+    )?;
+    let per_layer = lay.pool_bytes();
+    Ok((
+        ((budget / per_layer.max(1)) as usize).clamp(1, shape.layers),
+        per_layer,
+    ))
+}
+
+/// Times every method of `c` through [`PagedCache`] for each run of session lengths
+/// (`runs`: one entry per context of `B` equal sessions, or the ragged set), appending the
+/// results to `rep` and writing it after each run when `c.json` is set.
+pub(crate) fn run(
+    c: &BenchConfig,
+    gpu: &Gpu,
+    sources: &[LayerSource],
+    runs: &[Vec<usize>],
+    rep: &mut OffloadBench,
+    progress: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let shape = c.shape.validate()?;
+    let (hkv, g, d) = (shape.kv_heads, shape.group, shape.dim);
+    let stream = gpu.stream().clone();
+    let steps_per_method = c.warmup + c.steps;
+    let dev = sources
+        .iter()
+        .map(|s| {
+            let n0 = s.keys.len() / (hkv * d);
+            Ok(DeviceSource {
+                v: stream
+                    .clone_htod(&s.values)
+                    .map_err(drv("upload source values"))?,
+                n0,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for lens in runs {
+        let b = lens.len();
+        let longest = *lens.iter().max().unwrap_or(&0);
+        let grow = steps_per_method * c.methods.len() + 8;
+        let page = DEFAULT_PAGE_TOKENS;
+        let pages: usize = lens
+            .iter()
+            .map(|&n| (n + grow).div_ceil(page))
+            .sum::<usize>()
+            + b;
+        let (layers, pool_bytes) = layers_that_fit(shape, pages, c.pool_budget)?;
+        let k = c.k.unwrap_or(512).min(longest.saturating_sub(36).max(1));
+        let run_label = if lens.iter().all(|&n| n == longest) {
+            format!("{b} × {longest}")
+        } else {
+            format!("ragged {lens:?}")
+        };
+        if layers < shape.layers {
+            rep.notes.push(format!(
+                "cache engine, {run_label}: {layers} of {} layers timed (each layer's pool is {:.1} GiB of pinned host memory; the budget is {:.0} GiB); every layer is the same work, so the ratios between methods hold for the whole model",
+                shape.layers,
+                pool_bytes as f64 / (1u64 << 30) as f64,
+                c.pool_budget as f64 / (1u64 << 30) as f64
+            ));
+        }
+        let cshape = ModelShape { layers, ..shape };
+        let cfg = CacheConfig {
+            shape: cshape,
+            pages: PageConfig {
+                page_tokens: page,
+                pages,
+                max_sessions: b,
+                max_tokens: longest + grow,
+            },
+            max_batch: b,
+            max_k: k,
+            row_cache: c.cache_rows,
+        };
+        progress(&format!(
+            "{run_label}: {layers} layers, pools {:.1} GiB, prefilling",
+            layers as f64 * pool_bytes as f64 / (1u64 << 30) as f64
+        ));
+        let t0 = std::time::Instant::now();
+        let mut cache = PagedCache::new(gpu, cfg)?;
+        let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_>>()?;
+        // Prefill: each session appends its tiled source tokens, a chunk at a time (keys
+        // through a staging buffer: tiles after the first are made distinct on the host).
+        let mut kstage: CudaSlice<f32> = stream
+            .alloc_zeros(PREFILL_CHUNK * hkv * d)
+            .map_err(drv("alloc"))?;
+        for (&s, &n) in ids.iter().zip(lens) {
+            let mut done = 0;
+            while done < n {
+                let src0 = &dev[0];
+                let at = done % src0.n0;
+                let m = PREFILL_CHUNK.min(src0.n0 - at).min(n - done);
+                let batch = cache.reserve(&[(s, m)])?;
+                for l in 0..layers {
+                    let src = &dev[l % dev.len()];
+                    let off = (at * hkv * d * 4) as u64;
+                    let keys = sources[l % sources.len()].tiled_keys(l, done, m);
+                    stream
+                        .memcpy_htod(&keys, &mut kstage)
+                        .map_err(drv("upload prefill keys"))?;
+                    cache.append(
+                        &batch,
+                        l,
+                        &KvRows {
+                            k: kstage.device_ptr(&stream).0,
+                            v: src.v.device_ptr(&stream).0 + off,
+                            dtype: KvDtype::F32,
+                            rows: m,
+                        },
+                    )?;
+                }
+                done += m;
+            }
+        }
+        for l in 0..layers {
+            let src = &sources[l % sources.len()];
+            let heads: Vec<HeadCalib> = (0..hkv)
+                .map(|h| HeadCalib {
+                    sigma2: src.sigma2[h * d..(h + 1) * d].to_vec(),
+                    ds_channels: fathom_plan::calib::ds_order(
+                        &src.ds_score[h * d..(h + 1) * d]
+                            .iter()
+                            .map(|&x| x as f64)
+                            .collect::<Vec<_>>(),
+                    )
+                    .into_iter()
+                    .map(|c| c as u16)
+                    .collect(),
+                    ..Default::default()
+                })
+                .collect();
+            cache.load_calibration(l, &heads)?;
+        }
+        // Every step's queries (the same sequence for every method), `[step][layer][b][Hq][D]`.
+        let hq = hkv * g;
+        let row = b * hq * d;
+        let mut qs = Vec::with_capacity(steps_per_method * layers * row);
+        for step in 0..steps_per_method {
+            for l in 0..layers {
+                for sb in 0..b {
+                    qs.extend(sources[l % sources.len()].queries(step * b + sb));
+                }
+            }
+        }
+        let qbuf = stream.clone_htod(&qs).map_err(drv("upload queries"))?;
+        let mut newk: CudaSlice<f32> = stream
+            .alloc_zeros(layers * b * hkv * d)
+            .map_err(drv("alloc"))?;
+        let newv: CudaSlice<f32> = stream
+            .alloc_zeros(layers * b * hkv * d)
+            .map_err(drv("alloc"))?;
+        let out: CudaSlice<f32> = stream.alloc_zeros(b * hq * d).map_err(drv("alloc"))?;
+        stream.synchronize().map_err(drv("synchronize"))?;
+        progress(&format!("  set up in {:.1}s", t0.elapsed().as_secs_f64()));
+        let params = SelectParams {
+            sink: 4,
+            local: 32,
+            k,
+        };
+        let qp = qbuf.device_ptr(&stream).0;
+        let (kp, vp, op) = (
+            newk.device_ptr(&stream).0,
+            newv.device_ptr(&stream).0,
+            out.device_ptr(&stream).0,
+        );
+        let decode: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
+        let first = rep.results.len();
+        for &m in &c.methods {
+            let am = AttendMethod::Scan(m);
+            if let Err(e) = cache.prepare(m) {
+                let note = format!("cache engine: {} not timed: {e}", m.label());
+                progress(&format!("  {note}"));
+                if !rep.notes.contains(&note) {
+                    rep.notes.push(note);
+                }
+                continue;
+            }
+            for &s in &ids {
+                cache.reset_row_cache(s)?;
+            }
+            let (bits0, plans0) = cache.plan_bits()?;
+            let rows0 = cache.row_counters()?;
+            let (mut gpu_ms, mut wall_ms) = (Vec::new(), Vec::new());
+            for step in 0..steps_per_method {
+                let w0 = std::time::Instant::now();
+                let batch = cache.reserve(&decode)?;
+                // This step's new token of each session: its source's next row, per layer
+                // (the key tiled as in the prefill).
+                let mut keys = Vec::with_capacity(layers * b * hkv * d);
+                for l in 0..layers {
+                    for p in &batch.plans {
+                        keys.extend(sources[l % sources.len()].tiled_keys(l, p.first_token, 1));
+                    }
+                }
+                stream
+                    .memcpy_htod(&keys, &mut newk)
+                    .map_err(drv("upload new keys"))?;
+                for l in 0..layers {
+                    let src = &dev[l % dev.len()];
+                    for (sb, p) in batch.plans.iter().enumerate() {
+                        let tok = p.first_token % src.n0;
+                        let bytes = hkv * d * 4;
+                        let dst = ((l * b + sb) * hkv * d * 4) as u64;
+                        let so = (tok * bytes) as u64;
+                        // SAFETY: both ranges lie inside their device buffers.
+                        unsafe {
+                            result::memcpy_dtod_async(
+                                vp + dst,
+                                src.v.device_ptr(&stream).0 + so,
+                                bytes,
+                                stream.cu_stream(),
+                            )
+                            .map_err(drv("memcpy_dtod new value"))?;
+                        }
+                    }
+                }
+                let ev = |s: &std::sync::Arc<cudarc::driver::CudaStream>| {
+                    s.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                        .map_err(drv("record event"))
+                };
+                let e0 = ev(&stream)?;
+                for l in 0..layers {
+                    let kv_off = ((l * b) * hkv * d * 4) as u64;
+                    cache.append(
+                        &batch,
+                        l,
+                        &KvRows {
+                            k: kp + kv_off,
+                            v: vp + kv_off,
+                            dtype: KvDtype::F32,
+                            rows: b,
+                        },
+                    )?;
+                    let q_off = (((step * layers + l) * row) * 4) as u64;
+                    cache.attend(
+                        &batch,
+                        l,
+                        am,
+                        &params,
+                        &QueryRows {
+                            q: qp + q_off,
+                            dtype: KvDtype::F32,
+                        },
+                        op,
+                    )?;
+                }
+                let e1 = ev(&stream)?;
+                e1.synchronize().map_err(drv("event synchronize"))?;
+                if step >= c.warmup {
+                    gpu_ms.push(e0.elapsed_ms(&e1).map_err(drv("elapsed"))? as f64);
+                    wall_ms.push(w0.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            let (bits1, plans1) = cache.plan_bits()?;
+            let rows1 = cache.row_counters()?;
+            let bits = if plans1 > plans0 {
+                (bits1 * plans1 as f64 - bits0 * plans0 as f64) / (plans1 - plans0) as f64
+            } else {
+                m.bits(d) as f64
+            };
+            let nsteps = steps_per_method as f64;
+            let union = (rows1.rows - rows0.rows) as f64 / nsteps;
+            let hits = (rows1.hits - rows0.hits) as f64 / nsteps;
+            let r = result(
+                c, rep, cshape, lens, k, m, bits, union, hits, gpu_ms, wall_ms,
+            );
+            progress(&format!(
+                "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%",
+                r.method,
+                r.bits,
+                r.gpu_ms,
+                r.wall_ms,
+                r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
+                100.0 * r.cache_hit_rate
+            ));
+            rep.results.push(r);
+        }
+        add_speedups(&mut rep.results[first..], d);
+        drop(cache);
+        if let Some(p) = &c.json {
+            crate::bench::write_json(rep, p)?;
+        }
+    }
+    Ok(())
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => 0.5 * (s[n / 2 - 1] + s[n / 2]),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn result(
+    c: &BenchConfig,
+    rep: &OffloadBench,
+    shape: ModelShape,
+    lens: &[usize],
+    k: usize,
+    m: Method,
+    bits: f64,
+    union: f64,
+    hits: f64,
+    gpu: Vec<f64>,
+    wall: Vec<f64>,
+) -> BenchResult {
+    let bytes = stage_bytes(shape, lens, m, bits, union, hits, true);
+    let gpu_ms = median(&gpu);
+    let link_floor_ms = Some(bytes.pcie_total as f64 / (rep.h2d_gbps * 1e9) * 1e3);
+    let _ = c;
+    BenchResult {
+        context: lens.iter().sum(),
+        residency: "host".into(),
+        method: m.label(),
+        k,
+        groups: 1,
+        gather_ctas: 0,
+        bits_nominal: m.bits(shape.dim) as f64,
+        bits,
+        gpu_ms,
+        gpu_ms_steps: gpu,
+        wall_ms: median(&wall),
+        stage_ms: Default::default(),
+        bytes,
+        link_floor_ms,
+        floor_ratio: link_floor_ms.map(|f| gpu_ms / f),
+        planner_share: 0.0,
+        union_rows: union,
+        cache_hit_rate: if union > 0.0 { hits / union } else { 0.0 },
+        speedup_vs_136: Default::default(),
+    }
+}
