@@ -138,8 +138,8 @@ extern "C" __global__ void scan_planes(const u64* __restrict__ planes, const u16
     }
 #if FUSED_HIST
     // Middle tokens [lo, hi) as in topk.cu; shared-memory atomics.
-    const u64 lo = n < 4 ? n : 4;
-    const u64 hi0 = n > 32 ? n - 32 : 0;
+    const u64 lo = n < SINK ? n : SINK;
+    const u64 hi0 = n > LOCAL ? n - LOCAL : 0;
     const u64 hi = hi0 > lo ? hi0 : lo;
 #if HIST_MATCH
     const int lane = tid & 31;

@@ -3,8 +3,13 @@
 // count stays on the device. Row r = h * GQ + g covers the middle tokens [lo, hi) with
 // lo = min(SINK, n), hi = max(lo, n - LOCAL).
 #include "common.cuh"
-#define SINK 4
-#define LOCAL 32
+// SINK and LOCAL come from Rust (-D, crate::cuda::module::STEP_SINK / STEP_LOCAL).
+#ifndef SINK
+#error "compile with -DSINK=<sink tokens>"
+#endif
+#ifndef LOCAL
+#error "compile with -DLOCAL=<local tokens>"
+#endif
 #define BINS 2048   // bins of the refinement passes (select_bin)
 #define HBINS 1024  // level-1 bins: top 10 key bits
 #define ELEMS 4096   // elements per CTA in the streaming passes

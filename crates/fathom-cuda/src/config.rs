@@ -6,6 +6,13 @@ use fathom_plan::method::{FathomVariant, MethodSpec};
 
 use crate::error::{CudaError, Result};
 
+/// The benchmark step's sink and local tokens (docs/SPEC.md §5's defaults), passed to its
+/// kernels as `-DSINK`, `-DLOCAL` (`topk.cu`, `scan.cu`): the one definition the kernels and
+/// the host share. (The paged cache takes them per attend from `fathom_plan::SelectParams`.)
+pub const STEP_SINK: usize = 4;
+/// See [`STEP_SINK`].
+pub const STEP_LOCAL: usize = 32;
+
 /// Per-layer attention shape (docs/SPEC.md §1): `L` layers, `Hkv` KV heads, `G` query heads per KV
 /// head, `D` channels per head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -290,7 +297,7 @@ pub const AUTO_GATHER_CTAS: usize = 64;
 impl SessionConfig {
     /// `G·k + sink + local`: the most rows a KV head's union can hold.
     pub fn union_max(&self) -> usize {
-        self.shape.group * self.k + 36
+        self.shape.group * self.k + STEP_SINK + STEP_LOCAL
     }
 
     /// The head groups actually used (resolves `groups = 0`).

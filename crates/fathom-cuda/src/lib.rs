@@ -66,6 +66,7 @@ pub mod error;
 pub mod paged_layout;
 pub mod paged_ref;
 pub mod pages;
+mod step_layout;
 pub mod synth;
 pub mod types;
 

@@ -1,0 +1,373 @@
+//! The GPU: context, streams, the kernel-module cache, events and the link probes.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+use cudarc::driver::{result, CudaContext, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use rayon::prelude::*;
+
+use super::drv;
+use super::memory::{DevBuf, HostBuf};
+use super::module::{compile_all, Kernels};
+use crate::error::{CudaError, Result};
+use crate::step_layout::Run;
+use crate::types::DeviceInfo;
+
+/// Bytes per CTA of the gather kernel.
+pub(crate) const GATHER_CHUNK: u64 = 128 << 10;
+/// Threads per CTA of the gather kernel.
+pub(crate) const GATHER_THREADS: u32 = 512;
+
+/// A CUDA device with its stream and a cache of NVRTC-compiled modules.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) copy_stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    arch: &'static str,
+    modules: Mutex<HashMap<(usize, usize), Arc<Kernels>>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+fn driver_library_present() -> std::result::Result<(), String> {
+    let names = ["libcuda.so.1", "libcuda.so"];
+    let mut errs = Vec::new();
+    for n in names {
+        // SAFETY: loading the system's CUDA driver library runs its initialisers, which is
+        // what cudarc does next anyway; the handle is dropped at once.
+        match unsafe { libloading::Library::new(n) } {
+            Ok(_) => return Ok(()),
+            Err(e) => errs.push(format!("{n}: {e}")),
+        }
+    }
+    Err(format!(
+        "CUDA driver library not found ({})",
+        errs.join("; ")
+    ))
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: loads the driver, creates the context and one stream.
+    ///
+    /// # Errors
+    /// [`CudaError::NoDevice`] when the driver library is missing, fails to initialise or has
+    /// no such device (with the driver's message).
+    pub fn open(ordinal: usize) -> Result<Self> {
+        driver_library_present().map_err(|message| CudaError::NoDevice { message })?;
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|p| CudaError::NoDevice {
+                message: p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "driver initialisation panicked".into()),
+            })?
+            .map_err(|e| CudaError::NoDevice {
+                message: e.to_string(),
+            })?;
+        // One stream, raw pointers: no per-buffer event tracking.
+        // SAFETY: this crate never shares CudaSlices across streams.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(drv("new_stream"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(drv("compute_capability"))?;
+        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let mut driver_version = 0i32;
+        // SAFETY: writes one int.
+        let _ = unsafe { sys::cuDriverGetVersion(&mut driver_version) };
+        let info = DeviceInfo {
+            name: ctx.name().map_err(drv("device name"))?,
+            compute_capability: (major, minor),
+            total_mem_bytes: ctx.total_mem().map_err(drv("total_mem"))? as u64,
+            multiprocessors: ctx
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(drv("attribute"))?,
+            driver_version,
+            arch: arch.to_string(),
+        };
+        // The gather stream gets the highest priority, so that pipelined gathers keep the
+        // link busy while compute kernels of earlier head groups run.
+        let (_, greatest) = {
+            let (mut lo, mut hi) = (0i32, 0i32);
+            // SAFETY: writes two ints.
+            unsafe { sys::cuCtxGetStreamPriorityRange(&mut lo, &mut hi) }
+                .result()
+                .map_err(drv("cuCtxGetStreamPriorityRange"))?;
+            (lo, hi)
+        };
+        let copy_stream = ctx
+            .new_stream_with_priority(greatest)
+            .map_err(drv("new_stream_with_priority"))?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            copy_stream,
+            info,
+            arch,
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device description.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The stream every session and cache of this device launches on, in order: enqueue
+    /// the model's own kernels on it (or synchronise with it) to order them with appends
+    /// and attends.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub(crate) fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    pub(crate) fn kernels(&self, g: usize, d: usize) -> Result<Arc<Kernels>> {
+        let mut cache = self.modules.lock().expect("module cache poisoned");
+        if let Some(k) = cache.get(&(g, d)) {
+            return Ok(k.clone());
+        }
+        let mut mods: HashMap<&'static str, Arc<CudaModule>> = HashMap::new();
+        for (name, ptx) in compile_all(self.arch, g, d)? {
+            let m = self.ctx.load_module(ptx).map_err(drv("load_module"))?;
+            mods.insert(name, m);
+        }
+        let f = |m: &str, n: &str| mods[m].load_function(n).map_err(drv("load_function"));
+        let k = Arc::new(Kernels {
+            fathom_plan: f("plan.cu", "fathom_plan")?,
+            sparq_plan: f("plan.cu", "sparq_plan")?,
+            gather_runs: f("gather.cu", "gather_runs")?,
+            scan_planes: f("scan.cu", "scan_planes")?,
+            scan_landmark: f("scan.cu", "scan_landmark")?,
+            scan_quest: f("scan.cu", "scan_quest")?,
+            topk_hist: f("topk.cu", "topk_hist")?,
+            topk_select: f("topk.cu", "topk_select")?,
+            topk_collect: f("topk.cu", "topk_collect")?,
+            topk_finish: f("topk.cu", "topk_finish")?,
+            topk_union: f("topk.cu", "topk_union")?,
+            rows_gather: f("rows.cu", "rows_gather")?,
+            rows_claim: f("rows.cu", "rows_claim")?,
+            rows_fill: f("rows.cu", "rows_fill")?,
+            attn_partial: f("attention.cu", "attn_partial")?,
+            attn_combine: f("attention.cu", "attn_combine")?,
+        });
+        cache.insert((g, d), k.clone());
+        Ok(k)
+    }
+
+    fn event(&self) -> Result<Event> {
+        Event::new()
+    }
+
+    /// Host-to-device bandwidth of one pinned `cuMemcpyHtoDAsync` of `bytes` (best of 3), GB/s.
+    ///
+    /// # Errors
+    /// Allocation or driver failures.
+    pub fn h2d_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let mut h = HostBuf::new(bytes, "H2D bandwidth source")?;
+        h.as_mut_bytes()
+            .par_chunks_mut(1 << 20)
+            .enumerate()
+            .for_each(|(i, c)| c.fill(i as u8));
+        let d = DevBuf::new(bytes, "H2D bandwidth destination")?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let (a, b) = (self.event()?, self.event()?);
+            a.record(&self.stream)?;
+            // SAFETY: both buffers hold `bytes` bytes and outlive the synchronisation below.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    d.ptr,
+                    h.ptr as *const c_void,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(drv("cuMemcpyHtoDAsync"))?;
+            b.record(&self.stream)?;
+            self.stream.synchronize().map_err(drv("synchronize"))?;
+            best = best.min(a.elapsed_ms(&b)?);
+        }
+        Ok(bytes as f64 / (best * 1e-3) / 1e9)
+    }
+
+    /// Bandwidth of the zero-copy gather kernel copying one run of `bytes` from mapped pinned
+    /// memory to HBM (best of 3), GB/s.
+    ///
+    /// # Errors
+    /// Allocation, compile or driver failures.
+    pub fn gather_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let k = self.kernels(1, 128)?;
+        let mut h = HostBuf::new(bytes, "gather bandwidth source")?;
+        h.as_mut_bytes()
+            .par_chunks_mut(1 << 20)
+            .enumerate()
+            .for_each(|(i, c)| c.fill(i as u8));
+        let d = DevBuf::new(bytes, "gather bandwidth destination")?;
+        let runs = DevBuf::from_slice(
+            &[Run {
+                off: 0,
+                len: bytes as u64,
+            }],
+            "runs",
+        )?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let (a, b) = (self.event()?, self.event()?);
+            a.record(&self.stream)?;
+            self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, 1, bytes as u64)?;
+            b.record(&self.stream)?;
+            self.stream.synchronize().map_err(drv("synchronize"))?;
+            best = best.min(a.elapsed_ms(&b)?);
+        }
+        Ok(bytes as f64 / (best * 1e-3) / 1e9)
+    }
+
+    /// Bandwidth of the zero-copy gather kernel over runs of `run_bytes` (a multiple of 16)
+    /// spaced `2·run_bytes` apart, `total_bytes` gathered in all, GB/s: how long a run must be
+    /// to move at link rate (the paged store's page size follows from it, docs/SPEC.md §6.1).
+    ///
+    /// # Errors
+    /// A run length that is zero or not a multiple of 16; allocation, compile or driver
+    /// failures.
+    pub fn gather_run_bandwidth(&self, run_bytes: usize, total_bytes: usize) -> Result<f64> {
+        if run_bytes == 0 || run_bytes % 16 != 0 || total_bytes < run_bytes {
+            return Err(CudaError::invalid(
+                "run_bytes",
+                format!("{run_bytes} (want a positive multiple of 16 ≤ {total_bytes})"),
+            ));
+        }
+        let k = self.kernels(1, 128)?;
+        let nruns = total_bytes / run_bytes;
+        let span = nruns * run_bytes * 2;
+        let mut h = HostBuf::new(span, "gather sweep source")?;
+        h.as_mut_bytes()
+            .par_chunks_mut(1 << 20)
+            .enumerate()
+            .for_each(|(i, c)| c.fill(i as u8));
+        let d = DevBuf::new(span, "gather sweep destination")?;
+        let list: Vec<Run> = (0..nruns)
+            .map(|i| Run {
+                off: (2 * i * run_bytes) as u64,
+                len: run_bytes as u64,
+            })
+            .collect();
+        let runs = DevBuf::from_slice(&list, "runs")?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let (a, b) = (self.event()?, self.event()?);
+            a.record(&self.stream)?;
+            self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, nruns, run_bytes as u64)?;
+            b.record(&self.stream)?;
+            self.stream.synchronize().map_err(drv("synchronize"))?;
+            best = best.min(a.elapsed_ms(&b)?);
+        }
+        Ok((nruns * run_bytes) as f64 / (best * 1e-3) / 1e9)
+    }
+
+    fn launch_gather(
+        &self,
+        k: &Kernels,
+        src: u64,
+        dst: u64,
+        runs: u64,
+        nruns: usize,
+        max_len: u64,
+    ) -> Result<()> {
+        let chunks = max_len.div_ceil(GATHER_CHUNK).max(1);
+        let chunk = GATHER_CHUNK;
+        let nr = nruns as u64;
+        let mut b = self.stream.launch_builder(&k.gather_runs);
+        b.arg(&src)
+            .arg(&dst)
+            .arg(&runs)
+            .arg(&chunk)
+            .arg(&nr)
+            .arg(&chunks);
+        // SAFETY: the run list holds `nruns` runs inside both buffers (built by the planner
+        // kernels or on the host from the same layout).
+        unsafe { b.launch(cfg((gather_grid(nr * chunks, 0), 1, 1), GATHER_THREADS)) }
+            .map_err(drv("launch gather_runs"))?;
+        Ok(())
+    }
+}
+
+/// CTAs of one gather launch: one per work item (run × chunk), capped at `cap` when `cap > 0`
+/// (the kernel strides over the rest), and at the grid's x limit.
+pub(crate) fn gather_grid(items: u64, cap: usize) -> u32 {
+    let g = if cap > 0 {
+        items.min(cap as u64)
+    } else {
+        items
+    };
+    g.clamp(1, i32::MAX as u64) as u32
+}
+
+pub(crate) fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A timing event (raw, so that no tracking syncs are involved).
+pub(crate) struct Event(sys::CUevent);
+
+impl Event {
+    /// An event for ordering only (no timing).
+    pub(crate) fn sync_only() -> Result<Self> {
+        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(drv("event create"))?;
+        Ok(Event(e))
+    }
+    /// Makes stream `s` wait for the work recorded in this event.
+    pub(crate) fn wait_on(&self, s: &CudaStream) -> Result<()> {
+        // SAFETY: a live event and a live stream of the current context.
+        unsafe {
+            result::stream::wait_event(
+                s.cu_stream(),
+                self.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(drv("stream wait event"))
+    }
+    pub(crate) fn new() -> Result<Self> {
+        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(drv("event create"))?;
+        Ok(Event(e))
+    }
+    pub(crate) fn record(&self, s: &CudaStream) -> Result<()> {
+        // SAFETY: a live event and a live stream of the current context.
+        unsafe { result::event::record(self.0, s.cu_stream()) }.map_err(drv("event record"))
+    }
+    pub(crate) fn elapsed_ms(&self, end: &Event) -> Result<f64> {
+        // SAFETY: both events are live and have completed (the caller synchronised).
+        Ok(unsafe { result::event::elapsed(self.0, end.0) }.map_err(drv("event elapsed"))? as f64)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: destroyed exactly once.
+        let _ = unsafe { result::event::destroy(self.0) };
+    }
+}

@@ -1,0 +1,119 @@
+//! NVRTC: every kernel source compiled at run time for the device's architecture, and the
+//! benchmark step's kernel table.
+
+use cudarc::driver::CudaFunction;
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use crate::config::{STEP_LOCAL, STEP_SINK};
+use crate::error::{CudaError, Result};
+
+const COMMON: &str = include_str!("../../kernels/common.cuh");
+pub(crate) const KERNELS: [(&str, &str); 6] = [
+    ("plan.cu", include_str!("../../kernels/plan.cu")),
+    ("gather.cu", include_str!("../../kernels/gather.cu")),
+    ("scan.cu", include_str!("../../kernels/scan.cu")),
+    ("topk.cu", include_str!("../../kernels/topk.cu")),
+    ("rows.cu", include_str!("../../kernels/rows.cu")),
+    ("attention.cu", include_str!("../../kernels/attention.cu")),
+];
+
+pub(crate) struct Kernels {
+    pub(crate) fathom_plan: CudaFunction,
+    pub(crate) sparq_plan: CudaFunction,
+    pub(crate) gather_runs: CudaFunction,
+    pub(crate) scan_planes: CudaFunction,
+    pub(crate) scan_landmark: CudaFunction,
+    pub(crate) scan_quest: CudaFunction,
+    pub(crate) topk_hist: CudaFunction,
+    pub(crate) topk_select: CudaFunction,
+    pub(crate) topk_collect: CudaFunction,
+    pub(crate) topk_finish: CudaFunction,
+    pub(crate) topk_union: CudaFunction,
+    pub(crate) rows_gather: CudaFunction,
+    pub(crate) rows_claim: CudaFunction,
+    pub(crate) rows_fill: CudaFunction,
+    pub(crate) attn_partial: CudaFunction,
+    pub(crate) attn_combine: CudaFunction,
+}
+
+impl std::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Kernels { .. }")
+    }
+}
+
+/// Compiles one `.cu` source (with `common.cuh` inlined) for `arch` with `defines`.
+pub(crate) fn compile_one(
+    arch: &'static str,
+    name: &'static str,
+    src: &str,
+    defines: Vec<String>,
+) -> Result<cudarc::nvrtc::Ptx> {
+    let src = src.replace("#include \"common.cuh\"", COMMON);
+    let opts = CompileOptions {
+        arch: Some(arch),
+        options: defines,
+        name: Some(name.to_string()),
+        ..Default::default()
+    };
+    std::panic::catch_unwind(|| compile_ptx_with_opts(&src, opts))
+        .map_err(|_| CudaError::NoDevice {
+            message: "NVRTC library (libnvrtc) not found".into(),
+        })?
+        .map_err(|e| CudaError::Compile {
+            kernel: name,
+            log: format!("{e:?}"),
+        })
+}
+
+pub(crate) fn compile_all(
+    arch: &'static str,
+    g: usize,
+    d: usize,
+) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>> {
+    let mut out = Vec::new();
+    for (name, src) in KERNELS {
+        let mut o = vec![
+            format!("-DGQ={g}"),
+            format!("-DDIM={d}"),
+            format!("-DSINK={STEP_SINK}"),
+            format!("-DLOCAL={STEP_LOCAL}"),
+        ];
+        // Experiment switch: warp-aggregated histogram updates in the scan.
+        if std::env::var("FATHOM_SCAN_HIST").is_ok_and(|v| v == "match") {
+            o.push("-DHIST_MATCH=1".into());
+        }
+        out.push((name, compile_one(arch, name, src, o)?));
+    }
+    let append = compile_one(
+        arch,
+        "append.cu",
+        crate::cuda_cache::APPEND_SRC,
+        vec![format!("-DDIM={d}")],
+    )?;
+    out.push(("append.cu", append));
+    if g <= 8 {
+        let gd = vec![format!("-DGQ={g}"), format!("-DDIM={d}")];
+        out.push((
+            "attend.cu",
+            compile_one(arch, "attend.cu", crate::cuda_cache::ATTEND_SRC, gd)?,
+        ));
+    }
+    Ok(out)
+}
+
+/// Compiles every kernel with NVRTC for `arch` (e.g. `sm_90`) at `G`, `D`, without a device:
+/// a check that needs only the NVRTC library.
+///
+/// # Errors
+/// [`CudaError::Compile`] with the compiler log; [`CudaError::NoDevice`] without libnvrtc.
+pub fn compile_kernels(arch: &'static str, g: usize, d: usize) -> Result<usize> {
+    let all = compile_all(arch, g, d)?;
+    if let Some(dir) = std::env::var_os("FATHOM_PTX_DIR") {
+        for (name, ptx) in &all {
+            let path = std::path::Path::new(&dir).join(format!("{name}.G{g}.D{d}.ptx"));
+            let _ = std::fs::write(path, ptx.to_src());
+        }
+    }
+    Ok(all.len())
+}
