@@ -129,8 +129,10 @@ pub struct OffloadBenchArgs {
     #[arg(long, default_value = "main", value_parser = ["main", "pipeline-sweep"])]
     pub study: String,
     /// The path timed: `cache`, the library's paged cache a model drives (prefilled by
-    /// appends, one token appended per session every step, host residency), or `step`, the
-    /// fixed benchmark step (sessions filled from their sources, a batch as B·Hkv heads).
+    /// appends, one token appended per session every step; pools in host memory or, with
+    /// `--residency hbm`, in HBM), or `step`, the fixed benchmark step (sessions filled from
+    /// their sources, a batch as B·Hkv heads). Example:
+    /// `fathom offload-bench --engine cache --context 256k,1m --ragged 32k,128k,512k --json out.json`.
     #[arg(long, default_value = "cache", value_parser = ["cache", "step"])]
     pub engine: String,
     /// Cache engine: also time one ragged batch of these session lengths (e.g.

@@ -47,6 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_batch: b,
         max_k: 512,
         row_cache: 0,
+        residency: fathom_cuda::Residency::Host,
     };
     let t0 = std::time::Instant::now();
     let mut cache = PagedCache::new(&gpu, cfg)?;

@@ -51,6 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_batch: b,
         max_k: 512,
         row_cache: 0,
+        residency: fathom_cuda::Residency::Host,
     };
     let t0 = Instant::now();
     let mut cache = PagedCache::new(&gpu, cfg)?;

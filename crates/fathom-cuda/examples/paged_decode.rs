@@ -42,6 +42,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_batch: 4,
         max_k: 128,
         row_cache: 0,
+        residency: fathom_cuda::Residency::Host,
     };
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let (a, b) = (cache.create()?, cache.create()?);

@@ -6,15 +6,16 @@
 //! event pair around the step's appends and attends; the host-side `reserve` (one stream
 //! synchronisation) is in the wall time only.
 //!
-//! Host residency only: the pools are pinned, mapped host memory. When every layer's pool of
-//! a run does not fit `pool_budget` bytes, fewer layers are timed (recorded in the notes):
-//! every layer of the step is the same work, so the ratios between methods are unchanged.
+//! The pools are pinned, mapped host memory (host residency) or HBM (hbm). When every layer's
+//! pool of a run does not fit `pool_budget` bytes, fewer layers are timed (recorded in the
+//! notes): every layer of the step is the same work, so the ratios between methods are
+//! unchanged.
 
 use cudarc::driver::{result, sys, CudaSlice, DevicePtr};
 
 use crate::bench::{add_speedups, stage_bytes, BenchConfig, BenchResult, OffloadBench};
 use crate::cache::{AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS};
-use crate::config::{Method, ModelShape};
+use crate::config::{Method, ModelShape, Residency};
 use crate::error::{CudaError, Result};
 use crate::paged_layout::PagedLayout;
 use crate::pages::{PageConfig, SessionId};
@@ -63,6 +64,7 @@ pub(crate) fn run(
     gpu: &Gpu,
     sources: &[LayerSource],
     runs: &[Vec<usize>],
+    residency: Residency,
     rep: &mut OffloadBench,
     progress: &mut dyn FnMut(&str),
 ) -> Result<()> {
@@ -95,13 +97,13 @@ pub(crate) fn run(
         let (layers, pool_bytes) = layers_that_fit(shape, pages, c.pool_budget)?;
         let k = c.k.unwrap_or(512).min(longest.saturating_sub(36).max(1));
         let run_label = if lens.iter().all(|&n| n == longest) {
-            format!("{b} × {longest}")
+            format!("{b} × {longest}, {}", residency.label())
         } else {
-            format!("ragged {lens:?}")
+            format!("ragged {lens:?}, {}", residency.label())
         };
         if layers < shape.layers {
             rep.notes.push(format!(
-                "cache engine, {run_label}: {layers} of {} layers timed (each layer's pool is {:.1} GiB of pinned host memory; the budget is {:.0} GiB); every layer is the same work, so the ratios between methods hold for the whole model",
+                "cache engine, {run_label}: {layers} of {} layers timed (each layer's pool is {:.1} GiB; the budget is {:.0} GiB); every layer is the same work, so the ratios between methods hold for the whole model",
                 shape.layers,
                 pool_bytes as f64 / (1u64 << 30) as f64,
                 c.pool_budget as f64 / (1u64 << 30) as f64
@@ -119,6 +121,7 @@ pub(crate) fn run(
             max_batch: b,
             max_k: k,
             row_cache: c.cache_rows,
+            residency,
         };
         progress(&format!(
             "{run_label}: {layers} layers, pools {:.1} GiB, prefilling",
@@ -310,7 +313,7 @@ pub(crate) fn run(
             let union = (rows1.rows - rows0.rows) as f64 / nsteps;
             let hits = (rows1.hits - rows0.hits) as f64 / nsteps;
             let r = result(
-                c, rep, cshape, lens, k, m, bits, union, hits, gpu_ms, wall_ms,
+                rep, cshape, lens, residency, k, m, bits, union, hits, gpu_ms, wall_ms,
             );
             progress(&format!(
                 "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%",
@@ -344,10 +347,10 @@ fn median(v: &[f64]) -> f64 {
 
 #[allow(clippy::too_many_arguments)]
 fn result(
-    c: &BenchConfig,
     rep: &OffloadBench,
     shape: ModelShape,
     lens: &[usize],
+    residency: Residency,
     k: usize,
     m: Method,
     bits: f64,
@@ -356,13 +359,13 @@ fn result(
     gpu: Vec<f64>,
     wall: Vec<f64>,
 ) -> BenchResult {
-    let bytes = stage_bytes(shape, lens, m, bits, union, hits, true);
+    let host = residency == Residency::Host;
+    let bytes = stage_bytes(shape, lens, m, bits, union, hits, host);
     let gpu_ms = median(&gpu);
-    let link_floor_ms = Some(bytes.pcie_total as f64 / (rep.h2d_gbps * 1e9) * 1e3);
-    let _ = c;
+    let link_floor_ms = host.then(|| bytes.pcie_total as f64 / (rep.h2d_gbps * 1e9) * 1e3);
     BenchResult {
         context: lens.iter().sum(),
-        residency: "host".into(),
+        residency: residency.label().into(),
         method: m.label(),
         k,
         groups: 1,

@@ -96,6 +96,9 @@ pub struct CacheConfig {
     /// union row found there is not fetched over the link again (0: no row cache). Costs
     /// `max_sessions · L · Hkv · row_cache · (4D + 8)` bytes of HBM.
     pub row_cache: usize,
+    /// Where the page pools live: pinned, mapped host memory (the offloaded cache, read over
+    /// the link) or HBM (the in-GPU comparison point).
+    pub residency: crate::config::Residency,
 }
 
 impl CacheConfig {
@@ -384,6 +387,7 @@ mod tests {
             max_batch: 4,
             max_k: 64,
             row_cache: 0,
+            residency: crate::config::Residency::Host,
         }
     }
 

@@ -15,7 +15,8 @@ use cudarc::driver::{result, CudaFunction, CudaStream, PushKernelArg};
 use half::bf16;
 
 use crate::cache::{check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows, RowCounters};
-use crate::cuda::{cast_mut, cfg, compile_one, drv, DevBuf, HostBuf};
+use crate::config::Residency;
+use crate::cuda::{cast_mut, cfg, compile_one, drv, DevBuf, HostBuf, Mem};
 use crate::error::{CudaError, Result};
 use crate::paged_layout::PagedLayout;
 use crate::paged_ref::{export_pool, records_pool, PagedExport};
@@ -187,6 +188,7 @@ struct AppendKernels {
 ///     max_batch: 8,
 ///     max_k: 512,
 ///     row_cache: 0,
+///     residency: fathom_cuda::Residency::Host,
 /// };
 /// let mut cache = PagedCache::new(&gpu, cfg)?;
 /// let (a, b) = (cache.create()?, cache.create()?);
@@ -201,7 +203,8 @@ pub struct PagedCache {
     sessions: CacheSessions,
     stream: Arc<CudaStream>,
     kernels: AppendKernels,
-    pools: Vec<HostBuf>,
+    /// One pool per layer: pinned, mapped host memory, or HBM ([`CacheConfig::residency`]).
+    pools: Vec<Mem>,
     /// Page tables, `u32 [max_sessions][max_pages]` (mapped).
     tables: HostBuf,
     /// Append descriptors of the current batch, `[max_batch]` (mapped).
@@ -255,9 +258,9 @@ fn tail_elems(cfg: &CacheConfig) -> usize {
 }
 
 impl PagedCache {
-    /// Allocates the pools (pinned, mapped host memory: `L ×`
-    /// [`PagedLayout::pool_bytes`]), the page tables and the tails, and compiles the append
-    /// kernels.
+    /// Allocates the pools (`L ×` [`PagedLayout::pool_bytes`] of pinned, mapped host memory, or
+    /// of HBM when [`CacheConfig::residency`] says so), the page tables and the tails, and
+    /// compiles the kernels.
     ///
     /// # Errors
     /// A configuration [`CacheConfig::validate`] refuses; a failed allocation (typed, with its
@@ -351,7 +354,10 @@ impl PagedCache {
             CudaError::invalid("pages", "pool larger than the address space".to_string())
         })?;
         let pools = (0..s.layers)
-            .map(|_| HostBuf::new(pool_bytes, "page pool"))
+            .map(|_| match cfg.residency {
+                Residency::Host => HostBuf::new(pool_bytes, "page pool").map(Mem::Host),
+                Residency::Hbm => DevBuf::zeroed(pool_bytes, "page pool").map(Mem::Dev),
+            })
             .collect::<Result<Vec<_>>>()?;
         let mut tables = HostBuf::new(cfg.pages.max_sessions * max_pages * 4, "page tables")?;
         tables.as_mut_bytes().fill(0);
@@ -562,12 +568,32 @@ impl PagedCache {
         let head_bytes = lay.records_at() as usize;
         let rec = lay.record_bytes() as usize;
         let p = lay.page_tokens();
+        let ranges: Vec<(usize, usize)> = std::iter::once((0, head_bytes))
+            .chain((0..self.cfg.shape.kv_heads).map(|h| (head_bytes + h * p * rec, c.tokens * rec)))
+            .collect();
         for pool in &mut self.pools {
-            let b = pool.as_mut_bytes();
-            b.copy_within(src..src + head_bytes, dst);
-            for h in 0..self.cfg.shape.kv_heads {
-                let off = head_bytes + h * p * rec;
-                b.copy_within(src + off..src + off + c.tokens * rec, dst + off);
+            match pool {
+                Mem::Host(hb) => {
+                    let b = hb.as_mut_bytes();
+                    for &(off, len) in &ranges {
+                        b.copy_within(src + off..src + off + len, dst + off);
+                    }
+                }
+                Mem::Dev(db) => {
+                    for &(off, len) in &ranges {
+                        // SAFETY: both ranges lie inside the pool (pages < its page count) and
+                        // are different pages; stream-ordered before any later append.
+                        unsafe {
+                            result::memcpy_dtod_async(
+                                db.ptr + (dst + off) as u64,
+                                db.ptr + (src + off) as u64,
+                                len,
+                                self.stream.cu_stream(),
+                            )
+                        }
+                        .map_err(drv("memcpy_dtod page copy"))?;
+                    }
+                }
             }
         }
         Ok(())
@@ -590,7 +616,7 @@ impl PagedCache {
         }
         let s = self.cfg.shape;
         let geom = self.geom();
-        let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr);
+        let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr());
         let (tails, faults) = (self.tails.ptr, self.faults.dptr);
         let dtype = kv.dtype.code();
         let layer_u = layer as u32;
@@ -844,7 +870,7 @@ impl PagedCache {
         let k = &self.attend_kernels;
         let w = &self.work;
         let st = &self.stream;
-        let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr);
+        let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr());
         let (nb32, hkv32, hq32) = (nb as u32, hkv as u32, hq as u32);
         // Grids cover the longest session of the batch, or `max_tokens` while capturing (the
         // kernels skip what lies past each session's length).
@@ -1243,36 +1269,33 @@ impl PagedCache {
             .collect())
     }
 
+    /// One layer's whole pool as host bytes (borrowed in host residency, read back from HBM).
+    fn pool_bytes(&self, layer: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
+        let pool = self.pools.get(layer).ok_or_else(|| {
+            CudaError::invalid("layer", format!("{layer} of {}", self.pools.len()))
+        })?;
+        Ok(match pool {
+            Mem::Host(h) => std::borrow::Cow::Borrowed(h.as_bytes()),
+            Mem::Dev(d) => std::borrow::Cow::Owned(d.read::<u8>(d.bytes)?),
+        })
+    }
+
     /// Waits for the stream, then one layer's store of `session` in `fathom-store`'s layout
     /// (what the tests compare with `KeyStore` bit for bit).
     pub fn export(&self, session: SessionId, layer: usize) -> Result<PagedExport> {
         self.sync()?;
-        let pool = self.pools.get(layer).ok_or_else(|| {
-            CudaError::invalid("layer", format!("{layer} of {}", self.pools.len()))
-        })?;
+        let pool = self.pool_bytes(layer)?;
         let n = self.sessions.len(session)?;
-        export_pool(
-            &self.layout,
-            pool.as_bytes(),
-            self.sessions.page_table(session)?,
-            n,
-        )
+        export_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }
 
     /// Waits for the stream, then one layer's K|V records of `session`,
     /// `[head][token][K | V]` bf16.
     pub fn records(&self, session: SessionId, layer: usize) -> Result<Vec<bf16>> {
         self.sync()?;
-        let pool = self.pools.get(layer).ok_or_else(|| {
-            CudaError::invalid("layer", format!("{layer} of {}", self.pools.len()))
-        })?;
+        let pool = self.pool_bytes(layer)?;
         let n = self.sessions.len(session)?;
-        records_pool(
-            &self.layout,
-            pool.as_bytes(),
-            self.sessions.page_table(session)?,
-            n,
-        )
+        records_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }
 }
 

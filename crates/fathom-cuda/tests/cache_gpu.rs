@@ -3,13 +3,14 @@
 //! each session the store `fathom_store::KeyStore` builds from the same bf16 keys, bit for
 //! bit, and the same bf16 K|V records; forks diverge without disturbing each other; a freed
 //! and reused slot sees none of the old data; bad calls are typed errors before any launch.
+//! The store, fork and attend tests run with the pools in host memory and in HBM.
 //!
 //! Skips (printing why) without a GPU path, as on CI; `FATHOM_REQUIRE_GPU=1` turns the skip
 //! into a failure.
 
 use fathom_cuda::cache::{CacheConfig, KvDtype, KvRows};
 use fathom_cuda::pages::{PageConfig, SessionId};
-use fathom_cuda::{ModelShape, PagedCache};
+use fathom_cuda::{ModelShape, PagedCache, Residency};
 use fathom_store::{Dims, KeyStore};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -34,6 +35,7 @@ fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize)
         max_batch: 8,
         max_k: 256,
         row_cache: 0,
+        residency: fathom_cuda::Residency::Host,
     }
 }
 
@@ -127,13 +129,17 @@ fn ragged_prefill_and_decode_equal_the_cpu_store_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(7);
     // (D, Hkv, tokens per page, pages per layer's pool)
-    for (d, hkv, page, pages) in [
-        (64, 3, 128, 48),
-        (128, 2, 4096, 6),
-        (256, 1, 256, 32),
-        (128, 1, 64, 80),
+    for (d, hkv, page, pages, residency) in [
+        (64, 3, 128, 48, Residency::Host),
+        (128, 2, 4096, 6, Residency::Host),
+        (256, 1, 256, 32, Residency::Hbm),
+        (128, 1, 64, 80, Residency::Hbm),
+        (64, 3, 128, 48, Residency::Hbm),
     ] {
-        let cfg = config(2, hkv, d, page, pages);
+        let cfg = CacheConfig {
+            residency,
+            ..config(2, hkv, d, page, pages)
+        };
         let mut cache = PagedCache::new(&gpu, cfg).unwrap();
         let ids: Vec<SessionId> = (0..3).map(|_| cache.create().unwrap()).collect();
         let mut shadows = vec![vec![Shadow::default(); 2]; 8];
@@ -186,8 +192,18 @@ fn ragged_prefill_and_decode_equal_the_cpu_store_bit_for_bit() {
 #[test]
 fn forks_diverge_without_disturbing_each_other() {
     let Some(gpu) = gpu() else { return };
+    for residency in [Residency::Host, Residency::Hbm] {
+        forks_diverge(&gpu, residency);
+    }
+}
+
+fn forks_diverge(gpu: &fathom_cuda::Gpu, residency: Residency) {
     let mut rng = StdRng::seed_from_u64(11);
-    let mut cache = PagedCache::new(&gpu, config(2, 2, 128, 128, 64)).unwrap();
+    let cfg = CacheConfig {
+        residency,
+        ..config(2, 2, 128, 128, 64)
+    };
+    let mut cache = PagedCache::new(gpu, cfg).unwrap();
     let parent = cache.create().unwrap();
     let mut shadows = vec![vec![Shadow::default(); 2]; 8];
     let slot = |s: SessionId| s.slot();
@@ -397,14 +413,16 @@ fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
         "thumb2",
     ];
     // (D, G, Hkv, tokens per page)
-    for (d, g, hkv, page) in [
-        (64, 3, 3, 128),
-        (128, 4, 2, 256),
-        (256, 1, 1, 128),
-        (128, 8, 1, 64),
+    for (d, g, hkv, page, residency) in [
+        (64, 3, 3, 128, Residency::Host),
+        (128, 4, 2, 256, Residency::Host),
+        (256, 1, 1, 128, Residency::Hbm),
+        (128, 8, 1, 64, Residency::Host),
+        (128, 4, 2, 256, Residency::Hbm),
     ] {
         let mut cfg = config(2, hkv, d, page, 160);
         cfg.shape.group = g;
+        cfg.residency = residency;
         let hq = hkv * g;
         let mut cache = PagedCache::new(&gpu, cfg).unwrap();
         let ids: Vec<SessionId> = (0..3).map(|_| cache.create().unwrap()).collect();
@@ -472,7 +490,7 @@ fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
                             let vv = KvView::head(&vb, hkv, d, h);
                             let scale = 1.0 / (d as f32).sqrt();
                             let what =
-                                format!("D={d} G={g} {m} step {t} layer {l} session {b} head {h}");
+                                format!("D={d} G={g} {residency:?} {m} step {t} layer {l} session {b} head {h}");
                             let sets: Vec<Vec<u32>> = match am {
                                 AttendMethod::Dense => {
                                     (0..g).map(|_| (0..n as u32).collect()).collect()
