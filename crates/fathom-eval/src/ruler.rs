@@ -27,6 +27,13 @@
 //! tokenizer (binary search on the word count; RULER searches in steps). RULER's in-context
 //! example for `vt` and `fwe` is not prepended.
 //!
+//! **Departures for small models** (both off by default, both recorded in a result): the
+//! [`PromptFormat::Chat`] wording puts the task in the model's chat turn and says "number … is"
+//! when one value is asked for; the [`TaskShape::SMALL`] counts plant 2 keys (multikey,
+//! multiquery) and 2 values (multivalue) instead of 4, and a `vt` chain of 2 variables (1 hop)
+//! instead of 5 (4 hops), with the answer prefix's count to match. Templates, needle
+//! sentences, depths, sizing and scoring stay RULER's.
+//!
 //! Everything is drawn from one [`StdRng`] seeded per (task, sample), so a seed fixes the
 //! prompt exactly. **Score** (RULER's `string_match_all`): the fraction of gold strings that
 //! occur in the generation, case-insensitively.
@@ -110,6 +117,66 @@ impl std::str::FromStr for Task {
     }
 }
 
+/// How much each task plants: RULER's counts, or fewer for small models (item 5 of the
+/// downstream issue: the tasks keep RULER's structure, templates and scoring; only these
+/// counts change, and a result records which it used).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TaskShape {
+    /// Keys planted in `niah_multikey` (one queried) and `niah_multiquery` (all queried).
+    pub keys: usize,
+    /// Values planted for the key of `niah_multivalue`.
+    pub values: usize,
+    /// Variables in `vt`'s chain (the first assigned the value, each next one the previous).
+    pub chain: usize,
+    /// Digits of a NIAH needle's value (RULER: 7; `vt`'s value keeps RULER's 5 digits).
+    pub digits: u32,
+}
+
+impl TaskShape {
+    /// RULER's counts: 4 keys, 4 values, a chain of 5, 7-digit values.
+    pub const RULER: TaskShape = TaskShape {
+        keys: 4,
+        values: 4,
+        chain: 5,
+        digits: 7,
+    };
+    /// For 100M-parameter models: 2 keys, 2 values, a chain of 2, 7-digit values.
+    pub const SMALL: TaskShape = TaskShape {
+        keys: 2,
+        values: 2,
+        chain: 2,
+        digits: 7,
+    };
+
+    /// `ruler` or `small`.
+    pub fn parse(s: &str) -> Result<TaskShape, EvalError> {
+        match s.trim() {
+            "ruler" => Ok(TaskShape::RULER),
+            "small" => Ok(TaskShape::SMALL),
+            other => Err(EvalError::Invalid(format!(
+                "unknown task shape {other:?}; expected ruler or small"
+            ))),
+        }
+    }
+
+    /// The label a result records: `ruler`, or the counts that differ from RULER's.
+    pub fn label(&self) -> String {
+        if *self == TaskShape::RULER {
+            return "ruler".into();
+        }
+        format!(
+            "keys {}, values {}, chain {}, digits {} (RULER: 4, 4, 5, 7)",
+            self.keys, self.values, self.chain, self.digits
+        )
+    }
+}
+
+impl Default for TaskShape {
+    fn default() -> Self {
+        TaskShape::RULER
+    }
+}
+
 /// Generation parameters.
 #[derive(Debug, Clone)]
 pub struct TaskParams {
@@ -121,6 +188,8 @@ pub struct TaskParams {
     pub seed: u64,
     /// How the prompt is worded around RULER's structure.
     pub format: PromptFormat,
+    /// How much each task plants.
+    pub shape: TaskShape,
 }
 
 impl TaskParams {
@@ -131,6 +200,7 @@ impl TaskParams {
             tokens_to_generate: None,
             seed: 0,
             format: PromptFormat::Ruler,
+            shape: TaskShape::RULER,
         }
     }
 }
@@ -402,7 +472,7 @@ pub fn generate(
         Task::Vt => {
             let vars: Vec<String> = {
                 let mut v: Vec<String> = Vec::new();
-                while v.len() < 5 {
+                while v.len() < params.shape.chain.max(1) {
                     let s: String = (0..5).map(|_| rng.gen_range(b'A'..=b'Z') as char).collect();
                     if !v.contains(&s) {
                         v.push(s);
@@ -412,7 +482,7 @@ pub fn generate(
             };
             let value = random_number(&mut rng, 5);
             let mut chain = vec![format!("VAR {} = {value}", vars[0])];
-            for j in 0..4 {
+            for j in 0..vars.len() - 1 {
                 chain.push(format!("VAR {} = VAR {} ", vars[j + 1], vars[j]));
             }
             let mut fracs: Vec<f64> = (0..chain.len()).map(|_| rng.gen::<f64>()).collect();
@@ -427,18 +497,21 @@ pub fn generate(
                 let t = VT_TEMPLATE
                     .replace("{context}", &ctx)
                     .replace("{query}", &value);
-                let a = VT_ANSWER.replace("{num_v}", "5").replace("{query}", &value);
+                let a = VT_ANSWER
+                    .replace("{num_v}", &vars.len().to_string())
+                    .replace("{query}", &value);
                 params.format.wrap(&t, &a)
             };
             let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
             (build(m), vars, question, m, Vec::new())
         }
         _ => {
+            let sh = params.shape;
             let (n_keys, n_values, n_queries) = match task {
                 Task::NiahSingle => (1, 1, 1),
-                Task::NiahMultikey => (4, 1, 1),
-                Task::NiahMultivalue => (1, 4, 1),
-                _ => (4, 1, 4),
+                Task::NiahMultikey => (sh.keys.max(1), 1, 1),
+                Task::NiahMultivalue => (1, sh.values.max(1), 1),
+                _ => (sh.keys.max(1), 1, sh.keys.max(1)),
             };
             let mut keys: Vec<String> = Vec::new();
             while keys.len() < n_keys {
@@ -458,7 +531,7 @@ pub fn generate(
             for k in &keys {
                 let mut vs = Vec::new();
                 while vs.len() < n_values {
-                    let v = random_number(&mut rng, 7);
+                    let v = random_number(&mut rng, params.shape.digits.clamp(1, 18));
                     if !vs.contains(&v) {
                         vs.push(v);
                     }

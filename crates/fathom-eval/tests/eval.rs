@@ -70,7 +70,59 @@ fn params(context: usize) -> TaskParams {
         tokens_to_generate: None,
         seed: 42,
         format: fathom_eval::ruler::PromptFormat::Ruler,
+        shape: fathom_eval::ruler::TaskShape::RULER,
     }
+}
+
+/// The small task shape plants 2 keys, 2 values and a chain of 2, keeps RULER's structure
+/// (the needle sentence, the question, the answer prefix with the chain's length) and fits.
+#[test]
+fn the_small_task_shape_plants_fewer_needles_in_the_same_templates() {
+    use fathom_eval::ruler::TaskShape;
+    let Some(m) = model() else { return };
+    let Some(w) = words() else { return };
+    let h = haystack();
+    let mut p = params(1024);
+    p.shape = TaskShape::SMALL;
+    for i in 0..3 {
+        for (task, gold, needles) in [
+            (Task::NiahSingle, 1, 1),
+            (Task::NiahMultikey, 1, 2),
+            (Task::NiahMultivalue, 2, 2),
+            (Task::NiahMultiquery, 2, 2),
+            (Task::Vt, 2, 0),
+        ] {
+            let s = generate(task, &p, m.tokenizer(), &h, &w, i).expect("generate");
+            assert_eq!(s.gold.len(), gold, "{task:?}");
+            assert!(s.prompt_tokens + s.max_new <= 1024, "{task:?}");
+            if needles > 0 {
+                assert_eq!(
+                    s.prompt
+                        .matches("One of the special magic numbers for")
+                        .count(),
+                    needles,
+                    "{task:?}"
+                );
+                for g in &s.gold {
+                    assert!(s.prompt.contains(&format!(": {g}.")), "{task:?}: {g}");
+                }
+            } else {
+                assert!(
+                    s.prompt.contains("2 variables are assgined"),
+                    "vt answer prefix"
+                );
+                assert_eq!(
+                    s.prompt.matches("VAR ").count(),
+                    3,
+                    "vt: one value, one hop"
+                );
+            }
+        }
+    }
+    assert_eq!(TaskShape::parse("small").unwrap(), TaskShape::SMALL);
+    assert_eq!(TaskShape::parse("ruler").unwrap().label(), "ruler");
+    assert!(TaskShape::parse("tiny").is_err());
+    assert!(TaskShape::SMALL.label().contains("keys 2"));
 }
 
 #[test]

@@ -414,11 +414,13 @@ pub fn ruler_parity(inp: &Inputs, s: &mut String) {
         let v = &r.doc;
         let methods = &v.header.methods;
         s.push_str(&format!(
-            "`{}` ({}, context {}, {} sample(s) per task; haystack: {}; keys: {}):\n\n",
+            "`{}` ({}, context {}, {} sample(s) per task; prompt: {}; task shape: {}; haystack: {}; keys: {}):\n\n",
             inp.rel(&r.path),
             v.header.model,
             v.header.context,
             v.samples_per_task,
+            v.prompt.as_deref().unwrap_or("ruler"),
+            v.shape.as_deref().unwrap_or("ruler"),
             crate::sections::text_source(
                 Some(&v.haystack),
                 v.words

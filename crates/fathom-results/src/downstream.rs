@@ -152,6 +152,10 @@ pub struct RulerDoc {
     /// (RULER's).
     #[serde(default)]
     pub prompt: Option<String>,
+    /// What each task planted: `ruler`, or the counts that differ from RULER's (files before
+    /// this field used RULER's).
+    #[serde(default)]
+    pub shape: Option<String>,
     /// The haystack text's source.
     pub haystack: String,
     /// The key word list's source.
