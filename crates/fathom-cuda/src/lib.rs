@@ -1,17 +1,38 @@
 //! # fathom-cuda
 //!
-//! Fathom's offloaded decode step on a CUDA GPU (docs/SPEC.md §6): the scan store and the bf16 K/V
-//! records live in pinned, mapped host memory; per layer and with no host synchronisation,
-//! the GPU plans (importance + reverse water-filling), gathers the planned runs of planes over
-//! PCIe into HBM, scans, takes the top-k per query head and the union per KV head, gathers
-//! the winners' K/V records (through an HBM cache of recently fetched rows) and runs exact
-//! attention. Every baseline of docs/SPEC.md §4 runs through the same gather and kernels.
+//! Fathom's offloaded decode step on a CUDA GPU (docs/SPEC.md §6): the bit-plane scan store and
+//! the bf16 K/V records live in pinned, mapped host memory; per layer and with no host
+//! synchronisation, the GPU plans (importance + reverse water-filling), reads the planned
+//! runs of planes over PCIe, scans, takes the top-k per query head and the union per KV head,
+//! fetches the winners' K/V records (through an HBM cache of recently fetched rows) and runs
+//! exact attention. Two entry points run it: [`PagedCache`], the library a model drives, and
+//! [`Session`], the fixed benchmark step.
 //!
 //! Kernels are `.cu` files under `kernels/`, embedded with `include_str!` and compiled by
 //! NVRTC for the device's compute capability at first use (modules cached per `(G, D)`).
 //!
 //! Without the `cuda` feature the same types exist and every entry point returns
 //! [`CudaError::NotCompiledWithCuda`]; with it and no driver or device, [`CudaError::NoDevice`].
+//!
+//! # The paged cache a model drives (docs/SPEC.md §6.1)
+//!
+//! [`PagedCache`] is the library a model drives: it holds many sessions of one model shape in
+//! pages of pinned, mapped host memory (or HBM), with an HBM cache of recently fetched K|V
+//! rows. Per step a model reserves room for a ragged batch, appends each layer's K and V
+//! from device memory (quantized and packed on the GPU, bit-exact with `fathom-store`), and
+//! attends each layer's queries with any method of the grammar; each query head attends over
+//! its own sink + local + top-k set. This example (`examples/paged_decode.rs`) prefills two
+//! sessions of different lengths and decodes 16 steps, checking every output against the CPU
+//! reference; without a GPU it prints why and returns.
+//!
+//! ```
+#![doc = include_str!("../examples/paged_decode.rs")]
+//! ```
+//!
+//! # The benchmark step (docs/SPEC.md §6)
+//!
+//! [`Session`] is the fixed decode step `fathom offload-bench --engine step` times: sessions
+//! filled from their sources, a batch laid out as B·Hkv KV heads of one length.
 //!
 //! ```
 //! use fathom_cuda::{synth_layer, CudaError, Gpu, Method, ModelShape, Residency, Session, SessionConfig, SynthParams};
@@ -34,21 +55,7 @@
 //! # Ok::<(), CudaError>(())
 //! ```
 //!
-//! # The paged cache a model drives (docs/SPEC.md §6.1)
-//!
-//! [`PagedCache`] holds many sessions of one model shape in pages of pinned, mapped host
-//! memory. Per step a model reserves room for a ragged batch, appends each layer's K and V
-//! from device memory (quantized and packed on the GPU, bit-exact with `fathom-store`), and
-//! attends each layer's queries with any method of the grammar; each query head attends over
-//! its own sink + local + top-k set. This example (`examples/paged_decode.rs`) prefills two
-//! sessions of different lengths and decodes 16 steps, checking every output against the CPU
-//! reference; without a GPU it prints why and returns.
-//!
-//! ```
-#![doc = include_str!("../examples/paged_decode.rs")]
-//! ```
-//!
-//! Its pure-CPU core compiles in every build: [`pages`] (the page pool, per-session page tables, copy-on-write forks),
+//! The cache's pure-CPU core compiles in every build: [`pages`] (the page pool, per-session page tables, copy-on-write forks),
 //! [`paged_layout`] (byte offsets of planes, scales and K|V records inside a page) and
 //! [`paged_ref`] (the CPU reference of paged appends, equal to `fathom_store::KeyStore` bit
 //! for bit: the oracle of a GPU append kernel).
