@@ -322,9 +322,9 @@ impl LayerSource {
     /// Keys of tokens `[t0, t0 + m)` of this source tiled to any length, `[m][H][D]`, for
     /// model layer `layer`: token `t` is source token `t mod n0`, and tiles after the first
     /// are made distinct tokens as the benchmark step's store is (`fill_store`): half of their
-    /// channels negated (by a hash of layer, channel and tile) and every (channel, 64-token block) past the first
-    /// tile scaled by `1 + 0.03·u`, `u ∈ [-1, 1)` hashed, so tiled copies neither tie nor win
-    /// together.
+    /// channels negated (by a hash of layer, channel and tile) and every (channel, 64-token
+    /// block) past the first tile scaled by `1 + 0.03·u`, `u ∈ [-1, 1)` hashed, so tiled
+    /// copies neither tie nor win together.
     pub fn tiled_keys(&self, layer: usize, t0: usize, m: usize) -> Vec<f32> {
         let (hn, d) = (self.params.heads, self.params.dim);
         let row = hn * d;
