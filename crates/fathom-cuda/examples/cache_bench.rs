@@ -10,10 +10,8 @@
 mod common;
 use common::Uniform;
 use cudarc::driver::{sys, CudaSlice, DevicePtr};
-use fathom_cuda::cache::{
-    AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS,
-};
-use fathom_cuda::pages::{PageConfig, SessionId};
+use fathom_cuda::cache::{AttendMethod, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS};
+use fathom_cuda::pages::SessionId;
 use fathom_cuda::{Gpu, ModelShape, PagedCache};
 use fathom_plan::scanner::HeadCalib;
 use fathom_plan::SelectParams;
@@ -36,19 +34,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (warm, timed) = (2usize, 8usize);
     let max_tokens = context + (warm + timed) * methods.len() + 8;
     let page = DEFAULT_PAGE_TOKENS;
-    let cfg = CacheConfig {
-        shape,
-        pages: PageConfig {
-            page_tokens: page,
-            pages: b * max_tokens.div_ceil(page) + b,
-            max_sessions: b,
-            max_tokens,
-        },
-        max_batch: b,
-        max_k: 512,
-        row_cache: 0,
-        residency: fathom_cuda::Residency::Host,
-    };
+    let cfg = common::timing_config(shape, b, max_tokens);
     let t0 = std::time::Instant::now();
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_, _>>()?;

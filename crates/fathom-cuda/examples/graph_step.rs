@@ -12,8 +12,8 @@ mod common;
 use common::Uniform;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
-use fathom_cuda::cache::{AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows};
-use fathom_cuda::pages::{PageConfig, SessionId};
+use fathom_cuda::cache::{AttendMethod, KvDtype, KvRows, QueryRows};
+use fathom_cuda::pages::SessionId;
 use fathom_cuda::{Gpu, Method, ModelShape, PagedCache};
 use fathom_plan::scanner::HeadCalib;
 use fathom_plan::SelectParams;
@@ -40,19 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let steps = 30usize;
     let max_tokens = context + steps + 64;
     let page = fathom_cuda::cache::DEFAULT_PAGE_TOKENS;
-    let cfg = CacheConfig {
-        shape,
-        pages: PageConfig {
-            page_tokens: page,
-            pages: b * max_tokens.div_ceil(page) + b,
-            max_sessions: b,
-            max_tokens,
-        },
-        max_batch: b,
-        max_k: 512,
-        row_cache: 0,
-        residency: fathom_cuda::Residency::Host,
-    };
+    let cfg = common::timing_config(shape, b, max_tokens);
     let t0 = Instant::now();
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_, _>>()?;

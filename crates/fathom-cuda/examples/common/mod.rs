@@ -1,4 +1,5 @@
-//! What the timing examples share: the SYNTHETIC generator and device uploads.
+//! What the timing examples share: the SYNTHETIC generator, device uploads and the cache
+//! configuration of `b` sessions.
 
 use std::sync::Arc;
 
@@ -34,5 +35,28 @@ impl Uniform {
         n: usize,
     ) -> Result<CudaSlice<f32>, Box<dyn std::error::Error>> {
         Ok(stream.clone_htod(&self.vec(n))?)
+    }
+}
+
+/// The timing examples' cache: `b` sessions of up to `max_tokens` tokens of `shape` in pages of
+/// [`fathom_cuda::cache::DEFAULT_PAGE_TOKENS`] (host memory, k ≤ 512, no row cache).
+pub fn timing_config(
+    shape: fathom_cuda::ModelShape,
+    b: usize,
+    max_tokens: usize,
+) -> fathom_cuda::cache::CacheConfig {
+    let page = fathom_cuda::cache::DEFAULT_PAGE_TOKENS;
+    fathom_cuda::cache::CacheConfig {
+        shape,
+        pages: fathom_cuda::pages::PageConfig {
+            page_tokens: page,
+            pages: b * max_tokens.div_ceil(page) + b,
+            max_sessions: b,
+            max_tokens,
+        },
+        max_batch: b,
+        max_k: 512,
+        row_cache: 0,
+        residency: fathom_cuda::Residency::Host,
     }
 }
