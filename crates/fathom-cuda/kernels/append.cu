@@ -62,16 +62,22 @@ __device__ __forceinline__ float key_bf16(const void* k, u64 i, u32 dtype, u16* 
 // (the bf16 keys of the session's last partial block), the rest from the new rows. Writes
 // all four plane words and the fp16 scale of the block (bits past the session's length are
 // zero). A non-finite key or a block maximum past fp16 skips the channel's write and counts
-// a fault.
+// a fault. With `fused` (every session's append lies in one block, as when decoding) it also
+// writes the new tokens' K|V records and tail entries, so append_records is not launched:
+// the tail positions it writes (>= n0 % 64) are not the ones it reads (< n0 % 64), and both
+// belong to the same thread. The loops are unrolled over the 64 tokens so `vals` stays in
+// registers and the loads are independent.
 extern "C" __global__ void append_quant(
     const AppendDesc* __restrict__ descs,
     const u32* __restrict__ tables,
     u8* pool,
     PoolGeom g,
-    const u16* __restrict__ tails,
+    u16* tails,
     const void* __restrict__ k,
+    const void* __restrict__ v,
     u32 dtype,
     u32 layer,
+    u32 fused,
     u32* faults)
 {
     const AppendDesc d = descs[blockIdx.x];
@@ -80,22 +86,33 @@ extern "C" __global__ void append_quant(
     const u32 end = d.n0 + d.m;
     const u32 t0 = b * BLOCK;
     if (t0 >= end || c >= DIM) return;
-    const u32 t1 = min(t0 + BLOCK, end);
     // tails: [slot][layer][head][64][D] bf16
-    const u16* tail = tails + ((((u64)d.slot * g.layers + layer) * g.heads + h) * BLOCK) * DIM;
+    u16* tail = tails + ((((u64)d.slot * g.layers + layer) * g.heads + h) * BLOCK) * DIM;
+    const u32 bp = g.page_tokens / BLOCK;
+    const u32 page = tables[(u64)d.slot * g.max_pages + t0 / g.page_tokens];
+    u8* base = pool + (u64)page * g.page_bytes;
+    u16* recs = (u16*)(base + g.records_at) + ((u64)h * g.page_tokens + t0 % g.page_tokens) * (2 * DIM);
     float vals[BLOCK];
     float mx = 0.0f;
     bool bad = false;
-    for (u32 i = t0; i < t1; ++i) {
-        float x;
+#pragma unroll
+    for (u32 j = 0; j < BLOCK; ++j) {
+        const u32 i = t0 + j;
+        float x = 0.0f;
         if (i < d.n0) {
-            x = bf16_to_f32(tail[(i % BLOCK) * DIM + c]);
-        } else {
+            x = bf16_to_f32(tail[j * DIM + c]);
+        } else if (i < end) {
             u16 bits;
-            x = key_bf16(k, ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c, dtype, &bits);
+            const u64 src = ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c;
+            x = key_bf16(k, src, dtype, &bits);
+            if (fused) {
+                recs[(u64)j * 2 * DIM + c] = bits;
+                recs[(u64)j * 2 * DIM + DIM + c] = f32_to_bf16_bits(load_elem(v, src, dtype));
+                tail[j * DIM + c] = bits;
+            }
         }
         if (!isfinite(x)) bad = true;
-        vals[i - t0] = x;
+        vals[j] = x;
         mx = fmaxf(mx, fabsf(x));
     }
     const u16 m16 = f32_to_f16_bits(mx);
@@ -106,23 +123,24 @@ extern "C" __global__ void append_quant(
     }
     u64 w0 = 0, w1 = 0, w2 = 0, w3 = 0;
     const float delta = m / 8.0f;
-    for (u32 i = t0; i < t1; ++i) {
-        u32 q = 8;
-        if (m != 0.0f) {
-            float v = floorf(vals[i - t0] / delta) + 8.0f;
-            v = fminf(fmaxf(v, 0.0f), 15.0f);
-            q = (u32)v;
+#pragma unroll
+    for (u32 j = 0; j < BLOCK; ++j) {
+        if (t0 + j < end) {
+            u32 q = 8;
+            if (m != 0.0f) {
+                float x = floorf(vals[j] / delta) + 8.0f;
+                x = fminf(fmaxf(x, 0.0f), 15.0f);
+                q = (u32)x;
+            }
+            const u64 bit = 1ull << j;
+            if (q & 8u) w0 |= bit;
+            if (q & 4u) w1 |= bit;
+            if (q & 2u) w2 |= bit;
+            if (q & 1u) w3 |= bit;
         }
-        const u64 bit = 1ull << (i - t0);
-        if (q & 8u) w0 |= bit;
-        if (q & 4u) w1 |= bit;
-        if (q & 2u) w2 |= bit;
-        if (q & 1u) w3 |= bit;
     }
-    const u32 bp = g.page_tokens / BLOCK;
-    const u32 page = tables[(u64)d.slot * g.max_pages + t0 / g.page_tokens];
     const u32 bb = (t0 % g.page_tokens) / BLOCK;
-    u8* run = pool + (u64)page * g.page_bytes + (u64)(h * DIM + c) * g.run_bytes;
+    u8* run = base + (u64)(h * DIM + c) * g.run_bytes;
     u64* words = (u64*)(run + g.scale_pad) + bb;
     words[0] = w0;
     words[bp] = w1;

@@ -431,22 +431,26 @@ extern "C" __global__ void paged_union(const AppendDesc* __restrict__ descs, Poo
         urows[ub + i] = t;
         umask[ub + i] = all;
     }
-    // Every head's winners as keys token*8 + g, padded to a power of two with ~0.
-    u32 total = 0;
-    for (u32 q = 0; q < GQ; ++q) total += min(counts[(u64)b * g.heads * GQ + h * GQ + q], a.max_k);
+    // Every head's winners as keys token*8 + g, padded to a power of two with ~0; head q's
+    // list starts at off[q] (every thread loads the G <= 8 counts, then the lists in parallel).
+    u32 off[GQ + 1];
+    off[0] = 0;
+#pragma unroll
+    for (u32 q = 0; q < GQ; ++q) off[q + 1] = off[q] + min(counts[(u64)b * g.heads * GQ + h * GQ + q], a.max_k);
+    const u32 total = off[GQ];
     u32 len = 1;
     while (len < total) len <<= 1;
-    for (u32 i = tid; i < len; i += TK) keys[i] = 0xffffffffu;
-    __syncthreads();
-    if (tid < 32) {
-        // One warp writes the lists (counts are small; G <= 8).
-        u32 off = 0;
-        for (u32 q = 0; q < GQ; ++q) {
+    for (u32 i = tid; i < len; i += TK) {
+        u32 key = 0xffffffffu;
+        if (i < total) {
+            u32 q = 0, base = 0;
+#pragma unroll
+            for (u32 j = 1; j < GQ; ++j)
+                if (i >= off[j]) { q = j; base = off[j]; }
             const u64 r = (u64)b * g.heads * GQ + h * GQ + q;
-            const u32 c = min(counts[r], a.max_k);
-            for (u32 i = tid; i < c; i += 32) keys[off + i] = winners[r * a.max_k + i] * 8u + q;
-            off += c;
+            key = winners[r * a.max_k + (i - base)] * 8u + q;
         }
+        keys[i] = key;
     }
     __syncthreads();
     // Bitonic sort of keys[0..len).
@@ -538,48 +542,58 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
     }
 }
 
-// The winners of the fetch's bids copy their row into the cache, set the tag and clear the
-// bid (so every bid is zero again after this launch). grid as paged_fetch.
-extern "C" __global__ void paged_fill(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
-                                      const u32* __restrict__ urows, const u32* __restrict__ ucount,
-                                      u32* __restrict__ tags, u16* __restrict__ cdata, u32* __restrict__ claim,
-                                      const u16* __restrict__ rows) {
-    const u32 b = blockIdx.z, h = blockIdx.y;
-    const AppendDesc d = descs[b];
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ub = ((u64)b * g.heads + h) * a.umax;
-    const u32 cnt = min(ucount[(u64)b * g.heads + h], a.umax);
-    const u32 r = blockIdx.x * 8 + warp;
-    if (r >= cnt) return;
-    const u32 t = urows[ub + r];
-    const u64 slot = cache_base(d, g, a, h) + t % a.cache_rows;
-    if (claim[slot] != t + 1) return;
-    const uint4* src = (const uint4*)(rows + (ub + r) * 2 * DIM);
-    uint4* dst = (uint4*)(cdata + slot * 2 * DIM);
-    for (u32 i = lane; i < 2 * DIM * 2 / 16; i += 32) dst[i] = src[i];
-    __syncwarp();
-    if (lane == 0) { tags[slot] = t + 1; claim[slot] = 0; }
-}
-
 #define CH 64   // rows per tile of the partial attention
-#define NT 128  // threads of the partial attention
+#define NT 128  // threads of the partial attention (4 warps)
+#define GRAN 16 // split spans are multiples of GRAN rows
+#define KE (DIM / 32)  // key elements per lane in the logits (2, 4 or 8 bf16)
+#if KE != 2 && KE != 4 && KE != 8
+#error "paged attention needs DIM in {64, 128, 256}"
+#endif
+
+// KE bf16 of a key row at element e0 (a multiple of KE) as f32, in one vector load.
+__device__ __forceinline__ void load_key(const u16* k, u32 e0, float* out) {
+#if KE == 8
+    const uint4 w = *(const uint4*)(k + e0);
+    const u32 x[4] = {w.x, w.y, w.z, w.w};
+#elif KE == 4
+    const uint2 w = *(const uint2*)(k + e0);
+    const u32 x[2] = {w.x, w.y};
+#else
+    const u32 x[1] = {*(const u32*)(k + e0)};
+#endif
+#pragma unroll
+    for (int i = 0; i < KE / 2; i++) {
+        out[2 * i] = __uint_as_float(x[i] << 16);
+        out[2 * i + 1] = __uint_as_float(x[i] & 0xffff0000u);
+    }
+}
 
 // Exact attention of the G query heads of one (session, KV head) over one split of its rows
 // (docs/SPEC.md §5): the union rows from HBM, each head counting only the rows whose mask has
 // its bit (its own set), or every token read from the pages when dense. Each K row is read
-// once for all G heads; an online softmax over tiles of CH rows; the split's partial max, sum
-// and weighted V go to pm, pl [b][Hq][nsplit] and pacc [b][Hq][nsplit][D].
+// once for all G heads (one warp per row, KE channels per lane in one vector load, the
+// queries in registers); an online softmax over tiles of CH rows, each head's max and sum
+// reduced by one warp; the split's partial max, sum and weighted V go to pm, pl
+// [b][Hq][nsplit] and pacc [b][Hq][nsplit][D]. Splits span a multiple of GRAN rows. The last
+// split of a (session, KV head) to finish combines them into out [b][Hq][D] f32:
+// o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (done[b][h] counts finished splits and
+// is zero again after). Each split also fills the row cache from its rows: the winners of the
+// fetch's bids copy their record into the slot, set its tag and clear the bid (so every bid
+// is zero again after this launch; the fetch has finished, so every bid is in).
 // grid = (nsplit, Hkv, batch), block = NT.
 extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                               const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                               const float* __restrict__ qf, const u16* __restrict__ rows,
-                                              const u8* __restrict__ umask, const u32* __restrict__ ucount,
+                                              const u32* __restrict__ urows, const u8* __restrict__ umask,
+                                              const u32* __restrict__ ucount, u32* __restrict__ tags,
+                                              u16* __restrict__ cdata, u32* __restrict__ claim,
                                               float* __restrict__ pm, float* __restrict__ pl,
-                                              float* __restrict__ pacc) {
-    __shared__ float qs[GQ][DIM];
+                                              float* __restrict__ pacc, u32* __restrict__ done,
+                                              float* __restrict__ out) {
     __shared__ float p[GQ][CH];
     __shared__ const u16* recs[CH];
-    __shared__ float tmax[GQ], corr[GQ], msum[GQ], lsum[GQ];
+    __shared__ float corr[GQ], msum[GQ], lsum[GQ];
+    __shared__ bool last;
     const u32 b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
     const AppendDesc d = descs[b];
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -587,10 +601,29 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
     const u64 ub = ((u64)b * g.heads + h) * a.umax;
     const u32 total = a.dense ? n : min(ucount[(u64)b * g.heads + h], a.umax);
     const u32 per = (total + a.nsplit - 1) / a.nsplit;
-    const u32 span = (per + CH - 1) / CH * CH;
+    const u32 span = (per + GRAN - 1) / GRAN * GRAN;
     const u32 r0 = min(split * span, total), r1 = min(r0 + span, total);
     const u32 heads_q = g.heads * GQ;
-    for (u32 i = tid; i < GQ * DIM; i += NT) qs[i / DIM][i % DIM] = qf[((u64)b * heads_q + h * GQ) * DIM + i];
+    if (!a.dense && a.cache_rows) {
+        const u64 cb = cache_base(d, g, a, h);
+        for (u32 r = r0 + warp; r < r1; r += NT / 32) {
+            const u32 t = urows[ub + r];
+            const u64 slot = cb + t % a.cache_rows;
+            if (claim[slot] != t + 1) continue;
+            const uint4* src = (const uint4*)(rows + (ub + r) * 2 * DIM);
+            uint4* dst = (uint4*)(cdata + slot * 2 * DIM);
+            for (u32 i = lane; i < 2 * DIM * 2 / 16; i += 32) dst[i] = src[i];
+            __syncwarp();
+            if (lane == 0) { tags[slot] = t + 1; claim[slot] = 0; }
+        }
+    }
+    // This lane's KE channels of every head's query (pre-scaled by the softmax scale).
+    float qr[GQ][KE];
+#pragma unroll
+    for (int q = 0; q < GQ; q++)
+#pragma unroll
+        for (int j = 0; j < KE; j++)
+            qr[q][j] = qf[((u64)b * heads_q + h * GQ + q) * DIM + lane * KE + j] * a.scale;
     if (tid < GQ) { msum[tid] = -INFINITY; lsum[tid] = 0.0f; }
     constexpr int CPT = (DIM + NT - 1) / NT;  // channels per thread
     float acc[GQ][CPT];
@@ -614,49 +647,55 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
         __syncthreads();
         // Logits: one warp per row, all G heads at once.
         for (u32 r = warp; r < nr; r += NT / 32) {
-            const u16* k = recs[r];
             const u32 m = a.dense ? 0xffu : umask[ub + t0 + r];
+            float kv[KE];
+            load_key(recs[r], lane * KE, kv);
             float dt[GQ];
 #pragma unroll
-            for (int q = 0; q < GQ; q++) dt[q] = 0.0f;
-            for (u32 c = lane; c < DIM; c += 32) {
-                const float kv = bf16_to_f32(k[c]);
+            for (int q = 0; q < GQ; q++) {
+                float x = 0.0f;
 #pragma unroll
-                for (int q = 0; q < GQ; q++) dt[q] += qs[q][c] * kv;
+                for (int j = 0; j < KE; j++) x = fmaf(qr[q][j], kv[j], x);
+                dt[q] = x;
             }
 #pragma unroll
             for (int q = 0; q < GQ; q++) {
                 float x = dt[q];
                 for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-                if (lane == 0) p[q][r] = ((m >> q) & 1u) ? x * a.scale : -INFINITY;
+                if (lane == 0) p[q][r] = ((m >> q) & 1u) ? x : -INFINITY;
             }
         }
         __syncthreads();
-        // Per head: the tile's max, the rescale of the running sums, the weights.
-        if (tid < GQ) {
-            float tm = msum[tid];
-            for (u32 r = 0; r < nr; r++) tm = fmaxf(tm, p[tid][r]);
-            corr[tid] = (msum[tid] == -INFINITY || tm == -INFINITY) ? (tm == -INFINITY ? 1.0f : 0.0f) : expf(msum[tid] - tm);
-            tmax[tid] = tm;
+        // Per head (warp w takes heads w, w + 4): the tile's max, the weights, their sum and
+        // the rescale of the running sums.
+        for (u32 q = warp; q < GQ; q += NT / 32) {
+            const float x0 = lane < nr ? p[q][lane] : -INFINITY;
+            const float x1 = lane + 32 < nr ? p[q][lane + 32] : -INFINITY;
+            float tm = fmaxf(x0, x1);
+            for (int o = 16; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
+            const float old = msum[q];
+            tm = fmaxf(tm, old);
+            const float e0 = x0 == -INFINITY ? 0.0f : expf(x0 - tm);
+            const float e1 = x1 == -INFINITY ? 0.0f : expf(x1 - tm);
+            if (lane < nr) p[q][lane] = e0;
+            if (lane + 32 < nr) p[q][lane + 32] = e1;
+            float sum = e0 + e1;
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) {
+                const float c = (old == -INFINITY || tm == -INFINITY) ? (tm == -INFINITY ? 1.0f : 0.0f) : expf(old - tm);
+                corr[q] = c;
+                lsum[q] = lsum[q] * c + sum;
+                msum[q] = tm;
+            }
         }
         __syncthreads();
-        for (u32 i = tid; i < GQ * nr; i += NT) {
-            const u32 q = i / nr, r = i % nr;
-            p[q][r] = p[q][r] == -INFINITY ? 0.0f : expf(p[q][r] - tmax[q]);
-        }
-        __syncthreads();
-        if (tid < GQ) {
-            float l = lsum[tid] * corr[tid];
-            for (u32 r = 0; r < nr; r++) l += p[tid][r];
-            lsum[tid] = l;
-            msum[tid] = tmax[tid];
-        }
 #pragma unroll
         for (int j = 0; j < CPT; j++) {
             const u32 c = tid + j * NT;
             if (c < DIM) {
 #pragma unroll
                 for (int q = 0; q < GQ; q++) acc[q][j] *= corr[q];
+#pragma unroll 4
                 for (u32 r = 0; r < nr; r++) {
                     const float v = bf16_to_f32(recs[r][DIM + c]);
 #pragma unroll
@@ -666,10 +705,10 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
         }
         __syncthreads();
     }
-    const u64 pb = ((u64)b * heads_q + h * GQ) * a.nsplit + split;  // + q * nsplit
+    const u64 pb = ((u64)b * heads_q + h * GQ) * a.nsplit;  // + q * nsplit + split
 #pragma unroll
     for (int q = 0; q < GQ; q++) {
-        const u64 i = pb + (u64)q * a.nsplit;
+        const u64 i = pb + (u64)q * a.nsplit + split;
         if (tid == 0) { pm[i] = msum[q]; pl[i] = lsum[q]; }
 #pragma unroll
         for (int j = 0; j < CPT; j++) {
@@ -677,27 +716,32 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
             if (c < DIM) pacc[i * DIM + c] = acc[q][j];
         }
     }
-}
-
-// The splits of one query head combined: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
-// grid = (Hq, batch), block = DIM. out: [b][Hq][D] f32.
-extern "C" __global__ void paged_attn_combine(PoolGeom g, AttendGeom a, const float* __restrict__ pm,
-                                              const float* __restrict__ pl, const float* __restrict__ pacc,
-                                              float* __restrict__ out) {
-    const u32 b = blockIdx.y, hq = blockIdx.x, c = threadIdx.x;
-    const u64 row = (u64)b * g.heads * GQ + hq;
-    const u64 base = row * a.nsplit;
-    float M = -INFINITY;
-    for (u32 s = 0; s < a.nsplit; s++) M = fmaxf(M, pm[base + s]);
-    float L = 0.0f, o = 0.0f;
-    if (M != -INFINITY) {
-        for (u32 s = 0; s < a.nsplit; s++) {
-            const float m = pm[base + s];
-            if (m == -INFINITY) continue;
-            const float w = expf(m - M);
-            L += pl[base + s] * w;
-            o += pacc[(base + s) * DIM + c] * w;
-        }
+    // The last split to finish combines (its partials were made visible before its count).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        u32* cnt = done + (u64)b * g.heads + h;
+        last = atomicAdd(cnt, 1u) == a.nsplit - 1;
+        if (last) *cnt = 0;
     }
-    out[row * DIM + c] = L > 0.0f ? o / L : 0.0f;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (u32 i = tid; i < GQ * DIM; i += NT) {
+        const u32 q = i / DIM, c = i % DIM;
+        const u64 base = pb + (u64)q * a.nsplit;
+        float M = -INFINITY;
+        for (u32 sp = 0; sp < a.nsplit; sp++) M = fmaxf(M, __ldcg(pm + base + sp));
+        float L = 0.0f, o = 0.0f;
+        if (M != -INFINITY) {
+            for (u32 sp = 0; sp < a.nsplit; sp++) {
+                const float m = __ldcg(pm + base + sp);
+                if (m == -INFINITY) continue;
+                const float w = expf(m - M);
+                L += __ldcg(pl + base + sp) * w;
+                o += __ldcg(pacc + (base + sp) * DIM + c) * w;
+            }
+        }
+        out[((u64)b * heads_q + h * GQ + q) * DIM + c] = L > 0.0f ? o / L : 0.0f;
+    }
 }

@@ -37,12 +37,14 @@ const SCAN_BLOCKS: usize = 32;
 const HIST_BINS: usize = 1024;
 /// Middle tokens per CTA of `paged_topk_collect` (`ELEMS` in attend.cu).
 const COLLECT_ELEMS: usize = 4096;
-/// Rows per tile of the partial attention (`CH` in attend.cu) and its threads (`NT`).
-const ATTN_ROWS: usize = 64;
+/// Threads of the partial attention (`NT` in attend.cu); its splits span multiples of
+/// `GRAN` rows.
 const ATTN_THREADS: u32 = 128;
+const ATTN_GRAN: usize = 16;
 /// Splits of the partial attention over one (session, KV head): of the union (at most
-/// [`SPARSE_SPLITS`]) or, when dense, of every token ([`DENSE_SPLITS`]).
-const SPARSE_SPLITS: usize = 32;
+/// [`SPARSE_SPLITS`]) or, when dense, of every token ([`DENSE_SPLITS`]). A union of ~1.3k
+/// rows (k = 512, G = 4) then gives 42 CTAs per KV head of 32 rows each.
+const SPARSE_SPLITS: usize = 64;
 const DENSE_SPLITS: usize = 256;
 
 /// `struct AppendDesc` of append.cu.
@@ -105,9 +107,7 @@ struct AttendKernels {
     topk_finish: CudaFunction,
     union: CudaFunction,
     fetch: CudaFunction,
-    fill: CudaFunction,
     attn_partial: CudaFunction,
-    attn_combine: CudaFunction,
     fathom_plan: CudaFunction,
     sparq_plan: CudaFunction,
 }
@@ -142,6 +142,9 @@ struct Work {
     pm: DevBuf,
     pl: DevBuf,
     pacc: DevBuf,
+    /// Finished splits per (session, KV head) of the running attention, `[max_batch][Hkv]`
+    /// u32 (zero between attends: the last split resets it).
+    done: DevBuf,
     /// Union rows and row-cache hits summed over every attend since the cache was made (u64).
     counters: DevBuf,
     /// The HBM row cache (`cache_rows` slots per (session, layer, KV head); absent at 0):
@@ -310,9 +313,7 @@ impl PagedCache {
             topk_finish: fa("paged_topk_finish")?,
             union: fa("paged_union")?,
             fetch: fa("paged_fetch")?,
-            fill: fa("paged_fill")?,
             attn_partial: fa("paged_attn_partial")?,
-            attn_combine: fa("paged_attn_combine")?,
             fathom_plan: fp("fathom_plan")?,
             sparq_plan: fp("sparq_plan")?,
         };
@@ -336,6 +337,7 @@ impl PagedCache {
             pl: DevBuf::new(mb * hq * DENSE_SPLITS * 4, "attention partial sum")?,
             pacc: DevBuf::new(mb * hq * DENSE_SPLITS * d * 4, "attention partials")?,
             counters: DevBuf::zeroed(16, "attend counters")?,
+            done: DevBuf::zeroed(mb * hkv * 4, "attention split counts")?,
             row_tags: row_cache_buf(&cfg, 4, "row-cache tags")?,
             row_data: row_cache_buf(&cfg, 4 * d, "row cache")?,
             row_claim: row_cache_buf(&cfg, 4, "row-cache bids")?,
@@ -621,6 +623,9 @@ impl PagedCache {
         let dtype = kv.dtype.code();
         let layer_u = layer as u32;
         let nb = self.batch_len as u32;
+        // Every session's new tokens in one block (a decode batch): one kernel writes the
+        // planes, the records and the tail.
+        let fused = u32::from(self.batch_max_blocks <= 1);
         let mut b = self.stream.launch_builder(&self.kernels.quant);
         b.arg(&descs)
             .arg(&tables)
@@ -628,8 +633,10 @@ impl PagedCache {
             .arg(&geom)
             .arg(&tails)
             .arg(&kv.k)
+            .arg(&kv.v)
             .arg(&dtype)
             .arg(&layer_u)
+            .arg(&fused)
             .arg(&faults);
         let grid = (nb, s.kv_heads as u32, self.batch_max_blocks as u32);
         // SAFETY: descriptors, tables, pool, tails and faults are allocated at the sizes the
@@ -637,6 +644,9 @@ impl PagedCache {
         // L); `kv` holds `batch.rows` rows of [Hkv][D] (checked count; the caller owns the
         // pointers' validity).
         unsafe { b.launch(cfg(grid, s.dim as u32)) }.map_err(drv("launch append_quant"))?;
+        if fused == 1 {
+            return Ok(());
+        }
         let mut b = self.stream.launch_builder(&self.kernels.records);
         b.arg(&descs)
             .arg(&tables)
@@ -863,7 +873,7 @@ impl PagedCache {
             nsplit: if dense {
                 DENSE_SPLITS
             } else {
-                self.work.umax.div_ceil(ATTN_ROWS).min(SPARSE_SPLITS)
+                self.work.umax.div_ceil(ATTN_GRAN).min(SPARSE_SPLITS)
             } as u32,
             pad: 0,
         };
@@ -871,6 +881,10 @@ impl PagedCache {
         let w = &self.work;
         let st = &self.stream;
         let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr());
+        // The row cache (null when absent).
+        let ptr = |x: &Option<DevBuf>| x.as_ref().map_or(0, |b| b.ptr);
+        let (tags, data, claim) = (ptr(&w.row_tags), ptr(&w.row_data), ptr(&w.row_claim));
+
         let (nb32, hkv32, hq32) = (nb as u32, hkv as u32, hq as u32);
         // Grids cover the longest session of the batch, or `max_tokens` while capturing (the
         // kernels skip what lies past each session's length).
@@ -1004,8 +1018,6 @@ impl PagedCache {
             unsafe { b.launch(cfg((nb32, hkv32, 1), TOPK_THREADS)) }
                 .map_err(drv("launch paged_union"))?;
             let row_chunks = self.work.umax.div_ceil(8) as u32;
-            let ptr = |x: &Option<DevBuf>| x.as_ref().map_or(0, |b| b.ptr);
-            let (tags, data, claim) = (ptr(&w.row_tags), ptr(&w.row_data), ptr(&w.row_claim));
             let mut b = st.launch_builder(&k.fetch);
             b.arg(&descs)
                 .arg(&tables)
@@ -1023,23 +1035,9 @@ impl PagedCache {
             // records; the row cache (when present) has cache_rows slots per (slot, layer, head).
             unsafe { b.launch(cfg((row_chunks, hkv32, nb32), 256)) }
                 .map_err(drv("launch paged_fetch"))?;
-            if self.cfg.row_cache > 0 {
-                let mut b = st.launch_builder(&k.fill);
-                b.arg(&descs)
-                    .arg(&geom)
-                    .arg(&ag)
-                    .arg(&w.urows.ptr)
-                    .arg(&w.ucount.ptr)
-                    .arg(&tags)
-                    .arg(&data)
-                    .arg(&claim)
-                    .arg(&w.rows.ptr);
-                // SAFETY: as paged_fetch.
-                unsafe { b.launch(cfg((row_chunks, hkv32, nb32), 256)) }
-                    .map_err(drv("launch paged_fill"))?;
-            }
         }
-        // 6. Exact attention of each query head over its own set, split, then combined.
+        // 6. Exact attention of each query head over its own set, split; the last split of
+        // each (session, KV head) combines, and every split fills the row cache from its rows.
         let mut b = st.launch_builder(&k.attn_partial);
         b.arg(&descs)
             .arg(&tables)
@@ -1048,25 +1046,23 @@ impl PagedCache {
             .arg(&ag)
             .arg(&w.qf.ptr)
             .arg(&w.rows.ptr)
+            .arg(&w.urows.ptr)
             .arg(&w.umask.ptr)
             .arg(&w.ucount.ptr)
-            .arg(&w.pm.ptr)
-            .arg(&w.pl.ptr)
-            .arg(&w.pacc.ptr);
-        // SAFETY: partials hold DENSE_SPLITS ≥ nsplit per row; rows are read through the
-        // session's pages only at tokens < its length.
-        unsafe { b.launch(cfg((ag.nsplit, hkv32, nb32), ATTN_THREADS)) }
-            .map_err(drv("launch paged_attn_partial"))?;
-        let mut b = st.launch_builder(&k.attn_combine);
-        b.arg(&geom)
-            .arg(&ag)
+            .arg(&tags)
+            .arg(&data)
+            .arg(&claim)
             .arg(&w.pm.ptr)
             .arg(&w.pl.ptr)
             .arg(&w.pacc.ptr)
+            .arg(&w.done.ptr)
             .arg(&out);
-        // SAFETY: out holds batch·Hq·D f32 (the caller's contract).
-        unsafe { b.launch(cfg((hq32, nb32, 1), d as u32)) }
-            .map_err(drv("launch paged_attn_combine"))?;
+        // SAFETY: partials hold DENSE_SPLITS ≥ nsplit per row, `done` one count per (session,
+        // KV head); rows are read through the session's pages only at tokens < its length;
+        // the row cache (when present) has cache_rows slots per (slot, layer, head); out holds
+        // batch·Hq·D f32 (the caller's contract).
+        unsafe { b.launch(cfg((ag.nsplit, hkv32, nb32), ATTN_THREADS)) }
+            .map_err(drv("launch paged_attn_partial"))?;
         if matches!(method, AttendMethod::Scan(M::Fathom(_) | M::SparQ(_))) {
             self.plans_counted += (nb * hkv) as u64;
         }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device calls of the engine (issue 14). Binaries built here with
+#   CARGO_TARGET_DIR=/tmp/tgt-cuda RUSTFLAGS="-C target-cpu=x86-64-v3" \
+#     cargo test -p fathom-cuda --features cuda --release --no-run
+#   ... cargo build --release -p fathom-cuda --features cuda --example paged_decode ...
+#   ... cargo build --release -p fathom-cli --features cuda
+# and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
+# graph_step, fathom). Usage on the device: bash scripts/device/engine.sh tests|bench|hbm|ragged|sanitize ...
+# Every output goes under $OUT.
+set -u
+B=.devbin
+export FATHOM_REQUIRE_GPU=1
+mode=$1; shift
+case $mode in
+tests)
+  log=$OUT/engine-tests.log
+  echo "# FATHOM_REQUIRE_GPU=1, $(date), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${COMMIT:-?}" > $log
+  for t in unit api gpu cache_gpu; do
+    echo "## $t" >> $log
+    timeout 240 $B/$t --test-threads 1 2>&1 | grep -E "^test |test result|panicked|FAILED|failures|skip" >> $log
+    echo "$t rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
+  done
+  echo "## example paged_decode" >> $log
+  timeout 120 $B/paged_decode >> $log 2>&1; echo "paged_decode rc=$?" | tee -a $OUT/summary.txt
+  ;;
+bench)
+  # bench CONTEXTS METHODS STEPS NAME [extra offload-bench args]
+  ctx=$1 methods=$2 steps=$3 name=$4; shift 4
+  timeout 400 $B/fathom offload-bench --engine cache --context $ctx --methods $methods --steps $steps "$@" \
+    --json $OUT/$name.json > $OUT/$name.txt 2>&1
+  echo "$name rc=$?" | tee -a $OUT/summary.txt
+  grep -E "fathom:48|sparq:32|ds:32" $OUT/$name.txt | head -20
+  ;;
+sanitize)
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool $tool $B/cache_gpu --test-threads 1 "$@" > $OUT/cache-$tool.log 2>&1
+    echo "$tool rc=$? $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' $OUT/cache-$tool.log | tail -1)" | tee -a $OUT/summary.txt
+  done
+  ;;
+esac
