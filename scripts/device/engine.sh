@@ -38,3 +38,18 @@ sanitize)
   done
   ;;
 esac
+# ncu BIN NAME: the attend kernels of three layers of the third step at 256k, fathom:48, and
+# the decode appends of the same steps (kernel times, caches not flushed between kernels).
+case $mode in
+ncu)
+  bin=$1 name=$2
+  timeout 200 ncu --cache-control none --clock-control none -k regex:'paged_|attend_queries|fathom_plan' \
+    --launch-skip 648 --launch-count 27 --metrics gpu__time_duration.sum \
+    $B/$bin offload-bench --engine cache --context 256k --methods fathom:48 --steps 3 --probe-mib 64 > $OUT/ncu-$name.txt 2>&1
+  echo "ncu $name rc=$?" | tee -a $OUT/summary.txt
+  timeout 200 ncu --cache-control none --clock-control none -k regex:'append_' \
+    --launch-skip 2340 --launch-count 12 --metrics gpu__time_duration.sum \
+    $B/$bin offload-bench --engine cache --context 256k --methods fathom:48 --steps 2 --probe-mib 64 > $OUT/ncu-append-$name.txt 2>&1
+  echo "ncu append $name rc=$?" | tee -a $OUT/summary.txt
+  ;;
+esac

@@ -92,28 +92,35 @@ extern "C" __global__ void append_quant(
     const u32 page = tables[(u64)d.slot * g.max_pages + t0 / g.page_tokens];
     u8* base = pool + (u64)page * g.page_bytes;
     u16* recs = (u16*)(base + g.records_at) + ((u64)h * g.page_tokens + t0 % g.page_tokens) * (2 * DIM);
+    // Every load first (independent, so all in flight at once), then the stores.
+    const u16* __restrict__ tail_in = tail;
     float vals[BLOCK];
+#pragma unroll
+    for (u32 j = 0; j < BLOCK; ++j) {
+        const u32 i = t0 + j;
+        float x = 0.0f;
+        if (i < d.n0) x = bf16_to_f32(tail_in[j * DIM + c]);
+        else if (i < end) x = load_elem(k, ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c, dtype);
+        vals[j] = x;
+    }
     float mx = 0.0f;
     bool bad = false;
 #pragma unroll
     for (u32 j = 0; j < BLOCK; ++j) {
         const u32 i = t0 + j;
-        float x = 0.0f;
-        if (i < d.n0) {
-            x = bf16_to_f32(tail[j * DIM + c]);
-        } else if (i < end) {
-            u16 bits;
-            const u64 src = ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c;
-            x = key_bf16(k, src, dtype, &bits);
+        if (i >= d.n0 && i < end) {
+            // The key as stored: its bf16 rounding (exact in f32, so its bits are the top half).
+            const u16 bits = f32_to_bf16_bits(vals[j]);
+            vals[j] = bf16_to_f32(bits);
             if (fused) {
+                const u64 src = ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c;
                 recs[(u64)j * 2 * DIM + c] = bits;
                 recs[(u64)j * 2 * DIM + DIM + c] = f32_to_bf16_bits(load_elem(v, src, dtype));
                 tail[j * DIM + c] = bits;
             }
         }
-        if (!isfinite(x)) bad = true;
-        vals[j] = x;
-        mx = fmaxf(mx, fabsf(x));
+        if (!isfinite(vals[j])) bad = true;
+        mx = fmaxf(mx, fabsf(vals[j]));
     }
     const u16 m16 = f32_to_f16_bits(mx);
     const float m = f16_to_f32(m16);

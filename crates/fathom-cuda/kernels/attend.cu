@@ -313,7 +313,8 @@ __device__ __forceinline__ void warp_append(bool flag, u32 value, u32* count, u3
 }
 
 // Streams ELEMS middle tokens of one row once: a score above the boundary bucket wins, one in
-// it is a candidate (its index kept). grid = (chunks, Hq, batch), block = 256.
+// it is a candidate (its index kept). grid = (chunks, Hq, batch), block = COLLECT_NT.
+#define COLLECT_NT 256
 extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
                                               const float* __restrict__ scores, const Sel* __restrict__ sel,
                                               u32* __restrict__ winners, u32* __restrict__ counts,
@@ -328,13 +329,20 @@ extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ des
     const u32 e = min(st + ELEMS, hi);
     const Sel s = sel[r];
     const float* row = scores + r * a.max_tokens;
-    // The loop bound is uniform over the CTA, so every lane reaches the ballots.
-    for (u32 b0 = st; b0 < e; b0 += blockDim.x) {
-        const u32 i = b0 + threadIdx.x;
-        const bool in = i < e;
-        const int bk = in ? (int)(f32_key(row[i]) >> 22) : 0;
-        warp_append(in && bk > s.bucket, i, &counts[r], winners + r * a.max_k, a.max_k);
-        warp_append(in && bk == s.bucket, i, &ccount[r], cand + r * a.max_tokens, (u32)a.max_tokens);
+    // Every score of the chunk loaded first (all in flight at once), then the appends; the
+    // loop bound is uniform over the CTA, so every lane reaches the ballots.
+    constexpr u32 PER = ELEMS / COLLECT_NT;
+    int bk[PER];
+#pragma unroll
+    for (u32 j = 0; j < PER; j++) {
+        const u32 i = st + j * COLLECT_NT + threadIdx.x;
+        bk[j] = i < e ? (int)(f32_key(row[i]) >> 22) : -2;
+    }
+#pragma unroll
+    for (u32 j = 0; j < PER; j++) {
+        const u32 i = st + j * COLLECT_NT + threadIdx.x;
+        warp_append(bk[j] > s.bucket, i, &counts[r], winners + r * a.max_k, a.max_k);
+        warp_append(bk[j] == s.bucket, i, &ccount[r], cand + r * a.max_tokens, (u32)a.max_tokens);
     }
 }
 
@@ -542,8 +550,25 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
     }
 }
 
-#define CH 64   // rows per tile of the partial attention
+// Block-wide exclusive rank of a 0/1 flag in thread order for blocks of NT threads (as
+// block_rank); writes the total to *total.
 #define NT 128  // threads of the partial attention (4 warps)
+__device__ __forceinline__ u32 block_rank_nt(bool flag, u32* warp_counts, u32* total) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 ballot = __ballot_sync(0xffffffffu, flag);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    u32 before = 0, all = 0;
+    for (u32 w = 0; w < NT / 32; ++w) {
+        const u32 c = warp_counts[w];
+        before += w < warp ? c : 0u;
+        all += c;
+    }
+    if (threadIdx.x == 0) *total = all;
+    return before + __popc(ballot & ((1u << lane) - 1u));
+}
+
+#define CH 64   // rows per tile of the partial attention
 #define GRAN 16 // split spans are multiples of GRAN rows
 #define KE (DIM / 32)  // key elements per lane in the logits (2, 4 or 8 bf16)
 #if KE != 2 && KE != 4 && KE != 8
@@ -574,12 +599,10 @@ __device__ __forceinline__ void load_key(const u16* k, u32 e0, float* out) {
 // once for all G heads (one warp per row, KE channels per lane in one vector load, the
 // queries in registers); an online softmax over tiles of CH rows, each head's max and sum
 // reduced by one warp; the split's partial max, sum and weighted V go to pm, pl
-// [b][Hq][nsplit] and pacc [b][Hq][nsplit][D]. Splits span a multiple of GRAN rows. The last
-// split of a (session, KV head) to finish combines them into out [b][Hq][D] f32:
-// o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (done[b][h] counts finished splits and
-// is zero again after). Each split also fills the row cache from its rows: the winners of the
-// fetch's bids copy their record into the slot, set its tag and clear the bid (so every bid
-// is zero again after this launch; the fetch has finished, so every bid is in).
+// [b][Hq][nsplit] and pacc [b][Hq][nsplit][D]. Splits span a multiple of GRAN rows. Each
+// split also fills the row cache from its rows first: the winners of the fetch's bids copy
+// their record into the slot, set its tag and clear the bid (so every bid is zero again after
+// this launch; the fetch has finished, so every bid is in).
 // grid = (nsplit, Hkv, batch), block = NT.
 extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                               const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
@@ -588,12 +611,12 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
                                               const u32* __restrict__ ucount, u32* __restrict__ tags,
                                               u16* __restrict__ cdata, u32* __restrict__ claim,
                                               float* __restrict__ pm, float* __restrict__ pl,
-                                              float* __restrict__ pacc, u32* __restrict__ done,
-                                              float* __restrict__ out) {
+                                              float* __restrict__ pacc) {
     __shared__ float p[GQ][CH];
     __shared__ const u16* recs[CH];
     __shared__ float corr[GQ], msum[GQ], lsum[GQ];
-    __shared__ bool last;
+    __shared__ u64 wslot[NT];
+    __shared__ u32 wrow[NT], wcnt[NT / 32], nwon;
     const u32 b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
     const AppendDesc d = descs[b];
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -605,16 +628,30 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
     const u32 r0 = min(split * span, total), r1 = min(r0 + span, total);
     const u32 heads_q = g.heads * GQ;
     if (!a.dense && a.cache_rows) {
+        // The fill: each thread checks one row's bid (span <= NT rows per pass), then the
+        // warps copy the won rows.
         const u64 cb = cache_base(d, g, a, h);
-        for (u32 r = r0 + warp; r < r1; r += NT / 32) {
-            const u32 t = urows[ub + r];
-            const u64 slot = cb + t % a.cache_rows;
-            if (claim[slot] != t + 1) continue;
-            const uint4* src = (const uint4*)(rows + (ub + r) * 2 * DIM);
-            uint4* dst = (uint4*)(cdata + slot * 2 * DIM);
-            for (u32 i = lane; i < 2 * DIM * 2 / 16; i += 32) dst[i] = src[i];
-            __syncwarp();
-            if (lane == 0) { tags[slot] = t + 1; claim[slot] = 0; }
+        for (u32 base = r0; base < r1; base += NT) {
+            const u32 r = base + tid;
+            bool won = false;
+            u64 slot = 0;
+            if (r < r1) {
+                const u32 t = urows[ub + r];
+                slot = cb + t % a.cache_rows;
+                won = claim[slot] == t + 1;
+            }
+            const u32 rank = block_rank_nt(won, wcnt, &nwon);
+            if (won) { wslot[rank] = slot; wrow[rank] = r; }
+            __syncthreads();
+            for (u32 w = warp; w < nwon; w += NT / 32) {
+                const u64 sl = wslot[w];
+                const uint4* src = (const uint4*)(rows + (ub + wrow[w]) * 2 * DIM);
+                uint4* dst = (uint4*)(cdata + sl * 2 * DIM);
+                for (u32 i = lane; i < 2 * DIM * 2 / 16; i += 32) dst[i] = src[i];
+                __syncwarp();
+                if (lane == 0) { tags[sl] = urows[ub + wrow[w]] + 1; claim[sl] = 0; }
+            }
+            __syncthreads();
         }
     }
     // This lane's KE channels of every head's query (pre-scaled by the softmax scale).
@@ -716,32 +753,27 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
             if (c < DIM) pacc[i * DIM + c] = acc[q][j];
         }
     }
-    // The last split to finish combines (its partials were made visible before its count).
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        u32* cnt = done + (u64)b * g.heads + h;
-        last = atomicAdd(cnt, 1u) == a.nsplit - 1;
-        if (last) *cnt = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (u32 i = tid; i < GQ * DIM; i += NT) {
-        const u32 q = i / DIM, c = i % DIM;
-        const u64 base = pb + (u64)q * a.nsplit;
-        float M = -INFINITY;
-        for (u32 sp = 0; sp < a.nsplit; sp++) M = fmaxf(M, __ldcg(pm + base + sp));
-        float L = 0.0f, o = 0.0f;
-        if (M != -INFINITY) {
-            for (u32 sp = 0; sp < a.nsplit; sp++) {
-                const float m = __ldcg(pm + base + sp);
-                if (m == -INFINITY) continue;
-                const float w = expf(m - M);
-                L += __ldcg(pl + base + sp) * w;
-                o += __ldcg(pacc + (base + sp) * DIM + c) * w;
-            }
+}
+
+// The splits of one query head combined: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// grid = (Hq, batch), block = DIM. out: [b][Hq][D] f32.
+extern "C" __global__ void paged_attn_combine(PoolGeom g, AttendGeom a, const float* __restrict__ pm,
+                                              const float* __restrict__ pl, const float* __restrict__ pacc,
+                                              float* __restrict__ out) {
+    const u32 b = blockIdx.y, hq = blockIdx.x, c = threadIdx.x;
+    const u64 row = (u64)b * g.heads * GQ + hq;
+    const u64 base = row * a.nsplit;
+    float M = -INFINITY;
+    for (u32 s = 0; s < a.nsplit; s++) M = fmaxf(M, pm[base + s]);
+    float L = 0.0f, o = 0.0f;
+    if (M != -INFINITY) {
+#pragma unroll 8
+        for (u32 s = 0; s < a.nsplit; s++) {
+            const float m = pm[base + s];
+            const float w = m == -INFINITY ? 0.0f : expf(m - M);
+            L += pl[base + s] * w;
+            o += pacc[(base + s) * DIM + c] * w;
         }
-        out[((u64)b * heads_q + h * GQ + q) * DIM + c] = L > 0.0f ? o / L : 0.0f;
     }
+    out[row * DIM + c] = L > 0.0f ? o / L : 0.0f;
 }

@@ -108,6 +108,7 @@ struct AttendKernels {
     union: CudaFunction,
     fetch: CudaFunction,
     attn_partial: CudaFunction,
+    attn_combine: CudaFunction,
     fathom_plan: CudaFunction,
     sparq_plan: CudaFunction,
 }
@@ -142,9 +143,6 @@ struct Work {
     pm: DevBuf,
     pl: DevBuf,
     pacc: DevBuf,
-    /// Finished splits per (session, KV head) of the running attention, `[max_batch][Hkv]`
-    /// u32 (zero between attends: the last split resets it).
-    done: DevBuf,
     /// Union rows and row-cache hits summed over every attend since the cache was made (u64).
     counters: DevBuf,
     /// The HBM row cache (`cache_rows` slots per (session, layer, KV head); absent at 0):
@@ -314,6 +312,7 @@ impl PagedCache {
             union: fa("paged_union")?,
             fetch: fa("paged_fetch")?,
             attn_partial: fa("paged_attn_partial")?,
+            attn_combine: fa("paged_attn_combine")?,
             fathom_plan: fp("fathom_plan")?,
             sparq_plan: fp("sparq_plan")?,
         };
@@ -337,7 +336,6 @@ impl PagedCache {
             pl: DevBuf::new(mb * hq * DENSE_SPLITS * 4, "attention partial sum")?,
             pacc: DevBuf::new(mb * hq * DENSE_SPLITS * d * 4, "attention partials")?,
             counters: DevBuf::zeroed(16, "attend counters")?,
-            done: DevBuf::zeroed(mb * hkv * 4, "attention split counts")?,
             row_tags: row_cache_buf(&cfg, 4, "row-cache tags")?,
             row_data: row_cache_buf(&cfg, 4 * d, "row cache")?,
             row_claim: row_cache_buf(&cfg, 4, "row-cache bids")?,
@@ -1036,8 +1034,8 @@ impl PagedCache {
             unsafe { b.launch(cfg((row_chunks, hkv32, nb32), 256)) }
                 .map_err(drv("launch paged_fetch"))?;
         }
-        // 6. Exact attention of each query head over its own set, split; the last split of
-        // each (session, KV head) combines, and every split fills the row cache from its rows.
+        // 6. Exact attention of each query head over its own set, split (each split fills the
+        // row cache from its rows), then combined.
         let mut b = st.launch_builder(&k.attn_partial);
         b.arg(&descs)
             .arg(&tables)
@@ -1054,15 +1052,22 @@ impl PagedCache {
             .arg(&claim)
             .arg(&w.pm.ptr)
             .arg(&w.pl.ptr)
-            .arg(&w.pacc.ptr)
-            .arg(&w.done.ptr)
-            .arg(&out);
-        // SAFETY: partials hold DENSE_SPLITS ≥ nsplit per row, `done` one count per (session,
-        // KV head); rows are read through the session's pages only at tokens < its length;
-        // the row cache (when present) has cache_rows slots per (slot, layer, head); out holds
-        // batch·Hq·D f32 (the caller's contract).
+            .arg(&w.pacc.ptr);
+        // SAFETY: partials hold DENSE_SPLITS ≥ nsplit per row; rows are read through the
+        // session's pages only at tokens < its length; the row cache (when present) has
+        // cache_rows slots per (slot, layer, head).
         unsafe { b.launch(cfg((ag.nsplit, hkv32, nb32), ATTN_THREADS)) }
             .map_err(drv("launch paged_attn_partial"))?;
+        let mut b = st.launch_builder(&k.attn_combine);
+        b.arg(&geom)
+            .arg(&ag)
+            .arg(&w.pm.ptr)
+            .arg(&w.pl.ptr)
+            .arg(&w.pacc.ptr)
+            .arg(&out);
+        // SAFETY: out holds batch·Hq·D f32 (the caller's contract).
+        unsafe { b.launch(cfg((hq32, nb32, 1), d as u32)) }
+            .map_err(drv("launch paged_attn_combine"))?;
         if matches!(method, AttendMethod::Scan(M::Fathom(_) | M::SparQ(_))) {
             self.plans_counted += (nb * hkv) as u64;
         }
