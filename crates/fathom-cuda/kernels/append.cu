@@ -92,16 +92,23 @@ extern "C" __global__ void append_quant(
     const u32 page = tables[(u64)d.slot * g.max_pages + t0 / g.page_tokens];
     u8* base = pool + (u64)page * g.page_bytes;
     u16* recs = (u16*)(base + g.records_at) + ((u64)h * g.page_tokens + t0 % g.page_tokens) * (2 * DIM);
-    // Every load first (independent, so all in flight at once), then the stores.
+    // Every load first, unconditional (clamped to valid addresses) so that all 64 are in
+    // flight at once, then a select: the tail below n0, the new rows in [n0, end), 0 after.
     const u16* __restrict__ tail_in = tail;
     float vals[BLOCK];
 #pragma unroll
-    for (u32 j = 0; j < BLOCK; ++j) {
-        const u32 i = t0 + j;
-        float x = 0.0f;
-        if (i < d.n0) x = bf16_to_f32(tail_in[j * DIM + c]);
-        else if (i < end) x = load_elem(k, ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c, dtype);
-        vals[j] = x;
+    for (u32 j = 0; j < BLOCK; ++j) vals[j] = bf16_to_f32(tail_in[j * DIM + c]);
+    if (d.m > 0) {
+#pragma unroll
+        for (u32 j = 0; j < BLOCK; ++j) {
+            const u32 i = min(max(t0 + j, d.n0), end - 1);
+            const float x = load_elem(k, ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c, dtype);
+            if (t0 + j >= d.n0) vals[j] = t0 + j < end ? x : 0.0f;
+        }
+    } else {
+#pragma unroll
+        for (u32 j = 0; j < BLOCK; ++j)
+            if (t0 + j >= d.n0) vals[j] = 0.0f;
     }
     float mx = 0.0f;
     bool bad = false;

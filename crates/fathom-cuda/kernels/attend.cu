@@ -336,7 +336,8 @@ extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ des
 #pragma unroll
     for (u32 j = 0; j < PER; j++) {
         const u32 i = st + j * COLLECT_NT + threadIdx.x;
-        bk[j] = i < e ? (int)(f32_key(row[i]) >> 22) : -2;
+        const int x = (int)(f32_key(row[min(i, e - 1)]) >> 22);  // unconditional load
+        bk[j] = i < e ? x : -2;
     }
 #pragma unroll
     for (u32 j = 0; j < PER; j++) {
@@ -504,50 +505,67 @@ __device__ __forceinline__ u64 cache_base(const AppendDesc& d, const PoolGeom& g
 }
 
 // The fetch: every union row's bf16 K|V record into HBM rows [b][h][umax][2D], from the row
-// cache when it holds the token, else from the host page (one warp per row: 4D bytes in
-// 16-byte lanes). A miss bids for its cache slot (the largest token of this attend wins it).
-// Counts union rows and hits into counters[0], counters[1]. grid = (row chunks of 8, Hkv,
-// batch), block = 256.
+// cache when it holds the token, else from the host page. A miss bids for its cache slot (the
+// largest token of this attend wins it). Each CTA takes FR rows: FR threads resolve one row's
+// source each (the dependent loads of all rows at once), then the CTA copies them in 16-byte
+// pieces with every load of a thread in flight before its stores. Counts union rows and hits
+// into counters[0], counters[1]. grid = (ceil(umax / FR), Hkv, batch), block = FETCH_NT.
+#define FR 64
+#define FETCH_NT 256
+#define PIECES (4 * DIM / 16)                   // 16-byte pieces of one record
+#define FETCH_PER (FR * PIECES / FETCH_NT)      // pieces per thread
 extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                        const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                        const u32* __restrict__ urows, const u32* __restrict__ ucount,
                                        const u32* __restrict__ tags, const u16* __restrict__ cdata,
                                        u32* __restrict__ claim, u16* __restrict__ rows,
                                        unsigned long long* __restrict__ counters) {
+    __shared__ const uint4* src[FR];
     __shared__ u32 sh_hits;
-    const u32 b = blockIdx.z, h = blockIdx.y;
-    const AppendDesc d = descs[b];
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 b = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
     const u64 ub = ((u64)b * g.heads + h) * a.umax;
     const u32 cnt = min(ucount[(u64)b * g.heads + h], a.umax);
-    if (threadIdx.x == 0) sh_hits = 0;
+    if (blockIdx.x == 0 && tid == 0) atomicAdd(&counters[0], (unsigned long long)cnt);
+    const u32 r0 = blockIdx.x * FR;
+    if (r0 >= cnt) return;  // uniform over the CTA
+    const u32 nr = min((u32)FR, cnt - r0);
+    if (tid == 0) sh_hits = 0;
     __syncthreads();
-    const u64 cb = a.cache_rows ? cache_base(d, g, a, h) : 0;
-    const u32 r = blockIdx.x * 8 + warp;
-    if (r < cnt) {
-        const u32 t = urows[ub + r];
-        const uint4* src;
+    if (tid < nr) {
+        const AppendDesc d = descs[b];
+        const u32 t = urows[ub + r0 + tid];
         bool hit = false;
+        const uint4* p = nullptr;
         if (a.cache_rows) {
-            const u64 slot = cb + t % a.cache_rows;
+            const u64 slot = cache_base(d, g, a, h) + t % a.cache_rows;
             hit = tags[slot] == t + 1;
-            if (hit) src = (const uint4*)(cdata + slot * 2 * DIM);
-            else if (lane == 0) atomicMax(&claim[slot], t + 1);
+            if (hit) p = (const uint4*)(cdata + slot * 2 * DIM);
+            else atomicMax(&claim[slot], t + 1);
         }
         if (!hit) {
             const u32 page = tables[(u64)d.slot * g.max_pages + t / g.page_tokens];
-            src = (const uint4*)((const u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
-                                 ((u64)h * g.page_tokens + t % g.page_tokens) * 2 * DIM);
+            p = (const uint4*)((const u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
+                               ((u64)h * g.page_tokens + t % g.page_tokens) * 2 * DIM);
         }
-        uint4* dst = (uint4*)(rows + (ub + r) * 2 * DIM);
-        for (u32 i = lane; i < 2 * DIM * 2 / 16; i += 32) dst[i] = src[i];
-        if (hit && lane == 0) atomicAdd(&sh_hits, 1u);
+        src[tid] = p;
+        const unsigned m = __ballot_sync(__activemask(), hit);
+        if ((tid & 31) == 0 && m) atomicAdd(&sh_hits, (u32)__popc(m));
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        if (blockIdx.x == 0) atomicAdd(&counters[0], (unsigned long long)cnt);
-        if (sh_hits) atomicAdd(&counters[1], (unsigned long long)sh_hits);
+    uint4 v[FETCH_PER];
+#pragma unroll
+    for (u32 k = 0; k < FETCH_PER; k++) {
+        const u32 i = tid + k * FETCH_NT;
+        const u32 r = min(i / PIECES, nr - 1);  // clamped: an unconditional load
+        v[k] = src[r][i % PIECES];
     }
+    uint4* dst = (uint4*)(rows + (ub + r0) * 2 * DIM);
+#pragma unroll
+    for (u32 k = 0; k < FETCH_PER; k++) {
+        const u32 i = tid + k * FETCH_NT;
+        if (i / PIECES < nr) dst[i] = v[k];
+    }
+    if (tid == 0 && sh_hits) atomicAdd(&counters[1], (unsigned long long)sh_hits);
 }
 
 // Block-wide exclusive rank of a 0/1 flag in thread order for blocks of NT threads (as

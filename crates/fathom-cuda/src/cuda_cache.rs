@@ -37,6 +37,8 @@ const SCAN_BLOCKS: usize = 32;
 const HIST_BINS: usize = 1024;
 /// Middle tokens per CTA of `paged_topk_collect` (`ELEMS` in attend.cu).
 const COLLECT_ELEMS: usize = 4096;
+/// Union rows per CTA of the fetch (`FR` in attend.cu).
+const FETCH_ROWS: usize = 64;
 /// Threads of the partial attention (`NT` in attend.cu); its splits span multiples of
 /// `GRAN` rows.
 const ATTN_THREADS: u32 = 128;
@@ -1015,7 +1017,7 @@ impl PagedCache {
             // SAFETY: union lists hold umax = 64 + G·max_k rows ≥ sink + local + G·k.
             unsafe { b.launch(cfg((nb32, hkv32, 1), TOPK_THREADS)) }
                 .map_err(drv("launch paged_union"))?;
-            let row_chunks = self.work.umax.div_ceil(8) as u32;
+            let row_chunks = self.work.umax.div_ceil(FETCH_ROWS) as u32;
             let mut b = st.launch_builder(&k.fetch);
             b.arg(&descs)
                 .arg(&tables)
