@@ -32,9 +32,13 @@ bench)
   grep -E "fathom:48|sparq:32|ds:32" $OUT/$name.txt | head -20
   ;;
 sanitize)
-  for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool $tool $B/cache_gpu --test-threads 1 "$@" > $OUT/cache-$tool.log 2>&1
-    echo "$tool rc=$? $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' $OUT/cache-$tool.log | tail -1)" | tee -a $OUT/summary.txt
+  # memcheck: every cache test (appends, forks, attend of every method, bad calls); racecheck:
+  # the attend of every method and the ragged prefill + decode appends.
+  timeout 200 compute-sanitizer --tool memcheck $B/cache_gpu --test-threads 1 > $OUT/cache-memcheck.log 2>&1
+  echo "memcheck rc=$? $(grep -h 'ERROR SUMMARY' $OUT/cache-memcheck.log | tail -1)" | tee -a $OUT/summary.txt
+  for t in attend_matches_the_per_head_cpu_protocol_for_every_method ragged_prefill_and_decode_equal_the_cpu_store_bit_for_bit; do
+    timeout 200 compute-sanitizer --tool racecheck $B/cache_gpu --test-threads 1 $t > $OUT/racecheck-$t.log 2>&1
+    echo "racecheck $t rc=$? $(grep -h 'RACECHECK SUMMARY' $OUT/racecheck-$t.log | tail -1)" | tee -a $OUT/summary.txt
   done
   ;;
 esac

@@ -57,16 +57,19 @@ __device__ __forceinline__ float key_bf16(const void* k, u64 i, u32 dtype, u16* 
     return bf16_to_f32(b);
 }
 
-// grid (batch, Hkv, blocks touched), DIM threads (one per channel). Re-quantizes block
-// b = n0/64 + blockIdx.z of one session and head: its tokens before n0 come from the tail
-// (the bf16 keys of the session's last partial block), the rest from the new rows. Writes
-// all four plane words and the fp16 scale of the block (bits past the session's length are
-// zero). A non-finite key or a block maximum past fp16 skips the channel's write and counts
-// a fault. With `fused` (every session's append lies in one block, as when decoding) it also
-// writes the new tokens' K|V records and tail entries, so append_records is not launched:
-// the tail positions it writes (>= n0 % 64) are not the ones it reads (< n0 % 64), and both
-// belong to the same thread. The loops are unrolled over the 64 tokens so `vals` stays in
-// registers and the loads are independent.
+#define QS 4             // token quarters of a block: threads per channel
+#define QT (BLOCK / QS)  // tokens per thread
+
+// grid (batch, Hkv, blocks touched), DIM * QS threads: thread (c, qi) holds channel c's
+// tokens [16 qi, 16 qi + 16) of the block. Re-quantizes block b = n0/64 + blockIdx.z of one
+// session and head: its tokens before n0 come from the tail (the bf16 keys of the session's
+// last partial block), the rest from the new rows. Writes all four plane words and the fp16
+// scale of the block (bits past the session's length are zero). A non-finite key or a block
+// maximum past fp16 skips the channel's write and counts a fault. With `fused` (every
+// session's append lies in one block, as when decoding) it also writes the new tokens' K|V
+// records and tail entries, so append_records is not launched: the tail positions written
+// (>= n0 % 64) are not the ones read (< n0 % 64), and each is one thread's. Every load is
+// issued before any store and unconditionally (clamped to a valid address).
 extern "C" __global__ void append_quant(
     const AppendDesc* __restrict__ descs,
     const u32* __restrict__ tables,
@@ -80,45 +83,48 @@ extern "C" __global__ void append_quant(
     u32 fused,
     u32* faults)
 {
+    __shared__ float smax[QS][DIM];
+    __shared__ int sbad[QS][DIM];
+    __shared__ u16 spart[QS][4][DIM];
     const AppendDesc d = descs[blockIdx.x];
-    const u32 h = blockIdx.y, c = threadIdx.x;
+    const u32 h = blockIdx.y, c = threadIdx.x % DIM, qi = threadIdx.x / DIM;
     const u32 b = d.n0 / BLOCK + blockIdx.z;
     const u32 end = d.n0 + d.m;
     const u32 t0 = b * BLOCK;
-    if (t0 >= end || c >= DIM) return;
+    if (t0 >= end) return;  // uniform over the CTA
     // tails: [slot][layer][head][64][D] bf16
     u16* tail = tails + ((((u64)d.slot * g.layers + layer) * g.heads + h) * BLOCK) * DIM;
+    const u16* __restrict__ tail_in = tail;
+    const u32 j0 = qi * QT;
+    float vals[QT];
+#pragma unroll
+    for (u32 jj = 0; jj < QT; ++jj) vals[jj] = bf16_to_f32(tail_in[(j0 + jj) * DIM + c]);
+    if (d.m > 0) {
+#pragma unroll
+        for (u32 jj = 0; jj < QT; ++jj) {
+            const u32 i = t0 + j0 + jj;
+            const u32 ic = min(max(i, d.n0), end - 1);
+            const float x = load_elem(k, ((u64)(d.row0 + ic - d.n0) * g.heads + h) * DIM + c, dtype);
+            if (i >= d.n0) vals[jj] = i < end ? x : 0.0f;
+        }
+    } else {
+#pragma unroll
+        for (u32 jj = 0; jj < QT; ++jj)
+            if (t0 + j0 + jj >= d.n0) vals[jj] = 0.0f;
+    }
     const u32 bp = g.page_tokens / BLOCK;
     const u32 page = tables[(u64)d.slot * g.max_pages + t0 / g.page_tokens];
     u8* base = pool + (u64)page * g.page_bytes;
     u16* recs = (u16*)(base + g.records_at) + ((u64)h * g.page_tokens + t0 % g.page_tokens) * (2 * DIM);
-    // Every load first, unconditional (clamped to valid addresses) so that all 64 are in
-    // flight at once, then a select: the tail below n0, the new rows in [n0, end), 0 after.
-    const u16* __restrict__ tail_in = tail;
-    float vals[BLOCK];
-#pragma unroll
-    for (u32 j = 0; j < BLOCK; ++j) vals[j] = bf16_to_f32(tail_in[j * DIM + c]);
-    if (d.m > 0) {
-#pragma unroll
-        for (u32 j = 0; j < BLOCK; ++j) {
-            const u32 i = min(max(t0 + j, d.n0), end - 1);
-            const float x = load_elem(k, ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c, dtype);
-            if (t0 + j >= d.n0) vals[j] = t0 + j < end ? x : 0.0f;
-        }
-    } else {
-#pragma unroll
-        for (u32 j = 0; j < BLOCK; ++j)
-            if (t0 + j >= d.n0) vals[j] = 0.0f;
-    }
     float mx = 0.0f;
     bool bad = false;
 #pragma unroll
-    for (u32 j = 0; j < BLOCK; ++j) {
-        const u32 i = t0 + j;
+    for (u32 jj = 0; jj < QT; ++jj) {
+        const u32 j = j0 + jj, i = t0 + j;
         if (i >= d.n0 && i < end) {
-            // The key as stored: its bf16 rounding (exact in f32, so its bits are the top half).
-            const u16 bits = f32_to_bf16_bits(vals[j]);
-            vals[j] = bf16_to_f32(bits);
+            // The key as stored: its bf16 rounding.
+            const u16 bits = f32_to_bf16_bits(vals[jj]);
+            vals[jj] = bf16_to_f32(bits);
             if (fused) {
                 const u64 src = ((u64)(d.row0 + i - d.n0) * g.heads + h) * DIM + c;
                 recs[(u64)j * 2 * DIM + c] = bits;
@@ -126,40 +132,60 @@ extern "C" __global__ void append_quant(
                 tail[j * DIM + c] = bits;
             }
         }
-        if (!isfinite(vals[j])) bad = true;
-        mx = fmaxf(mx, fabsf(vals[j]));
+        if (!isfinite(vals[jj])) bad = true;
+        mx = fmaxf(mx, fabsf(vals[jj]));
+    }
+    smax[qi][c] = mx;
+    sbad[qi][c] = bad ? 1 : 0;
+    __syncthreads();
+#pragma unroll
+    for (u32 q = 0; q < QS; ++q) {
+        mx = fmaxf(mx, smax[q][c]);
+        bad = bad || sbad[q][c] != 0;
     }
     const u16 m16 = f32_to_f16_bits(mx);
     const float m = f16_to_f32(m16);
-    if (bad || !isfinite(m)) {
+    const bool skip = bad || !isfinite(m);
+    u32 p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+    if (!skip) {
+        const float delta = m / 8.0f;
+#pragma unroll
+        for (u32 jj = 0; jj < QT; ++jj) {
+            if (t0 + j0 + jj < end) {
+                u32 q = 8;
+                if (m != 0.0f) {
+                    float x = floorf(vals[jj] / delta) + 8.0f;
+                    x = fminf(fmaxf(x, 0.0f), 15.0f);
+                    q = (u32)x;
+                }
+                const u32 bit = 1u << jj;
+                if (q & 8u) p0 |= bit;
+                if (q & 4u) p1 |= bit;
+                if (q & 2u) p2 |= bit;
+                if (q & 1u) p3 |= bit;
+            }
+        }
+    }
+    spart[qi][0][c] = (u16)p0;
+    spart[qi][1][c] = (u16)p1;
+    spart[qi][2][c] = (u16)p2;
+    spart[qi][3][c] = (u16)p3;
+    __syncthreads();
+    if (qi != 0) return;
+    if (skip) {
         atomicAdd(faults + layer, 1u);
         return;
-    }
-    u64 w0 = 0, w1 = 0, w2 = 0, w3 = 0;
-    const float delta = m / 8.0f;
-#pragma unroll
-    for (u32 j = 0; j < BLOCK; ++j) {
-        if (t0 + j < end) {
-            u32 q = 8;
-            if (m != 0.0f) {
-                float x = floorf(vals[j] / delta) + 8.0f;
-                x = fminf(fmaxf(x, 0.0f), 15.0f);
-                q = (u32)x;
-            }
-            const u64 bit = 1ull << j;
-            if (q & 8u) w0 |= bit;
-            if (q & 4u) w1 |= bit;
-            if (q & 2u) w2 |= bit;
-            if (q & 1u) w3 |= bit;
-        }
     }
     const u32 bb = (t0 % g.page_tokens) / BLOCK;
     u8* run = base + (u64)(h * DIM + c) * g.run_bytes;
     u64* words = (u64*)(run + g.scale_pad) + bb;
-    words[0] = w0;
-    words[bp] = w1;
-    words[2 * (u64)bp] = w2;
-    words[3 * (u64)bp] = w3;
+#pragma unroll
+    for (u32 p = 0; p < 4; ++p) {
+        u64 w = 0;
+#pragma unroll
+        for (u32 q = 0; q < QS; ++q) w |= (u64)spart[q][p][c] << (QT * q);
+        words[p * (u64)bp] = w;
+    }
     ((u16*)run)[bb] = m16;
 }
 

@@ -37,6 +37,8 @@ const SCAN_BLOCKS: usize = 32;
 const HIST_BINS: usize = 1024;
 /// Middle tokens per CTA of `paged_topk_collect` (`ELEMS` in attend.cu).
 const COLLECT_ELEMS: usize = 4096;
+/// Threads per channel of `append_quant` (`QS` in append.cu).
+const APPEND_QUARTERS: usize = 4;
 /// Union rows per CTA of the fetch (`FR` in attend.cu).
 const FETCH_ROWS: usize = 64;
 /// Threads of the partial attention (`NT` in attend.cu); its splits span multiples of
@@ -643,7 +645,8 @@ impl PagedCache {
         // kernel indexes (batch ≤ max_batch, slots < max_sessions, pages < pool pages, layer <
         // L); `kv` holds `batch.rows` rows of [Hkv][D] (checked count; the caller owns the
         // pointers' validity).
-        unsafe { b.launch(cfg(grid, s.dim as u32)) }.map_err(drv("launch append_quant"))?;
+        unsafe { b.launch(cfg(grid, (s.dim * APPEND_QUARTERS) as u32)) }
+            .map_err(drv("launch append_quant"))?;
         if fused == 1 {
             return Ok(());
         }
