@@ -736,6 +736,7 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
             if (lane + 32 < nr) p[q][lane + 32] = e1;
             float sum = e0 + e1;
             for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            __syncwarp();  // every lane has read msum[q] before lane 0 rewrites it
             if (lane == 0) {
                 const float c = (old == -INFINITY || tm == -INFINITY) ? (tm == -INFINITY ? 1.0f : 0.0f) : expf(old - tm);
                 corr[q] = c;
