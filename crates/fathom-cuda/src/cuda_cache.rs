@@ -210,10 +210,16 @@ pub struct PagedCache {
     kernels: AppendKernels,
     /// One pool per layer: pinned, mapped host memory, or HBM ([`CacheConfig::residency`]).
     pools: Vec<Mem>,
-    /// Page tables, `u32 [max_sessions][max_pages]` (mapped).
+    /// Page tables, `u32 [max_sessions][max_pages]`, and the append descriptors of the
+    /// current batch, `[max_batch]`: written on the host (pinned), copied to HBM on the
+    /// stream by every [`PagedCache::reserve`] (which waits for the stream first, so a copy
+    /// never reads a buffer being rewritten). The kernels read the HBM copies: every kernel
+    /// reads its session's descriptor first and the fetch a table entry per row, and a read
+    /// across the link would put a PCIe round trip before each.
     tables: HostBuf,
-    /// Append descriptors of the current batch, `[max_batch]` (mapped).
     descs: HostBuf,
+    tables_dev: DevBuf,
+    descs_dev: DevBuf,
     /// Faults per layer, `u32 [L]` (mapped).
     faults: HostBuf,
     /// Tails, `bf16 [max_sessions][L][Hkv][64][D]` (HBM).
@@ -366,6 +372,8 @@ impl PagedCache {
         let mut tables = HostBuf::new(cfg.pages.max_sessions * max_pages * 4, "page tables")?;
         tables.as_mut_bytes().fill(0);
         let descs = HostBuf::new(cfg.max_batch * 16, "append descriptors")?;
+        let tables_dev = DevBuf::zeroed(tables.bytes, "page tables (HBM)")?;
+        let descs_dev = DevBuf::zeroed(descs.bytes, "append descriptors (HBM)")?;
         let mut faults = HostBuf::new(s.layers * 4, "fault counters")?;
         faults.as_mut_bytes().fill(0);
         let tails = DevBuf::zeroed(cfg.pages.max_sessions * tail_elems(&cfg) * 2, "tails")?;
@@ -378,6 +386,8 @@ impl PagedCache {
             pools,
             tables,
             descs,
+            tables_dev,
+            descs_dev,
             faults,
             tails,
             max_pages,
@@ -549,6 +559,22 @@ impl PagedCache {
                 row0: out.row0[i] as u32,
             };
         }
+        // SAFETY: both sources are pinned host buffers of exactly the destinations' sizes, not
+        // written again before the next reserve, which waits for the stream first.
+        unsafe {
+            result::memcpy_htod_async(
+                self.tables_dev.ptr,
+                self.tables.as_bytes(),
+                self.stream.cu_stream(),
+            )
+            .map_err(drv("memcpy_htod page tables"))?;
+            result::memcpy_htod_async(
+                self.descs_dev.ptr,
+                self.descs.as_bytes(),
+                self.stream.cu_stream(),
+            )
+            .map_err(drv("memcpy_htod append descriptors"))?;
+        }
         self.batch_len = out.plans.len();
         self.batch_max_m = out.plans.iter().map(|p| p.tokens).max().unwrap_or(0);
         self.batch_max_blocks = out
@@ -620,7 +646,11 @@ impl PagedCache {
         }
         let s = self.cfg.shape;
         let geom = self.geom();
-        let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr());
+        let (descs, tables, pool) = (
+            self.descs_dev.ptr,
+            self.tables_dev.ptr,
+            self.pools[layer].dptr(),
+        );
         let (tails, faults) = (self.tails.ptr, self.faults.dptr);
         let dtype = kv.dtype.code();
         let layer_u = layer as u32;
@@ -883,7 +913,11 @@ impl PagedCache {
         let k = &self.attend_kernels;
         let w = &self.work;
         let st = &self.stream;
-        let (descs, tables, pool) = (self.descs.dptr, self.tables.dptr, self.pools[layer].dptr());
+        let (descs, tables, pool) = (
+            self.descs_dev.ptr,
+            self.tables_dev.ptr,
+            self.pools[layer].dptr(),
+        );
         // The row cache (null when absent).
         let ptr = |x: &Option<DevBuf>| x.as_ref().map_or(0, |b| b.ptr);
         let (tags, data, claim) = (ptr(&w.row_tags), ptr(&w.row_data), ptr(&w.row_claim));
