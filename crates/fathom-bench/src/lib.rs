@@ -17,6 +17,8 @@
 pub mod calib;
 pub mod capture;
 pub mod document;
+pub mod evaluate;
 pub mod fidelity;
+pub mod methods;
 pub mod synthetic;
 pub mod tensors;

@@ -12,10 +12,10 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use fathom_bench::calib::{calibrate, CalibParams, Calibration};
+use fathom_bench::calib::Calibration;
 use fathom_bench::capture::Capture;
 use fathom_bench::document::DocMeta;
-use fathom_bench::fidelity::{self, FidelityParams, InMemory, LayerSource};
+use fathom_bench::fidelity::{self, FidelityParams, InMemory};
 use fathom_bench::synthetic::{generate, SyntheticParams};
 use fathom_bench::tensors::{to_safetensors, TensorFile, WriteDtype};
 use fathom_plan::SelectParams;
@@ -383,16 +383,6 @@ fn plan(a: PlanArgs) -> Result<()> {
     Ok(())
 }
 
-fn default_k(n: usize) -> usize {
-    if n <= 4096 {
-        128
-    } else if n <= 16384 {
-        256
-    } else {
-        512
-    }
-}
-
 fn bar(len: u64, msg: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
     pb.set_style(
@@ -530,50 +520,23 @@ fn demo(a: DemoArgs) -> Result<()> {
 }
 
 fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
-    let cap = Capture::open(&a.capture)?;
-    let n = cap.info().n;
-    let d = cap.info().d;
-    for &t in &a.targets {
-        if !(0.0..=4.25 * d as f32).contains(&t) {
-            bail!(
-                "--targets: {t} bits is out of range [0, {}] (4.25 × D = {d} channels)",
-                4.25 * d as f32
-            );
-        }
-    }
-    let k = a.k.unwrap_or_else(|| default_k(n).min(n));
-    if k == 0 || k > n {
-        bail!("--k {k} is out of range 1..={n} (the capture's N)");
-    }
     check_writable(&a.out)?;
-    let params = CalibParams {
+    let pb = bar(0, "statistics");
+    let args = fathom_bench::evaluate::CalibrateArgs {
+        capture: &a.capture,
+        out: &a.out,
         targets: a.targets.clone(),
-        fidelity: FidelityParams {
-            select: SelectParams {
-                k,
-                ..Default::default()
-            },
-            ..Default::default()
-        },
+        k: a.k,
         quantum: a.quantum,
-        rule_budget: 64.0f32.min(4.25 * d as f32),
+        command: fathom_results::command_line(),
     };
-    let pb = bar(cap.info().layers.len() as u64, "statistics");
-    let cal = calibrate(
-        &cap,
-        &a.capture.display().to_string(),
-        &params,
-        &|stage, done, total| {
-            pb.set_message(stage.to_string());
-            pb.set_length(total as u64);
-            pb.set_position(done as u64);
-        },
-    )?;
+    let cal = fathom_bench::evaluate::calibrate_file(&args, &|stage, done, total| {
+        pb.set_message(stage.to_string());
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+    })?;
     pb.finish_and_clear();
-    let bytes = serde_json::to_vec(&cal)?;
-    write_atomic(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;
     let summary = Calibration::summary_path(&a.out);
-    fathom_results::write(&summary, cal.summary(&fathom_results::command_line()))?;
     if let Some(r) = &cal.basis_rule {
         eprintln!(
             "basis rule at {} bits: raw error {:.4e}, KLT error {:.4e} → {:?}",
@@ -588,60 +551,29 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
 }
 
 fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
-    let cap = Capture::open(&a.capture)?;
-    let info = cap.info().clone();
-    let calib = match &a.calib {
-        Some(p) => {
-            let c = Calibration::load(p)?;
-            c.check_against(&info)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
-            Some(c)
-        }
-        None => None,
-    };
-    let methods = parse_methods(&a.methods, info.d, a.basis, calib.as_ref())?;
-    let k = a.k.unwrap_or_else(|| default_k(info.n));
-    if k == 0 || k > info.n {
-        bail!("--k {k} is out of range 1..={} (the capture's N)", info.n);
-    }
     // Fail before the long run if an output path cannot be written.
     for p in [&a.json, &a.plot].into_iter().flatten() {
         check_writable(p)?;
     }
-    let fp = FidelityParams {
-        select: SelectParams {
-            k,
-            ..Default::default()
-        },
-        layers: a.layers.clone(),
-        ..Default::default()
+    let n_layers = match &a.layers {
+        Some(l) => l.len(),
+        None => Capture::open(&a.capture)?.info().layers.len(),
     };
-    let nl = a.layers.as_ref().map_or(info.layers.len(), |l| l.len());
-    let pb = bar(nl as u64, "layers");
-    let calib_src = calib.as_ref().map(|c| c as &dyn fidelity::CalibSource);
-    let rep = fidelity::run(&cap as &dyn LayerSource, calib_src, &methods, &fp, &|_| {
-        pb.inc(1)
-    })?;
+    let pb = bar(n_layers as u64, "layers");
+    let args = fathom_bench::evaluate::EvaluateArgs {
+        capture: &a.capture,
+        methods: &a.methods,
+        basis: a.basis.into(),
+        calib: a.calib.as_deref(),
+        k: a.k,
+        layers: a.layers.clone(),
+        study: Study::parse(&a.study).unwrap_or_default(),
+        command: fathom_results::command_line(),
+    };
+    let (doc, rep) = fathom_bench::evaluate::evaluate(&args, &|_| pb.inc(1))?;
     pb.finish_and_clear();
-    let doc = fathom_bench::document::document(
-        &rep,
-        DocMeta {
-            command: fathom_results::command_line(),
-            study: Study::parse(&a.study).unwrap_or_default(),
-            capture: a.capture.display().to_string(),
-            model: info.model.clone(),
-            synthetic: info.model.contains("synthetic"),
-            basis: calib
-                .as_ref()
-                .and_then(|c| c.basis_rule.as_ref())
-                .map(|r| format!("{:?}", r.choice)),
-            d: info.d,
-            n: info.n,
-            hkv: info.hkv,
-            g: info.g(),
-            k,
-        },
-    );
+    let info = Capture::open(&a.capture)?.info().clone();
+    let k = doc.k;
     let label = format!(
         "capture {} (model {}), k={k}, {} positions, layers {:?}",
         a.capture.display(),

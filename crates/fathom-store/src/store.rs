@@ -303,6 +303,36 @@ impl KeyStore {
         }
     }
 
+    /// Grows the reserved capacity to at least `capacity_tokens` (rounded up to whole
+    /// blocks), moving each channel run once; a no-op when the store is already that large.
+    /// The stored words, scales and tail are unchanged, so the store reads the same.
+    pub fn reserve(&mut self, capacity_tokens: usize) -> Result<()> {
+        let cap = blocks_for(capacity_tokens as u64) as usize;
+        if cap <= self.cap {
+            return Ok(());
+        }
+        let hc = self.dims.row();
+        let words = hc
+            .checked_mul(PLANES)
+            .and_then(|x| x.checked_mul(cap))
+            .ok_or_else(|| StoreError::Dims("capacity overflows".into()))?;
+        let nb = blocks_for(self.tokens) as usize;
+        let mut planes = vec![0u64; words];
+        let mut scales = vec![f16::ZERO; hc * cap];
+        for i in 0..hc * PLANES {
+            planes[i * cap..i * cap + nb]
+                .copy_from_slice(&self.planes[i * self.cap..i * self.cap + nb]);
+        }
+        for i in 0..hc {
+            scales[i * cap..i * cap + nb]
+                .copy_from_slice(&self.scales[i * self.cap..i * self.cap + nb]);
+        }
+        self.planes = planes;
+        self.scales = scales;
+        self.cap = cap;
+        Ok(())
+    }
+
     /// Appends `keys` (`[m][heads][D]`, model channels) after the stored tokens.
     ///
     /// Validates everything first: on error nothing is changed.

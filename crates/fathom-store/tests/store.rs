@@ -442,3 +442,40 @@ fn bytes_per_token() {
         34.0
     );
 }
+
+#[test]
+fn a_reserved_store_grows_and_reads_the_same_as_one_built_at_once() {
+    let mut rng = StdRng::seed_from_u64(0x5e5e);
+    for (heads, d, n0, n1) in [
+        (1, 16, 10, 70),
+        (2, 64, 64, 200),
+        (3, 32, 130, 131),
+        (2, 128, 0, 65),
+    ] {
+        let dims = Dims { heads, channels: d };
+        let keys = random_keys(&mut rng, n1, dims.row(), 2.0);
+        let whole = KeyStore::from_keys(dims, &keys, None).unwrap();
+        let mut grown = KeyStore::with_capacity(dims, n0, None).unwrap();
+        grown.append(&keys[..n0 * dims.row()]).unwrap();
+        assert!(grown.append(&keys[n0 * dims.row()..]).is_err() || n1 <= grown.capacity());
+        let mut grown = KeyStore::with_capacity(dims, n0, None).unwrap();
+        grown.append(&keys[..n0 * dims.row()]).unwrap();
+        let before = grown.view().dequant_prefix(4).unwrap();
+        grown.reserve(n1).unwrap();
+        assert!(grown.capacity() >= n1);
+        assert_eq!(
+            grown.view().dequant_prefix(4).unwrap(),
+            before,
+            "reserve changed the store"
+        );
+        grown.reserve(1).unwrap(); // smaller: a no-op
+        grown.append(&keys[n0 * dims.row()..]).unwrap();
+        for t in 0..=4 {
+            assert_eq!(
+                grown.view().dequant_prefix(t).unwrap(),
+                whole.view().dequant_prefix(t).unwrap(),
+                "heads {heads} d {d} n0 {n0} n1 {n1} t {t}"
+            );
+        }
+    }
+}

@@ -1,0 +1,417 @@
+//! The native half of the `fathom` Python package (`fathom._fathom`): Fathom's CPU library on
+//! numpy arrays. The Python half (`python/fathom/__init__.py`) re-exports these and documents
+//! them; see its docstrings for the user-facing API.
+//!
+//! Every function checks its arrays (dtype `float32`, C order, shape, finite values) before
+//! it calls the library and raises `ValueError` naming the argument; the library's own errors
+//! (files, formats, method items, budgets) arrive as `fathom.FathomError` (a `ValueError`)
+//! with the library's message. Nothing here is written twice: stores are
+//! `fathom_store::KeyStore`, plans `fathom_plan::water_fill`, captures `fathom_capture` (write)
+//! and `fathom_bench::capture` (read), fidelity `fathom_bench::evaluate`.
+
+use std::path::PathBuf;
+
+use numpy::{
+    PyArray1, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
+    PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use fathom_bench::capture::Capture;
+use fathom_bench::evaluate::{evaluate, EvaluateArgs};
+use fathom_bench::methods::BasisChoice;
+use fathom_capture::{tensor_name, CaptureMeta, Dtype, LayerKind, Part};
+use fathom_store::{Dims, KeyStore};
+
+pyo3::create_exception!(
+    _fathom,
+    FathomError,
+    PyValueError,
+    "An error of the Fathom library (its message names the file, item or value at fault)."
+);
+
+fn lib_err(e: impl std::fmt::Display) -> PyErr {
+    FathomError::new_err(e.to_string())
+}
+
+fn bad(arg: &str, why: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("{arg}: {why}"))
+}
+
+/// The array's elements, C-contiguous and finite, or a `ValueError` naming `arg`.
+fn finite<'a>(arg: &str, x: &'a [f32]) -> PyResult<&'a [f32]> {
+    match x.iter().position(|v| !v.is_finite()) {
+        None => Ok(x),
+        Some(i) => Err(bad(arg, format!("element {i} is {} (not finite)", x[i]))),
+    }
+}
+
+fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
+    arg: &str,
+    a: &'a numpy::PyReadonlyArray<'_, T, D>,
+) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .map_err(|_| bad(arg, "must be C-contiguous (np.ascontiguousarray)"))
+}
+
+/// A 4-bit bit-plane key store (docs/SPEC.md §2): keys `[N, Hkv, D]` quantized per 64-token
+/// block and channel, read back at any depth of 0–4 planes.
+#[pyclass(module = "fathom._fathom")]
+struct KeyStoreHandle {
+    inner: KeyStore,
+}
+
+#[pymethods]
+impl KeyStoreHandle {
+    /// Quantizes `keys` (`float32 [N, Hkv, D]`) into a new store with room for `capacity`
+    /// tokens (at least N) before `append` must reallocate.
+    #[staticmethod]
+    #[pyo3(signature = (keys, capacity=None))]
+    fn from_keys(keys: PyReadonlyArray3<'_, f32>, capacity: Option<usize>) -> PyResult<Self> {
+        let s = keys.shape();
+        let (n, heads, channels) = (s[0], s[1], s[2]);
+        let x = finite("keys", contiguous("keys", &keys)?)?;
+        let dims = Dims { heads, channels };
+        let mut inner =
+            KeyStore::with_capacity(dims, capacity.unwrap_or(n).max(n), None).map_err(lib_err)?;
+        inner.append(x).map_err(lib_err)?;
+        Ok(Self { inner })
+    }
+
+    /// Loads a store written by `save` (or `fathom quantize`).
+    #[staticmethod]
+    fn load(path: PathBuf) -> PyResult<Self> {
+        Ok(Self {
+            inner: KeyStore::load(&path).map_err(lib_err)?,
+        })
+    }
+
+    /// Appends `keys` (`float32 [M, Hkv, D]`), re-quantizing the partial last block.
+    fn append(&mut self, keys: PyReadonlyArray3<'_, f32>) -> PyResult<()> {
+        let d = self.inner.dims();
+        let s = keys.shape();
+        if s[1] != d.heads || s[2] != d.channels {
+            return Err(bad(
+                "keys",
+                format!(
+                    "shape [{}, {}, {}], the store holds [N, {}, {}]",
+                    s[0], s[1], s[2], d.heads, d.channels
+                ),
+            ));
+        }
+        let x = finite("keys", contiguous("keys", &keys)?)?;
+        let need = self.inner.tokens() + s[0];
+        if need > self.inner.capacity() {
+            // Grow geometrically (the stored words move once; the store reads the same).
+            self.inner
+                .reserve(need.max(2 * self.inner.capacity()))
+                .map_err(lib_err)?;
+        }
+        self.inner.append(x).map_err(lib_err)
+    }
+
+    /// Writes the store atomically.
+    fn save(&self, path: PathBuf) -> PyResult<()> {
+        self.inner.save(&path).map_err(lib_err)
+    }
+
+    /// Tokens held.
+    #[getter]
+    fn tokens(&self) -> usize {
+        self.inner.tokens()
+    }
+
+    /// KV heads.
+    #[getter]
+    fn heads(&self) -> usize {
+        self.inner.dims().heads
+    }
+
+    /// Channels per head.
+    #[getter]
+    fn dim(&self) -> usize {
+        self.inner.dims().channels
+    }
+
+    /// Every key at the first `t` planes of every channel (`t` in 0..=4), `float32 [N, Hkv, D]`:
+    /// exactly the t-bit quantizer of docs/SPEC.md §2.
+    fn dequant_prefix<'py>(&self, py: Python<'py>, t: u32) -> PyResult<Bound<'py, PyArray3<f32>>> {
+        let d = self.inner.dims();
+        let v = self.inner.view().dequant_prefix(t).map_err(lib_err)?;
+        PyArray1::from_vec(py, v).reshape([self.inner.tokens(), d.heads, d.channels])
+    }
+}
+
+/// The importance of each channel for a query group, `w_c = σ²_c Σ_g q_gc²` (docs/SPEC.md §3):
+/// `queries float32 [G, D]`, `sigma2 float32 [D]`.
+#[pyfunction]
+fn importance<'py>(
+    py: Python<'py>,
+    queries: PyReadonlyArray2<'_, f32>,
+    sigma2: PyReadonlyArray1<'_, f32>,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let g = queries.shape()[0];
+    let q = finite("queries", contiguous("queries", &queries)?)?;
+    let s = finite("sigma2", contiguous("sigma2", &sigma2)?)?;
+    if queries.shape()[1] != s.len() {
+        return Err(bad(
+            "queries",
+            format!("{} channels, sigma2 has {}", queries.shape()[1], s.len()),
+        ));
+    }
+    let w = fathom_plan::importance(s, q, g).map_err(lib_err)?;
+    Ok(PyArray1::from_vec(py, w))
+}
+
+/// Reverse water-filling (docs/SPEC.md §3): the depth (0–4 planes) of each channel that
+/// minimises `Σ w_c 4^(−t_c)` within `budget` bits per token, and the bits it spends.
+#[pyfunction]
+fn water_fill<'py>(
+    py: Python<'py>,
+    importance: PyReadonlyArray1<'_, f32>,
+    budget: f32,
+) -> PyResult<(Bound<'py, PyArray1<u8>>, f32)> {
+    let w = finite("importance", contiguous("importance", &importance)?)?;
+    let plan = fathom_plan::water_fill(w, budget).map_err(lib_err)?;
+    Ok((PyArray1::from_vec(py, plan.depths), plan.bits))
+}
+
+/// Writes a docs/SPEC.md §8 capture atomically. `layers` maps each layer index to a dict of
+/// `q [P, Hq, D]`, `k` and `v [N, Hkv, D]` and optionally `o [P, Hq, D]` (float32).
+#[pyfunction]
+#[pyo3(signature = (path, layers, positions, model, qk_norm=false, softcap=None, layer_kinds=None, dtype="bf16"))]
+#[allow(clippy::too_many_arguments)]
+fn write_capture(
+    path: PathBuf,
+    layers: &Bound<'_, PyDict>,
+    positions: Vec<usize>,
+    model: String,
+    qk_norm: bool,
+    softcap: Option<f32>,
+    layer_kinds: Option<Vec<String>>,
+    dtype: &str,
+) -> PyResult<()> {
+    let dtype: Dtype = dtype.parse().map_err(|e| bad("dtype", e))?;
+    let kinds = layer_kinds
+        .map(|ks| {
+            ks.iter()
+                .map(|k| k.parse::<LayerKind>().map_err(|e| bad("layer_kinds", e)))
+                .collect::<PyResult<Vec<_>>>()
+        })
+        .transpose()?;
+    let mut idx: Vec<usize> = Vec::new();
+    let mut owned: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::new();
+    let (mut qshape, mut kshape): (Option<Vec<usize>>, Option<Vec<usize>>) = (None, None);
+    for (key, val) in layers.iter() {
+        let l: usize = key
+            .extract()
+            .map_err(|_| bad("layers", "keys must be layer indices"))?;
+        let parts = val
+            .cast::<PyDict>()
+            .map_err(|_| bad("layers", format!("layer {l}: a dict of q, k, v (and o)")))?;
+        idx.push(l);
+        for (part, name, want) in [
+            (Part::Q, "q", &mut qshape),
+            (Part::K, "k", &mut kshape),
+            (Part::V, "v", &mut None),
+            (Part::O, "o", &mut None),
+        ] {
+            let Some(a) = parts.get_item(name)? else {
+                if part == Part::O {
+                    continue;
+                }
+                return Err(bad("layers", format!("layer {l} has no {name}")));
+            };
+            let arg = format!("layers[{l}].{name}");
+            let a: PyReadonlyArray3<'_, f32> = a
+                .extract()
+                .map_err(|_| bad(&arg, "must be a float32 array of 3 dimensions"))?;
+            let shape = a.shape().to_vec();
+            if let Some(w) = want.as_ref() {
+                if *w != shape {
+                    return Err(bad(
+                        &arg,
+                        format!("shape {shape:?}, another layer's is {w:?}"),
+                    ));
+                }
+            } else if part == Part::Q || part == Part::K {
+                *want = Some(shape.clone());
+            }
+            let x = finite(&arg, contiguous(&arg, &a)?)?;
+            owned.push((tensor_name(l, part), x.to_vec(), shape));
+        }
+    }
+    let (Some(qs), Some(ks)) = (qshape, kshape) else {
+        return Err(bad("layers", "no layers"));
+    };
+    for (name, _, shape) in &owned {
+        let q_like = name.ends_with(".q") || name.ends_with(".o");
+        let want = if q_like { &qs } else { &ks };
+        if shape != want {
+            // `layers.{l}.{p}` as the caller wrote it: `layers[l].p`.
+            let (l, p) = name["layers.".len()..]
+                .split_once('.')
+                .unwrap_or((name, ""));
+            return Err(bad(
+                &format!("layers[{l}].{p}"),
+                format!("shape {shape:?}, want {want:?}"),
+            ));
+        }
+    }
+    if qs[2] != ks[2] || ks[1] == 0 || qs[1] % ks[1] != 0 {
+        return Err(bad(
+            "layers",
+            format!("q {qs:?} and k {ks:?}: D must agree and Hq be a multiple of Hkv"),
+        ));
+    }
+    if positions.len() != qs[0] {
+        return Err(bad(
+            "positions",
+            format!("{} positions for {} query rows", positions.len(), qs[0]),
+        ));
+    }
+    if let Some(&p) = positions.iter().find(|&&p| p >= ks[0]) {
+        return Err(bad(
+            "positions",
+            format!("position {p} is past the {} keys", ks[0]),
+        ));
+    }
+    idx.sort_unstable();
+    let meta = CaptureMeta {
+        model,
+        positions,
+        qk_norm,
+        softcap,
+        layer_kinds: kinds,
+        layers: Some(idx),
+    };
+    let tensors: Vec<(&str, &[f32], &[usize])> = owned
+        .iter()
+        .map(|(n, x, s)| (n.as_str(), x.as_slice(), s.as_slice()))
+        .collect();
+    let bytes = fathom_capture::encode(&tensors, dtype, Some(meta.to_map())).map_err(lib_err)?;
+    fathom_store::write_atomic(&path, &bytes)
+        .map_err(|e| lib_err(format!("{}: {e}", path.display())))
+}
+
+/// Reads a docs/SPEC.md §8 capture: `(info, layers)`, `info` a dict of the capture-wide facts
+/// and `layers` a dict of layer index to a dict of float32 arrays `q`, `k`, `v` (and `o`).
+#[pyfunction]
+fn read_capture<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+    let cap = Capture::open(&path).map_err(|e| lib_err(format!("{}: {e}", path.display())))?;
+    let i = cap.info();
+    let info = PyDict::new(py);
+    info.set_item("model", &i.model)?;
+    info.set_item("qk_norm", i.qk_norm)?;
+    info.set_item("softcap", i.softcap)?;
+    info.set_item("positions", i.positions.clone())?;
+    info.set_item("layers", i.layers.clone())?;
+    info.set_item(
+        "layer_kinds",
+        i.kinds.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
+    )?;
+    for (k, v) in [("n", i.n), ("hq", i.hq), ("hkv", i.hkv), ("d", i.d)] {
+        info.set_item(k, v)?;
+    }
+    let layers = PyDict::new(py);
+    for &l in &i.layers {
+        let data = cap.layer(l).map_err(lib_err)?;
+        let d = PyDict::new(py);
+        let p = i.positions.len();
+        d.set_item("q", PyArray1::from_vec(py, data.q).reshape([p, i.hq, i.d])?)?;
+        d.set_item(
+            "k",
+            PyArray1::from_vec(py, data.k).reshape([i.n, i.hkv, i.d])?,
+        )?;
+        d.set_item(
+            "v",
+            PyArray1::from_vec(py, data.v).reshape([i.n, i.hkv, i.d])?,
+        )?;
+        if let Some(o) = data.o {
+            d.set_item("o", PyArray1::from_vec(py, o).reshape([p, i.hq, i.d])?)?;
+        }
+        layers.set_item(l, d)?;
+    }
+    Ok((info, layers))
+}
+
+/// Runs the fidelity evaluation of a capture (what `fathom fidelity --json` writes) and
+/// returns the document as a JSON string.
+#[pyfunction]
+#[pyo3(signature = (capture, methods, k=None, calib=None, layers=None, basis="raw"))]
+fn fidelity_json(
+    py: Python<'_>,
+    capture: PathBuf,
+    methods: &str,
+    k: Option<usize>,
+    calib: Option<PathBuf>,
+    layers: Option<Vec<usize>>,
+    basis: &str,
+) -> PyResult<String> {
+    let basis: BasisChoice = basis.parse().map_err(|e| bad("basis", e))?;
+    let args = EvaluateArgs {
+        capture: &capture,
+        methods,
+        basis,
+        calib: calib.as_deref(),
+        k,
+        layers,
+        study: Default::default(),
+        command: format!("fathom.fidelity({}, {methods:?})", capture.display()),
+    };
+    let (doc, _) = py.detach(|| evaluate(&args, &|_| {})).map_err(lib_err)?;
+    let doc: fathom_results::Document = doc.into();
+    serde_json::to_string(&doc).map_err(lib_err)
+}
+
+/// Calibrates on a capture (what `fathom calibrate` writes): σ², the KLT and the basis rule
+/// per (layer, KV head), per-layer budgets for each target; writes `out` and its summary and
+/// returns the basis the rule chose (`"Raw"` or `"Klt"`, or None without global layers).
+#[pyfunction]
+#[pyo3(signature = (capture, out, targets=vec![48.0, 64.0], k=None, quantum=4.0))]
+fn calibrate(
+    py: Python<'_>,
+    capture: PathBuf,
+    out: PathBuf,
+    targets: Vec<f32>,
+    k: Option<usize>,
+    quantum: f32,
+) -> PyResult<Option<String>> {
+    let args = fathom_bench::evaluate::CalibrateArgs {
+        capture: &capture,
+        out: &out,
+        targets,
+        k,
+        quantum,
+        command: format!("fathom.calibrate({}, {})", capture.display(), out.display()),
+    };
+    let cal = py
+        .detach(|| fathom_bench::evaluate::calibrate_file(&args, &|_, _, _| {}))
+        .map_err(lib_err)?;
+    Ok(cal.basis_rule.map(|r| format!("{:?}", r.choice)))
+}
+
+/// The library's version (the workspace's).
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _fathom(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("FathomError", m.py().get_type::<FathomError>())?;
+    m.add_class::<KeyStoreHandle>()?;
+    m.add_function(wrap_pyfunction!(importance, m)?)?;
+    m.add_function(wrap_pyfunction!(water_fill, m)?)?;
+    m.add_function(wrap_pyfunction!(write_capture, m)?)?;
+    m.add_function(wrap_pyfunction!(read_capture, m)?)?;
+    m.add_function(wrap_pyfunction!(fidelity_json, m)?)?;
+    m.add_function(wrap_pyfunction!(calibrate, m)?)?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    Ok(())
+}

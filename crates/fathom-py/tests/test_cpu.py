@@ -1,0 +1,231 @@
+"""The CPU API of the `fathom` package against plain-numpy references (seeded, several sizes)."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+import fathom
+
+
+def keys(n, h, d, seed):
+    return np.random.default_rng(seed).standard_normal((n, h, d)).astype(np.float32)
+
+
+def block_max(x):
+    """Per 64-token block and (head, channel): the largest |key|, as the fp16 scale rounds it."""
+    n = x.shape[0]
+    out = np.empty_like(x)
+    for b in range(0, n, 64):
+        m = np.abs(x[b : b + 64]).max(axis=0).astype(np.float16).astype(np.float32)
+        out[b : b + 64] = m
+    return out
+
+
+@pytest.mark.parametrize("n,h,d,seed", [(1, 1, 32, 0), (64, 2, 64, 1), (300, 2, 64, 2), (1000, 3, 128, 3)])
+def test_the_four_plane_store_is_within_half_a_step_of_every_key(n, h, d, seed):
+    x = keys(n, h, d, seed)
+    s = fathom.KeyStore.from_keys(x)
+    assert (s.tokens, s.heads, s.dim) == (n, h, d)
+    x4 = s.dequant_prefix(4)
+    assert x4.shape == x.shape and x4.dtype == np.float32
+    # 4 bits: step m/8 over [-m, m), so |x - x̂| <= m/16 (docs/SPEC.md §2), plus the bf16
+    # rounding of the stored key (2^-8 relative).
+    m = block_max(x)
+    assert np.all(np.abs(x - x4) <= m / 16 * (1 + 1e-6) + np.abs(x) * 2.0**-8)
+
+
+def test_fewer_planes_give_a_coarser_quantizer_and_zero_planes_give_zero():
+    x = keys(512, 2, 64, 7)
+    s = fathom.KeyStore.from_keys(x)
+    errs = [float(np.mean((s.dequant_prefix(t) - x) ** 2)) for t in range(1, 5)]
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert not np.any(s.dequant_prefix(0))
+
+
+def test_appends_equal_one_store_of_all_the_keys():
+    x = keys(333, 2, 64, 11)
+    whole = fathom.KeyStore.from_keys(x)
+    grown = fathom.KeyStore.from_keys(x[:10])  # room for 64: the appends must grow it
+    for a, b in [(10, 64), (64, 65), (65, 200), (200, 333)]:
+        grown.append(x[a:b])
+    assert len(grown) == 333
+    for t in range(5):
+        np.testing.assert_array_equal(grown.dequant_prefix(t), whole.dequant_prefix(t))
+
+
+def test_a_saved_store_loads_back_and_a_truncated_one_is_an_error(tmp_path):
+    x = keys(200, 2, 64, 5)
+    s = fathom.KeyStore.from_keys(x)
+    p = tmp_path / "k.fks"
+    s.save(p)
+    np.testing.assert_array_equal(fathom.KeyStore.load(p).dequant_prefix(3), s.dequant_prefix(3))
+    data = p.read_bytes()
+    (tmp_path / "cut.fks").write_bytes(data[: len(data) // 2])
+    with pytest.raises(fathom.FathomError):
+        fathom.KeyStore.load(tmp_path / "cut.fks")
+    with pytest.raises(fathom.FathomError):
+        fathom.KeyStore.load(tmp_path / "missing.fks")
+
+
+def test_bad_arrays_are_value_errors_naming_the_argument():
+    x = keys(100, 2, 64, 1)
+    x[3, 1, 5] = np.nan
+    with pytest.raises(ValueError, match="keys"):
+        fathom.KeyStore.from_keys(x)
+    with pytest.raises(ValueError, match="3"):
+        fathom.KeyStore.from_keys(np.zeros((4, 64), np.float32))
+    s = fathom.KeyStore.from_keys(keys(10, 2, 64, 2))
+    with pytest.raises(ValueError, match="shape"):
+        s.append(keys(5, 3, 64, 3))
+    with pytest.raises(fathom.FathomError):
+        s.dequant_prefix(5)
+
+
+@pytest.mark.parametrize("g,d,seed", [(1, 16, 0), (4, 64, 1), (8, 128, 2)])
+def test_importance_is_sigma2_times_the_sum_of_squares(g, d, seed):
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((g, d)).astype(np.float32)
+    s2 = r.uniform(0.1, 3.0, d).astype(np.float32)
+    w = fathom.importance(q, s2)
+    np.testing.assert_allclose(w, s2 * (q.astype(np.float64) ** 2).sum(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("d,budget,seed", [(16, 8.0, 0), (64, 48.0, 1), (128, 48.0, 2), (128, 136.0, 3), (128, 544.0, 4)])
+def test_water_filling_spends_at_most_the_budget_and_favours_important_channels(d, budget, seed):
+    w = np.random.default_rng(seed).lognormal(0.0, 1.5, d).astype(np.float32)
+    depths, bits = fathom.water_fill(w, budget)
+    assert depths.dtype == np.uint8 and depths.shape == (d,)
+    assert depths.max() <= 4
+    active = int((depths > 0).sum())
+    assert math.isclose(bits, float(depths.sum()) + 0.25 * active, abs_tol=1e-6)
+    assert bits <= budget + 1e-6
+    if budget >= 4.25 * d:
+        assert np.all(depths == 4)
+    # A more important channel is never read shallower than a less important one.
+    order = np.argsort(-w, kind="stable")
+    assert np.all(np.diff(depths[order].astype(int)) <= 0)
+
+
+def test_an_impossible_budget_is_an_error():
+    with pytest.raises(fathom.FathomError):
+        fathom.water_fill(np.ones(8, np.float32), -1.0)
+    with pytest.raises(fathom.FathomError, match="out of range"):
+        fathom.water_fill(np.ones(128, np.float32), 600.0)  # past 4.25 bits × 128 channels
+    with pytest.raises(ValueError, match="importance"):
+        fathom.water_fill(np.array([1.0, np.inf, 2.0]), 4.0)
+
+
+def dense_attention(q, k, v, positions):
+    """Softmax attention of each query row over keys 0..=position, GQA, scale 1/sqrt(D)."""
+    p, hq, d = q.shape
+    g = hq // k.shape[1]
+    o = np.zeros_like(q, dtype=np.float64)
+    for i, pos in enumerate(positions):
+        for h in range(hq):
+            kk = k[: pos + 1, h // g].astype(np.float64)
+            s = kk @ q[i, h].astype(np.float64) / math.sqrt(d)
+            a = np.exp(s - s.max())
+            o[i, h] = (a / a.sum()) @ v[: pos + 1, h // g].astype(np.float64)
+    return o.astype(np.float32)
+
+
+def small_capture(path, n=512, hkv=2, g=2, d=64, seed=0, dtype="f32", with_o=True):
+    r = np.random.default_rng(seed)
+    positions = [200, 350, n - 1]
+    layers = {}
+    for l in (0, 2):
+        q = r.standard_normal((len(positions), hkv * g, d)).astype(np.float32)
+        k = r.standard_normal((n, hkv, d)).astype(np.float32)
+        v = r.standard_normal((n, hkv, d)).astype(np.float32)
+        layers[l] = {"q": q, "k": k, "v": v}
+        if with_o:
+            layers[l]["o"] = dense_attention(q, k, v, positions)
+    fathom.write_capture(path, layers, positions, "test-random", dtype=dtype,
+                         layer_kinds=["global", "local:128", "global"])
+    return layers, positions
+
+
+def test_a_written_capture_reads_back(tmp_path):
+    p = tmp_path / "c.safetensors"
+    layers, positions = small_capture(p)
+    info, got = fathom.read_capture(p)
+    assert info["model"] == "test-random" and info["positions"] == positions
+    assert info["layers"] == [0, 2] and (info["n"], info["hq"], info["hkv"], info["d"]) == (512, 4, 2, 64)
+    for l in (0, 2):
+        for part in "qkvo":
+            np.testing.assert_array_equal(got[l][part], layers[l][part])
+    q = tmp_path / "b.safetensors"
+    small_capture(q, dtype="bf16")
+    _, b = fathom.read_capture(q)
+    np.testing.assert_allclose(b[0]["k"], layers[0]["k"], rtol=2.0**-8)
+
+
+def test_bad_captures_are_refused_before_anything_is_written(tmp_path):
+    p = tmp_path / "bad.safetensors"
+    q = np.zeros((2, 4, 64), np.float32)
+    k = np.zeros((100, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="positions"):
+        fathom.write_capture(p, {0: {"q": q, "k": k, "v": k}}, [10, 200], "m")
+    with pytest.raises(ValueError, match=r"layers\[0\]\.v"):
+        fathom.write_capture(p, {0: {"q": q, "k": k, "v": k[:50]}}, [10, 20], "m")
+    k2 = k.copy()
+    k2[0, 0, 0] = np.inf
+    with pytest.raises(ValueError, match="not finite"):
+        fathom.write_capture(p, {0: {"q": q, "k": k2, "v": k}}, [10, 20], "m")
+    with pytest.raises(ValueError, match="no v"):
+        fathom.write_capture(p, {0: {"q": q, "k": k}}, [10, 20], "m")
+    assert not p.exists()
+    with pytest.raises(fathom.FathomError):
+        fathom.read_capture(tmp_path / "missing.safetensors")
+
+
+def test_fidelity_returns_the_document_fathom_fidelity_writes(tmp_path):
+    p = tmp_path / "c.safetensors"
+    small_capture(p)
+    cal = tmp_path / "cal.json"
+    assert fathom.calibrate(p, cal, targets=[48.0], k=64) in ("Raw", "Klt")
+    assert cal.exists() and (tmp_path / "cal-summary.json").exists()
+    doc = fathom.fidelity(p, "dense,exact,fathom:48,sparq:16,ds:16,quest", k=64, calib=cal)
+    assert doc["kind"] == "fidelity"
+    by = {m["name"]: m for m in doc["methods"]}
+    assert set(by) >= {"dense", "exact", "fathom:48", "sparq:16", "ds:16", "quest"}
+    assert by["dense"]["error"] < 1e-5
+    assert by["fathom:48"]["bits"] <= 48.0 + 1e-9
+    for m in by.values():
+        assert math.isfinite(m["error"]) and m["error"] >= 0.0
+    # Exact top-k of 64 of up to 512 random keys: a real but partial approximation.
+    assert 0.0 < by["exact"]["error"] < 1.0
+    # The capture's own o is dense attention of its q, k, v (docs/SPEC.md §8 consistency).
+    assert doc["o_consistency_max"] < 1e-4
+    # Only the global layers are evaluated; the local one (layer 1) is absent from the file.
+    assert doc["layers"] == [0, 2]
+    # Methods without a calibration need none.
+    plain = fathom.fidelity(p, "exact,sparq:16", k=64)
+    assert {m["name"] for m in plain["methods"]} == {"exact", "sparq:16"}
+
+
+def test_fidelity_errors_name_the_problem(tmp_path):
+    p = tmp_path / "c.safetensors"
+    small_capture(p, with_o=False)
+    with pytest.raises(fathom.FathomError, match="sparq:9999"):
+        fathom.fidelity(p, "exact,sparq:9999")
+    with pytest.raises(fathom.FathomError, match="out of range"):
+        fathom.fidelity(p, "exact", k=100000)
+    with pytest.raises(fathom.FathomError, match="fathom-layer"):
+        fathom.fidelity(p, "fathom-layer:48")
+    with pytest.raises(fathom.FathomError, match="sigma2"):
+        fathom.fidelity(p, "fathom:48")  # Fathom plans need σ² (fathom.calibrate)
+    with pytest.raises(fathom.FathomError, match="out of range"):
+        fathom.calibrate(p, tmp_path / "c.json", targets=[1000.0])
+    with pytest.raises(ValueError, match="basis"):
+        fathom.fidelity(p, "exact", basis="pca")
+
+
+def test_the_version_is_the_workspace_version():
+    here = os.path.dirname(__file__)
+    text = open(os.path.join(here, "..", "..", "..", "Cargo.toml")).read()
+    ws = text.split("[workspace.package]")[1]
+    want = ws.split('version = "')[1].split('"')[0]
+    assert fathom.__version__ == want
