@@ -55,6 +55,14 @@ pub enum EvaluateError {
     /// A method list item outside the grammar.
     #[error(transparent)]
     Method(#[from] MethodError),
+    /// Top-k outside `1..=N`.
+    #[error("k = {k} is out of range 1..={n} (the capture's N)")]
+    K {
+        /// The k asked for.
+        k: usize,
+        /// The capture's tokens.
+        n: usize,
+    },
     /// The run failed or its parameters are out of range.
     #[error(transparent)]
     Fidelity(#[from] FidelityError),
@@ -103,11 +111,7 @@ pub fn evaluate(
     let methods = scanners(args.methods, info.d, args.basis, calib.as_ref())?;
     let k = args.k.unwrap_or_else(|| default_k(info.n));
     if k == 0 || k > info.n {
-        return Err(FidelityError::Invalid(format!(
-            "k = {k} is out of range 1..={} (the capture's N)",
-            info.n
-        ))
-        .into());
+        return Err(EvaluateError::K { k, n: info.n });
     }
     let fp = FidelityParams {
         select: SelectParams {
@@ -190,10 +194,7 @@ pub fn calibrate_file(
     }
     let k = args.k.unwrap_or_else(|| default_k(n).min(n));
     if k == 0 || k > n {
-        return Err(FidelityError::Invalid(format!(
-            "k = {k} is out of range 1..={n} (the capture's N)"
-        ))
-        .into());
+        return Err(EvaluateError::K { k, n });
     }
     let params = crate::calib::CalibParams {
         targets: args.targets.clone(),

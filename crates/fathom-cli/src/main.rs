@@ -534,7 +534,8 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
         pb.set_message(stage.to_string());
         pb.set_length(total as u64);
         pb.set_position(done as u64);
-    })?;
+    })
+    .map_err(flag_errors)?;
     pb.finish_and_clear();
     let summary = Calibration::summary_path(&a.out);
     if let Some(r) = &cal.basis_rule {
@@ -548,6 +549,16 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
     }
     eprintln!("wrote {} and {}", a.out.display(), summary.display());
     Ok(())
+}
+
+/// The library's range errors in the words of the flags that set them.
+fn flag_errors(e: fathom_bench::evaluate::EvaluateError) -> anyhow::Error {
+    match e {
+        fathom_bench::evaluate::EvaluateError::K { k, n } => {
+            anyhow::anyhow!("--k {k} is out of range 1..={n} (the capture's N)")
+        }
+        e => e.into(),
+    }
 }
 
 fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
@@ -570,7 +581,8 @@ fn fidelity_cmd(a: FidelityArgs) -> Result<()> {
         study: Study::parse(&a.study).unwrap_or_default(),
         command: fathom_results::command_line(),
     };
-    let (doc, rep) = fathom_bench::evaluate::evaluate(&args, &|_| pb.inc(1))?;
+    let (doc, rep) =
+        fathom_bench::evaluate::evaluate(&args, &|_| pb.inc(1)).map_err(flag_errors)?;
     pb.finish_and_clear();
     let info = Capture::open(&a.capture)?.info().clone();
     let k = doc.k;

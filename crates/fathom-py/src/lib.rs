@@ -179,9 +179,10 @@ fn water_fill<'py>(
 }
 
 /// Writes a docs/SPEC.md §8 capture atomically. `layers` maps each layer index to a dict of
-/// `q [P, Hq, D]`, `k` and `v [N, Hkv, D]` and optionally `o [P, Hq, D]` (float32).
+/// `q [P, Hq, D]`, `k` and `v [N, Hkv, D]` and optionally `o [P, Hq, D]` (float32);
+/// `metadata` adds string keys outside the schema's (they pass through every reader).
 #[pyfunction]
-#[pyo3(signature = (path, layers, positions, model, qk_norm=false, softcap=None, layer_kinds=None, dtype="bf16"))]
+#[pyo3(signature = (path, layers, positions, model, qk_norm=false, softcap=None, layer_kinds=None, dtype="bf16", metadata=None))]
 #[allow(clippy::too_many_arguments)]
 fn write_capture(
     path: PathBuf,
@@ -192,6 +193,7 @@ fn write_capture(
     softcap: Option<f32>,
     layer_kinds: Option<Vec<String>>,
     dtype: &str,
+    metadata: Option<std::collections::BTreeMap<String, String>>,
 ) -> PyResult<()> {
     let dtype: Dtype = dtype.parse().map_err(|e| bad("dtype", e))?;
     let kinds = layer_kinds
@@ -291,7 +293,17 @@ fn write_capture(
         .iter()
         .map(|(n, x, s)| (n.as_str(), x.as_slice(), s.as_slice()))
         .collect();
-    let bytes = fathom_capture::encode(&tensors, dtype, Some(meta.to_map())).map_err(lib_err)?;
+    let mut map = meta.to_map();
+    for (k, v) in metadata.unwrap_or_default() {
+        if map.contains_key(&k) {
+            return Err(bad(
+                "metadata",
+                format!("{k:?} is a schema key; pass it as its argument"),
+            ));
+        }
+        map.insert(k, v);
+    }
+    let bytes = fathom_capture::encode(&tensors, dtype, Some(map)).map_err(lib_err)?;
     fathom_store::write_atomic(&path, &bytes)
         .map_err(|e| lib_err(format!("{}: {e}", path.display())))
 }

@@ -133,6 +133,7 @@ def write_capture(
     softcap: Optional[float] = None,
     layer_kinds: Optional[Sequence[str]] = None,
     dtype: str = "bf16",
+    metadata: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Writes a docs/SPEC.md §8 capture atomically.
 
@@ -140,7 +141,8 @@ def write_capture(
     and optionally ``"o": [P, Hq, D]`` (the model's own attention output, post-RoPE and
     QK-norm inputs); ``positions[p]`` is the position of query row ``p`` (it attends to keys
     ``0..=positions[p]``); ``layer_kinds`` lists ``"global"`` or ``"local:W"`` for every
-    model layer; ``dtype`` is ``"f32"``, ``"f16"`` or ``"bf16"``.
+    model layer; ``dtype`` is ``"f32"``, ``"f16"`` or ``"bf16"``; ``metadata`` adds string
+    keys outside the schema's (provenance, say).
     """
     conv = {}
     for l, parts in layers.items():
@@ -154,6 +156,7 @@ def write_capture(
         None if softcap is None else float(softcap),
         None if layer_kinds is None else [str(k) for k in layer_kinds],
         dtype,
+        None if metadata is None else {str(k): str(v) for k, v in metadata.items()},
     )
 
 
