@@ -16,6 +16,7 @@
 
 pub mod calib;
 pub mod capture;
+pub mod decode;
 pub mod document;
 pub mod evaluate;
 pub mod fidelity;

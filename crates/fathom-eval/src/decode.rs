@@ -27,10 +27,8 @@
 use fathom_bench::calib::head_calib;
 use fathom_model::attention::KvSlice;
 use fathom_model::{argmax, AttentionHook, DecodeAttention, Dense, KvCache, LayerKind, Model};
-use fathom_plan::scan::scan;
-use fathom_plan::scanner::{HeadCalib, HeadInput, Scanner};
-use fathom_plan::{attend, plan_bits, select_per_head, KvView, SelectParams};
-use fathom_store::{Basis, BasisKind, Dims, KeyStore};
+use fathom_plan::scanner::{HeadCalib, Scanner};
+use fathom_plan::{KvView, SelectParams};
 use rayon::prelude::*;
 
 use crate::EvalError;
@@ -101,14 +99,8 @@ pub fn calibrate(model: &Model, tokens: &[u32], n_queries: usize) -> Result<Laye
     Ok(LayerCalib { heads })
 }
 
-/// If `scanner` is Loki at 4 bits (`loki:R`), its `R`: Loki is prepared incrementally
-/// (module docs).
-pub fn loki_r(scanner: &dyn Scanner) -> Option<usize> {
-    match scanner.spec()? {
-        fathom_plan::method::MethodSpec::Loki { r } => Some(r),
-        _ => None,
-    }
-}
+pub use fathom_bench::decode::{loki_r, DecodeStats as BranchStats};
+use fathom_bench::decode::{sparse_step, HeadStores};
 
 /// Rows of KV head `h`, tokens `from..to`, of an `[n, Hkv, D]` slice, packed `[m, D]`.
 fn head_rows(k: &KvSlice<'_>, h: usize, from: usize, to: usize) -> Vec<f32> {
@@ -118,14 +110,6 @@ fn head_rows(k: &KvSlice<'_>, h: usize, from: usize, to: usize) -> Vec<f32> {
         out.extend_from_slice(k.row(i, h));
     }
     out
-}
-
-/// Per (global layer, KV head) stores of one sample's prefill, shared by its branches.
-#[derive(Debug, Clone)]
-struct HeadStores {
-    raw: KeyStore,
-    /// The keys in Loki's PCA basis (only when a Loki method runs).
-    loki: Option<KeyStore>,
 }
 
 /// One sample's dense prefill: the KV cache, the last logits and the key stores that every
@@ -165,23 +149,14 @@ impl Prefill {
                     .into_par_iter()
                     .map(|h| -> Result<HeadStores, EvalError> {
                         let rows = head_rows(&k, h, 0, n);
-                        let dims = Dims {
-                            heads: 1,
-                            channels: d,
-                        };
-                        let mut raw = KeyStore::with_capacity(dims, cap, None)?;
-                        raw.append(&rows)?;
                         let loki = match calib.and_then(|c| c.heads.get(l)).and_then(|hs| hs.get(h))
                         {
                             Some(hc) if with_loki && hc.loki.len() == d * d => {
-                                let basis = Basis::new(BasisKind::Custom, 1, d, hc.loki.clone())?;
-                                let mut s = KeyStore::with_capacity(dims, cap, Some(basis))?;
-                                s.append(&rows)?;
-                                Some(s)
+                                Some(hc.loki.as_slice())
                             }
                             _ => None,
                         };
-                        Ok(HeadStores { raw, loki })
+                        Ok(HeadStores::new(&rows, d, cap, loki)?)
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 Ok(Some(heads))
@@ -205,43 +180,10 @@ impl Prefill {
     }
 }
 
-/// Running statistics of one branch.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BranchStats {
-    /// Σ bits per token read over (step, global layer, KV head).
-    pub bits_sum: f64,
-    /// Number of (step, global layer, KV head) scans.
-    pub scans: u64,
-    /// Σ tokens attended per query head (selected set sizes) over scans × G.
-    pub selected_sum: f64,
-    /// Σ keys visible over scans × G.
-    pub visible_sum: f64,
-}
-
-impl BranchStats {
-    /// Mean scan bits per token per KV head (0 for dense).
-    pub fn mean_bits(&self) -> f64 {
-        if self.scans == 0 {
-            0.0
-        } else {
-            self.bits_sum / self.scans as f64
-        }
-    }
-    /// Mean fraction of visible keys attended on global layers (1 for dense).
-    pub fn density(&self) -> f64 {
-        if self.visible_sum == 0.0 {
-            1.0
-        } else {
-            self.selected_sum / self.visible_sum
-        }
-    }
-}
-
 /// A [`DecodeAttention`] that runs a [`Scanner`] through the selection protocol on every
 /// decode step of every global layer (module docs).
 pub struct SparseAttention<'a> {
     scanner: &'a dyn Scanner,
-    loki_r: Option<usize>,
     params: SelectParams,
     kinds: Vec<LayerKind>,
     calib: Option<&'a LayerCalib>,
@@ -292,7 +234,6 @@ impl<'a> SparseAttention<'a> {
         };
         Ok(SparseAttention {
             scanner,
-            loki_r: loki,
             params,
             kinds: model.config().layer_kinds.clone(),
             calib,
@@ -308,7 +249,6 @@ impl<'a> SparseAttention<'a> {
         self.error.take()
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn sparse(
         &mut self,
         layer: usize,
@@ -319,97 +259,31 @@ impl<'a> SparseAttention<'a> {
         out: &mut [f32],
     ) -> Result<(), EvalError> {
         let (hkv, d) = (k.n_kv_heads, k.head_dim);
-        let hq = q.len() / d;
-        let g = hq / hkv;
-        let n = pos + 1;
-        let scale = 1.0 / (d as f32).sqrt();
-        let params = self.params;
-        let softcap = self.softcap;
-        let scanner = self.scanner;
-        let loki_r = self.loki_r;
-        let calib = self.calib.and_then(|c| c.heads.get(layer));
+        let calib = self
+            .calib
+            .and_then(|c| c.heads.get(layer))
+            .map(Vec::as_slice);
         let heads = self.stores[layer]
             .as_mut()
             .ok_or_else(|| EvalError::Invalid(format!("layer {layer} has no stores")))?;
-        let per_head: Vec<(f32, usize)> = out
-            .par_chunks_mut(g * d)
-            .zip(heads.par_iter_mut())
-            .enumerate()
-            .map(|(h, (o, st))| -> Result<(f32, usize), EvalError> {
-                let have = st.raw.tokens();
-                if have < n {
-                    let rows = head_rows(&k, h, have, n);
-                    st.raw.append(&rows)?;
-                    if let Some(s) = st.loki.as_mut() {
-                        s.append(&rows)?;
-                    }
-                }
-                let keys = KvView::head(&k.data[..n * hkv * d], hkv, d, h);
-                let values = KvView::head(&v.data[..n * hkv * d], hkv, d, h);
-                let qg = &q[h * g * d..(h + 1) * g * d];
-                let mut scores = vec![0f32; g * n];
-                let bits = match (loki_r, st.loki.as_ref()) {
-                    (Some(r), Some(store)) => loki_scores(store, r, qg, g, &mut scores)?,
-                    _ => {
-                        let input = HeadInput {
-                            layer,
-                            keys,
-                            store: st.raw.view(),
-                            calib: calib.and_then(|c| c.get(h)),
-                            klt_store: None,
-                        };
-                        let hs = scanner.prepare(&input)?;
-                        hs.score(qg, g, &mut scores)?
-                    }
-                };
-                let mut idx = Vec::with_capacity(params.sink + params.local + params.k);
-                let mut selected = 0;
-                for j in 0..g {
-                    select_per_head(pos, &scores[j * n..(j + 1) * n], &params, &mut idx)?;
-                    selected += idx.len();
-                    attend(
-                        &qg[j * d..(j + 1) * d],
-                        keys,
-                        values,
-                        &idx,
-                        scale,
-                        softcap,
-                        &mut o[j * d..(j + 1) * d],
-                    )?;
-                }
-                Ok((bits, selected))
-            })
-            .collect::<Result<_, _>>()?;
-        for (bits, selected) in per_head {
-            self.stats.bits_sum += bits as f64;
-            self.stats.scans += 1;
-            self.stats.selected_sum += selected as f64;
-            self.stats.visible_sum += (g * n) as f64;
-        }
+        sparse_step(
+            self.scanner,
+            &self.params,
+            self.softcap,
+            layer,
+            calib,
+            heads,
+            q,
+            k.data,
+            v.data,
+            hkv,
+            d,
+            pos,
+            out,
+            &mut self.stats,
+        )?;
         Ok(())
     }
-}
-
-/// Loki's scores from a store already in its PCA basis: the first `r` coordinates at 4 bits,
-/// the query rotated into the same basis (what `fathom_baselines::Loki` computes after
-/// rotating every key on `prepare`).
-fn loki_scores(
-    store: &KeyStore,
-    r: usize,
-    queries: &[f32],
-    g: usize,
-    out: &mut [f32],
-) -> Result<f32, EvalError> {
-    let view = store.view();
-    let d = view.dims().channels;
-    let mut q = vec![0f32; g * d];
-    for h in 0..g {
-        view.rotate_query(0, &queries[h * d..(h + 1) * d], &mut q[h * d..(h + 1) * d]);
-    }
-    let mut depths = vec![0u8; d];
-    depths[..r].fill(4);
-    scan(&view, 0, &q, g, &depths, out).map_err(fathom_plan::scanner::ScannerError::from)?;
-    Ok(plan_bits(&depths))
 }
 
 impl DecodeAttention for SparseAttention<'_> {
@@ -511,53 +385,5 @@ pub fn default_k(context: usize) -> usize {
         256
     } else {
         512
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use fathom_baselines::Loki;
-    use rand::{Rng, SeedableRng};
-
-    use super::*;
-
-    /// The incrementally grown Loki store scores exactly as `Loki::prepare` on all keys.
-    #[test]
-    fn incremental_loki_matches_the_baseline() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        for (n, d, g) in [(70usize, 16usize, 2usize), (300, 64, 3)] {
-            let keys: Vec<f32> = (0..n * d)
-                .map(|i| rng.gen_range(-1.0..1.0) * (1.0 + (i % d) as f32))
-                .collect();
-            let qs: Vec<f32> = (0..8 * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let view = KvView::contiguous(&keys, d);
-            let hc = head_calib(&view, &qs);
-            let dims = Dims {
-                heads: 1,
-                channels: d,
-            };
-            let basis = Basis::new(BasisKind::Custom, 1, d, hc.loki.clone()).unwrap();
-            let mut inc = KeyStore::with_capacity(dims, n, Some(basis)).unwrap();
-            inc.append(&keys[..(n / 2) * d]).unwrap();
-            for i in n / 2..n {
-                inc.append(&keys[i * d..(i + 1) * d]).unwrap();
-            }
-            let raw = KeyStore::from_keys(dims, &keys, None).unwrap();
-            let loki = Loki { r: d / 2 };
-            let input = HeadInput {
-                layer: 0,
-                keys: view,
-                store: raw.view(),
-                calib: Some(&hc),
-                klt_store: None,
-            };
-            let hs = loki.prepare(&input).unwrap();
-            let q: Vec<f32> = (0..g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let (mut want, mut got) = (vec![0f32; g * n], vec![0f32; g * n]);
-            let wb = hs.score(&q, g, &mut want).unwrap();
-            let gb = loki_scores(&inc, d / 2, &q, g, &mut got).unwrap();
-            assert_eq!(wb, gb);
-            assert_eq!(want, got, "n {n}, d {d}");
-        }
     }
 }

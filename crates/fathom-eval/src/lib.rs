@@ -48,6 +48,9 @@ pub enum EvalError {
     /// A key store failed.
     #[error(transparent)]
     Store(#[from] fathom_store::StoreError),
+    /// A sparse decode step failed (the method and layer named).
+    #[error(transparent)]
+    Decode(#[from] fathom_bench::fidelity::FidelityError),
     /// Reading the word list failed.
     #[error("reading {path}: {source}")]
     Io {

@@ -408,6 +408,126 @@ fn calibrate(
     Ok(cal.basis_rule.map(|r| format!("{:?}", r.choice)))
 }
 
+/// One sequence decoded with one method (`fathom_bench::decode::SparseDecoder`): per decode
+/// step and global layer, the queries `[Hq, D]` and the sequence's keys and values so far
+/// `[pos + 1, Hkv, D]` (after RoPE and any QK-norm) give the attention output `[Hq, D]` of
+/// the SPEC §5 protocol (sink + local + each query head's own top-k, exact softmax at `1/√D`).
+#[pyclass(module = "fathom._fathom")]
+struct Decoder {
+    inner: fathom_bench::decode::SparseDecoder,
+}
+
+#[pymethods]
+impl Decoder {
+    #[new]
+    #[pyo3(signature = (method, layers, kv_heads, dim, k, capacity=4096, sink=4, local=32, calib=None, basis="raw", softcap=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        method: &str,
+        layers: usize,
+        kv_heads: usize,
+        dim: usize,
+        k: usize,
+        capacity: usize,
+        sink: usize,
+        local: usize,
+        calib: Option<PathBuf>,
+        basis: &str,
+        softcap: Option<f32>,
+    ) -> PyResult<Self> {
+        use fathom_bench::fidelity::CalibSource;
+        let basis: BasisChoice = basis.parse().map_err(|e| bad("basis", e))?;
+        let cal = calib
+            .as_ref()
+            .map(|p| fathom_bench::calib::Calibration::load(p))
+            .transpose()
+            .map_err(lib_err)?;
+        if let Some(c) = &cal {
+            if c.d != dim || c.hkv != kv_heads {
+                return Err(lib_err(format!(
+                    "the calibration is for Hkv = {}, D = {}; the decoder for Hkv = {kv_heads}, D = {dim}",
+                    c.hkv, c.d
+                )));
+            }
+        }
+        let mut list =
+            fathom_bench::methods::scanners(method, dim, basis, cal.as_ref()).map_err(lib_err)?;
+        if list.len() != 1 {
+            return Err(bad(
+                "method",
+                format!("{method:?} names {} methods, want one", list.len()),
+            ));
+        }
+        let heads = cal.as_ref().map(|c| {
+            (0..layers)
+                .map(|l| {
+                    (0..kv_heads)
+                        .filter_map(|h| c.head(l, h).cloned())
+                        .collect()
+                })
+                .collect()
+        });
+        let params = fathom_plan::SelectParams { sink, local, k };
+        let inner = fathom_bench::decode::SparseDecoder::new(
+            list.remove(0),
+            params,
+            layers,
+            kv_heads,
+            dim,
+            capacity,
+            heads,
+            softcap,
+        )
+        .map_err(lib_err)?;
+        Ok(Self { inner })
+    }
+
+    /// The attention output `[Hq, D]` of one decode step of global layer `layer`.
+    fn attend<'py>(
+        &mut self,
+        py: Python<'py>,
+        layer: usize,
+        q: PyReadonlyArray2<'py, f32>,
+        keys: PyReadonlyArray3<'py, f32>,
+        values: PyReadonlyArray3<'py, f32>,
+        pos: usize,
+    ) -> PyResult<Bound<'py, numpy::PyArray2<f32>>> {
+        let (hq, d) = (q.shape()[0], q.shape()[1]);
+        let qs = finite("q", contiguous("q", &q)?)?;
+        let ks = contiguous("keys", &keys)?;
+        let vs = contiguous("values", &values)?;
+        let mut out = vec![0f32; qs.len()];
+        let inner = &mut self.inner;
+        py.detach(|| inner.attend(layer, qs, ks, vs, pos, &mut out))
+            .map_err(lib_err)?;
+        PyArray1::from_vec(py, out).reshape([hq, d])
+    }
+
+    /// The method's label.
+    #[getter]
+    fn method(&self) -> String {
+        self.inner.method()
+    }
+
+    /// Whether the method attends densely.
+    #[getter]
+    fn is_dense(&self) -> bool {
+        self.inner.is_dense()
+    }
+
+    /// Mean bits per token and KV head the scans read so far.
+    #[getter]
+    fn mean_bits(&self) -> f64 {
+        self.inner.stats.mean_bits()
+    }
+
+    /// Mean fraction of the visible keys attended so far.
+    #[getter]
+    fn density(&self) -> f64 {
+        self.inner.stats.density()
+    }
+}
+
 /// The library's version (the workspace's).
 #[pyfunction]
 fn version() -> &'static str {
@@ -418,6 +538,7 @@ fn version() -> &'static str {
 fn _fathom(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FathomError", m.py().get_type::<FathomError>())?;
     m.add_class::<KeyStoreHandle>()?;
+    m.add_class::<Decoder>()?;
     m.add_function(wrap_pyfunction!(importance, m)?)?;
     m.add_function(wrap_pyfunction!(water_fill, m)?)?;
     m.add_function(wrap_pyfunction!(write_capture, m)?)?;

@@ -25,9 +25,10 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from . import _fathom
-from ._fathom import FathomError
+from ._fathom import Decoder, FathomError
 
 __all__ = [
+    "Decoder",
     "FathomError",
     "KeyStore",
     "importance",

@@ -1,0 +1,132 @@
+"""Fathom attention inside Hugging Face generation.
+
+    import fathom.hf
+    out, att = fathom.hf.generate(model, input_ids, "fathom:48", k=256, calib="cal.json",
+                                  max_new_tokens=64)
+    print(att.mean_bits, att.density)       # bits read per token and KV head; keys attended
+
+Every decode step of every global layer runs through :class:`fathom.Decoder`: the layer's
+keys so far fill a 4-bit bit-plane store (appended to each step), the method scans it, each
+query head keeps sink 4 + local 32 + its own top-k, and attends exactly over that set
+(docs/SPEC.md §5). Prefill, and the sliding-window layers (Gemma 3's local layers), use the
+model's own ``sdpa`` attention, as the protocol does. The integration is an attention
+function registered with transformers' attention interface (with sdpa's masks), so it needs
+no change to the model: llama-family GQA decoders with or without QK-norm (Llama-3.x,
+Qwen2.5, Qwen3) and Gemma 3. This is the CPU reference backend (the library's CPU protocol,
+on tensors copied to the host each step); batch 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Optional
+
+import numpy as np
+
+from . import _fathom
+
+_NAME = "fathom_decode"
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+class FathomAttention:
+    """The attention of one generation with one method (see the module docs)."""
+
+    def __init__(self, method: str, *, k: int, calib: Optional[os.PathLike | str] = None,
+                 sink: int = 4, local: int = 32, basis: str = "raw", capacity: int = 4096):
+        self.method = method
+        self.k, self.sink, self.local, self.basis, self.capacity = int(k), int(sink), int(local), basis, int(capacity)
+        self.calib = None if calib is None else os.fspath(calib)
+        self.decoder: Optional[_fathom.Decoder] = None
+        self.steps = 0
+        self.softcap: Optional[float] = None
+
+    def _decoder(self, config, hkv: int, d: int) -> "_fathom.Decoder":
+        if self.decoder is None:
+            text = _text_config(config)
+            self.decoder = _fathom.Decoder(
+                self.method, int(text.num_hidden_layers), hkv, d, self.k, self.capacity,
+                self.sink, self.local, self.calib, self.basis,
+                getattr(text, "attn_logit_softcapping", None))
+        return self.decoder
+
+    def check(self, config) -> None:
+        """Builds the decoder from the model's shape, so a bad method, k or calibration is an
+        error before generation starts."""
+        text = _text_config(config)
+        hkv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        d = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        self._decoder(config, hkv, d)
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        import torch
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        if query.shape[2] != 1 or window:
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          scaling=scaling, dropout=dropout, **kwargs)
+        if query.shape[0] != 1:
+            raise ValueError(f"fathom.hf decodes one sequence at a time (batch {query.shape[0]})")
+        d = query.shape[-1]
+        hkv, n = key.shape[1], key.shape[2]
+        pre = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * math.sqrt(d)
+        dec = self._decoder(module.config, hkv, d)
+
+        def host(t):
+            return np.ascontiguousarray(t.detach().to("cpu", dtype=torch.float32).numpy())
+
+        q = host(query[0, :, -1, :]) * np.float32(pre)
+        ks = host(key[0].transpose(0, 1))
+        vs = host(value[0].transpose(0, 1))
+        out = dec.attend(int(module.layer_idx), np.ascontiguousarray(q), ks, vs, n - 1)
+        self.steps += 1
+        o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
+        return o.view(1, 1, query.shape[1], d), None
+
+    @property
+    def mean_bits(self) -> float:
+        return 0.0 if self.decoder is None else self.decoder.mean_bits
+
+    @property
+    def density(self) -> float:
+        return 1.0 if self.decoder is None else self.decoder.density
+
+    @contextlib.contextmanager
+    def installed(self, model):
+        """Runs ``model``'s attention through this object inside the ``with`` block."""
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        self.check(model.config)
+        AttentionInterface.register(_NAME, self)
+        AttentionMaskInterface.register(_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        old = model.config._attn_implementation
+        model.set_attn_implementation(_NAME)
+        try:
+            yield self
+        finally:
+            model.set_attn_implementation(old)
+
+
+def generate(model, input_ids, method: str, *, k: int, calib: Optional[os.PathLike | str] = None,
+             max_new_tokens: int = 32, sink: int = 4, local: int = 32, basis: str = "raw", **generate_kwargs):
+    """Greedy ``model.generate`` with every decode step's global attention through Fathom's
+    protocol with ``method`` (``"dense"``, ``"exact"``, ``"fathom:48"``, ``"sparq:32"``, …);
+    returns ``(output_ids, attention)``, the latter with ``mean_bits`` and ``density``.
+    Fathom methods need ``calib`` (``fathom.calibrate`` on a capture of the same model)."""
+    import torch
+
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids: batch {input_ids.shape[0]}; fathom.hf decodes one sequence")
+    att = FathomAttention(method, k=k, calib=calib, sink=sink, local=local, basis=basis,
+                          capacity=int(input_ids.shape[1]) + int(max_new_tokens))
+    with att.installed(model), torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             use_cache=True, **generate_kwargs)
+    return out, att
