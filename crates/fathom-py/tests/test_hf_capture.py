@@ -5,7 +5,6 @@ an attention scale that is not 1/√D). Needs torch and transformers: CI has nei
 these tests skip with the reason; with FATHOM_REQUIRE_GPU=1 (the device) a missing one fails.
 """
 
-import importlib
 import math
 import os
 
@@ -13,43 +12,13 @@ import numpy as np
 import pytest
 
 import fathom
+from hf_support import gemma3, llama, need, qwen3
 
-
-def _need(name):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
-            raise
-        pytest.skip(f"{name} is not installed (CI has no torch; the device does)", allow_module_level=True)
-
-
-torch = _need("torch")
-transformers = _need("transformers")
+torch = need("torch")
+transformers = need("transformers")
 from fathom.capture import capture_model, main  # noqa: E402
 
 N, P = 160, 8
-
-
-def qwen3():
-    c = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    return transformers.Qwen3ForCausalLM(c)
-
-
-def llama():
-    c = transformers.LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=6, num_key_value_heads=2, head_dim=16)
-    return transformers.LlamaForCausalLM(c)
-
-
-def gemma3():
-    c = transformers.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                                      sliding_window=24, layer_types=["sliding_attention", "sliding_attention",
-                                                                       "full_attention"],
-                                      query_pre_attn_scalar=64)
-    return transformers.Gemma3ForCausalLM(c)
 
 
 def reference_o(q, k, v, positions, window=None):

@@ -4,30 +4,15 @@ budget reads at most its bits; bad calls fail before generation. Needs torch and
 transformers (skipped in CI with the reason; with FATHOM_REQUIRE_GPU=1 a missing one fails).
 """
 
-import importlib
-import os
-
-import numpy as np
 import pytest
 
 import fathom
+from hf_support import gemma3, llama, need, qwen3
 
-
-def _need(name):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
-            raise
-        pytest.skip(f"{name} is not installed (CI has no torch; the device does)", allow_module_level=True)
-
-
-torch = _need("torch")
-transformers = _need("transformers")
+torch = need("torch")
+transformers = need("transformers")
 import fathom.hf  # noqa: E402
 from fathom.capture import capture_model  # noqa: E402
-
-from test_hf_capture import gemma3, llama, qwen3  # noqa: E402
 
 PROMPT, NEW = 120, 12
 
