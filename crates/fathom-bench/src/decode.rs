@@ -439,6 +439,68 @@ mod tests {
     use super::*;
     use crate::calib::head_calib;
 
+    /// A decoder stepped token by token (its stores appended to, and grown past their
+    /// capacity) gives the same outputs as a fresh decoder at each position; exact top-k that
+    /// keeps every key is dense attention; a small k attends a fraction.
+    #[test]
+    fn stepping_equals_a_fresh_decoder_and_keeping_every_key_is_dense() {
+        use crate::methods::{scanners, BasisChoice};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for (hkv, g, d, n0, steps) in [
+            (1usize, 1usize, 16usize, 40usize, 30usize),
+            (2, 3, 32, 64, 70),
+            (3, 2, 64, 100, 5),
+        ] {
+            let n = n0 + steps;
+            let keys: Vec<f32> = (0..n * hkv * d).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let vals: Vec<f32> = (0..n * hkv * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let params = SelectParams {
+                sink: 4,
+                local: 8,
+                k: 12,
+            };
+            let make = |m: &str, p: SelectParams, cap: usize| {
+                let s = scanners(m, d, BasisChoice::Raw, None).unwrap().remove(0);
+                SparseDecoder::new(s, p, 2, hkv, d, cap, None, None).unwrap()
+            };
+            let mut stepped = make("exact", params, n0 + 1); // grows past its capacity
+            let all = SelectParams { k: n, ..params };
+            let mut every = make("exact", all, n);
+            let mut dense = make("dense", params, n);
+            let hq = hkv * g;
+            for pos in n0..n {
+                let q: Vec<f32> = (0..hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let (mut a, mut b) = (vec![0f32; hq * d], vec![0f32; hq * d]);
+                stepped.attend(1, &q, &keys, &vals, pos, &mut a).unwrap();
+                make("exact", params, 0)
+                    .attend(1, &q, &keys, &vals, pos, &mut b)
+                    .unwrap();
+                assert_eq!(a, b, "hkv {hkv} g {g} d {d} pos {pos}");
+                let (mut e, mut f) = (vec![0f32; hq * d], vec![0f32; hq * d]);
+                every.attend(0, &q, &keys, &vals, pos, &mut e).unwrap();
+                dense.attend(0, &q, &keys, &vals, pos, &mut f).unwrap();
+                for (x, y) in e.iter().zip(&f) {
+                    assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} vs {y}");
+                }
+            }
+            assert!(stepped.stats.density() < 1.0 && (every.stats.density() - 1.0).abs() < 1e-12);
+            let mut out = vec![0f32; hq * d];
+            let q = vec![0f32; hq * d];
+            assert!(
+                stepped
+                    .attend(2, &q, &keys, &vals, n - 1, &mut out)
+                    .is_err(),
+                "layer out of range"
+            );
+            assert!(
+                stepped
+                    .attend(0, &q, &keys[..10], &vals, n - 1, &mut out)
+                    .is_err(),
+                "short keys"
+            );
+        }
+    }
+
     /// The incrementally grown Loki store scores exactly as `Loki::prepare` on all keys.
     #[test]
     fn incremental_loki_matches_the_baseline() {
