@@ -408,13 +408,17 @@ fn calibrate(
     Ok(cal.basis_rule.map(|r| format!("{:?}", r.choice)))
 }
 
-/// One sequence decoded with one method (`fathom_bench::decode::SparseDecoder`): per decode
-/// step and global layer, the queries `[Hq, D]` and the sequence's keys and values so far
-/// `[pos + 1, Hkv, D]` (after RoPE and any QK-norm) give the attention output `[Hq, D]` of
-/// the SPEC §5 protocol (sink + local + each query head's own top-k, exact softmax at `1/√D`).
+/// One sequence decoded with one method (`fathom_bench::decode::SparseDecoder`). It holds the
+/// sequence's keys and values per layer: `append` adds new tokens' rows `[m, Hkv, D]` (after
+/// RoPE and any QK-norm; only the new ones cross from the caller), and `attend` gives the
+/// attention output `[Hq, D]` of the last token's queries under the SPEC §5 protocol (sink +
+/// local + each query head's own top-k, exact softmax at `1/√D`).
 #[pyclass(module = "fathom._fathom")]
 struct Decoder {
     inner: fathom_bench::decode::SparseDecoder,
+    /// Per layer: keys and values `[n][Hkv][D]`.
+    kv: Vec<(Vec<f32>, Vec<f32>)>,
+    row: usize,
 }
 
 #[pymethods]
@@ -479,26 +483,73 @@ impl Decoder {
             softcap,
         )
         .map_err(lib_err)?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            kv: vec![(Vec::new(), Vec::new()); layers],
+            row: kv_heads * dim,
+        })
     }
 
-    /// The attention output `[Hq, D]` of one decode step of global layer `layer`.
+    /// Appends tokens' keys and values `[m, Hkv, D]` to layer `layer`'s.
+    fn append(
+        &mut self,
+        layer: usize,
+        keys: PyReadonlyArray3<'_, f32>,
+        values: PyReadonlyArray3<'_, f32>,
+    ) -> PyResult<()> {
+        let layers = self.kv.len();
+        let (k, v) = self.kv.get_mut(layer).ok_or_else(|| {
+            bad(
+                "layer",
+                format!("{layer} is out of range (the decoder has {layers})"),
+            )
+        })?;
+        let ks = finite("keys", contiguous("keys", &keys)?)?;
+        let vs = finite("values", contiguous("values", &values)?)?;
+        if ks.len() % self.row != 0 || vs.len() != ks.len() {
+            return Err(bad(
+                "keys",
+                format!(
+                    "shapes {:?} and {:?}; want [m, Hkv, D] with Hkv·D = {}, the same for both",
+                    keys.shape(),
+                    values.shape(),
+                    self.row
+                ),
+            ));
+        }
+        k.extend_from_slice(ks);
+        v.extend_from_slice(vs);
+        Ok(())
+    }
+
+    /// Tokens held for layer `layer`.
+    fn tokens(&self, layer: usize) -> PyResult<usize> {
+        self.kv
+            .get(layer)
+            .map(|(k, _)| k.len() / self.row)
+            .ok_or_else(|| bad("layer", format!("{layer} is out of range")))
+    }
+
+    /// The attention output `[Hq, D]` of the last token's queries `q` `[Hq, D]` on global
+    /// layer `layer`, over the layer's keys and values so far.
     fn attend<'py>(
         &mut self,
         py: Python<'py>,
         layer: usize,
         q: PyReadonlyArray2<'py, f32>,
-        keys: PyReadonlyArray3<'py, f32>,
-        values: PyReadonlyArray3<'py, f32>,
-        pos: usize,
     ) -> PyResult<Bound<'py, numpy::PyArray2<f32>>> {
         let (hq, d) = (q.shape()[0], q.shape()[1]);
+        let n = self.tokens(layer)?;
+        if n == 0 {
+            return Err(bad(
+                "layer",
+                format!("layer {layer} holds no tokens (append first)"),
+            ));
+        }
         let qs = finite("q", contiguous("q", &q)?)?;
-        let ks = contiguous("keys", &keys)?;
-        let vs = contiguous("values", &values)?;
         let mut out = vec![0f32; qs.len()];
-        let inner = &mut self.inner;
-        py.detach(|| inner.attend(layer, qs, ks, vs, pos, &mut out))
+        let (inner, (ks, vs)) = (&mut self.inner, &self.kv[layer]);
+        py.detach(|| inner.attend(layer, qs, ks, vs, n - 1, &mut out))
             .map_err(lib_err)?;
         PyArray1::from_vec(py, out).reshape([hq, d])
     }

@@ -229,3 +229,40 @@ def test_the_version_is_the_workspace_version():
     ws = text.split("[workspace.package]")[1]
     want = ws.split('version = "')[1].split('"')[0]
     assert fathom.__version__ == want
+
+
+@pytest.mark.parametrize("hkv,g,d,n,seed", [(1, 1, 16, 50, 0), (2, 3, 32, 130, 1), (2, 2, 64, 300, 2)])
+def test_a_dense_decoder_attends_like_numpy_and_exact_over_every_key_is_dense(hkv, g, d, n, seed):
+    r = np.random.default_rng(seed)
+    k = r.standard_normal((n, hkv, d)).astype(np.float32)
+    v = r.standard_normal((n, hkv, d)).astype(np.float32)
+    dense = fathom.Decoder("dense", 1, hkv, d, 16)
+    every = fathom.Decoder("exact", 1, hkv, d, n)
+    small = fathom.Decoder("exact", 1, hkv, d, 8, capacity=8)  # its stores grow as it goes
+    for dec in (dense, every, small):
+        dec.append(0, k[: n - 5], v[: n - 5])
+    for pos in range(n - 5, n):
+        q = r.standard_normal((hkv * g, d)).astype(np.float32)
+        for dec in (dense, every, small):
+            dec.append(0, k[pos : pos + 1], v[pos : pos + 1])
+        assert dense.tokens(0) == pos + 1
+        want = dense_attention(q[None], k, v, [pos])[0]
+        np.testing.assert_allclose(dense.attend(0, q), want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(every.attend(0, q), want, rtol=1e-4, atol=1e-5)
+        small.attend(0, q)
+    assert dense.is_dense and not every.is_dense
+    assert every.density == pytest.approx(1.0) and small.density < 1.0
+
+
+def test_decoder_bad_calls_are_errors():
+    dec = fathom.Decoder("exact", 2, 2, 16, 8)
+    with pytest.raises(ValueError, match="no tokens"):
+        dec.attend(0, np.zeros((2, 16), np.float32))
+    with pytest.raises(ValueError, match="layer"):
+        dec.append(5, np.zeros((1, 2, 16), np.float32), np.zeros((1, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="Hkv"):
+        dec.append(0, np.zeros((1, 3, 16), np.float32), np.zeros((1, 3, 16), np.float32))
+    with pytest.raises(fathom.FathomError, match="sparq:99"):
+        fathom.Decoder("sparq:99", 1, 2, 16, 8)
+    with pytest.raises(ValueError, match="one"):
+        fathom.Decoder("dense,exact", 1, 2, 16, 8)

@@ -10,7 +10,9 @@ and the attention-fidelity harness (docs/SPEC.md in the repository).
 >>> bits <= 48.0
 True
 
-Arrays may be any real dtype and layout: they are converted to C-ordered float32 first.
+Arrays may be any real dtype and layout: they are converted to C-ordered float32 first
+(except for :class:`Decoder`, the per-step decode API, which takes float32 C-ordered arrays
+as they are, so that no step copies silently).
 Values that are not finite, or shapes that do not fit, raise ``ValueError`` naming the
 argument; the library's own errors (files, formats, method items, budgets) raise
 ``fathom.FathomError`` (a ``ValueError``) with the library's message.

@@ -81,10 +81,15 @@ class FathomAttention:
         def host(t):
             return np.ascontiguousarray(t.detach().to("cpu", dtype=torch.float32).numpy())
 
+        layer = int(module.layer_idx)
+        have = dec.tokens(layer)
+        if n < have:
+            raise ValueError(f"layer {layer}: the model's cache holds {n} tokens, the decoder {have}")
+        if n > have:
+            # Only the rows the decoder has not seen cross to the host (the prompt at the first step).
+            dec.append(layer, host(key[0, :, have:n].transpose(0, 1)), host(value[0, :, have:n].transpose(0, 1)))
         q = host(query[0, :, -1, :]) * np.float32(pre)
-        ks = host(key[0].transpose(0, 1))
-        vs = host(value[0].transpose(0, 1))
-        out = dec.attend(int(module.layer_idx), np.ascontiguousarray(q), ks, vs, n - 1)
+        out = dec.attend(layer, np.ascontiguousarray(q))
         self.steps += 1
         o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
         return o.view(1, 1, query.shape[1], d), None
