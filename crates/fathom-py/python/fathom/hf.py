@@ -12,8 +12,9 @@ query head keeps sink 4 + local 32 + its own top-k, and attends exactly over tha
 model's own ``sdpa`` attention, as the protocol does. The integration is an attention
 function registered with transformers' attention interface (with sdpa's masks), so it needs
 no change to the model: llama-family GQA decoders with or without QK-norm (Llama-3.x,
-Qwen2.5, Qwen3) and Gemma 3. This is the CPU reference backend (the library's CPU protocol,
-on tensors copied to the host each step); batch 1.
+Qwen2.5, Qwen3) and Gemma 3. This is the CPU reference backend (the library's CPU protocol;
+the decoder keeps the sequence's keys and values on the host, so a step copies only the new
+token's rows and its queries there); batch 1.
 """
 
 from __future__ import annotations
