@@ -55,6 +55,16 @@ pub enum EvaluateError {
     /// A method list item outside the grammar.
     #[error(transparent)]
     Method(#[from] MethodError),
+    /// A calibration target outside `[0, 4.25·D]`.
+    #[error("target {target} bits is out of range [0, {most}] (4.25 × D = {d} channels)")]
+    Target {
+        /// The target asked for.
+        target: f32,
+        /// 4.25·D.
+        most: f32,
+        /// Channels.
+        d: usize,
+    },
     /// Top-k outside `1..=N`.
     #[error("k = {k} is out of range 1..={n} (the capture's N)")]
     K {
@@ -179,11 +189,8 @@ pub fn calibrate_file(
     })?;
     let (n, d) = (cap.info().n, cap.info().d);
     let most = 4.25 * d as f32;
-    if let Some(t) = args.targets.iter().find(|t| !(0.0..=most).contains(*t)) {
-        return Err(FidelityError::Invalid(format!(
-            "target {t} bits is out of range [0, {most}] (4.25 × D = {d} channels)"
-        ))
-        .into());
+    if let Some(&target) = args.targets.iter().find(|t| !(0.0..=most).contains(*t)) {
+        return Err(EvaluateError::Target { target, most, d });
     }
     if !(args.quantum > 0.0 && args.quantum.is_finite()) {
         return Err(FidelityError::Invalid(format!(

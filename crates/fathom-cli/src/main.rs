@@ -557,6 +557,9 @@ fn flag_errors(e: fathom_bench::evaluate::EvaluateError) -> anyhow::Error {
         fathom_bench::evaluate::EvaluateError::K { k, n } => {
             anyhow::anyhow!("--k {k} is out of range 1..={n} (the capture's N)")
         }
+        fathom_bench::evaluate::EvaluateError::Target { target, most, d } => anyhow::anyhow!(
+            "--targets: {target} bits is out of range [0, {most}] (4.25 × D = {d} channels)"
+        ),
         e => e.into(),
     }
 }
