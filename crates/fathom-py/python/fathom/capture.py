@@ -50,7 +50,11 @@ class _Recorder:
 
 
 def _attention(rec: _Recorder):
+    import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def f32(t):
+        return t.detach().to("cpu", dtype=torch.float32).numpy()
 
     def fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         out, weights = sdpa_attention_forward(
@@ -68,10 +72,6 @@ def _attention(rec: _Recorder):
             if kwargs.get("softcap"):
                 rec.softcap = float(kwargs["softcap"])
             p = rec.p
-
-            def f32(t):
-                return t.detach().to("cpu", dtype=__import__("torch").float32).numpy()
-
             # query [1, Hq, N, D], key/value [1, Hkv, N, D], out [1, N, Hq, D].
             rec.out[layer] = {
                 "q": np.ascontiguousarray(f32(query[0, :, -p:, :]).transpose(1, 0, 2) * pre),
