@@ -6,15 +6,16 @@ import os
 import pytest
 
 
-def need(name):
-    """Imports `name`, or skips the calling test module with the reason (CI has no torch);
-    with FATHOM_REQUIRE_GPU=1 (the device) a missing module is a failure instead."""
+def need(name, required_by="FATHOM_REQUIRE_GPU", why="CI has no torch; the device does"):
+    """Imports `name`, or skips the calling test module with the reason; with `required_by`
+    set to 1 (FATHOM_REQUIRE_GPU=1 on the device, where torch and transformers are) a missing
+    module is a failure instead."""
     try:
         return importlib.import_module(name)
     except ImportError:
-        if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
+        if os.environ.get(required_by) == "1":
             raise
-        pytest.skip(f"{name} is not installed (CI has no torch; the device does)", allow_module_level=True)
+        pytest.skip(f"{name} is not installed ({why})", allow_module_level=True)
 
 
 def qwen3():
