@@ -5,7 +5,8 @@
 #   ... cargo build --release -p fathom-cuda --features cuda --example paged_decode ...
 #   ... cargo build --release -p fathom-cli --features cuda
 # and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
-# graph_step, fathom). Usage on the device: bash scripts/device/engine.sh tests|bench|hbm|ragged|sanitize ...
+# graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
+#   bash scripts/device/engine.sh tests|bench|ncu|sanitize|py ...
 # Every output goes under $OUT.
 set -u
 B=.devbin
@@ -30,6 +31,16 @@ bench)
     --json $OUT/$name.json > $OUT/$name.txt 2>&1
   echo "$name rc=$?" | tee -a $OUT/summary.txt
   grep -E "fathom:48|sparq:32|ds:32" $OUT/$name.txt | head -20
+  ;;
+py)
+  # The Python package's tests with the device's torch and transformers (the wheel built here
+  # by `maturin build --release` in crates/fathom-py and carried in .devbin/): nothing that
+  # needs torch may skip (FATHOM_REQUIRE_GPU=1 above).
+  python3 -m venv --system-site-packages $OUT/venv
+  $OUT/venv/bin/pip install --no-index --no-deps --quiet $B/fathom-*.whl
+  (cd crates/fathom-py/tests && $OUT/venv/bin/python -m pytest -v -rs -s -p no:cacheprovider .) > $OUT/pytest-device.log 2>&1
+  echo "pytest rc=$? $(tail -1 $OUT/pytest-device.log)" | tee -a $OUT/summary.txt
+  rm -rf $OUT/venv
   ;;
 sanitize)
   # memcheck: every cache test (appends, forks, attend of every method, bad calls); racecheck:
