@@ -203,9 +203,17 @@ fn write_capture(
                 .collect::<PyResult<Vec<_>>>()
         })
         .transpose()?;
+    // Every array first (name as the caller wrote it, tensor name, values, shape), then one
+    // check of the shapes against the first layer's q and k.
     let mut idx: Vec<usize> = Vec::new();
-    let mut owned: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::new();
-    let (mut qshape, mut kshape): (Option<Vec<usize>>, Option<Vec<usize>>) = (None, None);
+    struct Tensor {
+        arg: String,
+        name: String,
+        data: Vec<f32>,
+        shape: Vec<usize>,
+        part: Part,
+    }
+    let mut owned: Vec<Tensor> = Vec::new();
     for (key, val) in layers.iter() {
         let l: usize = key
             .extract()
@@ -214,11 +222,11 @@ fn write_capture(
             .cast::<PyDict>()
             .map_err(|_| bad("layers", format!("layer {l}: a dict of q, k, v (and o)")))?;
         idx.push(l);
-        for (part, name, want) in [
-            (Part::Q, "q", &mut qshape),
-            (Part::K, "k", &mut kshape),
-            (Part::V, "v", &mut None),
-            (Part::O, "o", &mut None),
+        for (part, name) in [
+            (Part::Q, "q"),
+            (Part::K, "k"),
+            (Part::V, "v"),
+            (Part::O, "o"),
         ] {
             let Some(a) = parts.get_item(name)? else {
                 if part == Part::O {
@@ -230,36 +238,28 @@ fn write_capture(
             let a: PyReadonlyArray3<'_, f32> = a
                 .extract()
                 .map_err(|_| bad(&arg, "must be a float32 array of 3 dimensions"))?;
-            let shape = a.shape().to_vec();
-            if let Some(w) = want.as_ref() {
-                if *w != shape {
-                    return Err(bad(
-                        &arg,
-                        format!("shape {shape:?}, another layer's is {w:?}"),
-                    ));
-                }
-            } else if part == Part::Q || part == Part::K {
-                *want = Some(shape.clone());
-            }
-            let x = finite(&arg, contiguous(&arg, &a)?)?;
-            owned.push((tensor_name(l, part), x.to_vec(), shape));
+            let x = finite(&arg, contiguous(&arg, &a)?)?.to_vec();
+            owned.push(Tensor {
+                arg,
+                name: tensor_name(l, part),
+                data: x,
+                shape: a.shape().to_vec(),
+                part,
+            });
         }
     }
-    let (Some(qs), Some(ks)) = (qshape, kshape) else {
+    let first = |p: Part| owned.iter().find(|t| t.part == p).map(|t| t.shape.clone());
+    let (Some(qs), Some(ks)) = (first(Part::Q), first(Part::K)) else {
         return Err(bad("layers", "no layers"));
     };
-    for (name, _, shape) in &owned {
-        let q_like = name.ends_with(".q") || name.ends_with(".o");
-        let want = if q_like { &qs } else { &ks };
-        if shape != want {
-            // `layers.{l}.{p}` as the caller wrote it: `layers[l].p`.
-            let (l, p) = name["layers.".len()..]
-                .split_once('.')
-                .unwrap_or((name, ""));
-            return Err(bad(
-                &format!("layers[{l}].{p}"),
-                format!("shape {shape:?}, want {want:?}"),
-            ));
+    for t in &owned {
+        let want = if matches!(t.part, Part::Q | Part::O) {
+            &qs
+        } else {
+            &ks
+        };
+        if &t.shape != want {
+            return Err(bad(&t.arg, format!("shape {:?}, want {want:?}", t.shape)));
         }
     }
     if qs[2] != ks[2] || ks[1] == 0 || qs[1] % ks[1] != 0 {
@@ -291,7 +291,7 @@ fn write_capture(
     };
     let tensors: Vec<(&str, &[f32], &[usize])> = owned
         .iter()
-        .map(|(n, x, s)| (n.as_str(), x.as_slice(), s.as_slice()))
+        .map(|t| (t.name.as_str(), t.data.as_slice(), t.shape.as_slice()))
         .collect();
     let mut map = meta.to_map();
     for (k, v) in metadata.unwrap_or_default() {
