@@ -114,6 +114,14 @@ pub struct CaptureArgs {
     /// Output safetensors file.
     #[arg(long)]
     pub out: PathBuf,
+    /// Also write the context's token ids (a JSON list, atomically), so another tool can run
+    /// the same sequence (the capture records their sha256 as `tokens_sha256`).
+    #[arg(long)]
+    pub tokens_out: Option<PathBuf>,
+    /// Dequantize every weight to f32 (exact f32 matmuls). By default Q8_0 and k-quant weights
+    /// stay quantized and multiply 8-bit-quantized activations, as llama.cpp does.
+    #[arg(long)]
+    pub f32_weights: bool,
     #[command(flatten)]
     pub cache: CacheArgs,
 }
@@ -214,7 +222,10 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
             .with_context(|| format!("output {} is not writable", a.out.display()))?;
     }
     crate::check_writable(&a.out)?;
-    let (id, model) = load_model(&a.model, &a.cache, false)?;
+    if let Some(p) = &a.tokens_out {
+        crate::check_writable(p)?;
+    }
+    let (id, model) = load_model(&a.model, &a.cache, a.f32_weights)?;
     let (tokens, used) = match &user_docs {
         Some(docs) => text_tokens(docs, model.tokenizer(), a.context)?,
         None => {
@@ -259,6 +270,10 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
         .insert("documents".into(), serde_json::to_string(&used)?);
     cap.metadata
         .insert("doc_start".into(), a.doc_start.to_string());
+    cap.metadata.insert(
+        "weights".into(),
+        if a.f32_weights { "f32" } else { "gguf-auto" }.into(),
+    );
     cap.metadata.insert("tokens_sha256".into(), {
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         fathom_model::fetch::sha256_bytes(&bytes)
@@ -273,6 +288,10 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
         }
     }
     cap.write_safetensors(&a.out, dtype)?;
+    if let Some(p) = &a.tokens_out {
+        fathom_store::write_atomic(p, serde_json::to_string(&tokens)?.as_bytes())
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
     eprintln!(
         "captured {} layers of {} at N = {} (P = {}) from {} documents in {:.1} s ({:.0} tok/s) → {}",
         cap.layers.len(),
