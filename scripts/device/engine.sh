@@ -42,6 +42,30 @@ py)
   echo "pytest rc=$? $(tail -1 $OUT/pytest-device.log)" | tee -a $OUT/summary.txt
   rm -rf $OUT/venv
   ;;
+model)
+  # model MODEL...: the GPU forward (issue 15) on real models staged by
+  # scripts/device/stage_model.sh in the calls just before (join checks every sha256), with
+  # the real-text corpus's pinned sdist carried in .stage/sources/: the fathom-gpu device tests
+  # and `fathom gpu-parity` (8 prompts × 32 greedy tokens) per model.
+  export FATHOM_CACHE=$HOME/.cache/fathom
+  mkdir -p $FATHOM_CACHE/sources && cp .stage/sources/* $FATHOM_CACHE/sources/
+  for m in "$@"; do
+    bash scripts/device/stage_model.sh join $m $FATHOM_CACHE 2>&1 | tee -a $OUT/summary.txt
+  done
+  log=$OUT/gpu-forward-tests.log
+  echo "# FATHOM_REQUIRE_GPU=1, $(date), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${COMMIT:-?}" > $log
+  for t in gpu_unit gpu_forward; do
+    echo "## $t" >> $log
+    LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} timeout 300 $B/$t --test-threads 1 --nocapture >> $log 2>&1
+    echo "$t rc=$?" | tee -a $OUT/summary.txt
+  done
+  for m in "$@"; do
+    LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} timeout 300 $B/fathom gpu-parity --model $m --offline \
+      --prompts 8 --new-tokens 32 --json $OUT/gpu-parity-$m.json > $OUT/gpu-parity-$m.txt 2>&1
+    echo "gpu-parity $m rc=$?" | tee -a $OUT/summary.txt
+    head -3 $OUT/gpu-parity-$m.txt
+  done
+  ;;
 sanitize)
   # memcheck: every cache test (appends, forks, attend of every method, bad calls); racecheck:
   # the attend of every method and the ragged prefill + decode appends.

@@ -1,6 +1,7 @@
 //! `fathom`: the command-line tool of the Fathom workspace.
 
 mod eval_cmds;
+mod gpu_cmds;
 mod methods;
 mod model_cmds;
 mod offload_cmds;
@@ -57,6 +58,8 @@ enum Cmd {
     Ruler(eval_cmds::RulerArgs),
     /// Agent-session step agreement: each method's teacher-forced argmax against exact top-k and dense (docs/SPEC.md §7).
     AgentSteps(eval_cmds::AgentStepsArgs),
+    /// Dense greedy decoding of a real model on the GPU against the CPU runtime (tokens and logits; needs `--features cuda`).
+    GpuParity(gpu_cmds::GpuParityArgs),
     /// Greedy generation with a real GGUF model (SmolLM2-135M or Gemma 3 270M).
     Generate(model_cmds::GenerateArgs),
     /// Capture a model's q, k, v and attention output on real text (docs/SPEC.md §8).
@@ -259,6 +262,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Speed(a) => speed_cmds::run_speed(a),
         Cmd::Ruler(a) => eval_cmds::run_ruler(a),
         Cmd::AgentSteps(a) => eval_cmds::run_agent_steps(a),
+        Cmd::GpuParity(a) => gpu_cmds::run_gpu_parity(a),
         Cmd::Generate(a) => model_cmds::run_generate(a),
         Cmd::Capture(a) => model_cmds::run_capture(a),
         Cmd::FetchModels(a) => model_cmds::run_fetch_models(a),

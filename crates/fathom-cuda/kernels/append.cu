@@ -224,3 +224,39 @@ extern "C" __global__ void append_records(
         tail[(tok % BLOCK) * DIM + c] = kb;
     }
 }
+
+#define READ_ROWS 8  // rows per CTA of read_rows
+
+// grid (batch, Hkv, ceil(cap / READ_ROWS)), DIM threads. Copies the last r = min(e, cap) tokens
+// of each session of the batch (e = n0 + m, its length after this step's appends) as f32:
+// token e - r + i of head h goes to k_out / v_out[((b * cap + i) * Hkv + h) * DIM + c]; rows
+// i >= r are not written. Thread t reads word t of the record (K|V as 2 DIM bf16 = DIM u32),
+// so a warp reads 128 contiguous bytes.
+extern "C" __global__ void read_rows(
+    const AppendDesc* __restrict__ descs,
+    const u32* __restrict__ tables,
+    const u8* __restrict__ pool,
+    PoolGeom g,
+    u32 cap,
+    float* __restrict__ k_out,
+    float* __restrict__ v_out)
+{
+    const AppendDesc d = descs[blockIdx.x];
+    const u32 h = blockIdx.y, t = threadIdx.x;
+    const u32 e = d.n0 + d.m;
+    const u32 r = min(e, cap);
+    const u32 first = e - r;
+    for (u32 i = blockIdx.z * READ_ROWS; i < min(r, (blockIdx.z + 1) * READ_ROWS); ++i) {
+        const u32 tok = first + i;
+        const u32 page = tables[(u64)d.slot * g.max_pages + tok / g.page_tokens];
+        const u32* rec = (const u32*)(pool + (u64)page * g.page_bytes + g.records_at) +
+                         ((u64)h * g.page_tokens + tok % g.page_tokens) * DIM;
+        const u32 w = rec[t];
+        const u32 e2 = 2 * t;  // element index in K|V of the word's low half
+        float* out = e2 < DIM ? k_out : v_out;
+        const u32 c = e2 < DIM ? e2 : e2 - DIM;
+        const u64 o = (((u64)blockIdx.x * cap + i) * g.heads + h) * DIM + c;
+        out[o] = __uint_as_float(w << 16);
+        out[o + 1] = __uint_as_float(w & 0xffff0000u);
+    }
+}

@@ -122,6 +122,17 @@ pub trait KvCache: Sized {
         k: &[f32],
         v: &[f32],
     ) -> Result<()>;
+    /// Checks that a method can attend a layer, launching nothing.
+    fn check_method(&self, method: crate::cache::AttendMethod, layer: usize) -> Result<()>;
+    /// The last `cap` K|V records of every session of a batch, to device memory as f32.
+    fn read_rows(
+        &self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        cap: usize,
+        k_out: u64,
+        v_out: u64,
+    ) -> Result<()>;
     /// Faults counted per layer.
     fn faults(&self) -> Result<Vec<u32>>;
     /// Loads one layer's calibration (σ², Double Sparsity's channels) per KV head.
@@ -203,6 +214,19 @@ impl KvCache for crate::PagedCache {
         v: &[f32],
     ) -> Result<()> {
         crate::PagedCache::append_host(self, batch, layer, k, v)
+    }
+    fn check_method(&self, method: crate::cache::AttendMethod, layer: usize) -> Result<()> {
+        crate::PagedCache::check_method(self, method, layer)
+    }
+    fn read_rows(
+        &self,
+        batch: &crate::cache::AppendBatch,
+        layer: usize,
+        cap: usize,
+        k_out: u64,
+        v_out: u64,
+    ) -> Result<()> {
+        crate::PagedCache::read_rows(self, batch, layer, cap, k_out, v_out)
     }
     fn faults(&self) -> Result<Vec<u32>> {
         crate::PagedCache::faults(self)

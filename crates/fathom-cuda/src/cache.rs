@@ -233,6 +233,33 @@ pub fn check_attend(
     Ok(())
 }
 
+/// The checks of a [`read_rows`](crate::PagedCache::read_rows) before its launch: the layer
+/// exists, the batch is the current one, `1 ≤ cap ≤ max_tokens`, the pointers are not null.
+pub fn check_read_rows(
+    cfg: &CacheConfig,
+    batch: &AppendBatch,
+    current_step: u64,
+    layer: usize,
+    cap: usize,
+    k_out: u64,
+    v_out: u64,
+) -> Result<()> {
+    check_step(cfg, batch, current_step, layer)?;
+    if cap == 0 || cap > cfg.pages.max_tokens {
+        return Err(CudaError::invalid(
+            "read_rows",
+            format!(
+                "cap {cap} (want 1..={}, the cache's max_tokens)",
+                cfg.pages.max_tokens
+            ),
+        ));
+    }
+    if k_out == 0 || v_out == 0 {
+        return Err(CudaError::invalid("read_rows", "null output pointer"));
+    }
+    Ok(())
+}
+
 /// Where one reserve step's new tokens go: one [`AppendPlan`] per session of the batch, in
 /// batch order, and each session's first row in the layer's [`KvRows`].
 #[derive(Debug, Clone, PartialEq, Eq)]

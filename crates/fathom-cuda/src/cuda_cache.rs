@@ -50,6 +50,8 @@ const ATTN_GRAN: usize = 16;
 /// rows (k = 512, G = 4) then gives 42 CTAs per KV head of 32 rows each.
 const SPARSE_SPLITS: usize = 64;
 const DENSE_SPLITS: usize = 256;
+/// Rows per CTA of `read_rows` (`READ_ROWS` of append.cu).
+const READ_ROWS: usize = 8;
 
 /// `struct AppendDesc` of append.cu.
 #[repr(C)]
@@ -178,6 +180,7 @@ struct Calib {
 struct AppendKernels {
     quant: CudaFunction,
     records: CudaFunction,
+    read_rows: CudaFunction,
 }
 
 /// An offloaded, paged KV cache for one model shape on one GPU.
@@ -296,6 +299,7 @@ impl PagedCache {
         let kernels = AppendKernels {
             quant: f("append_quant")?,
             records: f("append_records")?,
+            read_rows: f("read_rows")?,
         };
         let gd = vec![format!("-DGQ={}", s.group), format!("-DDIM={}", s.dim)];
         let attend_mod = gpu
@@ -696,6 +700,53 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Copies the last `min(len, cap)` K|V records of every session of `batch` (its length
+    /// after this step's appends) from the pools to device memory as f32, on the cache's
+    /// stream: session `b`'s `i`-th row lands at `[b][i][Hkv][D]` of `k_out` and `v_out`
+    /// (each `batch.len() · cap · Hkv · D` f32), rows past its count are not written. This is
+    /// how a model's dense prefill attention and its sliding-window layers read the cache
+    /// (the values are the stored bf16, exactly).
+    ///
+    /// # Errors
+    /// Checked before the launch: a layer out of range, a stale batch, `cap` of 0 or past the
+    /// cache's `max_tokens`, a null pointer.
+    pub fn read_rows(
+        &self,
+        batch: &AppendBatch,
+        layer: usize,
+        cap: usize,
+        k_out: u64,
+        v_out: u64,
+    ) -> Result<()> {
+        crate::cache::check_read_rows(&self.cfg, batch, self.step, layer, cap, k_out, v_out)?;
+        let s = self.cfg.shape;
+        let geom = self.geom();
+        let (descs, tables, pool) = (
+            self.descs_dev.ptr,
+            self.tables_dev.ptr,
+            self.pools[layer].dptr(),
+        );
+        let cap_u = cap as u32;
+        let mut b = self.stream.launch_builder(&self.kernels.read_rows);
+        b.arg(&descs)
+            .arg(&tables)
+            .arg(&pool)
+            .arg(&geom)
+            .arg(&cap_u)
+            .arg(&k_out)
+            .arg(&v_out);
+        let grid = (
+            self.batch_len as u32,
+            s.kv_heads as u32,
+            cap.div_ceil(READ_ROWS) as u32,
+        );
+        // SAFETY: descriptors, tables and the pool are the cache's own (rows < each session's
+        // length, pages < the pool's); the caller's buffers hold batch · cap · Hkv · D f32 (its
+        // documented contract; the pointers are checked non-null).
+        unsafe { b.launch(cfg(grid, s.dim as u32)) }.map_err(drv("launch read_rows"))?;
+        Ok(())
+    }
+
     /// [`PagedCache::append`] from host slices `[rows][Hkv][D]` f32 (a convenience for CPU
     /// callers and tests: the rows are checked, copied to a device staging buffer, then
     /// appended; the copy waits for the stream).
@@ -832,31 +883,32 @@ impl PagedCache {
         Ok(())
     }
 
-    /// One layer's attention for the sessions of `batch` (each at its last token), on the
-    /// cache's stream with no host synchronisation: queries `q` `[batch][Hq][D]` give outputs
-    /// `out` `[batch][Hq][D]` f32 (device pointers). Each query head attends exactly over its
-    /// own sink + local + top-k set (docs/SPEC.md §5), or over every token for
-    /// [`AttendMethod::Dense`]. Launch parameters are fixed-size structs; working memory was
-    /// sized when the cache was made.
+    /// Checks that `method` can attend layer `layer` (its static plan prepared, its
+    /// calibration loaded) without launching anything: what [`PagedCache::attend`] checks
+    /// first, for a caller that must refuse a step before it reserves or appends.
     ///
     /// # Errors
-    /// Checked before any launch ([`crate::cache::check_attend`]): layer, stale batch, k past
-    /// `max_k`, null pointers; a method that needs a calibration or a static plan not loaded.
-    pub fn attend(
-        &mut self,
-        batch: &AppendBatch,
-        layer: usize,
+    /// A method that was not prepared, or a layer without the calibration it needs.
+    pub fn check_method(&self, method: crate::cache::AttendMethod, layer: usize) -> Result<()> {
+        if layer >= self.cfg.shape.layers {
+            return Err(CudaError::invalid(
+                "layer",
+                format!("{layer} (the cache has {})", self.cfg.shape.layers),
+            ));
+        }
+        self.method_inputs(method, layer).map(|_| ())
+    }
+
+    /// The static depth table and the σ² a method reads at `layer` (device pointers).
+    fn method_inputs(
+        &self,
         method: crate::cache::AttendMethod,
-        params: &fathom_plan::SelectParams,
-        q: &crate::cache::QueryRows,
-        out: u64,
-    ) -> Result<()> {
+        layer: usize,
+    ) -> Result<(Option<u64>, Option<u64>)> {
         use crate::cache::AttendMethod;
         use crate::config::Method as M;
-        crate::cache::check_attend(&self.cfg, batch, self.step, layer, params, q, out)?;
         let s = self.cfg.shape;
-        let (hkv, hq, d) = (s.kv_heads, s.kv_heads * s.group, s.dim);
-        let nb = self.batch_len;
+        let (hkv, d) = (s.kv_heads, s.dim);
         // Where this method's depths come from (checked before any launch).
         let static_depths = match method {
             AttendMethod::Dense | AttendMethod::Scan(M::Fathom(_) | M::SparQ(_)) => None,
@@ -884,6 +936,35 @@ impl PagedCache {
             ),
             _ => None,
         };
+        Ok((static_depths, sigma))
+    }
+
+    /// One layer's attention for the sessions of `batch` (each at its last token), on the
+    /// cache's stream with no host synchronisation: queries `q` `[batch][Hq][D]` give outputs
+    /// `out` `[batch][Hq][D]` f32 (device pointers). Each query head attends exactly over its
+    /// own sink + local + top-k set (docs/SPEC.md §5), or over every token for
+    /// [`AttendMethod::Dense`]. Launch parameters are fixed-size structs; working memory was
+    /// sized when the cache was made.
+    ///
+    /// # Errors
+    /// Checked before any launch ([`crate::cache::check_attend`]): layer, stale batch, k past
+    /// `max_k`, null pointers; a method that needs a calibration or a static plan not loaded.
+    pub fn attend(
+        &mut self,
+        batch: &AppendBatch,
+        layer: usize,
+        method: crate::cache::AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &crate::cache::QueryRows,
+        out: u64,
+    ) -> Result<()> {
+        use crate::cache::AttendMethod;
+        use crate::config::Method as M;
+        crate::cache::check_attend(&self.cfg, batch, self.step, layer, params, q, out)?;
+        let s = self.cfg.shape;
+        let (hkv, hq, d) = (s.kv_heads, s.kv_heads * s.group, s.dim);
+        let nb = self.batch_len;
+        let (static_depths, sigma) = self.method_inputs(method, layer)?;
         let lay = self.layout;
         let geom = self.geom();
         let dense = matches!(method, AttendMethod::Dense);

@@ -222,6 +222,28 @@ impl PagedCache {
     ) -> Result<crate::paged_ref::PagedExport> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Checks that a method can attend a layer.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn check_method(&self, _method: crate::cache::AttendMethod, _layer: usize) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// The last K|V records of every session of a batch, to device memory.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn read_rows(
+        &self,
+        _batch: &crate::cache::AppendBatch,
+        _layer: usize,
+        _cap: usize,
+        _k_out: u64,
+        _v_out: u64,
+    ) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+
     /// One layer's K|V records of `session`.
     ///
     /// # Errors

@@ -739,3 +739,81 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
     assert!(a.rows > 0 && a.hits > 0, "row cache: {a:?}");
     assert_eq!(b.hits, 0, "no row cache, no hits: {b:?}");
 }
+
+/// `read_rows` returns each session's last `min(len, cap)` records as the stored bf16, in
+/// batch order, for a ragged batch, with caps below, at and above the lengths, in host and
+/// HBM residency; rows past a session's count are left as they were.
+#[test]
+fn read_rows_returns_each_sessions_last_records() {
+    let Some(gpu) = gpu() else { return };
+    let stream = gpu.stream().clone();
+    for residency in [Residency::Host, Residency::Hbm] {
+        let mut rng = StdRng::seed_from_u64(21);
+        let mut cfg = config(2, 2, 64, 128, 64);
+        cfg.residency = residency;
+        let (hkv, d) = (2, 64);
+        let row = hkv * d;
+        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+        let s: Vec<SessionId> = (0..3).map(|_| cache.create().unwrap()).collect();
+        let slot = |x: SessionId| s.iter().position(|&y| y == x).unwrap();
+        let mut shadows = vec![vec![Shadow::default(); 2]; 3];
+        step(
+            &mut cache,
+            &mut rng,
+            &[(s[0], 300), (s[1], 7), (s[2], 129)],
+            &mut shadows,
+            &slot,
+        );
+        let ab = step(
+            &mut cache,
+            &mut rng,
+            &[(s[0], 1), (s[1], 1), (s[2], 1)],
+            &mut shadows,
+            &slot,
+        );
+        for cap in [5usize, 8, 130, 400] {
+            for l in 0..2 {
+                let sentinel = -7.0f32;
+                let kd = stream.clone_htod(&vec![sentinel; 3 * cap * row]).unwrap();
+                let vd = stream.clone_htod(&vec![sentinel; 3 * cap * row]).unwrap();
+                {
+                    use cudarc::driver::DevicePtr;
+                    let (kp, vp) = (kd.device_ptr(&stream).0, vd.device_ptr(&stream).0);
+                    cache.read_rows(&ab, l, cap, kp, vp).unwrap();
+                }
+                let (k, v) = (
+                    stream.clone_dtoh(&kd).unwrap(),
+                    stream.clone_dtoh(&vd).unwrap(),
+                );
+                for b in 0..3 {
+                    let sh = &shadows[b][l];
+                    let n = sh.k.len() / row;
+                    let r = n.min(cap);
+                    for i in 0..cap {
+                        for e in 0..row {
+                            let o = (b * cap + i) * row + e;
+                            let (wk, wv) = if i < r {
+                                let src = (n - r + i) * row + e;
+                                (bf(sh.k[src]), bf(sh.v[src]))
+                            } else {
+                                (sentinel, sentinel)
+                            };
+                            assert_eq!(
+                                k[o], wk,
+                                "{residency:?} cap {cap} layer {l} session {b} row {i} K"
+                            );
+                            assert_eq!(
+                                v[o], wv,
+                                "{residency:?} cap {cap} layer {l} session {b} row {i} V"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Checked before any launch.
+        assert!(cache.read_rows(&ab, 2, 8, 1, 1).is_err());
+        assert!(cache.read_rows(&ab, 0, 0, 1, 1).is_err());
+        assert!(cache.read_rows(&ab, 0, 8, 0, 1).is_err());
+    }
+}

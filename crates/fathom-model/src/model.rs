@@ -112,6 +112,17 @@ pub enum WeightMode {
     Quantized,
     /// Dequantize every matmul weight (fastest prefill, most memory).
     Dequantized,
+    /// The numerics of the GPU forward (`fathom-gpu`): every matmul weight and the embedding
+    /// dequantized and rounded to bf16, every matmul input rounded to bf16 (products of two
+    /// bf16 are exact in f32, sums in f32), and K and V rounded to bf16 when cached (the
+    /// paged cache stores bf16 records). Norms, RoPE, activations and attention stay f32.
+    Bf16,
+}
+
+/// Rounds every element to the nearest bf16 (ties to even), kept as f32.
+pub fn round_bf16(x: &mut [f32]) {
+    x.iter_mut()
+        .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
 }
 
 /// Options of [`Model::load`].
@@ -134,11 +145,22 @@ struct Linear {
     mm: QMatMul,
     n_in: usize,
     n_out: usize,
+    /// Round the input to bf16 first ([`WeightMode::Bf16`]).
+    bf16_input: bool,
 }
 
 impl Linear {
     fn forward(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), t * self.n_in);
+        let rounded;
+        let x = if self.bf16_input {
+            let mut r = x.to_vec();
+            round_bf16(&mut r);
+            rounded = r;
+            &rounded[..]
+        } else {
+            x
+        };
         let xt =
             Tensor::from_slice(x, (t, self.n_in), &Device::Cpu).map_err(candle_err("input"))?;
         let y = self.mm.forward(&xt).map_err(candle_err("matmul"))?;
@@ -181,6 +203,8 @@ pub struct Model {
     layers: Vec<Layer>,
     out_norm: Vec<f32>,
     lm_head: Linear,
+    /// K and V rounded to bf16 when cached ([`WeightMode::Bf16`]).
+    bf16_kv: bool,
 }
 
 impl std::fmt::Debug for Model {
@@ -239,7 +263,7 @@ impl KvCache {
     }
 }
 
-fn gguf_err(what: &str, detail: impl std::fmt::Display) -> Error {
+pub(crate) fn gguf_err(what: &str, detail: impl std::fmt::Display) -> Error {
     Error::Gguf {
         what: what.into(),
         detail: detail.to_string(),
@@ -509,20 +533,49 @@ impl Config {
     }
 }
 
-struct Loader<'a> {
+pub(crate) struct Loader<'a> {
     content: &'a Content,
     file: BufReader<File>,
     mode: WeightMode,
 }
 
-impl Loader<'_> {
+impl<'a> Loader<'a> {
+    /// A loader over an opened GGUF file.
+    pub(crate) fn new(content: &'a Content, file: BufReader<File>, mode: WeightMode) -> Self {
+        Loader {
+            content,
+            file,
+            mode,
+        }
+    }
+
+    /// A `[rows][cols]` tensor dequantized to f32, as stored (GGUF `ne = [cols, rows]`).
+    pub(crate) fn matrix(&mut self, name: &str) -> Result<(usize, usize, Vec<f32>)> {
+        let q = self.qtensor(name)?;
+        let dims = q.shape().dims().to_vec();
+        let (rows, cols) = match dims.as_slice() {
+            [o, i] => (*o, *i),
+            _ => return Err(gguf_err(name, format!("expected a matrix, got {dims:?}"))),
+        };
+        let t = q.dequantize(&Device::Cpu).map_err(|e| gguf_err(name, e))?;
+        let data = t
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| gguf_err(name, e))?;
+        Ok((rows, cols, data))
+    }
+
+    pub(crate) fn has(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
         self.content
             .tensor(&mut self.file, name, &Device::Cpu)
             .map_err(|e| gguf_err(name, e))
     }
 
-    fn vec(&mut self, name: &str) -> Result<Vec<f32>> {
+    pub(crate) fn vec(&mut self, name: &str) -> Result<Vec<f32>> {
         let t = self.qtensor(name)?;
         let t = t.dequantize(&Device::Cpu).map_err(|e| gguf_err(name, e))?;
         t.flatten_all()
@@ -530,7 +583,7 @@ impl Loader<'_> {
             .map_err(|e| gguf_err(name, e))
     }
 
-    fn opt_vec(&mut self, name: &str) -> Result<Option<Vec<f32>>> {
+    pub(crate) fn opt_vec(&mut self, name: &str) -> Result<Option<Vec<f32>>> {
         if self.content.tensor_infos.contains_key(name) {
             Ok(Some(self.vec(name)?))
         } else {
@@ -546,18 +599,35 @@ impl Loader<'_> {
         };
         let dequant = match self.mode {
             WeightMode::Quantized => false,
-            WeightMode::Dequantized => true,
+            WeightMode::Dequantized | WeightMode::Bf16 => true,
             WeightMode::Auto => matches!(
                 q.dtype(),
                 GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
             ),
         };
+        let bf16 = self.mode == WeightMode::Bf16;
         let mm = if dequant {
-            QMatMul::Tensor(q.dequantize(&Device::Cpu).map_err(|e| gguf_err(name, e))?)
+            let t = q.dequantize(&Device::Cpu).map_err(|e| gguf_err(name, e))?;
+            let t = if bf16 {
+                let mut w = t
+                    .flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(|e| gguf_err(name, e))?;
+                round_bf16(&mut w);
+                Tensor::from_vec(w, (n_out, n_in), &Device::Cpu).map_err(|e| gguf_err(name, e))?
+            } else {
+                t
+            };
+            QMatMul::Tensor(t)
         } else {
             QMatMul::from_arc(q).map_err(|e| gguf_err(name, e))?
         };
-        Ok(Linear { mm, n_in, n_out })
+        Ok(Linear {
+            mm,
+            n_in,
+            n_out,
+            bf16_input: bf16,
+        })
     }
 
     fn linear(&mut self, name: &str) -> Result<Linear> {
@@ -580,17 +650,21 @@ impl Model {
             mode: opts.weights,
         };
         let embd_q = Arc::new(ld.qtensor("token_embd.weight")?);
+        let bf16 = opts.weights == WeightMode::Bf16;
         let embd = match embd_q.dtype() {
-            GgmlDType::Q8_0 => Embedding::Q8_0(embd_q.clone()),
+            GgmlDType::Q8_0 if !bf16 => Embedding::Q8_0(embd_q.clone()),
             _ => {
                 let t = embd_q
                     .dequantize(&Device::Cpu)
                     .map_err(|e| gguf_err("token_embd.weight", e))?;
-                Embedding::F32(
-                    t.flatten_all()
-                        .and_then(|t| t.to_vec1())
-                        .map_err(|e| gguf_err("token_embd", e))?,
-                )
+                let mut w: Vec<f32> = t
+                    .flatten_all()
+                    .and_then(|t| t.to_vec1())
+                    .map_err(|e| gguf_err("token_embd", e))?;
+                if bf16 {
+                    round_bf16(&mut w);
+                }
+                Embedding::F32(w)
             }
         };
         let lm_head = if content.tensor_infos.contains_key("output.weight") {
@@ -598,7 +672,7 @@ impl Model {
         } else {
             // Tied embeddings: keep the LM head quantized (Q8_0 has a SIMD path) unless asked.
             let mode = ld.mode;
-            ld.mode = if mode == WeightMode::Dequantized {
+            ld.mode = if matches!(mode, WeightMode::Dequantized | WeightMode::Bf16) {
                 mode
             } else {
                 WeightMode::Quantized
@@ -649,6 +723,7 @@ impl Model {
             layers,
             out_norm,
             lm_head,
+            bf16_kv: bf16,
         })
     }
 
@@ -808,6 +883,11 @@ impl Model {
             };
             rope.apply(&mut q, hq, cfg.rope_style);
             rope.apply(&mut k, hkv, cfg.rope_style);
+            let mut v = v;
+            if self.bf16_kv {
+                round_bf16(&mut k);
+                round_bf16(&mut v);
+            }
             cache.k[l][pos0 * kvw..(pos0 + t) * kvw].copy_from_slice(&k);
             cache.v[l][pos0 * kvw..(pos0 + t) * kvw].copy_from_slice(&v);
             let n = pos0 + t;

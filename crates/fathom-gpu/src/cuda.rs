@@ -1,0 +1,788 @@
+//! The real backend: weights in HBM as bf16, cuBLAS for every matmul, `kernels/forward.cu` for
+//! the rest, and every layer's K|V in `fathom-cuda`'s paged cache.
+//!
+//! Per forward of `R` rows (a prefill chunk of one session, or one token of each session of a
+//! decode batch), on the cache's stream with no host synchronisation until the logits are read:
+//!
+//! ```text
+//! x = embed(tokens)
+//! per layer:  qkv = Wqkv · bf16(rmsnorm(x))            (cuBLAS, bf16 × bf16 → f32)
+//!             q, k, v = qkv_post(qkv)                   (QK-norm, RoPE; k, v rounded to bf16)
+//!             cache.append(k, v)
+//!             o = global layer, decode:  cache.attend(q)                  (the method)
+//!                 otherwise:             dense over cache.read_rows(…)    (causal, windowed)
+//!             x += post_norm(Wo · bf16(o));  x += post_norm(Wd · bf16(act(Wg n) ⊙ Wu n))
+//! logits = Wlm · bf16(rmsnorm(x))
+//! ```
+
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
+use cudarc::driver::{result, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use fathom_cuda::cache::{AppendBatch, AttendMethod, KvDtype, KvRows, QueryRows};
+use fathom_cuda::pages::SessionId;
+use fathom_cuda::{CudaError, Gpu, PagedCache};
+use fathom_model::{Arch, Config, DenseWeights, LayerKind, RopeStyle};
+
+use crate::decoder::{Attention, Decoder};
+use crate::error::{GpuError, Result};
+use crate::layout::{self, DecoderConfig};
+
+const FORWARD_SRC: &str = include_str!("../kernels/forward.cu");
+const THREADS: u32 = 256;
+
+fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> GpuError {
+    move |e| {
+        GpuError::Cuda(CudaError::Driver {
+            op,
+            message: e.to_string(),
+        })
+    }
+}
+
+fn blas_err(op: &'static str) -> impl Fn(cudarc::cublas::result::CublasError) -> GpuError {
+    move |e| GpuError::Blas {
+        op,
+        message: format!("{e:?}"),
+    }
+}
+
+/// Device memory freed on drop.
+#[derive(Debug)]
+struct Mem {
+    ptr: u64,
+}
+
+impl Mem {
+    fn new(bytes: usize, what: &'static str) -> Result<Mem> {
+        // SAFETY: a plain allocation, owned by the returned value and freed once in Drop.
+        let ptr = unsafe { result::malloc_sync(bytes.max(16)) }.map_err(|e| {
+            GpuError::Cuda(CudaError::DeviceOom {
+                what,
+                bytes: bytes as u64,
+                message: e.to_string(),
+            })
+        })?;
+        Ok(Mem { ptr })
+    }
+
+    fn from_slice<T: Copy>(data: &[T], what: &'static str) -> Result<Mem> {
+        let m = Mem::new(std::mem::size_of_val(data), what)?;
+        // SAFETY: the allocation holds size_of_val(data) bytes; the copy is synchronous.
+        unsafe { result::memcpy_htod_sync(m.ptr, data) }.map_err(drv("memcpy_htod weights"))?;
+        Ok(m)
+    }
+}
+
+impl Drop for Mem {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from malloc_sync and is freed exactly once.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// A bf16 matrix `[rows][cols]` in HBM.
+#[derive(Debug)]
+struct Weight {
+    mem: Mem,
+    rows: usize,
+    cols: usize,
+}
+
+impl Weight {
+    fn new(bits: &[u16], rows: usize, cols: usize, what: &'static str) -> Result<Weight> {
+        debug_assert_eq!(bits.len(), rows * cols);
+        Ok(Weight {
+            mem: Mem::from_slice(bits, what)?,
+            rows,
+            cols,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Block {
+    wqkv: Weight,
+    wo: Weight,
+    wgu: Weight,
+    wd: Weight,
+    attn_norm: Mem,
+    ffn_norm: Mem,
+    q_norm: Option<Mem>,
+    k_norm: Option<Mem>,
+    post_attn: Option<Mem>,
+    post_ffn: Option<Mem>,
+}
+
+struct Kernels {
+    embed: CudaFunction,
+    rmsnorm_bf16: CudaFunction,
+    norm_add: CudaFunction,
+    qkv_post: CudaFunction,
+    act_mul: CudaFunction,
+    to_bf16: CudaFunction,
+    causal_softmax: CudaFunction,
+    window_decode: CudaFunction,
+}
+
+/// Working memory for `R` rows, sized once.
+#[derive(Debug)]
+struct Work {
+    tokens: Mem,
+    pos: Mem,
+    counts: Mem,
+    x: Mem,
+    xb: Mem,
+    qkv: Mem,
+    q: Mem,
+    k: Mem,
+    v: Mem,
+    o: Mem,
+    a: Mem,
+    gu: Mem,
+    logits: Mem,
+    kwin: Mem,
+    vwin: Mem,
+    scores: Mem,
+}
+
+/// A model's weights on a device and its sessions in the offloaded cache.
+pub struct GpuDecoder {
+    cfg: Config,
+    dcfg: DecoderConfig,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    _module: Arc<CudaModule>,
+    cache: PagedCache,
+    embedding: Weight,
+    lm_head: Option<Weight>,
+    out_norm: Mem,
+    blocks: Vec<Block>,
+    work: Work,
+    window: usize,
+    prepared: HashSet<String>,
+}
+
+impl std::fmt::Debug for GpuDecoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDecoder")
+            .field("model", &self.cfg.name)
+            .field("config", &self.dcfg)
+            .finish_non_exhaustive()
+    }
+}
+
+fn cublas_present() -> std::result::Result<(), String> {
+    let mut errs = Vec::new();
+    for n in ["libcublas.so.13", "libcublas.so.12", "libcublas.so"] {
+        // SAFETY: loading the system's cuBLAS runs its initialisers, which cudarc does next
+        // anyway; the handle is dropped at once.
+        match unsafe { libloading::Library::new(n) } {
+            Ok(_) => return Ok(()),
+            Err(e) => errs.push(format!("{n}: {e}")),
+        }
+    }
+    Err(errs.join("; "))
+}
+
+fn launch(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+impl GpuDecoder {
+    /// Rounds the weights to bf16, uploads them, compiles the kernels and makes the cache
+    /// ([`DecoderConfig::cache_config`]).
+    ///
+    /// # Errors
+    /// A weight that is not finite (named), limits the cache refuses, cuBLAS or NVRTC missing,
+    /// an allocation that does not fit (typed, with its size).
+    pub fn new(gpu: &Gpu, weights: &DenseWeights, dcfg: DecoderConfig) -> Result<Self> {
+        let cfg = weights.config.clone();
+        let cache_cfg = dcfg.cache_config(&cfg)?;
+        layout::check_norms(weights)?;
+        cublas_present().map_err(|message| GpuError::NoCublas { message })?;
+        let stream = gpu.stream().clone();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(drv("bind context"))?;
+        let blas = std::panic::catch_unwind(|| CudaBlas::new(stream.clone()))
+            .map_err(|_| GpuError::NoCublas {
+                message: "cudarc's cuBLAS loader panicked".into(),
+            })?
+            .map_err(blas_err("cublasCreate"))?;
+        let (e, hq, hkv, d, f) = (
+            cfg.n_embd,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.n_ff,
+        );
+        let arch: &'static str = Box::leak(gpu.info().arch.clone().into_boxed_str());
+        let opts = CompileOptions {
+            arch: Some(arch),
+            options: vec![format!("-DDIM={d}"), "--fmad=false".into()],
+            name: Some("forward.cu".into()),
+            ..Default::default()
+        };
+        let ptx = std::panic::catch_unwind(|| compile_ptx_with_opts(FORWARD_SRC, opts))
+            .map_err(|_| {
+                GpuError::Cuda(CudaError::NoDevice {
+                    message: "NVRTC library (libnvrtc) not found".into(),
+                })
+            })?
+            .map_err(|err| {
+                GpuError::Cuda(CudaError::Compile {
+                    kernel: "forward.cu",
+                    log: format!("{err:?}"),
+                })
+            })?;
+        let module = stream
+            .context()
+            .load_module(ptx)
+            .map_err(drv("load_module forward.cu"))?;
+        let k = |n: &str| module.load_function(n).map_err(drv("load_function"));
+        let kernels = Kernels {
+            embed: k("embed")?,
+            rmsnorm_bf16: k("rmsnorm_bf16")?,
+            norm_add: k("norm_add")?,
+            qkv_post: k("qkv_post")?,
+            act_mul: k("act_mul")?,
+            to_bf16: k("to_bf16")?,
+            causal_softmax: k("causal_softmax")?,
+            window_decode: k("window_decode")?,
+        };
+        let (emb, head) = layout::pack_embeddings(weights)?;
+        let embedding = Weight::new(&emb, cfg.vocab_size, e, "embedding")?;
+        let lm_head = head
+            .map(|h| Weight::new(&h, cfg.vocab_size, e, "LM head"))
+            .transpose()?;
+        let opt =
+            |v: &Option<Vec<f32>>, what| v.as_ref().map(|v| Mem::from_slice(v, what)).transpose();
+        let mut blocks = Vec::with_capacity(cfg.n_layers);
+        for (l, w) in weights.layers.iter().enumerate() {
+            let p = layout::pack_layer(w, l)?;
+            blocks.push(Block {
+                wqkv: Weight::new(&p.wqkv, (hq + 2 * hkv) * d, e, "Wqkv")?,
+                wo: Weight::new(&p.wo, e, hq * d, "Wo")?,
+                wgu: Weight::new(&p.wgu, 2 * f, e, "Wgate|Wup")?,
+                wd: Weight::new(&p.wd, e, f, "Wdown")?,
+                attn_norm: Mem::from_slice(&w.attn_norm, "attn_norm")?,
+                ffn_norm: Mem::from_slice(&w.ffn_norm, "ffn_norm")?,
+                q_norm: opt(&w.q_norm, "q_norm")?,
+                k_norm: opt(&w.k_norm, "k_norm")?,
+                post_attn: opt(&w.post_attn_norm, "post_attention_norm")?,
+                post_ffn: opt(&w.post_ffn_norm, "post_ffw_norm")?,
+            });
+        }
+        let out_norm = Mem::from_slice(&weights.out_norm, "output_norm")?;
+        let window = layout::max_window(&cfg);
+        let r = dcfg.max_rows();
+        let b = dcfg.max_batch;
+        let win_rows = dcfg.max_tokens.max(b * window);
+        let widest = e.max(hq * d).max(f);
+        let work = Work {
+            tokens: Mem::new(r * 4, "tokens")?,
+            pos: Mem::new(r * 4, "positions")?,
+            counts: Mem::new(b * 4, "window counts")?,
+            x: Mem::new(r * e * 4, "residual")?,
+            xb: Mem::new(r * widest * 2, "matmul inputs")?,
+            qkv: Mem::new(r * (hq + 2 * hkv) * d * 4, "qkv")?,
+            q: Mem::new(r * hq * d * 4, "q")?,
+            k: Mem::new(r * hkv * d * 4, "k")?,
+            v: Mem::new(r * hkv * d * 4, "v")?,
+            o: Mem::new(r * hq * d * 4, "attention output")?,
+            a: Mem::new(r * e * 4, "projection output")?,
+            gu: Mem::new(r * 2 * f * 4, "gate|up")?,
+            logits: Mem::new(b * cfg.vocab_size * 4, "logits")?,
+            kwin: Mem::new(win_rows * hkv * d * 4, "attention keys")?,
+            vwin: Mem::new(win_rows * hkv * d * 4, "attention values")?,
+            scores: Mem::new(dcfg.prefill_chunk * dcfg.max_tokens * 4, "prefill scores")?,
+        };
+        let cache = PagedCache::new(gpu, cache_cfg)?;
+        Ok(GpuDecoder {
+            cfg,
+            dcfg,
+            stream,
+            blas,
+            kernels,
+            _module: module,
+            cache,
+            embedding,
+            lm_head,
+            out_norm,
+            blocks,
+            work,
+            window,
+            prepared: HashSet::new(),
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The decoder's limits.
+    pub fn decoder_config(&self) -> &DecoderConfig {
+        &self.dcfg
+    }
+
+    /// The cache (for calibrations and counters).
+    ///
+    /// # Errors
+    /// None in this build.
+    pub fn cache_mut(&mut self) -> Result<&mut PagedCache> {
+        Ok(&mut self.cache)
+    }
+
+    /// `y[rows][w.rows] = x[rows][w.cols] · wᵀ` with bf16 `x` and `w`, f32 `y` and sums.
+    fn linear(&self, w: &Weight, x: u64, rows: usize, y: u64) -> Result<()> {
+        let (alpha, beta) = (1f32, 0f32);
+        // SAFETY: w holds rows·cols bf16; x holds `rows` rows of w.cols bf16 and y `rows` rows
+        // of w.rows f32 (the work buffers are sized for max_rows); alpha/beta are host f32.
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                bsys::cublasOperation_t::CUBLAS_OP_T,
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                w.rows as i32,
+                rows as i32,
+                w.cols as i32,
+                &alpha as *const f32 as *const c_void,
+                w.mem.ptr as *const c_void,
+                bsys::cudaDataType::CUDA_R_16BF,
+                w.cols as i32,
+                x as *const c_void,
+                bsys::cudaDataType::CUDA_R_16BF,
+                w.cols as i32,
+                &beta as *const f32 as *const c_void,
+                y as *mut c_void,
+                bsys::cudaDataType::CUDA_R_32F,
+                w.rows as i32,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err("gemm_ex"))
+    }
+
+    /// Column-major f32 GEMM `C = α op(A) op(B)` (the prefill attention's two products).
+    #[allow(clippy::too_many_arguments)]
+    fn sgemm(
+        &self,
+        ta: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        a: u64,
+        lda: usize,
+        b: u64,
+        ldb: usize,
+        c: u64,
+        ldc: usize,
+    ) -> Result<()> {
+        let beta = 0f32;
+        let op = |t: bool| {
+            if t {
+                bsys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                bsys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        // SAFETY: the callers pass work buffers and cache reads sized for these extents.
+        unsafe {
+            blas::sgemm(
+                *self.blas.handle(),
+                op(ta),
+                op(false),
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha,
+                a as *const f32,
+                lda as i32,
+                b as *const f32,
+                ldb as i32,
+                &beta,
+                c as *mut f32,
+                ldc as i32,
+            )
+        }
+        .map_err(blas_err("sgemm"))
+    }
+
+    fn rmsnorm(&self, x: u64, w: u64, rows: usize, out: u64) -> Result<()> {
+        let e = self.cfg.n_embd as u32;
+        let eps = self.cfg.rms_eps;
+        let mut b = self.stream.launch_builder(&self.kernels.rmsnorm_bf16);
+        b.arg(&x).arg(&w).arg(&e).arg(&eps).arg(&out);
+        // SAFETY: x and out hold `rows` rows of E; w holds E.
+        unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
+            .map_err(drv("launch rmsnorm_bf16"))?;
+        Ok(())
+    }
+
+    fn norm_add(&self, w: Option<&Mem>, rows: usize) -> Result<()> {
+        let (x, a) = (self.work.x.ptr, self.work.a.ptr);
+        let wp = w.map_or(0u64, |m| m.ptr);
+        let e = self.cfg.n_embd as u32;
+        let eps = self.cfg.rms_eps;
+        let mut b = self.stream.launch_builder(&self.kernels.norm_add);
+        b.arg(&x).arg(&a).arg(&wp).arg(&e).arg(&eps);
+        // SAFETY: x and a hold `rows` rows of E; w (when not null) holds E.
+        unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
+            .map_err(drv("launch norm_add"))?;
+        Ok(())
+    }
+
+    fn to_bf16(&self, x: u64, n: usize, out: u64) -> Result<()> {
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&self.kernels.to_bf16);
+        b.arg(&x).arg(&out).arg(&n64);
+        // SAFETY: x holds n f32 and out n bf16.
+        unsafe {
+            b.launch(launch(
+                (n.div_ceil(THREADS as usize) as u32, 1, 1),
+                THREADS,
+                0,
+            ))
+        }
+        .map_err(drv("launch to_bf16"))?;
+        Ok(())
+    }
+
+    /// Uploads this forward's token ids and positions (pageable copies: staged by the driver
+    /// before the call returns).
+    fn upload(&self, tokens: &[u32], pos: &[u32]) -> Result<()> {
+        // SAFETY: both buffers hold max_rows u32 and the slices are no longer (checked by the
+        // callers).
+        unsafe {
+            result::memcpy_htod_async(self.work.tokens.ptr, tokens, self.stream.cu_stream())
+                .map_err(drv("memcpy_htod tokens"))?;
+            result::memcpy_htod_async(self.work.pos.ptr, pos, self.stream.cu_stream())
+                .map_err(drv("memcpy_htod positions"))?;
+        }
+        Ok(())
+    }
+
+    /// The forward of `rows` rows whose tokens and positions are uploaded and whose cache rows
+    /// are reserved in `batch`; `prefill` says which attention the global layers use. Leaves
+    /// the final hidden states in `work.x`.
+    fn layers(
+        &mut self,
+        batch: &AppendBatch,
+        rows: usize,
+        prefill: Option<(usize, usize)>,
+        attention: Option<&Attention>,
+    ) -> Result<()> {
+        let c = self.cfg.clone();
+        let (e, hq, hkv, d, f) = (c.n_embd, c.n_heads, c.n_kv_heads, c.head_dim, c.n_ff);
+        let w = &self.work;
+        let (tokens, x) = (w.tokens.ptr, w.x.ptr);
+        let scale = c.embed_scale;
+        let e32 = e as u32;
+        let mut b = self.stream.launch_builder(&self.kernels.embed);
+        b.arg(&tokens)
+            .arg(&self.embedding.mem.ptr)
+            .arg(&e32)
+            .arg(&scale)
+            .arg(&x);
+        // SAFETY: tokens holds `rows` ids < vocab (checked); the table is [vocab][E].
+        unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
+            .map_err(drv("launch embed"))?;
+        for l in 0..c.n_layers {
+            let blk = &self.blocks[l];
+            let w = &self.work;
+            self.rmsnorm(w.x.ptr, blk.attn_norm.ptr, rows, w.xb.ptr)?;
+            self.linear(&blk.wqkv, w.xb.ptr, rows, w.qkv.ptr)?;
+            let qn = blk.q_norm.as_ref().map_or(0u64, |m| m.ptr);
+            let kn = blk.k_norm.as_ref().map_or(0u64, |m| m.ptr);
+            let (hq32, hkv32) = (hq as u32, hkv as u32);
+            let eps = c.rms_eps;
+            let base = layout::rope_base(&c, l);
+            let neox = u32::from(c.rope_style == RopeStyle::Neox);
+            let mut b = self.stream.launch_builder(&self.kernels.qkv_post);
+            b.arg(&w.qkv.ptr)
+                .arg(&w.pos.ptr)
+                .arg(&qn)
+                .arg(&kn)
+                .arg(&hq32)
+                .arg(&hkv32)
+                .arg(&eps)
+                .arg(&base)
+                .arg(&neox)
+                .arg(&w.q.ptr)
+                .arg(&w.k.ptr)
+                .arg(&w.v.ptr);
+            // SAFETY: qkv holds `rows` rows of (Hq + 2Hkv)·D; q, k, v their parts; pos `rows`.
+            unsafe { b.launch(launch((rows as u32, (hq + 2 * hkv) as u32, 1), d as u32, 0)) }
+                .map_err(drv("launch qkv_post"))?;
+            let kv = KvRows {
+                k: w.k.ptr,
+                v: w.v.ptr,
+                dtype: KvDtype::F32,
+                rows,
+            };
+            self.cache.append(batch, l, &kv)?;
+            let kind = c.layer_kinds[l];
+            match (prefill, attention, kind) {
+                (None, Some(att), LayerKind::Global) => {
+                    let q = QueryRows {
+                        q: w.q.ptr,
+                        dtype: KvDtype::F32,
+                    };
+                    self.cache
+                        .attend(batch, l, att.method, &att.params, &q, w.o.ptr)?;
+                }
+                (None, _, _) => self.window_decode(batch, l, rows)?,
+                (Some((pos0, end)), _, _) => {
+                    self.prefill_attention(batch, l, kind, pos0, end, rows)?
+                }
+            }
+            let blk = &self.blocks[l];
+            let w = &self.work;
+            self.to_bf16(w.o.ptr, rows * hq * d, w.xb.ptr)?;
+            self.linear(&blk.wo, w.xb.ptr, rows, w.a.ptr)?;
+            self.norm_add(blk.post_attn.as_ref(), rows)?;
+            self.rmsnorm(w.x.ptr, blk.ffn_norm.ptr, rows, w.xb.ptr)?;
+            self.linear(&blk.wgu, w.xb.ptr, rows, w.gu.ptr)?;
+            let f32_ = f as u32;
+            let gelu = u32::from(c.arch == Arch::Gemma3);
+            let mut b = self.stream.launch_builder(&self.kernels.act_mul);
+            b.arg(&w.gu.ptr).arg(&f32_).arg(&gelu).arg(&w.xb.ptr);
+            // SAFETY: gu holds `rows` rows of 2F f32, xb `rows` rows of F bf16 (widest ≥ F).
+            unsafe {
+                b.launch(launch(
+                    (rows as u32, f.div_ceil(THREADS as usize) as u32, 1),
+                    THREADS,
+                    0,
+                ))
+            }
+            .map_err(drv("launch act_mul"))?;
+            self.linear(&blk.wd, w.xb.ptr, rows, w.a.ptr)?;
+            self.norm_add(blk.post_ffn.as_ref(), rows)?;
+        }
+        Ok(())
+    }
+
+    /// Dense causal attention of one session's prefill chunk (`rows` queries at positions
+    /// `pos0..end`) over the cache's rows of layer `l`, per query head two f32 GEMMs around the
+    /// masked softmax.
+    fn prefill_attention(
+        &self,
+        batch: &AppendBatch,
+        l: usize,
+        kind: LayerKind,
+        pos0: usize,
+        end: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let (hq, hkv, d, g) = (c.n_heads, c.n_kv_heads, c.head_dim, c.group());
+        let w = &self.work;
+        let cap = layout::prefill_rows(kind, end, rows);
+        self.cache
+            .read_rows(batch, l, cap, w.kwin.ptr, w.vwin.ptr)?;
+        let key0 = (end - cap) as u32;
+        let window = kind.window().unwrap_or(0) as u32;
+        let scale = 1.0 / (d as f32).sqrt();
+        let (cap32, pos32) = (cap as u32, pos0 as u32);
+        for hd in 0..hq {
+            let h = hd / g;
+            // Sᵀ (cap × rows, column-major) = K_h (D × cap)ᵀ · Q_hd (D × rows): row r of S is
+            // query r's scores over the cap keys.
+            self.sgemm(
+                true,
+                cap,
+                rows,
+                d,
+                scale,
+                w.kwin.ptr + (h * d * 4) as u64,
+                hkv * d,
+                w.q.ptr + (hd * d * 4) as u64,
+                hq * d,
+                w.scores.ptr,
+                cap,
+            )?;
+            let mut b = self.stream.launch_builder(&self.kernels.causal_softmax);
+            b.arg(&w.scores.ptr)
+                .arg(&cap32)
+                .arg(&key0)
+                .arg(&pos32)
+                .arg(&window);
+            // SAFETY: scores holds rows · cap f32 (rows ≤ chunk, cap ≤ max_tokens).
+            unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
+                .map_err(drv("launch causal_softmax"))?;
+            // O_hd (D × rows) = V_h (D × cap) · P (cap × rows).
+            self.sgemm(
+                false,
+                d,
+                rows,
+                cap,
+                1.0,
+                w.vwin.ptr + (h * d * 4) as u64,
+                hkv * d,
+                w.scores.ptr,
+                cap,
+                w.o.ptr + (hd * d * 4) as u64,
+                hq * d,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Sliding-window (or, for a dense decode, any non-global) layer of a decode batch: each
+    /// session's last `min(len, W)` rows from the cache, then one CTA per query head.
+    fn window_decode(&self, batch: &AppendBatch, l: usize, rows: usize) -> Result<()> {
+        let c = &self.cfg;
+        let w = &self.work;
+        let win = c.layer_kinds[l].window().unwrap_or(self.window).max(1);
+        let counts: Vec<u32> = batch
+            .plans
+            .iter()
+            .map(|p| p.end_token().min(win) as u32)
+            .collect();
+        // SAFETY: counts holds max_batch u32 ≥ the batch; a pageable copy, staged at once.
+        unsafe { result::memcpy_htod_async(w.counts.ptr, &counts, self.stream.cu_stream()) }
+            .map_err(drv("memcpy_htod window counts"))?;
+        self.cache
+            .read_rows(batch, l, win, w.kwin.ptr, w.vwin.ptr)?;
+        let (win32, hq32, hkv32) = (win as u32, c.n_heads as u32, c.n_kv_heads as u32);
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let mut b = self.stream.launch_builder(&self.kernels.window_decode);
+        b.arg(&w.q.ptr)
+            .arg(&w.kwin.ptr)
+            .arg(&w.vwin.ptr)
+            .arg(&w.counts.ptr)
+            .arg(&win32)
+            .arg(&hq32)
+            .arg(&hkv32)
+            .arg(&scale)
+            .arg(&w.o.ptr);
+        // SAFETY: q/o hold `rows` rows of Hq·D; kwin/vwin rows·W rows of Hkv·D (sized for
+        // max_batch · window); counts ≤ W.
+        unsafe {
+            b.launch(launch(
+                (rows as u32, c.n_heads as u32, 1),
+                THREADS,
+                win32 * 4,
+            ))
+        }
+        .map_err(drv("launch window_decode"))?;
+        Ok(())
+    }
+
+    /// Final norm and LM head of `rows` hidden states starting at row `first` of `work.x`; the
+    /// logits `[rows][vocab]` copied to the host (waits for the stream).
+    fn logits(&self, first: usize, rows: usize) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let w = &self.work;
+        let x = w.x.ptr + (first * c.n_embd * 4) as u64;
+        self.rmsnorm(x, self.out_norm.ptr, rows, w.xb.ptr)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
+        self.linear(head, w.xb.ptr, rows, w.logits.ptr)?;
+        let mut out = vec![0f32; rows * c.vocab_size];
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        // SAFETY: logits holds max_batch · vocab ≥ rows · vocab f32; the stream is idle.
+        unsafe { result::memcpy_dtoh_sync(&mut out, w.logits.ptr) }
+            .map_err(drv("memcpy_dtoh logits"))?;
+        if let Some(i) = out.iter().position(|v| !v.is_finite()) {
+            return Err(GpuError::invalid(
+                "logits",
+                format!(
+                    "row {} token {} is {} (the forward overflowed)",
+                    i / c.vocab_size,
+                    i % c.vocab_size,
+                    out[i]
+                ),
+            ));
+        }
+        Ok(out)
+    }
+
+    fn prepare(&mut self, method: AttendMethod) -> Result<()> {
+        if let AttendMethod::Scan(m) = method {
+            let label = m.label();
+            if !self.prepared.contains(&label) {
+                self.cache.prepare(m)?;
+                self.prepared.insert(label);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Decoder for GpuDecoder {
+    fn create(&mut self) -> Result<SessionId> {
+        Ok(self.cache.create()?)
+    }
+
+    fn fork(&mut self, parent: SessionId) -> Result<SessionId> {
+        Ok(self.cache.fork(parent)?)
+    }
+
+    fn free(&mut self, session: SessionId) -> Result<()> {
+        Ok(self.cache.free(session)?)
+    }
+
+    fn len(&self, session: SessionId) -> Result<usize> {
+        Ok(self.cache.len(session)?)
+    }
+
+    fn prefill(&mut self, session: SessionId, tokens: &[u32]) -> Result<Vec<f32>> {
+        layout::check_tokens(&self.cfg, tokens)?;
+        let n0 = self.cache.len(session)?;
+        if n0 + tokens.len() > self.dcfg.max_tokens {
+            return Err(GpuError::invalid(
+                "prefill",
+                format!(
+                    "{n0} + {} tokens past the decoder's max_tokens {}",
+                    tokens.len(),
+                    self.dcfg.max_tokens
+                ),
+            ));
+        }
+        let mut pos0 = n0;
+        let mut last = 0;
+        for chunk in tokens.chunks(self.dcfg.prefill_chunk) {
+            let batch = self.cache.reserve(&[(session, chunk.len())])?;
+            let pos: Vec<u32> = (pos0..pos0 + chunk.len()).map(|p| p as u32).collect();
+            self.upload(chunk, &pos)?;
+            let end = pos0 + chunk.len();
+            self.layers(&batch, chunk.len(), Some((pos0, end)), None)?;
+            last = chunk.len();
+            pos0 = end;
+        }
+        self.logits(last - 1, 1)
+    }
+
+    fn decode(&mut self, batch: &[(SessionId, u32)], attention: &Attention) -> Result<Vec<f32>> {
+        let toks: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
+        layout::check_tokens(&self.cfg, &toks)?;
+        let mut pos = Vec::with_capacity(batch.len());
+        for &(s, _) in batch {
+            pos.push(self.cache.len(s)? as u32);
+        }
+        self.prepare(attention.method)?;
+        for (l, kind) in self.cfg.layer_kinds.iter().enumerate() {
+            if *kind == LayerKind::Global {
+                self.cache.check_method(attention.method, l)?;
+            }
+        }
+        let sessions: Vec<(SessionId, usize)> = batch.iter().map(|&(s, _)| (s, 1)).collect();
+        let ab = self.cache.reserve(&sessions)?;
+        self.upload(&toks, &pos)?;
+        self.layers(&ab, batch.len(), None, Some(attention))?;
+        self.logits(0, batch.len())
+    }
+}

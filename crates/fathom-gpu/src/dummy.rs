@@ -1,0 +1,55 @@
+//! The stub of a build without the `cuda` feature: the same types, every entry point
+//! returns [`fathom_cuda::CudaError::NotCompiledWithCuda`].
+
+use fathom_cuda::pages::SessionId;
+use fathom_cuda::{CudaError, Gpu};
+use fathom_model::DenseWeights;
+
+use crate::decoder::{Attention, Decoder};
+use crate::error::Result;
+use crate::layout::DecoderConfig;
+
+/// A model's weights on a device and its sessions in the offloaded cache (stub).
+#[derive(Debug)]
+pub struct GpuDecoder {
+    _private: (),
+}
+
+impl GpuDecoder {
+    /// Uploads the weights and makes the cache.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn new(_gpu: &Gpu, _weights: &DenseWeights, _cfg: DecoderConfig) -> Result<Self> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+
+    /// The cache (for calibrations and counters).
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn cache_mut(&mut self) -> Result<&mut fathom_cuda::PagedCache> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+}
+
+impl Decoder for GpuDecoder {
+    fn create(&mut self) -> Result<SessionId> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+    fn fork(&mut self, _parent: SessionId) -> Result<SessionId> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+    fn free(&mut self, _session: SessionId) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+    fn len(&self, _session: SessionId) -> Result<usize> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+    fn prefill(&mut self, _session: SessionId, _tokens: &[u32]) -> Result<Vec<f32>> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+    fn decode(&mut self, _batch: &[(SessionId, u32)], _attention: &Attention) -> Result<Vec<f32>> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+}
