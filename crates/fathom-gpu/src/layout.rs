@@ -141,7 +141,7 @@ pub struct DecoderConfig {
 
 impl DecoderConfig {
     /// Defaults for `max_sessions` sessions of up to `max_tokens` tokens: batches of every
-    /// session, prefill chunks of 512 tokens (or `max_tokens`, if fewer), top-k up to 512, 2048-token pages, no row cache,
+    /// session, prefill chunks of 512 tokens and top-k up to 512 (or `max_tokens`, if fewer), 2048-token pages, no row cache,
     /// pages in host memory.
     pub fn new(max_sessions: usize, max_tokens: usize) -> Self {
         DecoderConfig {
@@ -149,7 +149,7 @@ impl DecoderConfig {
             max_tokens,
             max_batch: max_sessions,
             prefill_chunk: 512.min(max_tokens.max(1)),
-            max_k: 512,
+            max_k: 512.min(max_tokens.max(1)),
             page_tokens: fathom_cuda::cache::DEFAULT_PAGE_TOKENS,
             pages: None,
             row_cache: 0,
