@@ -73,6 +73,11 @@ pub struct EvalCommon {
     /// Never download; use only what is cached.
     #[arg(long)]
     pub offline: bool,
+    /// Where the model decodes: `cpu` (fathom-model's runtime and the CPU scanners) or `cuda`
+    /// (fathom-gpu: bf16 weights on the GPU, every method through the offloaded paged cache;
+    /// needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
     /// Your own text instead of the pinned corpus's eval split: the haystack for `ruler`, the
     /// code for `agent-steps`. Plain text, or JSONL with a string field `text` per line
     /// (`.jsonl`). Calibration still uses the pinned corpus's calib split.
@@ -130,6 +135,7 @@ pub struct AgentStepsArgs {
 
 struct Setup {
     model: Model,
+    path: PathBuf,
     model_id: ModelId,
     methods: Vec<Box<dyn Scanner>>,
     params: SelectParams,
@@ -170,8 +176,12 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
         }
     }
     let methods = parse_methods(&list, d, c.basis, None)?;
+    if c.device == "cuda" && !matches!(c.basis, BasisArg::Raw) {
+        bail!("--device cuda stores raw channels: use --basis raw");
+    }
     Ok(Setup {
         model,
+        path,
         model_id: id,
         methods,
         params: SelectParams {
@@ -296,6 +306,7 @@ fn header(
     c: &EvalCommon,
     calibration: Option<CalibrationInfo>,
     seconds: f64,
+    gpu: Option<&crate::gpu_cmds::GpuEval>,
 ) -> RunHeader {
     let cfg = s.model.config();
     RunHeader {
@@ -321,8 +332,14 @@ fn header(
         },
         methods: s.methods.iter().map(|m| m.name()).collect(),
         seed: c.seed,
-        device: format!("cpu ({} threads)", rayon::current_num_threads()),
-        protocol: "one dense prefill per sample; per method a greedy (or teacher-forced) decode from a clone of its KV cache with the method's sink 4 + local 32 + top-k per query head and exact attention on every generated token of every global layer; sliding-window layers keep their window and stay dense".into(),
+        device: match gpu {
+            Some(g) => g.device.clone(),
+            None => format!("cpu ({} threads)", rayon::current_num_threads()),
+        },
+        protocol: match gpu {
+            None => "one dense prefill per sample; per method a greedy (or teacher-forced) decode from a clone of its KV cache with the method's sink 4 + local 32 + top-k per query head and exact attention on every generated token of every global layer; sliding-window layers keep their window and stay dense".into(),
+            Some(_) => "on the GPU (fathom-gpu: bf16 weights, cuBLAS, K|V in fathom-cuda's paged cache in host memory): one dense prefill per sample; per method a greedy (or teacher-forced) decode from a fork of its session with the method's sink 4 + local 32 + top-k per query head and exact attention on every generated token of every global layer, planned, scanned and selected on the GPU; sliding-window layers attend densely over their window".into(),
+        },
         load_seconds: s.load_s,
         calibration,
         seconds,
@@ -377,37 +394,64 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         .position(|m| m.name() == "exact")
         .context("exact missing")?;
     let mut per_task_secs = vec![0f64; tasks.len()];
+    let mut gpu = match c.device.as_str() {
+        "cuda" => Some(crate::gpu_cmds::GpuEval::new(
+            &s.path,
+            s.model.config().head_dim,
+            &s.methods.iter().map(|m| m.name()).collect::<Vec<_>>(),
+            s.params,
+            c.context + a.max_new.unwrap_or(128).max(128) + 64,
+            calib.as_ref(),
+        )?),
+        _ => None,
+    };
     for (ti, &task) in tasks.iter().enumerate() {
         for i in 0..a.samples {
             let t0 = Instant::now();
             let sample = generate(task, &tp, tok, &haystack, &words, i)?;
-            let pre = Prefill::new(
-                &s.model,
-                &sample.prompt_ids,
-                sample.max_new,
-                calib.as_ref(),
-                with_loki,
-            )?;
+            let (pre, root) = match gpu.as_mut() {
+                None => (
+                    Some(Prefill::new(
+                        &s.model,
+                        &sample.prompt_ids,
+                        sample.max_new,
+                        calib.as_ref(),
+                        with_loki,
+                    )?),
+                    None,
+                ),
+                Some(g) => (None, Some(g.prefill(&sample.prompt_ids)?)),
+            };
             let prefill_s = t0.elapsed().as_secs_f64();
             let mut outs = Vec::new();
-            for m in &s.methods {
+            for (mi, m) in s.methods.iter().enumerate() {
                 pb.set_message(format!("{} #{i} {}", task.name(), m.name()));
                 let tm = Instant::now();
                 let stop = |ids: &[u32]| !a.no_line_stop && first_line_done(tok, ids);
-                let br = decode_branch(
-                    &s.model,
-                    &pre,
-                    m.as_ref(),
-                    calib.as_ref(),
-                    s.params,
-                    sample.max_new,
-                    &stop,
-                )
+                let br = match (&pre, &root, gpu.as_mut()) {
+                    (Some(pre), _, _) => decode_branch(
+                        &s.model,
+                        pre,
+                        m.as_ref(),
+                        calib.as_ref(),
+                        s.params,
+                        sample.max_new,
+                        &stop,
+                    )
+                    .map_err(anyhow::Error::from),
+                    (None, Some((r, logits)), Some(g)) => {
+                        g.greedy(*r, logits, mi, sample.max_new, tok.stop_tokens(), &stop)
+                    }
+                    _ => bail!("no prefill for {} sample {i}", task.name()),
+                }
                 .with_context(|| format!("{} sample {i}, method {}", task.name(), m.name()))?;
                 let text = tok.decode(&br.tokens)?;
                 let sc = score(&text, &sample.gold);
                 outs.push((m.name(), br, text, sc, tm.elapsed().as_secs_f64()));
                 pb.inc(1);
+            }
+            if let (Some((r, _)), Some(g)) = (root, gpu.as_mut()) {
+                g.free(r)?;
             }
             let exact_tokens = outs[exact_i].1.tokens.clone();
             let mut methods_json = BTreeMap::new();
@@ -512,7 +556,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
     let doc = RulerDoc {
-        header: header(&s, c, calib_info, total),
+        header: header(&s, c, calib_info, total, gpu.as_ref()),
         tasks: tasks.iter().map(|t| t.name().to_string()).collect(),
         samples_per_task: a.samples,
         line_stop: !a.no_line_stop,
@@ -551,32 +595,57 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     let pb = bar((a.sessions * nm) as u64);
     let mut records = Vec::new();
     let mut sums = vec![(0f64, 0f64, 0f64, 0f64); nm];
+    let mut gpu = match c.device.as_str() {
+        "cuda" => Some(crate::gpu_cmds::GpuEval::new(
+            &s.path,
+            s.model.config().head_dim,
+            &names,
+            s.params,
+            c.context + a.steps + 64,
+            calib.as_ref(),
+        )?),
+        _ => None,
+    };
     for i in 0..a.sessions {
         let t0 = Instant::now();
         let ses = session(&docs, tok, c.context, a.steps, c.seed, i)?;
-        let pre = Prefill::new(
-            &s.model,
-            &ses.prompt_ids,
-            a.steps,
-            calib.as_ref(),
-            with_loki,
-        )?;
+        let (pre, root) = match gpu.as_mut() {
+            None => (
+                Some(Prefill::new(
+                    &s.model,
+                    &ses.prompt_ids,
+                    a.steps,
+                    calib.as_ref(),
+                    with_loki,
+                )?),
+                None,
+            ),
+            Some(g) => (None, Some(g.prefill(&ses.prompt_ids)?.0)),
+        };
         let prefill_s = t0.elapsed().as_secs_f64();
         let mut preds = Vec::new();
-        for m in &s.methods {
+        for (mi, m) in s.methods.iter().enumerate() {
             pb.set_message(format!("session {i} {}", m.name()));
             let tm = Instant::now();
-            let br = forced_branch(
-                &s.model,
-                &pre,
-                m.as_ref(),
-                calib.as_ref(),
-                s.params,
-                &ses.continuation,
-            )
+            let br = match (&pre, root, gpu.as_mut()) {
+                (Some(pre), _, _) => forced_branch(
+                    &s.model,
+                    pre,
+                    m.as_ref(),
+                    calib.as_ref(),
+                    s.params,
+                    &ses.continuation,
+                )
+                .map_err(anyhow::Error::from),
+                (None, Some(r), Some(g)) => g.forced(r, mi, &ses.continuation),
+                _ => bail!("no prefill for session {i}"),
+            }
             .with_context(|| format!("session {i}, method {}", m.name()))?;
             preds.push((br, tm.elapsed().as_secs_f64()));
             pb.inc(1);
+        }
+        if let (Some(r), Some(g)) = (root, gpu.as_mut()) {
+            g.free(r)?;
         }
         let truth = &ses.continuation[1..];
         let mut mj = BTreeMap::new();
@@ -657,7 +726,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
     let doc = AgentDoc {
-        header: header(&s, c, calib_info, total),
+        header: header(&s, c, calib_info, total, gpu.as_ref()),
         sessions: a.sessions,
         steps: a.steps,
         code: Some(source),

@@ -13,7 +13,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use fathom_cuda::cache::AttendMethod;
 use fathom_cuda::Gpu;
-use fathom_gpu::{parity, Attention, DecoderConfig, GpuDecoder};
+use fathom_gpu::{parity, Attention, Decoder, DecoderConfig, GpuDecoder};
 use fathom_model::corpus::{context_tokens, load_split, CorpusKind, Split};
 use fathom_model::fetch::{fetch_model, ModelId};
 use fathom_model::{DenseWeights, LoadOptions, Model, WeightMode};
@@ -172,4 +172,130 @@ pub fn run_gpu_parity(a: GpuParityArgs) -> Result<()> {
         bail!("GPU and CPU disagree beyond the bf16 rounding noise or diverge away from a near-tie (see above)");
     }
     Ok(())
+}
+
+/// The downstream tasks' branches on the GPU (`fathom ruler|agent-steps --device cuda`): the
+/// sample's dense prefill on the GPU forward, then one fork per method (fathom_gpu::branch).
+pub struct GpuEval {
+    dec: GpuDecoder,
+    atts: Vec<Attention>,
+    /// The device's name, for the results.
+    pub device: String,
+    _gpu: Gpu,
+}
+
+impl GpuEval {
+    /// Opens the GPU, uploads the model and loads the calibration of every global layer.
+    /// `methods` are the run's method names in order; a method the paged cache does not run
+    /// yet (Loki, landmark, Quest) is refused here, before any work.
+    pub fn new(
+        model_path: &std::path::Path,
+        head_dim: usize,
+        methods: &[String],
+        params: SelectParams,
+        max_tokens: usize,
+        calib: Option<&fathom_eval::decode::LayerCalib>,
+    ) -> Result<GpuEval> {
+        let d = head_dim;
+        let mut atts = Vec::with_capacity(methods.len());
+        let mut refused = Vec::new();
+        for m in methods {
+            let method = AttendMethod::parse(m, d)?;
+            if let AttendMethod::Scan(
+                fathom_cuda::Method::Loki(_)
+                | fathom_cuda::Method::Landmark
+                | fathom_cuda::Method::Quest,
+            ) = method
+            {
+                refused.push(m.clone());
+            }
+            atts.push(Attention { method, params });
+        }
+        if !refused.is_empty() {
+            bail!(
+                "--device cuda: the paged cache does not run {} yet; remove them from --methods (or run them with --device cpu)",
+                refused.join(", ")
+            );
+        }
+        let gpu = Gpu::open(0).context("--device cuda needs a GPU")?;
+        let weights = DenseWeights::load(model_path)?;
+        let mut dcfg = DecoderConfig::new(4, max_tokens);
+        dcfg.max_batch = 1;
+        dcfg.max_k = params.k.max(1).min(max_tokens);
+        let per = max_tokens.div_ceil(dcfg.page_tokens);
+        dcfg.pages = Some(per + 8);
+        let mut dec = GpuDecoder::new(&gpu, &weights, dcfg)?;
+        if let Some(c) = calib {
+            for (l, heads) in c.heads.iter().enumerate() {
+                if !heads.is_empty() {
+                    dec.cache_mut()?.load_calibration(l, heads)?;
+                }
+            }
+        }
+        Ok(GpuEval {
+            dec,
+            atts,
+            device: gpu.info().name.clone(),
+            _gpu: gpu,
+        })
+    }
+
+    /// A new session prefilled with `ids`, and its last logits.
+    pub fn prefill(&mut self, ids: &[u32]) -> Result<(fathom_cuda::pages::SessionId, Vec<f32>)> {
+        let s = self.dec.create()?;
+        let logits = self.dec.prefill(s, ids)?;
+        Ok((s, logits))
+    }
+
+    /// Frees a prefilled session.
+    pub fn free(&mut self, s: fathom_cuda::pages::SessionId) -> Result<()> {
+        Ok(self.dec.free(s)?)
+    }
+
+    fn to_branch(o: fathom_gpu::branch::BranchOut) -> fathom_eval::decode::Branch {
+        fathom_eval::decode::Branch {
+            tokens: o.tokens,
+            stats: fathom_eval::decode::BranchStats {
+                bits_sum: o.bits_sum,
+                scans: o.scans,
+                selected_sum: o.selected_sum,
+                visible_sum: o.visible_sum,
+            },
+        }
+    }
+
+    /// Method `mi`'s greedy branch from `root`.
+    pub fn greedy(
+        &mut self,
+        root: fathom_cuda::pages::SessionId,
+        logits: &[f32],
+        mi: usize,
+        max_new: usize,
+        stop_tokens: &[u32],
+        stop: &dyn Fn(&[u32]) -> bool,
+    ) -> Result<fathom_eval::decode::Branch> {
+        let att = self.atts[mi];
+        let o = fathom_gpu::branch::greedy(
+            &mut self.dec,
+            root,
+            logits,
+            &att,
+            max_new,
+            stop_tokens,
+            stop,
+        )?;
+        Ok(Self::to_branch(o))
+    }
+
+    /// Method `mi`'s teacher-forced branch from `root`.
+    pub fn forced(
+        &mut self,
+        root: fathom_cuda::pages::SessionId,
+        mi: usize,
+        forced: &[u32],
+    ) -> Result<fathom_eval::decode::Branch> {
+        let att = self.atts[mi];
+        let o = fathom_gpu::branch::forced(&mut self.dec, root, &att, forced)?;
+        Ok(Self::to_branch(o))
+    }
 }

@@ -743,7 +743,10 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
 /// `read_rows` returns each session's last `min(len, cap)` records as the stored bf16, in
 /// batch order, for a ragged batch, with caps below, at and above the lengths, in host and
 /// HBM residency; rows past a session's count are left as they were.
+#[cfg(feature = "cuda")]
 #[test]
+// `l` and `b` name the layer and batch row as well as index the shadows.
+#[allow(clippy::needless_range_loop)]
 fn read_rows_returns_each_sessions_last_records() {
     let Some(gpu) = gpu() else { return };
     let stream = gpu.stream().clone();

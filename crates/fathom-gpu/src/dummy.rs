@@ -12,7 +12,7 @@ use crate::layout::DecoderConfig;
 /// A model's weights on a device and its sessions in the offloaded cache (stub).
 #[derive(Debug)]
 pub struct GpuDecoder {
-    _private: (),
+    _never: std::convert::Infallible,
 }
 
 impl GpuDecoder {
@@ -22,6 +22,11 @@ impl GpuDecoder {
     /// Always [`CudaError::NotCompiledWithCuda`] in this build.
     pub fn new(_gpu: &Gpu, _weights: &DenseWeights, _cfg: DecoderConfig) -> Result<Self> {
         Err(CudaError::NotCompiledWithCuda.into())
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &fathom_model::Config {
+        match self._never {}
     }
 
     /// The cache (for calibrations and counters).

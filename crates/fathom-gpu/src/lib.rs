@@ -56,6 +56,7 @@
 //! only joins them and owns no KV state of its own.
 #![deny(missing_docs)]
 
+pub mod branch;
 pub mod decoder;
 pub mod error;
 pub mod layout;

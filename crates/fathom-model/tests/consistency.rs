@@ -14,7 +14,7 @@
 mod common;
 
 use fathom_model::fetch::ModelId;
-use fathom_model::{log_softmax, Dense, DenseWeights, Model, WeightMode};
+use fathom_model::{log_softmax, Dense, Model, WeightMode};
 
 const EXACT_TOL: f32 = 2e-3;
 const QUANT_LOGPROB_TOL: f32 = 0.2;

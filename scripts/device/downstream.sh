@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The downstream runs of issue 15 on the GPU (`--device cuda`), every method the paged cache
+# runs (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, thumb2, and the r = D/4 baselines),
+# after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
+# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic
+# Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
+set -u
+B=.devbin
+export FATHOM_CACHE=$HOME/.cache/fathom
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+SM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:16,ds:32,thumb2"
+GM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,sparq:64,ds:32,ds:64,thumb2"
+run() {  # run NAME ARGS...
+  name=$1; shift
+  /usr/bin/time -f "wall %e s" timeout 560 $B/fathom "$@" --device cuda --offline --json $OUT/$name.json \
+    > $OUT/$name.md 2> $OUT/$name.log
+  echo "$name rc=$? $(tail -1 $OUT/$name.log)" | tee -a $OUT/summary.txt
+}
+case $1 in
+ruler)
+  samples=${2:-20}
+  run ruler-smollm2-135m-8k ruler --model smollm2-135m --context 8192 --k 256 --prompt chat --shape small --samples $samples --methods $SM
+  run ruler-gemma3-270m-32k ruler --model gemma3-270m --context 32768 --k 512 --prompt chat --shape small --samples $samples --methods $GM
+  ;;
+agent)
+  run agent-smollm2-135m-8k agent-steps --model smollm2-135m --context 8192 --k 256 --sessions 16 --steps 64 --methods $SM
+  run agent-gemma3-270m-32k agent-steps --model gemma3-270m --context 32768 --k 512 --sessions 16 --steps 64 --methods $GM
+  ;;
+parity-pedantic)
+  for m in smollm2-135m gemma3-270m; do
+    FATHOM_GPU_MATH=pedantic timeout 300 $B/fathom gpu-parity --model $m --offline --prompts 8 --new-tokens 32 \
+      --json $OUT/gpu-parity-$m-pedantic.json > $OUT/gpu-parity-$m-pedantic.txt 2>&1
+    echo "parity pedantic $m rc=$?" | tee -a $OUT/summary.txt; head -1 $OUT/gpu-parity-$m-pedantic.txt
+  done
+  ;;
+esac
