@@ -20,6 +20,7 @@
 #![deny(missing_docs)]
 
 pub mod claims;
+pub mod intervals;
 pub mod plot;
 pub mod sections;
 pub mod tables;
