@@ -852,14 +852,19 @@ impl PagedCache {
             M::Thumb2 => vec![2; s.layers * hkv * d],
             M::Exact => vec![4; s.layers * hkv * d],
             M::DoubleSparsity(r) => {
+                // Layers without a calibration (a model's sliding-window layers, which never
+                // attend through a method) keep zero depths; attend refuses them.
                 let mut out = vec![0u8; s.layers * hkv * d];
+                if self.calib.ds_channels.iter().all(Option::is_none) {
+                    return Err(CudaError::invalid(
+                        "method",
+                        format!("{} needs a calibration (load_calibration)", method.label()),
+                    ));
+                }
                 for l in 0..s.layers {
-                    let ch = self.calib.ds_channels[l].as_ref().ok_or_else(|| {
-                        CudaError::invalid(
-                            "method",
-                            format!("{} needs layer {l}'s calibration (load_calibration)", method.label()),
-                        )
-                    })?;
+                    let Some(ch) = self.calib.ds_channels[l].as_ref() else {
+                        continue;
+                    };
                     for (h, c) in ch.iter().enumerate() {
                         for &x in c.iter().take(r) {
                             out[(l * hkv + h) * d + x as usize] = 4;
@@ -910,6 +915,17 @@ impl PagedCache {
         let s = self.cfg.shape;
         let (hkv, d) = (s.kv_heads, s.dim);
         // Where this method's depths come from (checked before any launch).
+        if let AttendMethod::Scan(m @ M::DoubleSparsity(_)) = method {
+            if self.calib.ds_channels[layer].is_none() {
+                return Err(CudaError::invalid(
+                    "method",
+                    format!(
+                        "{} needs layer {layer}'s calibration (load_calibration)",
+                        m.label()
+                    ),
+                ));
+            }
+        }
         let static_depths = match method {
             AttendMethod::Dense | AttendMethod::Scan(M::Fathom(_) | M::SparQ(_)) => None,
             AttendMethod::Scan(m) => {

@@ -820,3 +820,54 @@ fn read_rows_returns_each_sessions_last_records() {
         assert!(cache.read_rows(&ab, 0, 8, 0, 1).is_err());
     }
 }
+
+/// Double Sparsity on a model whose calibration covers only some layers (Gemma 3's global
+/// ones): `prepare` builds the table from the calibrated layers, an attend of a calibrated
+/// layer runs, one of an uncalibrated layer is a typed error before any launch, and a later
+/// calibration of that layer makes it run (the table is rebuilt).
+#[cfg(feature = "cuda")]
+#[test]
+fn double_sparsity_runs_on_the_calibrated_layers_only() {
+    use fathom_cuda::cache::AttendMethod;
+    use fathom_plan::SelectParams;
+    let Some(gpu) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(31);
+    let (hkv, d) = (2, 64);
+    let hq = hkv * 4;
+    let mut cache = PagedCache::new(&gpu, config(2, hkv, d, 128, 16)).unwrap();
+    let s = cache.create().unwrap();
+    let mut shadows = vec![vec![Shadow::default(); 2]; 1];
+    let slot = |_: SessionId| 0;
+    step(&mut cache, &mut rng, &[(s, 300)], &mut shadows, &slot);
+    let calib = vec![
+        fathom_plan::scanner::HeadCalib {
+            sigma2: vec![1.0; d],
+            ds_channels: (0..d as u16).rev().collect(),
+            ..Default::default()
+        };
+        hkv
+    ];
+    let ds = fathom_cuda::Method::DoubleSparsity(16);
+    assert!(cache.prepare(ds).is_err(), "no calibration at all");
+    cache.load_calibration(1, &calib).unwrap();
+    cache.prepare(ds).unwrap();
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 64,
+    };
+    let batch = step(&mut cache, &mut rng, &[(s, 1)], &mut shadows, &slot);
+    let q: Vec<f32> = (0..hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let am = AttendMethod::Scan(ds);
+    let e = cache
+        .attend_host(&batch, 0, am, &params, &q)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("layer 0's calibration"), "{e}");
+    assert!(cache.check_method(am, 0).is_err() && cache.check_method(am, 1).is_ok());
+    let out = cache.attend_host(&batch, 1, am, &params, &q).unwrap();
+    assert!(out.iter().all(|v| v.is_finite()));
+    cache.load_calibration(0, &calib).unwrap();
+    cache.prepare(ds).unwrap();
+    assert!(cache.attend_host(&batch, 0, am, &params, &q).is_ok());
+}
