@@ -1,6 +1,6 @@
 //! `cargo xtask`: drives `cargo` and the `fathom` CLI; never reimplements them.
 //!
-//! - `cargo xtask repro [--quick | --full] [--gpu] [--out DIR] [--budget-min M]`: the whole
+//! - `cargo xtask repro [--quick | --full] [--gpu] [--device cpu|cuda] [--out DIR] [--budget-min M]`: the whole
 //!   pipeline (models, corpora, captures, calibration, fidelity sweeps, ablations, the model
 //!   speed table, downstream tasks, device timing when asked and possible) and
 //!   `DIR/REPORT.md` (default `results/`). With `--budget-min`, stages that would overrun the
@@ -313,6 +313,39 @@ const RULER_QUICK: &str =
 const AGENT_FULL: &str = "agent-steps --sessions 4 --steps 64 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
 const AGENT_QUICK: &str =
     "agent-steps --sessions 1 --steps 16 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32";
+/// Methods the paged cache does not run yet: `--device cuda` drops them from the downstream
+/// stages (and says so).
+const NOT_ON_GPU: [&str; 3] = ["loki:", "landmark", "quest"];
+
+/// A downstream command for `--device cuda`: the methods the paged cache runs, the flag.
+fn on_gpu(cmd: &str) -> String {
+    let words: Vec<String> = cmd
+        .split(' ')
+        .map(|w| {
+            if w.contains(',') && w.contains("exact") {
+                w.split(',')
+                    .filter(|m| !NOT_ON_GPU.iter().any(|x| m.starts_with(x)))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            } else {
+                w.to_string()
+            }
+        })
+        .collect();
+    format!("{} --device cuda", words.join(" "))
+}
+
+/// Whether this machine shows an NVIDIA GPU (`nvidia-smi -L` lists one), with the reason when not.
+fn gpu_present() -> std::result::Result<(), String> {
+    match Command::new("nvidia-smi").arg("-L").output() {
+        Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).contains("GPU") => Ok(()),
+        Ok(o) => Err(format!(
+            "nvidia-smi -L lists no GPU ({})",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("nvidia-smi not found ({e})")),
+    }
+}
 
 const fn setting(model: &'static str, context: usize, k: usize, cross: Option<usize>) -> Setting {
     Setting {
@@ -514,7 +547,7 @@ fn pipeline(m: &Matrix, out: &str, cache: &str) -> Vec<Stage> {
 fn run() -> Result<bool> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first() else {
-        bail!("usage: cargo xtask <repro [--quick|--full] [--gpu] [--out DIR] [--budget-min M] | fetch-models | fetch-corpus | fuzz [--seconds N] [--target T] | stress [--seconds N]>");
+        bail!("usage: cargo xtask <repro [--quick|--full] [--gpu] [--device cpu|cuda] [--out DIR] [--budget-min M] | fetch-models | fetch-corpus | fuzz [--seconds N] [--target T] | stress [--seconds N]>");
     };
     match cmd.as_str() {
         "repro" => repro(&args[1..]),
@@ -550,6 +583,8 @@ struct ReproArgs {
     out: String,
     full: bool,
     gpu: bool,
+    /// `--device cuda`: the downstream stages on the GPU forward.
+    cuda: bool,
     /// Seconds.
     budget: Option<f64>,
 }
@@ -560,6 +595,7 @@ impl ReproArgs {
             out: "results".into(),
             full: false,
             gpu: false,
+            cuda: false,
             budget: None,
         };
         let mut it = args.iter();
@@ -568,6 +604,11 @@ impl ReproArgs {
                 "--quick" => r.full = false,
                 "--full" => r.full = true,
                 "--gpu" => r.gpu = true,
+                "--device" => match it.next().map(String::as_str) {
+                    Some("cuda") => r.cuda = true,
+                    Some("cpu") => r.cuda = false,
+                    v => bail!("--device {v:?}: want cpu or cuda"),
+                },
                 "--out" => r.out = it.next().context("--out needs a directory")?.clone(),
                 "--budget-min" => {
                     let v = it.next().context("--budget-min needs minutes")?;
@@ -588,7 +629,17 @@ impl ReproArgs {
 /// `cargo xtask repro`: build the CLI, run the matrix's stages, then render the report.
 fn repro(args: &[String]) -> Result<bool> {
     let a = ReproArgs::parse(args)?;
-    let bin = build_cli(&[])?;
+    let cuda = a.cuda
+        && match gpu_present() {
+            Ok(()) => true,
+            Err(why) => {
+                eprintln!(
+                    "xtask: --device cuda: the downstream stages run on the CPU instead: {why}"
+                );
+                false
+            }
+        };
+    let bin = build_cli(if cuda { &["cuda"] } else { &[] })?;
     let mode = if a.full { "full" } else { "quick" };
     let run_dir = format!("{}/{mode}", a.out);
     std::fs::create_dir_all(root().join(&run_dir))
@@ -599,7 +650,11 @@ fn repro(args: &[String]) -> Result<bool> {
         .arg("--help")
         .output()
         .context("running fathom --help")?;
-    let m = matrix(a.full, &String::from_utf8_lossy(&help.stdout));
+    let mut m = matrix(a.full, &String::from_utf8_lossy(&help.stdout));
+    if cuda {
+        eprintln!("xtask: --device cuda: downstream stages on the GPU, without {NOT_ON_GPU:?} (the paged cache does not run them yet)");
+        m.downstream = m.downstream.iter().map(|d| on_gpu(d)).collect();
+    }
     for s in &m.settings {
         let dir = root()
             .join(&run_dir)
@@ -869,6 +924,10 @@ mod tests {
             ),
             ("fathom-model", &["fathom-capture"]),
             (
+                "fathom-gpu",
+                &["fathom-cuda", "fathom-model", "fathom-plan"],
+            ),
+            (
                 "fathom-eval",
                 &[
                     "fathom-baselines",
@@ -917,6 +976,19 @@ mod tests {
             }
         }
         assert!(depends_on("fathom-eval", "fathom-store"));
+    }
+
+    #[test]
+    fn gpu_downstream_commands_drop_what_the_cache_does_not_run() {
+        let c = on_gpu(RULER_FULL);
+        assert!(c.ends_with(" --device cuda"), "{c}");
+        assert!(
+            c.contains("dense,exact,fathom:48") && c.contains("thumb2"),
+            "{c}"
+        );
+        assert!(!c.contains("loki") && !c.contains("landmark"), "{c}");
+        assert!(on_gpu(AGENT_QUICK)
+            .contains("--methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32 --device cuda"));
     }
 
     #[test]

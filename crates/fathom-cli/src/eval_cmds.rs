@@ -160,6 +160,10 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
     if let Some(p) = &c.json {
         crate::check_writable(p)?;
     }
+    if c.device == "cuda" {
+        let names: Vec<String> = c.methods.split(',').map(|m| m.trim().to_string()).collect();
+        crate::gpu_cmds::check_gpu_methods(&names)?;
+    }
     let fopts = FetchOptions {
         cache_dir: c.cache_dir.clone(),
         offline: c.offline,

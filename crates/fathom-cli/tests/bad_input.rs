@@ -936,7 +936,54 @@ fn cases(fx: &Fx) -> Vec<Case> {
             "eval.json",
             Some(uw),
         );
+        case(
+            "bad method",
+            cmd,
+            off(s([
+                cmd,
+                "--device",
+                "cuda",
+                "--methods",
+                "exact,loki:16",
+                "--json",
+                &out,
+            ])),
+            "loki:16",
+            Some(out.clone()),
+        );
     }
+    // ---- `gpu-parity`: arguments first, then the device (none on CI, or no `cuda` build),
+    // and `--device cuda` of the evaluation commands refuses what the cache does not run.
+    let out = fx.p("parity.json");
+    case(
+        "missing GPU",
+        "gpu-parity",
+        off(s(["gpu-parity", "--json", &out])),
+        "gpu",
+        Some(out.clone()),
+    );
+    case(
+        "unknown model",
+        "gpu-parity",
+        off(s(["gpu-parity", "--model", "nope", "--json", &out])),
+        "unknown model",
+        Some(out.clone()),
+    );
+    case(
+        "zero prompts",
+        "gpu-parity",
+        off(s(["gpu-parity", "--prompts", "0", "--json", &out])),
+        "at least 1",
+        Some(out.clone()),
+    );
+    let uw = unwritable("parity.json");
+    case(
+        "unwritable output",
+        "gpu-parity",
+        off(s(["gpu-parity", "--json", &uw])),
+        "parity.json",
+        Some(uw),
+    );
     let out = fx.p("speed.json");
     case(
         "missing model",
