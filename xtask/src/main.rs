@@ -925,7 +925,12 @@ mod tests {
             ("fathom-model", &["fathom-capture"]),
             (
                 "fathom-gpu",
-                &["fathom-cuda", "fathom-model", "fathom-plan"],
+                &[
+                    "fathom-cuda",
+                    "fathom-model",
+                    "fathom-plan",
+                    "fathom-results",
+                ],
             ),
             (
                 "fathom-eval",

@@ -410,52 +410,68 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         _ => None,
     };
     for (ti, &task) in tasks.iter().enumerate() {
-        for i in 0..a.samples {
+        let samples = (0..a.samples)
+            .map(|i| generate(task, &tp, tok, &haystack, &words, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let stop = |ids: &[u32]| !a.no_line_stop && first_line_done(tok, ids);
+        // On the GPU every sample's prefill first, then each method's branches of a group of
+        // samples in one batch: `[sample][method]` = (branch, seconds), and each prefill's time.
+        let on_gpu = match gpu.as_mut() {
+            None => None,
+            Some(g) => {
+                pb.set_message(format!("{} (GPU, batched)", task.name()));
+                let prompts: Vec<&[u32]> = samples.iter().map(|x| &x.prompt_ids[..]).collect();
+                let max_new = samples.iter().map(|x| x.max_new).max().unwrap_or(1);
+                let r = g
+                    .greedy_batches(&prompts, max_new, tok.stop_tokens(), &stop)
+                    .with_context(|| format!("{} on the GPU", task.name()))?;
+                pb.inc((samples.len() * nm) as u64);
+                Some(r)
+            }
+        };
+        for (i, sample) in samples.iter().enumerate() {
             let t0 = Instant::now();
-            let sample = generate(task, &tp, tok, &haystack, &words, i)?;
-            let (pre, root) = match gpu.as_mut() {
-                None => (
-                    Some(Prefill::new(
-                        &s.model,
-                        &sample.prompt_ids,
-                        sample.max_new,
-                        calib.as_ref(),
-                        with_loki,
-                    )?),
-                    None,
-                ),
-                Some(g) => (None, Some(g.prefill(&sample.prompt_ids)?)),
+            let pre = match on_gpu {
+                None => Some(Prefill::new(
+                    &s.model,
+                    &sample.prompt_ids,
+                    sample.max_new,
+                    calib.as_ref(),
+                    with_loki,
+                )?),
+                Some(_) => None,
             };
-            let prefill_s = t0.elapsed().as_secs_f64();
+            let prefill_s = match &on_gpu {
+                Some((pre_s, _)) => pre_s[i],
+                None => t0.elapsed().as_secs_f64(),
+            };
             let mut outs = Vec::new();
             for (mi, m) in s.methods.iter().enumerate() {
-                pb.set_message(format!("{} #{i} {}", task.name(), m.name()));
                 let tm = Instant::now();
-                let stop = |ids: &[u32]| !a.no_line_stop && first_line_done(tok, ids);
-                let br = match (&pre, &root, gpu.as_mut()) {
-                    (Some(pre), _, _) => decode_branch(
-                        &s.model,
-                        pre,
-                        m.as_ref(),
-                        calib.as_ref(),
-                        s.params,
-                        sample.max_new,
-                        &stop,
-                    )
-                    .map_err(anyhow::Error::from),
-                    (None, Some((r, logits)), Some(g)) => {
-                        g.greedy(*r, logits, mi, sample.max_new, tok.stop_tokens(), &stop)
+                let (br, secs) = match (&pre, &on_gpu) {
+                    (Some(pre), _) => {
+                        pb.set_message(format!("{} #{i} {}", task.name(), m.name()));
+                        let br = decode_branch(
+                            &s.model,
+                            pre,
+                            m.as_ref(),
+                            calib.as_ref(),
+                            s.params,
+                            sample.max_new,
+                            &stop,
+                        )
+                        .with_context(|| {
+                            format!("{} sample {i}, method {}", task.name(), m.name())
+                        })?;
+                        pb.inc(1);
+                        (br, tm.elapsed().as_secs_f64())
                     }
-                    _ => bail!("no prefill for {} sample {i}", task.name()),
-                }
-                .with_context(|| format!("{} sample {i}, method {}", task.name(), m.name()))?;
+                    (None, Some((_, per))) => per[i][mi].clone(),
+                    (None, None) => bail!("no prefill for {} sample {i}", task.name()),
+                };
                 let text = tok.decode(&br.tokens)?;
                 let sc = score(&text, &sample.gold);
-                outs.push((m.name(), br, text, sc, tm.elapsed().as_secs_f64()));
-                pb.inc(1);
-            }
-            if let (Some((r, _)), Some(g)) = (root, gpu.as_mut()) {
-                g.free(r)?;
+                outs.push((m.name(), br, text, sc, secs));
             }
             let exact_tokens = outs[exact_i].1.tokens.clone();
             let mut methods_json = BTreeMap::new();
@@ -487,7 +503,10 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
                     },
                 );
             }
-            let secs = t0.elapsed().as_secs_f64();
+            let secs = match &on_gpu {
+                Some(_) => prefill_s + outs.iter().map(|o| o.4).sum::<f64>(),
+                None => t0.elapsed().as_secs_f64(),
+            };
             per_task_secs[ti] += secs;
             if pb.is_hidden() {
                 let scores: Vec<String> =
@@ -500,7 +519,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
                 );
             }
             records.push(RulerRecord {
-                sample: serde_json::to_value(&sample)?,
+                sample: serde_json::to_value(sample)?,
                 prefill_seconds: prefill_s,
                 seconds: secs,
                 methods: methods_json,
@@ -610,46 +629,58 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
         )?),
         _ => None,
     };
-    for i in 0..a.sessions {
+    let all = (0..a.sessions)
+        .map(|i| session(&docs, tok, c.context, a.steps, c.seed, i))
+        .collect::<Result<Vec<_>, _>>()?;
+    let on_gpu = match gpu.as_mut() {
+        None => None,
+        Some(g) => {
+            pb.set_message("sessions (GPU, batched)");
+            let prompts: Vec<&[u32]> = all.iter().map(|x| &x.prompt_ids[..]).collect();
+            let forced: Vec<&[u32]> = all.iter().map(|x| &x.continuation[..]).collect();
+            let r = g.forced_batches(&prompts, &forced)?;
+            pb.inc((all.len() * nm) as u64);
+            Some(r)
+        }
+    };
+    for (i, ses) in all.iter().enumerate() {
         let t0 = Instant::now();
-        let ses = session(&docs, tok, c.context, a.steps, c.seed, i)?;
-        let (pre, root) = match gpu.as_mut() {
-            None => (
-                Some(Prefill::new(
-                    &s.model,
-                    &ses.prompt_ids,
-                    a.steps,
-                    calib.as_ref(),
-                    with_loki,
-                )?),
-                None,
-            ),
-            Some(g) => (None, Some(g.prefill(&ses.prompt_ids)?.0)),
+        let pre = match on_gpu {
+            None => Some(Prefill::new(
+                &s.model,
+                &ses.prompt_ids,
+                a.steps,
+                calib.as_ref(),
+                with_loki,
+            )?),
+            Some(_) => None,
         };
-        let prefill_s = t0.elapsed().as_secs_f64();
+        let prefill_s = match &on_gpu {
+            Some((pre_s, _)) => pre_s[i],
+            None => t0.elapsed().as_secs_f64(),
+        };
         let mut preds = Vec::new();
         for (mi, m) in s.methods.iter().enumerate() {
-            pb.set_message(format!("session {i} {}", m.name()));
             let tm = Instant::now();
-            let br = match (&pre, root, gpu.as_mut()) {
-                (Some(pre), _, _) => forced_branch(
-                    &s.model,
-                    pre,
-                    m.as_ref(),
-                    calib.as_ref(),
-                    s.params,
-                    &ses.continuation,
-                )
-                .map_err(anyhow::Error::from),
-                (None, Some(r), Some(g)) => g.forced(r, mi, &ses.continuation),
-                _ => bail!("no prefill for session {i}"),
-            }
-            .with_context(|| format!("session {i}, method {}", m.name()))?;
-            preds.push((br, tm.elapsed().as_secs_f64()));
-            pb.inc(1);
-        }
-        if let (Some(r), Some(g)) = (root, gpu.as_mut()) {
-            g.free(r)?;
+            let got = match (&pre, &on_gpu) {
+                (Some(pre), _) => {
+                    pb.set_message(format!("session {i} {}", m.name()));
+                    let br = forced_branch(
+                        &s.model,
+                        pre,
+                        m.as_ref(),
+                        calib.as_ref(),
+                        s.params,
+                        &ses.continuation,
+                    )
+                    .with_context(|| format!("session {i}, method {}", m.name()))?;
+                    pb.inc(1);
+                    (br, tm.elapsed().as_secs_f64())
+                }
+                (None, Some((_, per))) => per[i][mi].clone(),
+                (None, None) => bail!("no prefill for session {i}"),
+            };
+            preds.push(got);
         }
         let truth = &ses.continuation[1..];
         let mut mj = BTreeMap::new();
@@ -685,16 +716,19 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
         }
         if pb.is_hidden() {
             eprintln!(
-                "session {i}: {} tokens, prefill {prefill_s:.0} s, total {:.0} s",
-                ses.prompt_tokens,
-                t0.elapsed().as_secs_f64()
+                "session {i}: {} tokens, prefill {prefill_s:.1} s",
+                ses.prompt_tokens
             );
         }
+        let secs = match &on_gpu {
+            Some(_) => prefill_s + preds.iter().map(|p| p.1).sum::<f64>(),
+            None => t0.elapsed().as_secs_f64(),
+        };
         records.push(AgentRecord {
-            session: serde_json::to_value(&ses)?,
+            session: serde_json::to_value(ses)?,
             continuation: ses.continuation.clone(),
             prefill_seconds: prefill_s,
-            seconds: t0.elapsed().as_secs_f64(),
+            seconds: secs,
             methods: mj,
         });
         partial(&c.json, &records)?;

@@ -18,7 +18,6 @@ use fathom_model::corpus::{context_tokens, load_split, CorpusKind, Split};
 use fathom_model::fetch::{fetch_model, ModelId};
 use fathom_model::{DenseWeights, LoadOptions, Model, WeightMode};
 use fathom_plan::SelectParams;
-use serde::Serialize;
 
 use crate::model_cmds::CacheArgs;
 
@@ -58,21 +57,6 @@ pub struct GpuParityArgs {
     pub json: Option<PathBuf>,
     #[command(flatten)]
     pub cache: CacheArgs,
-}
-
-#[derive(Serialize)]
-struct ParityFile<'a> {
-    command: String,
-    model: String,
-    device: fathom_cuda::DeviceInfo,
-    corpus: &'a str,
-    split: &'a str,
-    prompt_tokens: usize,
-    prefill_chunk: usize,
-    /// cuBLAS math mode: `default`, or `pedantic` (FATHOM_GPU_MATH=pedantic).
-    cublas_math: String,
-    wall_s: f64,
-    report: parity::ParityReport,
 }
 
 /// Run `fathom gpu-parity`.
@@ -152,21 +136,21 @@ pub fn run_gpu_parity(a: GpuParityArgs) -> Result<()> {
     }
     let pass = report.pass;
     if let Some(out) = &a.json {
-        let file = ParityFile {
-            command: std::env::args().collect::<Vec<_>>().join(" "),
+        let file = fathom_results::parity::GpuParity {
+            version: fathom_results::VERSION,
+            fathom: env!("CARGO_PKG_VERSION").into(),
+            command: fathom_results::command_line(),
             model: id.to_string(),
             device: gpu.info().clone(),
-            corpus: kind.name(),
-            split: split.name(),
+            corpus: kind.name().into(),
+            split: split.name().into(),
             prompt_tokens: a.prompt_tokens,
             prefill_chunk: dcfg.prefill_chunk,
             cublas_math: std::env::var("FATHOM_GPU_MATH").unwrap_or_else(|_| "default".into()),
             wall_s,
             report,
         };
-        let bytes = serde_json::to_vec_pretty(&file)?;
-        fathom_store::file::write_atomic(out, &bytes)
-            .with_context(|| format!("writing {}", out.display()))?;
+        fathom_results::write(out, file).with_context(|| format!("writing {}", out.display()))?;
     }
     if !pass {
         bail!("GPU and CPU disagree beyond the bf16 rounding noise or diverge away from a near-tie (see above)");
@@ -238,11 +222,13 @@ impl GpuEval {
         }
         let gpu = Gpu::open(0).context("--device cuda needs a GPU")?;
         let weights = DenseWeights::load(model_path)?;
-        let mut dcfg = DecoderConfig::new(4, max_tokens);
-        dcfg.max_batch = 1;
+        // A group's roots and their forks of one method alive at once.
+        let g = Self::GROUP;
+        let mut dcfg = DecoderConfig::new(2 * g, max_tokens);
+        dcfg.max_batch = g;
         dcfg.max_k = params.k.max(1).min(max_tokens);
         let per = max_tokens.div_ceil(dcfg.page_tokens);
-        dcfg.pages = Some(per + 8);
+        dcfg.pages = Some(g * (per + 1) + g + 8);
         let mut dec = GpuDecoder::new(&gpu, &weights, dcfg)?;
         if let Some(c) = calib {
             for (l, heads) in c.heads.iter().enumerate() {
@@ -259,16 +245,99 @@ impl GpuEval {
         })
     }
 
-    /// A new session prefilled with `ids`, and its last logits.
-    pub fn prefill(&mut self, ids: &[u32]) -> Result<(fathom_cuda::pages::SessionId, Vec<f32>)> {
-        let s = self.dec.create()?;
-        let logits = self.dec.prefill(s, ids)?;
-        Ok((s, logits))
+    /// Samples whose branches decode in one batch (bounds the pinned pages a group holds).
+    pub const GROUP: usize = 20;
+
+    /// Per prompt, its dense prefill on the GPU and each method's greedy branch from it, the
+    /// prompts in groups of [`GpuEval::GROUP`] whose branches of one method decode in one batch:
+    /// each prefill's seconds and `[prompt][method]` = (branch, seconds: the batch's time
+    /// shared equally).
+    #[allow(clippy::type_complexity)]
+    pub fn greedy_batches(
+        &mut self,
+        prompts: &[&[u32]],
+        max_new: usize,
+        stop_tokens: &[u32],
+        stop: &dyn Fn(&[u32]) -> bool,
+    ) -> Result<(Vec<f64>, Vec<Vec<(fathom_eval::decode::Branch, f64)>>)> {
+        self.batches(prompts, |dec, atts, roots| {
+            let r: Vec<(fathom_cuda::pages::SessionId, &[f32])> =
+                roots.iter().map(|(s, l)| (*s, &l[..])).collect();
+            atts.iter()
+                .map(|att| {
+                    let t = Instant::now();
+                    let outs =
+                        fathom_gpu::branch::greedy(dec, &r, att, max_new, stop_tokens, stop)?;
+                    Ok((outs, t.elapsed().as_secs_f64()))
+                })
+                .collect()
+        })
     }
 
-    /// Frees a prefilled session.
-    pub fn free(&mut self, s: fathom_cuda::pages::SessionId) -> Result<()> {
-        Ok(self.dec.free(s)?)
+    /// As [`GpuEval::greedy_batches`], teacher-forced on `forced[i]` after prompt `i`.
+    #[allow(clippy::type_complexity)]
+    pub fn forced_batches(
+        &mut self,
+        prompts: &[&[u32]],
+        forced: &[&[u32]],
+    ) -> Result<(Vec<f64>, Vec<Vec<(fathom_eval::decode::Branch, f64)>>)> {
+        if forced.len() != prompts.len() {
+            bail!("one forced continuation per prompt");
+        }
+        let mut next = 0;
+        self.batches(prompts, |dec, atts, roots| {
+            let f = &forced[next..next + roots.len()];
+            next += roots.len();
+            let ids: Vec<fathom_cuda::pages::SessionId> = roots.iter().map(|r| r.0).collect();
+            atts.iter()
+                .map(|att| {
+                    let t = Instant::now();
+                    let outs = fathom_gpu::branch::forced(dec, &ids, att, f)?;
+                    Ok((outs, t.elapsed().as_secs_f64()))
+                })
+                .collect()
+        })
+    }
+
+    /// Groups of prompts: prefill each (timed), run `per_group` (one result list and its
+    /// seconds per method), free the roots.
+    #[allow(clippy::type_complexity)]
+    fn batches(
+        &mut self,
+        prompts: &[&[u32]],
+        mut per_group: impl FnMut(
+            &mut GpuDecoder,
+            &[Attention],
+            &[(fathom_cuda::pages::SessionId, Vec<f32>)],
+        ) -> Result<Vec<(Vec<fathom_gpu::branch::BranchOut>, f64)>>,
+    ) -> Result<(Vec<f64>, Vec<Vec<(fathom_eval::decode::Branch, f64)>>)> {
+        let mut pre_s = Vec::with_capacity(prompts.len());
+        let mut out = Vec::with_capacity(prompts.len());
+        for group in prompts.chunks(Self::GROUP) {
+            let mut roots = Vec::with_capacity(group.len());
+            for p in group {
+                let t = Instant::now();
+                let s = self.dec.create()?;
+                roots.push((s, self.dec.prefill(s, p)?));
+                pre_s.push(t.elapsed().as_secs_f64());
+            }
+            let r = per_group(&mut self.dec, &self.atts, &roots);
+            for (s, _) in &roots {
+                self.dec.free(*s)?;
+            }
+            let per_method = r?;
+            for i in 0..group.len() {
+                out.push(
+                    per_method
+                        .iter()
+                        .map(|(outs, secs)| {
+                            (Self::to_branch(outs[i].clone()), secs / group.len() as f64)
+                        })
+                        .collect(),
+                );
+            }
+        }
+        Ok((pre_s, out))
     }
 
     fn to_branch(o: fathom_gpu::branch::BranchOut) -> fathom_eval::decode::Branch {
@@ -281,40 +350,5 @@ impl GpuEval {
                 visible_sum: o.visible_sum,
             },
         }
-    }
-
-    /// Method `mi`'s greedy branch from `root`.
-    pub fn greedy(
-        &mut self,
-        root: fathom_cuda::pages::SessionId,
-        logits: &[f32],
-        mi: usize,
-        max_new: usize,
-        stop_tokens: &[u32],
-        stop: &dyn Fn(&[u32]) -> bool,
-    ) -> Result<fathom_eval::decode::Branch> {
-        let att = self.atts[mi];
-        let o = fathom_gpu::branch::greedy(
-            &mut self.dec,
-            root,
-            logits,
-            &att,
-            max_new,
-            stop_tokens,
-            stop,
-        )?;
-        Ok(Self::to_branch(o))
-    }
-
-    /// Method `mi`'s teacher-forced branch from `root`.
-    pub fn forced(
-        &mut self,
-        root: fathom_cuda::pages::SessionId,
-        mi: usize,
-        forced: &[u32],
-    ) -> Result<fathom_eval::decode::Branch> {
-        let att = self.atts[mi];
-        let o = fathom_gpu::branch::forced(&mut self.dec, root, &att, forced)?;
-        Ok(Self::to_branch(o))
     }
 }

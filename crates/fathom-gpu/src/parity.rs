@@ -26,7 +26,6 @@
 //! divergence fails.
 
 use fathom_model::{argmax, log_softmax, Dense, Model};
-use serde::Serialize;
 
 use crate::decoder::{Attention, Decoder};
 use crate::error::{GpuError, Result};
@@ -34,59 +33,7 @@ use crate::error::{GpuError, Result};
 /// How much farther from the f32 model than the CPU's bf16 forward the GPU's may be.
 pub const NOISE_FACTOR: f32 = 2.0;
 
-/// One prompt's comparison.
-#[derive(Debug, Clone, Serialize)]
-pub struct PromptParity {
-    /// Prompt length in tokens.
-    pub prompt_tokens: usize,
-    /// The CPU's greedy tokens.
-    pub cpu_tokens: Vec<u32>,
-    /// The GPU's greedy tokens.
-    pub gpu_tokens: Vec<u32>,
-    /// First step whose greedy tokens differ.
-    pub first_divergence: Option<usize>,
-    /// The CPU's top-2 logit margin at that step.
-    pub cpu_margin_at_divergence: Option<f32>,
-    /// Whether that margin is at most twice the step's `max |Δlogit|`.
-    pub explained_by_tie: bool,
-    /// Steps whose logits were compared.
-    pub steps_compared: usize,
-    /// Per compared step, `max_v |L_gpu − L_bf16|`.
-    pub diff: Vec<f32>,
-    /// Per compared step, the CPU's bf16 rounding noise `max_v |L_bf16 − L_f32|`.
-    pub noise: Vec<f32>,
-    /// Per compared step, the GPU's distance from the f32 model `max_v |L_gpu − L_f32|`.
-    pub gpu_noise: Vec<f32>,
-    /// Largest `gpu_noise_j / noise_j` over the compared steps (≤ [`NOISE_FACTOR`] passes).
-    pub worst_ratio: f32,
-    /// Largest mean over the top-5 tokens of `|Δ log-prob|` (GPU against bf16 CPU).
-    pub max_top5_logprob_diff: f32,
-    /// The same statistic of bf16 against f32 on the CPU.
-    pub max_top5_logprob_noise: f32,
-    /// Largest `|logit|` of the CPU over the compared steps (the scale of the differences).
-    pub max_abs_logit: f32,
-}
-
-/// Every prompt's comparison and the verdict.
-#[derive(Debug, Clone, Serialize)]
-pub struct ParityReport {
-    /// New tokens per prompt.
-    pub new_tokens: usize,
-    /// Per prompt.
-    pub prompts: Vec<PromptParity>,
-    /// Prompts whose greedy tokens agree throughout.
-    pub identical: usize,
-    /// Prompts that diverge at a near-tie.
-    pub explained_by_ties: usize,
-    /// Largest `|Δlogit|` over every compared step (GPU against bf16 CPU).
-    pub max_abs_logit_diff: f32,
-    /// [`NOISE_FACTOR`].
-    pub noise_factor: f32,
-    /// Largest `gpu_noise_j / noise_j` over every compared step.
-    pub worst_ratio: f32,
-    /// Every compared step within its noise and every divergence explained.
-    pub pass: bool,
-}
+pub use fathom_results::parity::{ParityReport, PromptParity};
 
 /// `(top1 − top2)` of a logit row.
 pub fn top2_margin(x: &[f32]) -> f32 {

@@ -152,6 +152,20 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                     Document::Stage(_) => inp
                         .others
                         .push((path.clone(), "a single stage record".into())),
+                    Document::GpuParity(d) => inp.others.push((
+                        path.clone(),
+                        format!(
+                            "GPU-against-CPU parity of {} on {}: {} of {} prompts' greedy tokens identical, {} diverge at a near-tie; GPU from f32 at most {:.2}× the CPU bf16 forward's distance (limit {}×): {}",
+                            d.model,
+                            d.device.name,
+                            d.report.identical,
+                            d.report.prompts.len(),
+                            d.report.explained_by_ties,
+                            d.report.worst_ratio,
+                            d.report.noise_factor,
+                            if d.report.pass { "pass" } else { "fail" }
+                        ),
+                    )),
                 }
             }
             Err(ResultsError::NotAResult { why, .. }) => inp.others.push((path, why)),

@@ -44,6 +44,7 @@ pub mod calibration;
 pub mod downstream;
 pub mod fidelity;
 pub mod offload;
+pub mod parity;
 pub mod speed;
 pub mod stages;
 
@@ -120,6 +121,8 @@ pub enum Document {
     ModelSpeed(speed::ModelSpeed),
     /// One stage of `cargo xtask repro`.
     Stage(stages::StageRecord),
+    /// `fathom gpu-parity`.
+    GpuParity(parity::GpuParity),
 }
 
 impl Document {
@@ -133,6 +136,7 @@ impl Document {
             Document::AgentSteps(_) => "agent-steps",
             Document::ModelSpeed(_) => "model-speed",
             Document::Stage(_) => "stage",
+            Document::GpuParity(_) => "gpu-parity",
         }
     }
 }
@@ -154,6 +158,7 @@ into_document!(
     downstream::AgentDoc => AgentSteps,
     speed::ModelSpeed => ModelSpeed,
     stages::StageRecord => Stage,
+    parity::GpuParity => GpuParity,
 );
 
 /// The kind of a document written before documents carried one (schema version 1), from the
@@ -251,7 +256,7 @@ pub fn from_value(what: &str, v: Value) -> Result<Document, ResultsError> {
 }
 
 /// Every kind tag, in the order of [`Document`].
-pub const KINDS: [&str; 7] = [
+pub const KINDS: [&str; 8] = [
     "fidelity",
     "calibration-summary",
     "offload-bench",
@@ -259,6 +264,7 @@ pub const KINDS: [&str; 7] = [
     "agent-steps",
     "model-speed",
     "stage",
+    "gpu-parity",
 ];
 
 /// Parses a document from JSON bytes.
