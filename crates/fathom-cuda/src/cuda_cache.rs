@@ -499,13 +499,19 @@ impl PagedCache {
         // SAFETY: both ranges lie inside the tails buffer (slots < max_sessions) and differ.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(drv("memcpy_dtod tails"))?;
+        // A batch reserved before the fork would append into the parent's partial page,
+        // which the child now shares: it is stale from here on (appends and attends refuse it).
+        self.step += 1;
         Ok(child)
     }
 
-    /// Frees `session`; pages it shared stay with the other sessions.
+    /// Frees `session`; pages it shared stay with the other sessions. A batch reserved before
+    /// is stale afterwards (it may name the freed session's pages).
     pub fn free(&mut self, session: SessionId) -> Result<()> {
         self.sync()?;
-        Ok(self.sessions.free(session)?)
+        self.sessions.free(session)?;
+        self.step += 1;
+        Ok(())
     }
 
     fn write_table(&mut self, session: SessionId) -> Result<()> {

@@ -334,6 +334,22 @@ fn bad_calls_are_typed_errors_before_any_launch() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("stale"), "{e}");
+    // A fork (or a free) between a reserve and its appends makes the batch stale: it would
+    // append into a page the fork now shares.
+    let held = cache.reserve(&[(b, 1)]).unwrap();
+    let fork = cache.fork(b).unwrap();
+    let e = cache
+        .append_host(&held, 0, &vec![0.5; row], &vec![0.5; row])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("stale"), "after a fork: {e}");
+    let held = cache.reserve(&[(b, 1)]).unwrap();
+    cache.free(fork).unwrap();
+    let e = cache
+        .append_host(&held, 0, &vec![0.5; row], &vec![0.5; row])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("stale"), "after a free: {e}");
     cache.free(b).unwrap();
     let e = cache.reserve(&[(b, 1)]).unwrap_err().to_string();
     assert!(e.contains("generation"), "freed session: {e}");
