@@ -264,6 +264,24 @@ fn calibration(
     Ok((Some(cal), Some(info)))
 }
 
+/// One sample's dense prefill on the CPU and its seconds, or, when the GPU already ran it
+/// (`gpu_seconds`), no prefill and the GPU's seconds.
+fn cpu_prefill(
+    s: &Setup,
+    ids: &[u32],
+    extra: usize,
+    calib: Option<&LayerCalib>,
+    with_loki: bool,
+    gpu_seconds: Option<f64>,
+) -> Result<(Option<Prefill>, f64)> {
+    if let Some(secs) = gpu_seconds {
+        return Ok((None, secs));
+    }
+    let t0 = Instant::now();
+    let pre = Prefill::new(&s.model, ids, extra, calib, with_loki)?;
+    Ok((Some(pre), t0.elapsed().as_secs_f64()))
+}
+
 fn bar(total: u64) -> ProgressBar {
     let pb = ProgressBar::new(total);
     pb.set_style(
@@ -431,20 +449,14 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         };
         for (i, sample) in samples.iter().enumerate() {
             let t0 = Instant::now();
-            let pre = match on_gpu {
-                None => Some(Prefill::new(
-                    &s.model,
-                    &sample.prompt_ids,
-                    sample.max_new,
-                    calib.as_ref(),
-                    with_loki,
-                )?),
-                Some(_) => None,
-            };
-            let prefill_s = match &on_gpu {
-                Some((pre_s, _)) => pre_s[i],
-                None => t0.elapsed().as_secs_f64(),
-            };
+            let (pre, prefill_s) = cpu_prefill(
+                &s,
+                &sample.prompt_ids,
+                sample.max_new,
+                calib.as_ref(),
+                with_loki,
+                on_gpu.as_ref().map(|g| g.0[i]),
+            )?;
             let mut outs = Vec::new();
             for (mi, m) in s.methods.iter().enumerate() {
                 let tm = Instant::now();
@@ -645,20 +657,14 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     };
     for (i, ses) in all.iter().enumerate() {
         let t0 = Instant::now();
-        let pre = match on_gpu {
-            None => Some(Prefill::new(
-                &s.model,
-                &ses.prompt_ids,
-                a.steps,
-                calib.as_ref(),
-                with_loki,
-            )?),
-            Some(_) => None,
-        };
-        let prefill_s = match &on_gpu {
-            Some((pre_s, _)) => pre_s[i],
-            None => t0.elapsed().as_secs_f64(),
-        };
+        let (pre, prefill_s) = cpu_prefill(
+            &s,
+            &ses.prompt_ids,
+            a.steps,
+            calib.as_ref(),
+            with_loki,
+            on_gpu.as_ref().map(|g| g.0[i]),
+        )?;
         let mut preds = Vec::new();
         for (mi, m) in s.methods.iter().enumerate() {
             let tm = Instant::now();
