@@ -2,7 +2,7 @@
 # The downstream runs of issue 15 on the GPU (`--device cuda`), every method the paged cache
 # runs (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, thumb2, and the r = D/4 baselines),
 # after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
-# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic
+# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|probe
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
 set -u
 B=.devbin
@@ -10,6 +10,9 @@ export FATHOM_CACHE=$HOME/.cache/fathom
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 SM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:16,ds:32,thumb2"
 GM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,sparq:64,ds:32,ds:64,thumb2"
+# Task shapes tried by `probe` (dense only, 5 samples per task): the counts RULER plants and the
+# needle's digits (issue 15 item 5: dense must reach 0.5 on at least 4 of the 6 tasks).
+SHAPES="small small,digits=4 small,keys=1,values=1,chain=1 small,digits=3,chain=1"
 run() {  # run NAME ARGS...
   name=$1; shift
   /usr/bin/time -f "wall %e s" timeout 560 $B/fathom "$@" --device cuda --offline --json $OUT/$name.json \
@@ -25,6 +28,14 @@ ruler)
 agent)
   run agent-smollm2-135m-8k agent-steps --model smollm2-135m --context 8192 --k 256 --sessions 16 --steps 64 --methods $SM
   run agent-gemma3-270m-32k agent-steps --model gemma3-270m --context 32768 --k 512 --sessions 16 --steps 64 --methods $GM
+  ;;
+probe)
+  for shape in $SHAPES; do
+    tag=$(echo $shape | tr ',=' '-_')
+    run probe-smollm2-8k-$tag ruler --model smollm2-135m --context 8192 --k 256 --prompt chat --shape $shape --samples 5 --methods dense,exact
+    run probe-gemma3-32k-$tag ruler --model gemma3-270m --context 32768 --k 512 --prompt chat --shape $shape --samples 5 --methods dense,exact
+  done
+  grep -h "^| \*\*mean\|^| [a-z_]* |" $OUT/probe-*.md | head -80
   ;;
 parity-pedantic)
   for m in smollm2-135m gemma3-270m; do

@@ -112,11 +112,11 @@ pub struct RulerArgs {
     /// singular "number … is" when one value is asked for).
     #[arg(long, default_value = "ruler", value_parser = ["ruler", "chat"])]
     pub prompt: String,
-    /// How much each task plants: `ruler` (4 keys, 4 values, a chain of 5) or `small` (2 keys,
-    /// 2 values, a chain of 2, for 100M-parameter models); the templates and scoring stay
-    /// RULER's. Example: `fathom ruler --model smollm2-135m --context 8192 --prompt chat
-    /// --shape small --samples 20`.
-    #[arg(long, default_value = "ruler", value_parser = ["ruler", "small"])]
+    /// How much each task plants: `ruler` (4 keys, 4 values, a chain of 5, 7-digit values) or
+    /// `small` (2 keys, 2 values, a chain of 2, for 100M-parameter models), optionally followed
+    /// by overrides (`small,digits=4,keys=3`); the templates and scoring stay RULER's. Example:
+    /// `fathom ruler --model smollm2-135m --context 8192 --prompt chat --shape small --samples 20`.
+    #[arg(long, default_value = "ruler")]
     pub shape: String,
 }
 
@@ -372,6 +372,8 @@ fn header(
 pub fn run_ruler(a: RulerArgs) -> Result<()> {
     let t_all = Instant::now();
     let c = &a.common;
+    // Arguments first: a bad one fails before the model loads.
+    let shape = fathom_eval::ruler::TaskShape::parse(&a.shape)?;
     let s = setup(c)?;
     let tasks: Vec<Task> = a
         .tasks
@@ -403,7 +405,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         tokens_to_generate: a.max_new,
         seed: c.seed,
         format,
-        shape: fathom_eval::ruler::TaskShape::parse(&a.shape)?,
+        shape,
     };
     let nm = s.methods.len();
     let pb = bar((tasks.len() * a.samples * nm) as u64);
@@ -596,7 +598,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         samples_per_task: a.samples,
         line_stop: !a.no_line_stop,
         prompt: Some(a.prompt.clone()),
-        shape: Some(fathom_eval::ruler::TaskShape::parse(&a.shape)?.label()),
+        shape: Some(shape.label()),
         haystack: haystack.source.clone(),
         words: Some(words.source.clone()),
         summary,

@@ -984,6 +984,13 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "parity.json",
         Some(uw),
     );
+    case(
+        "bad task shape",
+        "ruler",
+        off(s(["ruler", "--shape", "small,digits=0", "--json", &out])),
+        "digits=0",
+        Some(out.clone()),
+    );
     let out = fx.p("speed.json");
     case(
         "missing model",

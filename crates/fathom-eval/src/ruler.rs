@@ -148,15 +148,59 @@ impl TaskShape {
         digits: 7,
     };
 
-    /// `ruler` or `small`.
+    /// `ruler`, `small`, or either followed by overrides, `small,digits=4,keys=3` (a bare
+    /// list of overrides starts from `ruler`): `keys` and `values` in 1..=16, `chain` in
+    /// 1..=10, `digits` in 1..=9.
     pub fn parse(s: &str) -> Result<TaskShape, EvalError> {
-        match s.trim() {
-            "ruler" => Ok(TaskShape::RULER),
-            "small" => Ok(TaskShape::SMALL),
-            other => Err(EvalError::Invalid(format!(
-                "unknown task shape {other:?}; expected ruler or small"
-            ))),
+        let bad = |what: String| {
+            EvalError::Invalid(format!(
+                "task shape {s:?}: {what}; expected ruler, small, or one of them followed by keys=K, values=V, chain=C, digits=D"
+            ))
+        };
+        let mut parts = s.split(',').map(str::trim).peekable();
+        let mut shape = match parts.peek() {
+            Some(&"ruler") => {
+                parts.next();
+                TaskShape::RULER
+            }
+            Some(&"small") => {
+                parts.next();
+                TaskShape::SMALL
+            }
+            _ => TaskShape::RULER,
+        };
+        let mut any = false;
+        for p in parts {
+            any = true;
+            let (k, v) = p
+                .split_once('=')
+                .ok_or_else(|| bad(format!("{p:?} is not name=value")))?;
+            let n: usize = v
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("{v:?} is not a count")))?;
+            let (field, hi) = match k.trim() {
+                "keys" => (&mut shape.keys, 16),
+                "values" => (&mut shape.values, 16),
+                "chain" => (&mut shape.chain, 10),
+                "digits" => {
+                    if !(1..=9).contains(&n) {
+                        return Err(bad(format!("digits={n} (want 1..=9)")));
+                    }
+                    shape.digits = n as u32;
+                    continue;
+                }
+                other => return Err(bad(format!("unknown count {other:?}"))),
+            };
+            if !(1..=hi).contains(&n) {
+                return Err(bad(format!("{k}={n} (want 1..={hi})")));
+            }
+            *field = n;
         }
+        if !any && !matches!(s.trim(), "ruler" | "small") {
+            return Err(bad("unknown name".into()));
+        }
+        Ok(shape)
     }
 
     /// The label a result records: `ruler`, or the counts that differ from RULER's.

@@ -122,6 +122,22 @@ fn the_small_task_shape_plants_fewer_needles_in_the_same_templates() {
     assert_eq!(TaskShape::parse("small").unwrap(), TaskShape::SMALL);
     assert_eq!(TaskShape::parse("ruler").unwrap().label(), "ruler");
     assert!(TaskShape::parse("tiny").is_err());
+    let t = TaskShape::parse("small,digits=4,keys=3").unwrap();
+    assert_eq!((t.keys, t.values, t.chain, t.digits), (3, 2, 2, 4));
+    let t = TaskShape::parse("chain=1").unwrap();
+    assert_eq!((t.keys, t.values, t.chain, t.digits), (4, 4, 1, 7));
+    assert!(t.label().contains("chain 1"));
+    for bad in [
+        "small,digits=0",
+        "keys=17",
+        "small,nope=2",
+        "small,keys",
+        "small,keys=x",
+        "tiny,keys=2",
+    ] {
+        let e = TaskShape::parse(bad).unwrap_err().to_string();
+        assert!(e.contains(bad), "{bad}: {e}");
+    }
     assert!(TaskShape::SMALL.label().contains("keys 2"));
 }
 
