@@ -2,7 +2,7 @@
 # The downstream runs of issue 15 on the GPU (`--device cuda`), every method the paged cache
 # runs (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, thumb2, and the r = D/4 baselines),
 # after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
-# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|probe
+# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|probe|compare
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
 set -u
 B=.devbin
@@ -36,6 +36,24 @@ probe)
     run probe-gemma3-32k-$tag ruler --model gemma3-270m --context 32768 --k 512 --prompt chat --shape $shape --samples 5 --methods dense,exact
   done
   grep -h "^| \*\*mean\|^| [a-z_]* |" $OUT/probe-*.md | head -80
+  ;;
+compare)
+  # The same small ruler and agent-steps case on both paths (the CPU runtime with the GPU's
+  # bf16 roundings, 16 host cores, and the GPU), then per method the fraction of generations
+  # (RULER) and of teacher-forced argmaxes (agent steps) that agree across the two.
+  CM="dense,exact,fathom:48,fathom:92,sparq:16,ds:16"
+  for dev in cpu cuda; do
+    timeout 280 $B/fathom ruler --model smollm2-135m --context 2048 --k 128 --prompt chat --shape small \
+      --tasks niah_single,niah_multikey,vt --samples 4 --methods $CM --device $dev --cpu-weights bf16 --offline \
+      --json $OUT/compare-ruler-$dev.json > $OUT/compare-ruler-$dev.md 2> $OUT/compare-ruler-$dev.log
+    echo "compare ruler $dev rc=$?" | tee -a $OUT/summary.txt
+    timeout 200 $B/fathom agent-steps --model smollm2-135m --context 2048 --k 128 --sessions 4 --steps 32 \
+      --methods $CM --device $dev --cpu-weights bf16 --offline \
+      --json $OUT/compare-agent-$dev.json > $OUT/compare-agent-$dev.md 2> $OUT/compare-agent-$dev.log
+    echo "compare agent $dev rc=$?" | tee -a $OUT/summary.txt
+  done
+  python3 scripts/device/compare_devices.py $OUT/compare-ruler-cpu.json $OUT/compare-ruler-cuda.json \
+    $OUT/compare-agent-cpu.json $OUT/compare-agent-cuda.json | tee $OUT/compare.md
   ;;
 parity-pedantic)
   for m in smollm2-135m gemma3-270m; do

@@ -78,6 +78,11 @@ pub struct EvalCommon {
     /// needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
+    /// Weights of the CPU runtime: `auto` (llama.cpp-like: k-quants kept, 8-bit activations),
+    /// `f32` (every weight dequantized) or `bf16` (the GPU forward's roundings, for comparing
+    /// `--device cpu` with `--device cuda` on the same numerics). Calibration always uses it.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "bf16"])]
+    pub cpu_weights: String,
     /// Your own text instead of the pinned corpus's eval split: the haystack for `ruler`, the
     /// code for `agent-steps`. Plain text, or JSONL with a string field `text` per line
     /// (`.jsonl`). Calibration still uses the pinned corpus's calib split.
@@ -170,7 +175,12 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
         ..Default::default()
     };
     let path = fetch_model(id, &fopts).with_context(|| format!("fetching {id}"))?;
-    let model = Model::load(&path, &LoadOptions::default())
+    let weights = match c.cpu_weights.as_str() {
+        "f32" => fathom_model::WeightMode::Dequantized,
+        "bf16" => fathom_model::WeightMode::Bf16,
+        _ => fathom_model::WeightMode::Auto,
+    };
+    let model = Model::load(&path, &LoadOptions { weights })
         .with_context(|| format!("loading {}", path.display()))?;
     let d = model.config().head_dim;
     let mut list = c.methods.clone();

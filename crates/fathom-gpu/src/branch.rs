@@ -133,6 +133,9 @@ pub fn greedy<D: BranchDecoder + ?Sized>(
     stop_tokens: &[u32],
     stop: &dyn Fn(&[u32]) -> bool,
 ) -> Result<Vec<BranchOut>> {
+    if max_new == 0 {
+        return Ok(vec![BranchOut::default(); roots.len()]);
+    }
     let ids: Vec<SessionId> = roots.iter().map(|r| r.0).collect();
     with_forks(dec, &ids, |dec, forks| {
         let mut outs: Vec<BranchOut> = roots
