@@ -405,6 +405,10 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
     }
 }
 
+/// Mean dense score below which a RULER task says nothing about sparse methods
+/// (docs/SPEC.md §7).
+pub const DENSE_CAN_DO: f64 = 0.5;
+
 /// Claim 5: every task's score per method, and every departure from exact top-k.
 pub fn ruler_parity(inp: &Inputs, s: &mut String) {
     if inp.ruler.is_empty() {
@@ -468,6 +472,10 @@ pub fn ruler_parity(inp: &Inputs, s: &mut String) {
             "---:|".repeat(methods.len().saturating_sub(1))
         ));
         let mut worse = Vec::new();
+        // docs/SPEC.md §7: a task the dense model cannot do (mean below DENSE_CAN_DO) says
+        // nothing about sparse methods; its row is shown, its departures do not count.
+        let mut informative = Vec::new();
+        let mut uninformative = Vec::new();
         for task in &v.tasks {
             let rs: Vec<_> = v
                 .results
@@ -483,6 +491,13 @@ pub fn ruler_parity(inp: &Inputs, s: &mut String) {
                     .collect()
             };
             let ex = col("exact");
+            let dense = col("dense");
+            let can_do = dense.iter().sum::<f64>() / dense.len() as f64 >= DENSE_CAN_DO;
+            if can_do {
+                informative.push(task.as_str());
+            } else {
+                uninformative.push(task.as_str());
+            }
             let cells: Vec<String> = methods
                 .iter()
                 .filter(|m| *m != "exact")
@@ -492,15 +507,28 @@ pub fn ruler_parity(inp: &Inputs, s: &mut String) {
                         .iter()
                         .filter(|r| r.methods.get(m.as_str()).is_some_and(|x| x.same_as_exact))
                         .count();
-                    if m != "dense" && iv.below_zero() {
+                    if m != "dense" && can_do && iv.below_zero() {
                         worse.push(format!("{m} on {task} ({})", iv.cell()));
                     }
                     format!("{} · {same}/{}", iv.cell(), rs.len())
                 })
                 .collect();
-            s.push_str(&format!("| {task} | {} |\n", cells.join(" | ")));
+            let mark = if can_do { "" } else { " (dense < 0.5)" };
+            s.push_str(&format!("| {task}{mark} | {} |\n", cells.join(" | ")));
         }
-        if worse.is_empty() && departs.is_empty() {
+        if !uninformative.is_empty() {
+            s.push_str(&format!(
+                "\nDense scores below {DENSE_CAN_DO} on {} of {} tasks ({}): those rows say nothing about sparse methods (docs/SPEC.md §7) and do not enter the verdict.\n",
+                uninformative.len(),
+                uninformative.len() + informative.len(),
+                uninformative.join(", ")
+            ));
+        }
+        if informative.is_empty() {
+            s.push_str(
+                "\nVerdict: **not judged**: the dense model cannot do any task of this run.\n\n",
+            );
+        } else if worse.is_empty() && departs.is_empty() {
             s.push_str("\nVerdict: **holds** here: every sparse method scores as exact top-k on every task.\n\n");
         } else if worse.is_empty() {
             s.push_str(&format!(
