@@ -2,7 +2,7 @@
 # The downstream runs of issue 15 on the GPU (`--device cuda`), every method the paged cache
 # runs (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, thumb2, and the r = D/4 baselines),
 # after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
-# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|probe|compare
+# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|probe|compare|throughput
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
 set -u
 B=.devbin
@@ -36,6 +36,16 @@ probe)
     run probe-gemma3-32k-$tag ruler --model gemma3-270m --context 32768 --k 512 --prompt chat --shape $shape --samples 5 --methods dense,exact
   done
   grep -h "^| \*\*mean\|^| [a-z_]* |" $OUT/probe-*.md | head -80
+  ;;
+throughput)
+  # issue 17's first runs: real models, sessions of real prose, every method, B = 1, 4, 16.
+  for m in "smollm2-135m 32k" "gemma3-270m 32k"; do
+    set -- $m
+    timeout 280 $B/fathom decode-bench --model $1 --context $2 --batch 1,4,16 --steps 32 \
+      --methods dense,exact,fathom:48,fathom:92,sparq:32 --offline --json $OUT/decode-bench-$1-$2.json \
+      > $OUT/decode-bench-$1-$2.txt 2>&1
+    echo "decode-bench $1 $2 rc=$?" | tee -a $OUT/summary.txt; tail -15 $OUT/decode-bench-$1-$2.txt
+  done
   ;;
 compare)
   # The same small ruler and agent-steps case on both paths (the CPU runtime with the GPU's

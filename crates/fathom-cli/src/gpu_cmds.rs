@@ -352,3 +352,264 @@ impl GpuEval {
         }
     }
 }
+
+/// `fathom decode-bench`: end-to-end decode throughput of a real model on the GPU.
+#[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Each session is prefilled with real prose (timed apart), then every method decodes `--steps` \
+greedy tokens for the first B sessions of each `--batch`, all in one batch per step (forks of the prefilled \
+sessions, so every method starts from the same caches). Weights: the pinned GGUF's (real). Needs a build with \
+`--features cuda` and a GPU.\n\nExamples:\n  \
+    fathom decode-bench --model smollm2-135m --context 32k --batch 1,4,16 --json decode-bench-smollm2.json\n  \
+    fathom decode-bench --model gemma3-270m --context 32k,128k --batch 2,8 --methods dense,fathom:48,sparq:32"
+)]
+pub struct DecodeBenchArgs {
+    /// Model: smollm2-135m or gemma3-270m.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: String,
+    /// Session contexts, cycled over the sessions (`32k`, `128k,512k`, `1m`).
+    #[arg(long, value_delimiter = ',', default_value = "8k")]
+    pub context: Vec<String>,
+    /// Batch sizes to time.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub batch: Vec<usize>,
+    /// Methods (`dense` is every record over the link; the rest go through the cache's scan).
+    #[arg(long, default_value = "dense,exact,fathom:48,fathom:92,sparq:32")]
+    pub methods: String,
+    /// Timed decode steps per method and batch (after one untimed step).
+    #[arg(long, default_value_t = 32)]
+    pub steps: usize,
+    /// Top-k per query head.
+    #[arg(long, default_value_t = 256)]
+    pub k: usize,
+    /// Where the pages live: host (the offloaded cache) or hbm.
+    #[arg(long, default_value = "host", value_parser = ["host", "hbm"])]
+    pub residency: String,
+    /// HBM row-cache slots per (session, layer, KV head).
+    #[arg(long, default_value_t = 0)]
+    pub row_cache: usize,
+    /// Write the results as JSON here (atomically).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Run `fathom decode-bench`.
+pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
+    let id: ModelId = a.model.parse()?;
+    let contexts = a
+        .context
+        .iter()
+        .map(|c| fathom_cuda::bench::parse_context(c).map_err(anyhow::Error::from))
+        .collect::<Result<Vec<usize>>>()?;
+    if contexts.is_empty() || a.batch.is_empty() || a.batch.contains(&0) || a.steps == 0 {
+        bail!("--context, --batch (each ≥ 1) and --steps ≥ 1 are needed");
+    }
+    if a.k == 0 {
+        bail!("--k must be at least 1");
+    }
+    let names: Vec<String> = a.methods.split(',').map(|m| m.trim().to_string()).collect();
+    check_gpu_methods(&names)?;
+    if let Some(p) = &a.json {
+        crate::check_writable(p)?;
+    }
+    let gpu = Gpu::open(0).context("decode-bench needs a GPU")?;
+    let h2d_gbps = gpu.h2d_bandwidth(256 << 20)?;
+    let path = fetch_model(id, &a.cache.fetch_options())?;
+    let cpu = Model::load(&path, &LoadOptions::default())
+        .with_context(|| format!("loading {}", path.display()))?;
+    let weights = DenseWeights::load(&path)?;
+    let cfg = weights.config.clone();
+    let d = cfg.head_dim;
+    let atts = names
+        .iter()
+        .map(|m| {
+            Ok(Attention {
+                method: AttendMethod::parse(m, d)?,
+                params: SelectParams {
+                    sink: 4,
+                    local: 32,
+                    k: a.k,
+                },
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bmax = *a.batch.iter().max().unwrap_or(&1);
+    let ctx: Vec<usize> = (0..bmax).map(|i| contexts[i % contexts.len()]).collect();
+    let max_tokens = ctx.iter().max().copied().unwrap_or(1) + a.steps + 8;
+    let mut dcfg = DecoderConfig::new(2 * bmax, max_tokens);
+    dcfg.max_batch = bmax;
+    dcfg.max_k = a.k.min(max_tokens);
+    dcfg.row_cache = a.row_cache;
+    dcfg.residency = if a.residency == "hbm" {
+        fathom_cuda::Residency::Hbm
+    } else {
+        fathom_cuda::Residency::Host
+    };
+    let per: usize = ctx
+        .iter()
+        .map(|n| (n + a.steps + 8).div_ceil(dcfg.page_tokens))
+        .sum();
+    dcfg.pages = Some(per + 2 * bmax + 8);
+    let mut dec = GpuDecoder::new(&gpu, &weights, dcfg)?;
+    let corpus = a.cache.corpus_options();
+    // σ² and DS channels from one held-out calibration context (as the downstream runs).
+    let needs_calib = atts.iter().any(|t| {
+        matches!(
+            t.method,
+            AttendMethod::Scan(
+                fathom_cuda::Method::Fathom(_) | fathom_cuda::Method::DoubleSparsity(_)
+            )
+        )
+    });
+    if needs_calib {
+        let docs = load_split(CorpusKind::Prose, Split::Calib, &corpus)?;
+        let n = ctx.iter().min().copied().unwrap_or(1).min(8192);
+        let (ids, _) = context_tokens(&docs, cpu.tokenizer(), n, 0)?;
+        let cal = fathom_eval::decode::calibrate(&cpu, &ids, 128)?;
+        for (l, heads) in cal.heads.iter().enumerate() {
+            if !heads.is_empty() {
+                dec.cache_mut()?.load_calibration(l, heads)?;
+            }
+        }
+    }
+    let docs = load_split(CorpusKind::Prose, Split::Eval, &corpus)?;
+    let t0 = Instant::now();
+    let mut roots = Vec::with_capacity(bmax);
+    for (i, &n) in ctx.iter().enumerate() {
+        let (ids, _) = context_tokens(&docs, cpu.tokenizer(), n, 7 * i)?;
+        let s = dec.create()?;
+        let logits = dec.prefill(s, &ids)?;
+        roots.push((s, fathom_model::argmax(&logits)));
+    }
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+    let layout = fathom_cuda::PagedLayout::new(
+        fathom_store::Dims {
+            heads: cfg.n_kv_heads,
+            channels: d,
+        },
+        dcfg.page_tokens,
+        1,
+    )?;
+    let host_bytes_per_token =
+        layout.page_bytes() as f64 / dcfg.page_tokens as f64 * cfg.n_layers as f64;
+    let globals = cfg
+        .layer_kinds
+        .iter()
+        .filter(|k| **k == fathom_model::LayerKind::Global)
+        .count();
+    let record = layout.record_bytes() as f64;
+    let mut entries = Vec::new();
+    for &b in &a.batch {
+        for (mi, att) in atts.iter().enumerate() {
+            let forks = roots[..b]
+                .iter()
+                .map(|&(s, _)| dec.fork(s))
+                .collect::<fathom_gpu::Result<Vec<_>>>()?;
+            let mut toks: Vec<u32> = roots[..b].iter().map(|r| r.1).collect();
+            let step = |dec: &mut GpuDecoder, toks: &mut Vec<u32>| -> Result<()> {
+                let batch: Vec<_> = forks.iter().copied().zip(toks.iter().copied()).collect();
+                *toks = dec.decode_greedy(&batch, att)?;
+                Ok(())
+            };
+            step(&mut dec, &mut toks)?; // untimed: the method's first plans and the row cache
+            let (bits0, plans0) = dec.cache_mut()?.plan_bits()?;
+            let rc0 = dec.cache_mut()?.row_counters()?;
+            let mut ms = Vec::with_capacity(a.steps);
+            let mut keys = 0f64;
+            for _ in 0..a.steps {
+                for &f in &forks {
+                    keys += (dec.len(f)? + 1) as f64;
+                }
+                let t = Instant::now();
+                step(&mut dec, &mut toks)?;
+                ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            let (bits1, plans1) = dec.cache_mut()?.plan_bits()?;
+            let rc1 = dec.cache_mut()?.row_counters()?;
+            for f in forks {
+                dec.free(f)?;
+            }
+            let steps = a.steps as f64;
+            let plan_bits = if plans1 > plans0 {
+                (bits1 * plans1 as f64 - bits0 * plans0 as f64) / (plans1 - plans0) as f64
+            } else {
+                match att.method {
+                    AttendMethod::Scan(m) => m.bits(d) as f64,
+                    AttendMethod::Dense => 0.0,
+                }
+            };
+            let heads = (globals * cfg.n_kv_heads) as f64;
+            let rows = (rc1.rows - rc0.rows) as f64 / steps;
+            let misses = ((rc1.rows - rc0.rows) - (rc1.hits - rc0.hits)) as f64 / steps;
+            // With the pages in HBM nothing of the cache crosses the link.
+            let pcie = match (a.residency.as_str(), att.method) {
+                ("hbm", _) => 0.0,
+                (_, AttendMethod::Dense) => keys / steps * heads * record,
+                (_, AttendMethod::Scan(_)) => {
+                    keys / steps * heads * plan_bits / 8.0 + misses * record
+                }
+            };
+            let total_s: f64 = ms.iter().sum::<f64>() / 1e3;
+            let mut sorted = ms.clone();
+            sorted.sort_by(f64::total_cmp);
+            let e = fathom_results::decode_bench::DecodeBenchEntry {
+                method: names[mi].clone(),
+                batch: b,
+                contexts: ctx[..b].to_vec(),
+                tokens_per_s: b as f64 * steps / total_s,
+                per_session_tokens_per_s: steps / total_s,
+                step_ms_p50: percentile(&sorted, 0.5),
+                step_ms_p99: percentile(&sorted, 0.99),
+                plan_bits,
+                pcie_bytes_per_step: pcie,
+                link_floor_ms: pcie / (h2d_gbps * 1e9) * 1e3,
+                rows_per_step: rows,
+                row_hit_rate: if rc1.rows > rc0.rows {
+                    (rc1.hits - rc0.hits) as f64 / (rc1.rows - rc0.rows) as f64
+                } else {
+                    0.0
+                },
+            };
+            println!(
+                "B={b:<3} {:<12} {:>9.1} tok/s ({:.1} per session), step p50 {:.2} ms p99 {:.2} ms, link {:.1} MB/step = floor {:.2} ms",
+                e.method,
+                e.tokens_per_s,
+                e.per_session_tokens_per_s,
+                e.step_ms_p50,
+                e.step_ms_p99,
+                e.pcie_bytes_per_step / 1e6,
+                e.link_floor_ms
+            );
+            entries.push(e);
+        }
+    }
+    let doc = fathom_results::decode_bench::DecodeBench {
+        version: fathom_results::VERSION,
+        fathom: env!("CARGO_PKG_VERSION").into(),
+        command: fathom_results::command_line(),
+        model: id.to_string(),
+        weights: "real".into(),
+        device: gpu.info().clone(),
+        residency: a.residency.clone(),
+        steps: a.steps,
+        h2d_gbps,
+        host_bytes_per_token,
+        device_bytes_in_use: dec.device_bytes_in_use()?,
+        prefill_seconds,
+        entries,
+    };
+    if let Some(out) = &a.json {
+        fathom_results::write(out, doc).with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}

@@ -58,6 +58,8 @@ enum Cmd {
     Ruler(eval_cmds::RulerArgs),
     /// Agent-session step agreement: each method's teacher-forced argmax against exact top-k and dense (docs/SPEC.md §7).
     AgentSteps(eval_cmds::AgentStepsArgs),
+    /// End-to-end decode throughput of a real model on the GPU for a batch of sessions in the offloaded cache (docs/SPEC.md §9; needs `--features cuda`).
+    DecodeBench(gpu_cmds::DecodeBenchArgs),
     /// Dense greedy decoding of a real model on the GPU against the CPU runtime (tokens and logits; needs `--features cuda`).
     GpuParity(gpu_cmds::GpuParityArgs),
     /// Greedy generation with a real GGUF model (SmolLM2-135M or Gemma 3 270M).
@@ -263,6 +265,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Ruler(a) => eval_cmds::run_ruler(a),
         Cmd::AgentSteps(a) => eval_cmds::run_agent_steps(a),
         Cmd::GpuParity(a) => gpu_cmds::run_gpu_parity(a),
+        Cmd::DecodeBench(a) => gpu_cmds::run_decode_bench(a),
         Cmd::Generate(a) => model_cmds::run_generate(a),
         Cmd::Capture(a) => model_cmds::run_capture(a),
         Cmd::FetchModels(a) => model_cmds::run_fetch_models(a),

@@ -984,6 +984,49 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "parity.json",
         Some(uw),
     );
+    let out_db = fx.p("decode-bench.json");
+    case(
+        "missing GPU",
+        "decode-bench",
+        off(s(["decode-bench", "--json", &out_db])),
+        "gpu",
+        Some(out_db.clone()),
+    );
+    case(
+        "zero batch",
+        "decode-bench",
+        off(s(["decode-bench", "--batch", "0,4", "--json", &out_db])),
+        "--batch",
+        Some(out_db.clone()),
+    );
+    case(
+        "bad context",
+        "decode-bench",
+        off(s(["decode-bench", "--context", "12q", "--json", &out_db])),
+        "12q",
+        Some(out_db.clone()),
+    );
+    case(
+        "bad method",
+        "decode-bench",
+        off(s([
+            "decode-bench",
+            "--methods",
+            "dense,landmark",
+            "--json",
+            &out_db,
+        ])),
+        "landmark",
+        Some(out_db.clone()),
+    );
+    let uw = unwritable("decode-bench.json");
+    case(
+        "unwritable output",
+        "decode-bench",
+        off(s(["decode-bench", "--json", &uw])),
+        "decode-bench.json",
+        Some(uw),
+    );
     case(
         "bad task shape",
         "ruler",

@@ -234,3 +234,36 @@ extern "C" __global__ void window_decode(const float* __restrict__ q,
         out[((u64)b * hq + hd) * DIM + c] = acc * inv;
     }
 }
+
+// grid rows, 256 threads: out[r] = argmax of logits[r] (the lowest index among equal maxima,
+// as fathom_model::argmax); a NaN row gives index 0xffffffff.
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, u32 v,
+                                       u32* __restrict__ out) {
+    __shared__ float bv[256];
+    __shared__ u32 bi[256];
+    const float* row = logits + (u64)blockIdx.x * v;
+    float best = NEG_INF;
+    u32 idx = 0xffffffffu;
+    for (u32 i = threadIdx.x; i < v; i += blockDim.x) {
+        const float x = row[i];
+        if (x > best) {  // strictly greater: each thread keeps its lowest index of a tie
+            best = x;
+            idx = i;
+        }
+    }
+    bv[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float o = bv[threadIdx.x + s];
+            const u32 oi = bi[threadIdx.x + s];
+            if (o > bv[threadIdx.x] || (o == bv[threadIdx.x] && oi < bi[threadIdx.x])) {
+                bv[threadIdx.x] = o;
+                bi[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = bi[0];
+}

@@ -126,6 +126,7 @@ struct Kernels {
     to_bf16: CudaFunction,
     causal_softmax: CudaFunction,
     window_decode: CudaFunction,
+    argmax_rows: CudaFunction,
 }
 
 /// Working memory for `R` rows, sized once.
@@ -144,6 +145,7 @@ struct Work {
     a: Mem,
     gu: Mem,
     logits: Mem,
+    sampled: Mem,
     kwin: Mem,
     vwin: Mem,
     scores: Mem,
@@ -270,6 +272,7 @@ impl GpuDecoder {
             to_bf16: k("to_bf16")?,
             causal_softmax: k("causal_softmax")?,
             window_decode: k("window_decode")?,
+            argmax_rows: k("argmax_rows")?,
         };
         let (emb, head) = layout::pack_embeddings(weights)?;
         let embedding = Weight::new(&emb, cfg.vocab_size, e, "embedding")?;
@@ -314,6 +317,7 @@ impl GpuDecoder {
             a: Mem::new(r * e * 4, "projection output")?,
             gu: Mem::new(r * 2 * f * 4, "gate|up")?,
             logits: Mem::new(b * cfg.vocab_size * 4, "logits")?,
+            sampled: Mem::new(b * 4, "sampled tokens")?,
             kwin: Mem::new(win_rows * hkv * d * 4, "attention keys")?,
             vwin: Mem::new(win_rows * hkv * d * 4, "attention values")?,
             scores: Mem::new(dcfg.prefill_chunk * dcfg.max_tokens * 4, "prefill scores")?,
@@ -698,10 +702,7 @@ impl GpuDecoder {
     fn logits(&self, first: usize, rows: usize) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let w = &self.work;
-        let x = w.x.ptr + (first * c.n_embd * 4) as u64;
-        self.rmsnorm(x, self.out_norm.ptr, rows, w.xb.ptr)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        self.linear(head, w.xb.ptr, rows, w.logits.ptr)?;
+        self.lm_head_rows(first, rows)?;
         let mut out = vec![0f32; rows * c.vocab_size];
         self.stream.synchronize().map_err(drv("synchronize"))?;
         // SAFETY: logits holds max_batch · vocab ≥ rows · vocab f32; the stream is idle.
@@ -719,6 +720,80 @@ impl GpuDecoder {
             ));
         }
         Ok(out)
+    }
+
+    /// Final norm and LM head of `rows` hidden states from row `first` into `work.logits`.
+    fn lm_head_rows(&self, first: usize, rows: usize) -> Result<()> {
+        let w = &self.work;
+        let x = w.x.ptr + (first * self.cfg.n_embd * 4) as u64;
+        self.rmsnorm(x, self.out_norm.ptr, rows, w.xb.ptr)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
+        self.linear(head, w.xb.ptr, rows, w.logits.ptr)
+    }
+
+    /// Checks a decode batch, reserves its rows and runs every layer (no logits yet).
+    fn decode_layers(&mut self, batch: &[(SessionId, u32)], attention: &Attention) -> Result<()> {
+        let toks: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
+        layout::check_tokens(&self.cfg, &toks)?;
+        let mut pos = Vec::with_capacity(batch.len());
+        for &(s, _) in batch {
+            pos.push(self.cache.len(s)? as u32);
+        }
+        self.prepare(attention.method)?;
+        for (l, kind) in self.cfg.layer_kinds.iter().enumerate() {
+            if *kind == LayerKind::Global {
+                self.cache.check_method(attention.method, l)?;
+            }
+        }
+        let sessions: Vec<(SessionId, usize)> = batch.iter().map(|&(s, _)| (s, 1)).collect();
+        let ab = self.cache.reserve(&sessions)?;
+        self.upload(&toks, &pos)?;
+        self.layers(&ab, batch.len(), None, Some(attention))
+    }
+
+    /// One decode step sampled greedily on the device: appends one token to each session of
+    /// `batch` and returns each session's argmax (the lowest index among equal maxima, as
+    /// `fathom_model::argmax`), copying only the ids to the host.
+    ///
+    /// # Errors
+    /// As [`Decoder::decode`]; a row whose logits are all NaN (the forward overflowed).
+    pub fn decode_greedy(
+        &mut self,
+        batch: &[(SessionId, u32)],
+        attention: &Attention,
+    ) -> Result<Vec<u32>> {
+        self.decode_layers(batch, attention)?;
+        let rows = batch.len();
+        self.lm_head_rows(0, rows)?;
+        let w = &self.work;
+        let v = self.cfg.vocab_size as u32;
+        let mut b = self.stream.launch_builder(&self.kernels.argmax_rows);
+        b.arg(&w.logits.ptr).arg(&v).arg(&w.sampled.ptr);
+        // SAFETY: logits holds rows · vocab f32 and sampled max_batch ≥ rows u32.
+        unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
+            .map_err(drv("launch argmax_rows"))?;
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        let mut out = vec![0u32; rows];
+        // SAFETY: sampled holds at least `rows` u32; the stream is idle.
+        unsafe { result::memcpy_dtoh_sync(&mut out, w.sampled.ptr) }
+            .map_err(drv("memcpy_dtoh sampled tokens"))?;
+        if let Some(i) = out.iter().position(|&t| t as usize >= self.cfg.vocab_size) {
+            return Err(GpuError::invalid(
+                "logits",
+                format!("row {i} has no finite maximum (the forward overflowed)"),
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Bytes of device memory in use on the device (every allocation of the process and
+    /// others: weights, the cache's working memory, pools in HBM residency).
+    ///
+    /// # Errors
+    /// A driver failure.
+    pub fn device_bytes_in_use(&self) -> Result<u64> {
+        let (free, total) = result::mem_get_info().map_err(drv("cuMemGetInfo"))?;
+        Ok((total - free) as u64)
     }
 
     fn prepare(&mut self, method: AttendMethod) -> Result<()> {
@@ -778,22 +853,7 @@ impl Decoder for GpuDecoder {
     }
 
     fn decode(&mut self, batch: &[(SessionId, u32)], attention: &Attention) -> Result<Vec<f32>> {
-        let toks: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
-        layout::check_tokens(&self.cfg, &toks)?;
-        let mut pos = Vec::with_capacity(batch.len());
-        for &(s, _) in batch {
-            pos.push(self.cache.len(s)? as u32);
-        }
-        self.prepare(attention.method)?;
-        for (l, kind) in self.cfg.layer_kinds.iter().enumerate() {
-            if *kind == LayerKind::Global {
-                self.cache.check_method(attention.method, l)?;
-            }
-        }
-        let sessions: Vec<(SessionId, usize)> = batch.iter().map(|&(s, _)| (s, 1)).collect();
-        let ab = self.cache.reserve(&sessions)?;
-        self.upload(&toks, &pos)?;
-        self.layers(&ab, batch.len(), None, Some(attention))?;
+        self.decode_layers(batch, attention)?;
         self.logits(0, batch.len())
     }
 }

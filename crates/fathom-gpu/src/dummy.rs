@@ -24,6 +24,26 @@ impl GpuDecoder {
         Err(CudaError::NotCompiledWithCuda.into())
     }
 
+    /// One decode step sampled greedily on the device.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn decode_greedy(
+        &mut self,
+        _batch: &[(SessionId, u32)],
+        _attention: &Attention,
+    ) -> Result<Vec<u32>> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+
+    /// Bytes of device memory in use.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn device_bytes_in_use(&self) -> Result<u64> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+
     /// The model's hyper-parameters.
     pub fn config(&self) -> &fathom_model::Config {
         match self._never {}

@@ -152,6 +152,20 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                     Document::Stage(_) => inp
                         .others
                         .push((path.clone(), "a single stage record".into())),
+                    Document::DecodeBench(d) => inp.others.push((
+                        path.clone(),
+                        format!(
+                            "decode throughput of {} ({} weights) on {}: {}",
+                            d.model,
+                            d.weights,
+                            d.device.name,
+                            d.entries
+                                .iter()
+                                .map(|e| format!("{} B={} {:.0} tok/s", e.method, e.batch, e.tokens_per_s))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    )),
                     Document::GpuParity(d) => inp.others.push((
                         path.clone(),
                         format!(

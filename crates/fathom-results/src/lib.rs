@@ -41,6 +41,7 @@
 #![deny(missing_docs)]
 
 pub mod calibration;
+pub mod decode_bench;
 pub mod downstream;
 pub mod fidelity;
 pub mod offload;
@@ -123,6 +124,8 @@ pub enum Document {
     Stage(stages::StageRecord),
     /// `fathom gpu-parity`.
     GpuParity(parity::GpuParity),
+    /// `fathom decode-bench`.
+    DecodeBench(decode_bench::DecodeBench),
 }
 
 impl Document {
@@ -137,6 +140,7 @@ impl Document {
             Document::ModelSpeed(_) => "model-speed",
             Document::Stage(_) => "stage",
             Document::GpuParity(_) => "gpu-parity",
+            Document::DecodeBench(_) => "decode-bench",
         }
     }
 }
@@ -159,6 +163,7 @@ into_document!(
     speed::ModelSpeed => ModelSpeed,
     stages::StageRecord => Stage,
     parity::GpuParity => GpuParity,
+    decode_bench::DecodeBench => DecodeBench,
 );
 
 /// The kind of a document written before documents carried one (schema version 1), from the
@@ -256,7 +261,7 @@ pub fn from_value(what: &str, v: Value) -> Result<Document, ResultsError> {
 }
 
 /// Every kind tag, in the order of [`Document`].
-pub const KINDS: [&str; 8] = [
+pub const KINDS: [&str; 9] = [
     "fidelity",
     "calibration-summary",
     "offload-bench",
@@ -265,6 +270,7 @@ pub const KINDS: [&str; 8] = [
     "model-speed",
     "stage",
     "gpu-parity",
+    "decode-bench",
 ];
 
 /// Parses a document from JSON bytes.

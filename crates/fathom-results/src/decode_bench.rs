@@ -1,0 +1,69 @@
+//! The `decode-bench` document: end-to-end decode throughput of a real model on the GPU for a
+//! batch of sessions whose K|V live in the offloaded paged cache (docs/SPEC.md §9), one entry
+//! per method and batch size.
+
+use serde::{Deserialize, Serialize};
+
+/// One method at one batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecodeBenchEntry {
+    /// The method (`dense`, `exact`, `fathom:48`, …).
+    pub method: String,
+    /// Sessions decoding together.
+    pub batch: usize,
+    /// Each session's context at the first timed step.
+    pub contexts: Vec<usize>,
+    /// Aggregate generated tokens per second (`batch · steps / Σ step seconds`).
+    pub tokens_per_s: f64,
+    /// Tokens per second of one session (`steps / Σ step seconds`).
+    pub per_session_tokens_per_s: f64,
+    /// Step latency, median (ms, host wall clock around one whole step: forward, appends,
+    /// attention, sampling and the copy of the sampled ids).
+    pub step_ms_p50: f64,
+    /// Step latency, 99th percentile (ms).
+    pub step_ms_p99: f64,
+    /// Mean scan bits per token and KV head of the GPU-planned methods' plans (0 otherwise).
+    pub plan_bits: f64,
+    /// Bytes per step that cross the link: the scans' planned bits of every key of every
+    /// global layer and KV head, plus the K|V records fetched (row-cache misses); for dense
+    /// every record of every global layer; 0 with the pages in HBM.
+    pub pcie_bytes_per_step: f64,
+    /// `pcie_bytes_per_step` at the measured host-to-device rate (ms).
+    pub link_floor_ms: f64,
+    /// Union rows per step and the share the HBM row cache served.
+    pub rows_per_step: f64,
+    /// Row-cache hit rate.
+    pub row_hit_rate: f64,
+}
+
+/// A `fathom decode-bench` run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecodeBench {
+    /// Schema version.
+    pub version: u32,
+    /// The fathom version that wrote it.
+    #[serde(default)]
+    pub fathom: String,
+    /// The command line.
+    pub command: String,
+    /// Model name.
+    pub model: String,
+    /// `real` (the pinned GGUF's weights) or a labelled synthetic kind.
+    pub weights: String,
+    /// The GPU.
+    pub device: crate::offload::DeviceInfo,
+    /// Where the pages live (`host` or `hbm`).
+    pub residency: String,
+    /// Timed decode steps per method and batch.
+    pub steps: usize,
+    /// Measured pinned host-to-device copy rate (GB/s), the link floor's denominator.
+    pub h2d_gbps: f64,
+    /// Bytes of pinned host memory (or HBM) per resident token, over every layer.
+    pub host_bytes_per_token: f64,
+    /// Device memory in use at the end (weights, working memory, HBM pools), bytes.
+    pub device_bytes_in_use: u64,
+    /// Seconds of the dense prefill of every session (real text), apart from decode.
+    pub prefill_seconds: f64,
+    /// One entry per method and batch.
+    pub entries: Vec<DecodeBenchEntry>,
+}
