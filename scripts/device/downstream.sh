@@ -39,7 +39,7 @@ probe)
   ;;
 throughput)
   # issue 17's first runs: real models, sessions of real prose, every method, B = 1, 4, 16.
-  for m in "smollm2-135m 32k" "gemma3-270m 32k"; do
+  for m in "smollm2-135m 32k" "gemma3-270m 32k" "qwen3-8b 128k"; do
     set -- $m
     timeout 280 $B/fathom decode-bench --model $1 --context $2 --batch 1,4,16 --steps 32 \
       --methods dense,exact,fathom:48,fathom:92,sparq:32 --offline --json $OUT/decode-bench-$1-$2.json \

@@ -358,13 +358,16 @@ impl GpuEval {
 #[command(
     after_help = "Each session is prefilled with real prose (timed apart), then every method decodes `--steps` \
 greedy tokens for the first B sessions of each `--batch`, all in one batch per step (forks of the prefilled \
-sessions, so every method starts from the same caches). Weights: the pinned GGUF's (real). Needs a build with \
-`--features cuda` and a GPU.\n\nExamples:\n  \
+sessions, so every method starts from the same caches). Weights: the pinned GGUF's, or for qwen3-8b and \
+llama3.1-8b random bf16 made on the device with synthetic K/V (labelled). Needs a build with `--features cuda` \
+and a GPU.\n\nExamples:\n  \
+    fathom decode-bench --model qwen3-8b --context 128k,512k --batch 2,8 --methods dense,fathom:48,sparq:32\n  \
     fathom decode-bench --model smollm2-135m --context 32k --batch 1,4,16 --json decode-bench-smollm2.json\n  \
     fathom decode-bench --model gemma3-270m --context 32k,128k --batch 2,8 --methods dense,fathom:48,sparq:32"
 )]
 pub struct DecodeBenchArgs {
-    /// Model: smollm2-135m or gemma3-270m.
+    /// Model: smollm2-135m or gemma3-270m (real weights, sessions of real prose), or the
+    /// random-weight shapes qwen3-8b and llama3.1-8b (synthetic K/V; labelled in the output).
     #[arg(long, default_value = "smollm2-135m")]
     pub model: String,
     /// Session contexts, cycled over the sessions (`32k`, `128k,512k`, `1m`).
@@ -405,7 +408,16 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Run `fathom decode-bench`.
 pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
-    let id: ModelId = a.model.parse()?;
+    let preset = fathom_gpu::presets::preset(&a.model);
+    let id: Option<ModelId> = match preset {
+        Some(_) => None,
+        None => Some(a.model.parse().map_err(|e| {
+            anyhow::anyhow!(
+                "{e} (or a random-weight shape: {})",
+                fathom_gpu::presets::PRESETS.join(", ")
+            )
+        })?),
+    };
     let contexts = a
         .context
         .iter()
@@ -424,11 +436,21 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     }
     let gpu = Gpu::open(0).context("decode-bench needs a GPU")?;
     let h2d_gbps = gpu.h2d_bandwidth(256 << 20)?;
-    let path = fetch_model(id, &a.cache.fetch_options())?;
-    let cpu = Model::load(&path, &LoadOptions::default())
-        .with_context(|| format!("loading {}", path.display()))?;
-    let weights = DenseWeights::load(&path)?;
-    let cfg = weights.config.clone();
+    // Real weights and text, or a preset's random weights and synthetic K/V (labelled).
+    let real = match id {
+        Some(id) => {
+            let path = fetch_model(id, &a.cache.fetch_options())?;
+            let cpu = Model::load(&path, &LoadOptions::default())
+                .with_context(|| format!("loading {}", path.display()))?;
+            Some((cpu, DenseWeights::load(&path)?))
+        }
+        None => None,
+    };
+    let cfg = match (&real, &preset) {
+        (Some((_, w)), _) => w.config.clone(),
+        (None, Some(c)) => c.clone(),
+        (None, None) => bail!("no model"),
+    };
     let d = cfg.head_dim;
     let atts = names
         .iter()
@@ -460,9 +482,6 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         .map(|n| (n + a.steps + 8).div_ceil(dcfg.page_tokens))
         .sum();
     dcfg.pages = Some(per + 2 * bmax + 8);
-    let mut dec = GpuDecoder::new(&gpu, &weights, dcfg)?;
-    let corpus = a.cache.corpus_options();
-    // σ² and DS channels from one held-out calibration context (as the downstream runs).
     let needs_calib = atts.iter().any(|t| {
         matches!(
             t.method,
@@ -471,26 +490,68 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
             )
         )
     });
-    if needs_calib {
-        let docs = load_split(CorpusKind::Prose, Split::Calib, &corpus)?;
-        let n = ctx.iter().min().copied().unwrap_or(1).min(8192);
-        let (ids, _) = context_tokens(&docs, cpu.tokenizer(), n, 0)?;
-        let cal = fathom_eval::decode::calibrate(&cpu, &ids, 128)?;
-        for (l, heads) in cal.heads.iter().enumerate() {
-            if !heads.is_empty() {
-                dec.cache_mut()?.load_calibration(l, heads)?;
-            }
-        }
-    }
-    let docs = load_split(CorpusKind::Prose, Split::Eval, &corpus)?;
-    let t0 = Instant::now();
+    let corpus = a.cache.corpus_options();
+    let t0;
     let mut roots = Vec::with_capacity(bmax);
-    for (i, &n) in ctx.iter().enumerate() {
-        let (ids, _) = context_tokens(&docs, cpu.tokenizer(), n, 7 * i)?;
-        let s = dec.create()?;
-        let logits = dec.prefill(s, &ids)?;
-        roots.push((s, fathom_model::argmax(&logits)));
-    }
+    let (mut dec, weights_label) = match &real {
+        Some((cpu, weights)) => {
+            let mut dec = GpuDecoder::new(&gpu, weights, dcfg)?;
+            // σ² and DS channels from one held-out calibration context (as the downstream runs).
+            if needs_calib {
+                let docs = load_split(CorpusKind::Prose, Split::Calib, &corpus)?;
+                let n = ctx.iter().min().copied().unwrap_or(1).min(8192);
+                let (ids, _) = context_tokens(&docs, cpu.tokenizer(), n, 0)?;
+                let cal = fathom_eval::decode::calibrate(cpu, &ids, 128)?;
+                for (l, heads) in cal.heads.iter().enumerate() {
+                    if !heads.is_empty() {
+                        dec.cache_mut()?.load_calibration(l, heads)?;
+                    }
+                }
+            }
+            let docs = load_split(CorpusKind::Prose, Split::Eval, &corpus)?;
+            t0 = Instant::now();
+            for (i, &n) in ctx.iter().enumerate() {
+                let (ids, _) = context_tokens(&docs, cpu.tokenizer(), n, 7 * i)?;
+                let s = dec.create()?;
+                let logits = dec.prefill(s, &ids)?;
+                roots.push((s, fathom_model::argmax(&logits)));
+            }
+            (
+                dec,
+                "real (the pinned GGUF's weights; sessions of real prose)".to_string(),
+            )
+        }
+        None => {
+            let mut dec = GpuDecoder::random(&gpu, cfg.clone(), 7, dcfg)?;
+            // The synthetic keys' exact channel variances, (0.1 + c/D)² / 3, as the calibration;
+            // DS keeps the widest channels.
+            let sigma2: Vec<f32> = (0..d)
+                .map(|c| (0.1 + c as f32 / d as f32).powi(2) / 3.0)
+                .collect();
+            let heads = vec![
+                fathom_plan::scanner::HeadCalib {
+                    sigma2,
+                    ds_channels: (0..d as u16).rev().collect(),
+                    ..Default::default()
+                };
+                cfg.n_kv_heads
+            ];
+            for l in 0..cfg.n_layers {
+                dec.cache_mut()?.load_calibration(l, &heads)?;
+            }
+            t0 = Instant::now();
+            for (i, &n) in ctx.iter().enumerate() {
+                let s = dec.create()?;
+                dec.fill_synthetic(s, n, i as u64)?;
+                roots.push((s, 0u32));
+            }
+            let label = format!(
+                "{}; K/V synthetic (uniform, keys with channel spreads 0.1 + c/D), no prefill forward",
+                fathom_gpu::presets::RANDOM_WEIGHTS
+            );
+            (dec, label)
+        }
+    };
     let prefill_seconds = t0.elapsed().as_secs_f64();
     let layout = fathom_cuda::PagedLayout::new(
         fathom_store::Dims {
@@ -597,8 +658,8 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         version: fathom_results::VERSION,
         fathom: env!("CARGO_PKG_VERSION").into(),
         command: fathom_results::command_line(),
-        model: id.to_string(),
-        weights: "real".into(),
+        model: a.model.clone(),
+        weights: weights_label.clone(),
         device: gpu.info().clone(),
         residency: a.residency.clone(),
         steps: a.steps,

@@ -267,3 +267,28 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, u32 v,
     }
     if (threadIdx.x == 0) out[blockIdx.x] = bi[0];
 }
+
+// splitmix64 of (i, seed): a uniform in [0, 1) from the top 24 bits.
+__device__ __forceinline__ float uniform01(u64 i, u64 seed) {
+    u64 z = i + seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+// Synthetic weights (labelled where used): out[i] = bf16(scale · (2u − 1)).
+extern "C" __global__ void fill_uniform_bf16(u16* __restrict__ out, u64 n, u64 seed, float scale) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = f2bf(scale * (2.0f * uniform01(i, seed) - 1.0f));
+}
+
+// Synthetic K/V rows `[n / DIM][DIM]` (labelled where used): out[i] = (2u − 1) · s_c with
+// s_c = 1 for values, or 0.1 + c / DIM per channel c for keys (`slope` set), so keys have
+// channels of different spread as real keys do.
+extern "C" __global__ void fill_uniform_f32(float* __restrict__ out, u64 n, u64 seed, u32 slope) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const float s = slope ? 0.1f + (float)(i % DIM) / (float)DIM : 1.0f;
+        out[i] = s * (2.0f * uniform01(i, seed) - 1.0f);
+    }
+}

@@ -127,6 +127,8 @@ struct Kernels {
     causal_softmax: CudaFunction,
     window_decode: CudaFunction,
     argmax_rows: CudaFunction,
+    fill_bf16: CudaFunction,
+    fill_f32: CudaFunction,
 }
 
 /// Working memory for `R` rows, sized once.
@@ -191,6 +193,14 @@ fn cublas_present() -> std::result::Result<(), String> {
     Err(errs.join("; "))
 }
 
+/// Where the weights come from.
+enum Init<'a> {
+    /// A model's dequantized GGUF, rounded to bf16 on the host.
+    Dense(&'a DenseWeights),
+    /// Random bf16 made on the device from this seed.
+    Random(u64),
+}
+
 fn launch(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: grid,
@@ -207,9 +217,22 @@ impl GpuDecoder {
     /// A weight that is not finite (named), limits the cache refuses, cuBLAS or NVRTC missing,
     /// an allocation that does not fit (typed, with its size).
     pub fn new(gpu: &Gpu, weights: &DenseWeights, dcfg: DecoderConfig) -> Result<Self> {
-        let cfg = weights.config.clone();
-        let cache_cfg = dcfg.cache_config(&cfg)?;
         layout::check_norms(weights)?;
+        Self::build(gpu, weights.config.clone(), dcfg, Init::Dense(weights))
+    }
+
+    /// A decoder for `cfg` with **random** bf16 weights made on the device (uniform, variance
+    /// `1/n_in`; norms 1): the throughput convention of vLLM's `--load-format dummy`
+    /// ([`crate::presets`]). Its outputs mean nothing; label every result.
+    ///
+    /// # Errors
+    /// As [`GpuDecoder::new`].
+    pub fn random(gpu: &Gpu, cfg: Config, seed: u64, dcfg: DecoderConfig) -> Result<Self> {
+        Self::build(gpu, cfg, dcfg, Init::Random(seed))
+    }
+
+    fn build(gpu: &Gpu, cfg: Config, dcfg: DecoderConfig, init: Init<'_>) -> Result<Self> {
+        let cache_cfg = dcfg.cache_config(&cfg)?;
         cublas_present().map_err(|message| GpuError::NoCublas { message })?;
         let stream = gpu.stream().clone();
         stream
@@ -273,31 +296,85 @@ impl GpuDecoder {
             causal_softmax: k("causal_softmax")?,
             window_decode: k("window_decode")?,
             argmax_rows: k("argmax_rows")?,
+            fill_bf16: k("fill_uniform_bf16")?,
+            fill_f32: k("fill_uniform_f32")?,
         };
-        let (emb, head) = layout::pack_embeddings(weights)?;
-        let embedding = Weight::new(&emb, cfg.vocab_size, e, "embedding")?;
-        let lm_head = head
-            .map(|h| Weight::new(&h, cfg.vocab_size, e, "LM head"))
-            .transpose()?;
-        let opt =
-            |v: &Option<Vec<f32>>, what| v.as_ref().map(|v| Mem::from_slice(v, what)).transpose();
-        let mut blocks = Vec::with_capacity(cfg.n_layers);
-        for (l, w) in weights.layers.iter().enumerate() {
-            let p = layout::pack_layer(w, l)?;
-            blocks.push(Block {
-                wqkv: Weight::new(&p.wqkv, (hq + 2 * hkv) * d, e, "Wqkv")?,
-                wo: Weight::new(&p.wo, e, hq * d, "Wo")?,
-                wgu: Weight::new(&p.wgu, 2 * f, e, "Wgate|Wup")?,
-                wd: Weight::new(&p.wd, e, f, "Wdown")?,
-                attn_norm: Mem::from_slice(&w.attn_norm, "attn_norm")?,
-                ffn_norm: Mem::from_slice(&w.ffn_norm, "ffn_norm")?,
-                q_norm: opt(&w.q_norm, "q_norm")?,
-                k_norm: opt(&w.k_norm, "k_norm")?,
-                post_attn: opt(&w.post_attn_norm, "post_attention_norm")?,
-                post_ffn: opt(&w.post_ffn_norm, "post_ffw_norm")?,
-            });
-        }
-        let out_norm = Mem::from_slice(&weights.out_norm, "output_norm")?;
+        let (embedding, lm_head, out_norm, blocks) = match init {
+            Init::Dense(weights) => {
+                let (emb, head) = layout::pack_embeddings(weights)?;
+                let embedding = Weight::new(&emb, cfg.vocab_size, e, "embedding")?;
+                let lm_head = head
+                    .map(|h| Weight::new(&h, cfg.vocab_size, e, "LM head"))
+                    .transpose()?;
+                let opt = |v: &Option<Vec<f32>>, what| {
+                    v.as_ref().map(|v| Mem::from_slice(v, what)).transpose()
+                };
+                let mut blocks = Vec::with_capacity(cfg.n_layers);
+                for (l, w) in weights.layers.iter().enumerate() {
+                    let p = layout::pack_layer(w, l)?;
+                    blocks.push(Block {
+                        wqkv: Weight::new(&p.wqkv, (hq + 2 * hkv) * d, e, "Wqkv")?,
+                        wo: Weight::new(&p.wo, e, hq * d, "Wo")?,
+                        wgu: Weight::new(&p.wgu, 2 * f, e, "Wgate|Wup")?,
+                        wd: Weight::new(&p.wd, e, f, "Wdown")?,
+                        attn_norm: Mem::from_slice(&w.attn_norm, "attn_norm")?,
+                        ffn_norm: Mem::from_slice(&w.ffn_norm, "ffn_norm")?,
+                        q_norm: opt(&w.q_norm, "q_norm")?,
+                        k_norm: opt(&w.k_norm, "k_norm")?,
+                        post_attn: opt(&w.post_attn_norm, "post_attention_norm")?,
+                        post_ffn: opt(&w.post_ffn_norm, "post_ffw_norm")?,
+                    });
+                }
+                let out_norm = Mem::from_slice(&weights.out_norm, "output_norm")?;
+                (embedding, lm_head, out_norm, blocks)
+            }
+            Init::Random(seed) => {
+                let mut salt = 0u64;
+                let mut rnd = |rows: usize, cols: usize, what: &'static str| -> Result<Weight> {
+                    salt += 1;
+                    let n = rows * cols;
+                    let mem = Mem::new(n * 2, what)?;
+                    // Variance 1/n_in: uniform on ±√(3/n_in) (the embedding: ±1).
+                    let scale = if what == "embedding" {
+                        1.0f32
+                    } else {
+                        (3.0 / cols as f32).sqrt()
+                    };
+                    let (n64, sd) = (n as u64, seed.wrapping_mul(1_000_003).wrapping_add(salt));
+                    let mut b = stream.launch_builder(&kernels.fill_bf16);
+                    b.arg(&mem.ptr).arg(&n64).arg(&sd).arg(&scale);
+                    // SAFETY: mem holds n bf16; a grid-stride loop over n.
+                    unsafe { b.launch(launch((1024, 1, 1), THREADS, 0)) }
+                        .map_err(drv("launch fill_uniform_bf16"))?;
+                    Ok(Weight { mem, rows, cols })
+                };
+                let embedding = rnd(cfg.vocab_size, e, "embedding")?;
+                let lm_head = Some(rnd(cfg.vocab_size, e, "LM head")?);
+                let mut blocks = Vec::with_capacity(cfg.n_layers);
+                for _ in 0..cfg.n_layers {
+                    blocks.push(Block {
+                        wqkv: rnd((hq + 2 * hkv) * d, e, "Wqkv")?,
+                        wo: rnd(e, hq * d, "Wo")?,
+                        wgu: rnd(2 * f, e, "Wgate|Wup")?,
+                        wd: rnd(e, f, "Wdown")?,
+                        attn_norm: Mem::from_slice(&vec![1f32; e], "attn_norm")?,
+                        ffn_norm: Mem::from_slice(&vec![1f32; e], "ffn_norm")?,
+                        q_norm: cfg
+                            .qk_norm
+                            .then(|| Mem::from_slice(&vec![1f32; d], "q_norm"))
+                            .transpose()?,
+                        k_norm: cfg
+                            .qk_norm
+                            .then(|| Mem::from_slice(&vec![1f32; d], "k_norm"))
+                            .transpose()?,
+                        post_attn: None,
+                        post_ffn: None,
+                    });
+                }
+                let out_norm = Mem::from_slice(&vec![1f32; e], "output_norm")?;
+                (embedding, lm_head, out_norm, blocks)
+            }
+        };
         let window = layout::max_window(&cfg);
         let r = dcfg.max_rows();
         let b = dcfg.max_batch;
@@ -784,6 +861,56 @@ impl GpuDecoder {
             ));
         }
         Ok(out)
+    }
+
+    /// Appends `tokens` **synthetic** K/V rows to `session` in every layer (keys uniform with
+    /// channel spreads `0.1 + c/D`, values uniform on ±1, made on the device from `seed`) with
+    /// no forward: how a throughput run fills long contexts of a model with random weights,
+    /// whose prefill would compute nothing meaningful. Label every result.
+    ///
+    /// # Errors
+    /// A session past its capacity; device failures.
+    pub fn fill_synthetic(&mut self, session: SessionId, tokens: usize, seed: u64) -> Result<()> {
+        let c = &self.cfg;
+        let row = c.n_kv_heads * c.head_dim;
+        let chunk = self.dcfg.prefill_chunk;
+        let n0 = self.cache.len(session)?;
+        if n0 + tokens > self.dcfg.max_tokens {
+            return Err(GpuError::invalid(
+                "fill_synthetic",
+                format!(
+                    "{n0} + {tokens} tokens past max_tokens {}",
+                    self.dcfg.max_tokens
+                ),
+            ));
+        }
+        let mut done = 0;
+        while done < tokens {
+            let m = chunk.min(tokens - done);
+            let batch = self.cache.reserve(&[(session, m)])?;
+            for l in 0..c.n_layers {
+                for (buf, slope) in [(self.work.k.ptr, 1u32), (self.work.v.ptr, 0u32)] {
+                    let n = (m * row) as u64;
+                    let sd = seed
+                        .wrapping_mul(0x9E37_79B9)
+                        .wrapping_add(((n0 + done) * c.n_layers + l) as u64 * 2 + slope as u64);
+                    let mut b = self.stream.launch_builder(&self.kernels.fill_f32);
+                    b.arg(&buf).arg(&n).arg(&sd).arg(&slope);
+                    // SAFETY: k and v hold max_rows ≥ m rows of Hkv·D f32.
+                    unsafe { b.launch(launch((256, 1, 1), THREADS, 0)) }
+                        .map_err(drv("launch fill_uniform_f32"))?;
+                }
+                let kv = KvRows {
+                    k: self.work.k.ptr,
+                    v: self.work.v.ptr,
+                    dtype: KvDtype::F32,
+                    rows: m,
+                };
+                self.cache.append(&batch, l, &kv)?;
+            }
+            done += m;
+        }
+        Ok(())
     }
 
     /// Bytes of device memory in use on the device (every allocation of the process and

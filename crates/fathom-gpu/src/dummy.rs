@@ -24,6 +24,32 @@ impl GpuDecoder {
         Err(CudaError::NotCompiledWithCuda.into())
     }
 
+    /// A decoder with random weights.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn random(
+        _gpu: &Gpu,
+        _cfg: fathom_model::Config,
+        _seed: u64,
+        _dcfg: DecoderConfig,
+    ) -> Result<Self> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+
+    /// Appends synthetic K/V rows.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn fill_synthetic(
+        &mut self,
+        _session: SessionId,
+        _tokens: usize,
+        _seed: u64,
+    ) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+
     /// One decode step sampled greedily on the device.
     ///
     /// # Errors

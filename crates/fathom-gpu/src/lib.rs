@@ -61,6 +61,7 @@ pub mod decoder;
 pub mod error;
 pub mod layout;
 pub mod parity;
+pub mod presets;
 
 #[cfg(feature = "cuda")]
 mod cuda;
