@@ -706,6 +706,39 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Orders the cache's stream after everything queued so far on the caller's stream
+    /// `external` (a raw `CUstream` of this device's context, as `torch.cuda.current_stream()
+    /// .cuda_stream` gives; 0 is the legacy default stream): call it before appends and
+    /// attends whose inputs the caller's stream produced. With [`PagedCache::signal`] after
+    /// them, the cache's work runs as if on the caller's stream. No host synchronisation.
+    ///
+    /// # Safety
+    /// `external` must be a live stream of the cache's CUDA context (or 0).
+    ///
+    /// # Errors
+    /// A driver failure.
+    pub unsafe fn follow(&self, external: u64) -> Result<()> {
+        let e = crate::cuda::Event::sync_only()?;
+        // SAFETY: the caller vouches for `external`; the cache's stream is live.
+        unsafe { e.record_raw(external as cudarc::driver::sys::CUstream)? };
+        e.wait_on(&self.stream)
+    }
+
+    /// Makes the caller's stream `external` wait for everything queued so far on the cache's
+    /// stream (the outputs of the appends and attends before it).
+    ///
+    /// # Safety
+    /// As [`PagedCache::follow`].
+    ///
+    /// # Errors
+    /// A driver failure.
+    pub unsafe fn signal(&self, external: u64) -> Result<()> {
+        let e = crate::cuda::Event::sync_only()?;
+        e.record(&self.stream)?;
+        // SAFETY: the caller vouches for `external`.
+        unsafe { e.wait_on_raw(external as cudarc::driver::sys::CUstream) }
+    }
+
     /// Copies the last `min(len, cap)` K|V records of every session of `batch` (its length
     /// after this step's appends) from the pools to device memory as f32, on the cache's
     /// stream: session `b`'s `i`-th row lands at `[b][i][Hkv][D]` of `k_out` and `v_out`

@@ -222,6 +222,26 @@ impl PagedCache {
     ) -> Result<crate::paged_ref::PagedExport> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Orders the cache's stream after a caller's stream.
+    ///
+    /// # Safety
+    /// Nothing is dereferenced in this build.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub unsafe fn follow(&self, _external: u64) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Makes a caller's stream wait for the cache's work.
+    ///
+    /// # Safety
+    /// Nothing is dereferenced in this build.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub unsafe fn signal(&self, _external: u64) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Checks that a method can attend a layer.
     ///
     /// # Errors

@@ -11,6 +11,8 @@
 
 use std::path::PathBuf;
 
+mod gpu;
+
 use numpy::{
     PyArray1, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
     PyUntypedArrayMethods,
@@ -32,11 +34,11 @@ pyo3::create_exception!(
     "An error of the Fathom library (its message names the file, item or value at fault)."
 );
 
-fn lib_err(e: impl std::fmt::Display) -> PyErr {
+pub(crate) fn lib_err(e: impl std::fmt::Display) -> PyErr {
     FathomError::new_err(e.to_string())
 }
 
-fn bad(arg: &str, why: impl std::fmt::Display) -> PyErr {
+pub(crate) fn bad(arg: &str, why: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(format!("{arg}: {why}"))
 }
 
@@ -597,5 +599,6 @@ fn _fathom(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fidelity_json, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    gpu::register(m)?;
     Ok(())
 }

@@ -359,6 +359,23 @@ impl Event {
         // SAFETY: a live event and a live stream of the current context.
         unsafe { result::event::record(self.0, s.cu_stream()) }.map_err(drv("event record"))
     }
+    /// Records on a raw stream handle of this context (a caller's stream).
+    ///
+    /// # Safety
+    /// `s` must be a live stream of the current context (or 0, the legacy default stream).
+    pub(crate) unsafe fn record_raw(&self, s: sys::CUstream) -> Result<()> {
+        // SAFETY: a live event; the caller vouches for the stream.
+        unsafe { result::event::record(self.0, s) }.map_err(drv("event record"))
+    }
+    /// Makes a raw stream handle wait for this event.
+    ///
+    /// # Safety
+    /// As [`Event::record_raw`].
+    pub(crate) unsafe fn wait_on_raw(&self, s: sys::CUstream) -> Result<()> {
+        // SAFETY: a live event; the caller vouches for the stream.
+        unsafe { result::stream::wait_event(s, self.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(drv("stream wait event"))
+    }
     pub(crate) fn elapsed_ms(&self, end: &Event) -> Result<f64> {
         // SAFETY: both events are live and have completed (the caller synchronised).
         Ok(unsafe { result::event::elapsed(self.0, end.0) }.map_err(drv("event elapsed"))? as f64)

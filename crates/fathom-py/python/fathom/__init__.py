@@ -16,6 +16,9 @@ as they are, so that no step copies silently).
 Values that are not finite, or shapes that do not fit, raise ``ValueError`` naming the
 argument; the library's own errors (files, formats, method items, budgets) raise
 ``fathom.FathomError`` (a ``ValueError``) with the library's message.
+
+The offloaded paged KV cache on torch CUDA tensors (DLPack, zero-copy, on the caller's
+stream) is :mod:`fathom.gpu` (``fathom.gpu.GpuCache``).
 """
 
 from __future__ import annotations

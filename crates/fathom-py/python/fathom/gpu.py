@@ -1,0 +1,108 @@
+"""Fathom's offloaded paged KV cache on torch CUDA tensors (docs/SPEC.md §6.1), zero-copy.
+
+Tensors cross by DLPack (``__dlpack__``): any CUDA tensor of a DLPack producer works; nothing
+is copied. Every call runs on the stream you pass, by default
+``torch.cuda.current_stream()``: the cache's work waits for what that stream queued before the
+call, and the stream waits for the cache's work after it (events, no host synchronisation).
+A shape, dtype, device or contiguity mismatch raises ``ValueError`` naming the argument, and
+nothing is launched.
+
+>>> import torch, fathom.gpu as fg                                    # doctest: +SKIP
+>>> cache = fg.GpuCache(layers=2, kv_heads=2, group=4, dim=128,
+...                     max_sessions=4, max_tokens=8192)
+>>> s = cache.create()
+>>> b = cache.reserve([(s, 100)])                   # a 100-token prefill chunk
+>>> k = torch.randn(100, 2, 128, device="cuda", dtype=torch.bfloat16)
+>>> for layer in range(2):
+...     cache.append(b, layer, k, k)               # K and V after RoPE / QK-norm
+>>> b = cache.reserve([(s, 1)])                     # one decode token
+>>> for layer in range(2):
+...     cache.append(b, layer, k[:1], k[:1])
+>>> q = torch.randn(1, 8, 128, device="cuda")
+>>> out = torch.empty(1, 8, 128, device="cuda")
+>>> cache.attend(b, 0, "dense", q, out)             # or "exact", "sparq:32", "fathom:48" (load_sigma2)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+from . import _fathom
+
+Session = _fathom.Session
+Batch = _fathom.Batch
+
+
+def _stream(stream) -> int:
+    """A raw CUstream handle: an int, a ``torch.cuda.Stream``, or None for torch's current."""
+    if isinstance(stream, int):
+        return stream
+    if stream is None:
+        import torch  # the GPU API is for torch users; imported only when used
+
+        stream = torch.cuda.current_stream()
+    handle = getattr(stream, "cuda_stream", None)
+    if handle is None:
+        raise ValueError(f"stream: {stream!r} is not a CUDA stream (or a raw handle)")
+    return int(handle)
+
+
+class GpuCache:
+    """The paged cache of one model shape (``layers``, ``kv_heads``, ``group`` query heads per
+    KV head, head ``dim``) for up to ``max_sessions`` sessions of ``max_tokens`` tokens, its
+    pages in pinned host memory (``residency="host"``, read over PCIe) or in HBM."""
+
+    def __init__(self, layers: int, kv_heads: int, group: int, dim: int, max_sessions: int,
+                 max_tokens: int, pages: Optional[int] = None, page_tokens: int = 2048,
+                 max_batch: Optional[int] = None, max_k: int = 512, row_cache: int = 0,
+                 residency: str = "host", device: int = 0):
+        self._c = _fathom.GpuCache(layers, kv_heads, group, dim, max_sessions, max_tokens,
+                                   pages, page_tokens, max_batch, max_k, row_cache, residency,
+                                   device)
+
+    def create(self) -> Session:
+        """A new, empty session."""
+        return self._c.create()
+
+    def fork(self, parent: Session) -> Session:
+        """A session sharing every token of ``parent`` (copy-on-write pages)."""
+        return self._c.fork(parent)
+
+    def free(self, session: Session) -> None:
+        """Frees a session (pages it shares stay with the others)."""
+        self._c.free(session)
+
+    def len(self, session: Session) -> int:
+        """Tokens in a session."""
+        return self._c.len(session)
+
+    def reserve(self, batch: Sequence[Tuple[Session, int]]) -> Batch:
+        """Grows a ragged batch ``[(session, new_tokens)]`` (all or nothing); valid for this
+        step's appends and attends until the next reserve, fork or free."""
+        return self._c.reserve(list(batch))
+
+    def load_sigma2(self, layer: int, sigma2) -> None:
+        """One layer's channel variances ``[kv_heads, dim]`` (numpy float32), for ``fathom:B``."""
+        import numpy as np
+
+        self._c.load_sigma2(layer, np.ascontiguousarray(sigma2, dtype=np.float32))
+
+    def append(self, batch: Batch, layer: int, k, v, stream=None) -> None:
+        """Appends one layer's K and V ``[batch.rows, kv_heads, dim]`` (float32, float16 or
+        bfloat16 CUDA tensors) to the batch's sessions: quantized and packed on the GPU (bit
+        for bit the CPU store of the same bf16 keys) and written as bf16 records."""
+        self._c.append(batch, layer, k, v, _stream(stream))
+
+    def attend(self, batch: Batch, layer: int, method: str, q, out, stream=None, k: int = 256,
+               sink: int = 4, local: int = 32) -> None:
+        """One layer's attention for the batch's sessions (each at its last token): queries
+        ``q`` ``[len(batch), kv_heads·group, dim]`` into ``out`` (float32, same shape, written
+        in place). Each query head attends exactly over its own sink + local + top-k set
+        (docs/SPEC.md §5) chosen by ``method``, or over every token for ``"dense"``."""
+        self._c.attend(batch, layer, method, q, out, _stream(stream), k, sink, local)
+
+
+def dlpack_info(tensor) -> dict:
+    """What DLPack says about ``tensor``: device type (1 CPU, 2 CUDA), device id, dtype,
+    shape and whether it is contiguous."""
+    return _fathom.dlpack_info(tensor)

@@ -1,0 +1,509 @@
+//! The GPU half: `fathom-cuda`'s paged cache on torch CUDA tensors (or any DLPack producer),
+//! zero-copy. A tensor is read through its `__dlpack__` capsule (the legacy unversioned
+//! `DLManagedTensor`, which every producer still gives by default): its data pointer, device,
+//! dtype, shape and strides are checked against what the call needs, and a mismatch is a
+//! `ValueError` naming the argument, raised before anything is launched. The capsule is kept
+//! alive for the call and never consumed (the producer keeps ownership).
+//!
+//! Streams: every call takes the caller's raw `CUstream` (the Python wrapper passes
+//! `torch.cuda.current_stream().cuda_stream` by default); the cache's own stream first waits
+//! for the work queued on it (`PagedCache::follow`) and the caller's stream then waits for the
+//! cache's work (`PagedCache::signal`), so the call behaves as if it ran on the caller's stream,
+//! with no host synchronisation.
+
+use std::ffi::c_void;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyDict};
+
+use fathom_cuda::cache::{AppendBatch, AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows};
+use fathom_cuda::pages::{PageConfig, SessionId};
+use fathom_cuda::{Gpu, ModelShape, PagedCache, Residency};
+
+use crate::{bad, lib_err};
+
+/// `DLDevice` of dlpack.h.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+/// `DLDataType` of dlpack.h.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+/// `DLTensor` of dlpack.h.
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+/// `DLManagedTensor` of dlpack.h (the unversioned capsule `"dltensor"`).
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// `kDLCPU`, `kDLCUDA`.
+const DL_CPU: i32 = 1;
+const DL_CUDA: i32 = 2;
+
+/// What a DLPack capsule says about a tensor.
+struct TensorInfo {
+    ptr: u64,
+    device_type: i32,
+    device_id: i32,
+    /// `float32`, `float16`, `bfloat16`, or `code:bits:lanes` for anything else.
+    dtype: String,
+    shape: Vec<i64>,
+    contiguous: bool,
+    /// Keeps the capsule (and so the producer's buffer) alive.
+    _capsule: Py<PyAny>,
+}
+
+fn dtype_name(t: DlDataType) -> String {
+    match (t.code, t.bits, t.lanes) {
+        (2, 32, 1) => "float32".into(),
+        (2, 16, 1) => "float16".into(),
+        (4, 16, 1) => "bfloat16".into(),
+        (c, b, l) => format!("dlpack type code {c}, {b} bits, {l} lanes"),
+    }
+}
+
+/// Reads `obj.__dlpack__(stream=...)` without consuming the capsule.
+fn tensor_info(arg: &str, obj: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<TensorInfo> {
+    if !obj.hasattr("__dlpack__")? {
+        return Err(bad(
+            arg,
+            "is not a DLPack tensor (no __dlpack__; pass a torch tensor)",
+        ));
+    }
+    let kwargs = PyDict::new(obj.py());
+    if let Some(s) = stream {
+        // A CPU producer (numpy) refuses any stream; CUDA producers order their work on it.
+        let dev: (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
+        if dev.0 == DL_CUDA {
+            kwargs.set_item("stream", s as i64)?;
+        }
+    }
+    let cap = obj.call_method("__dlpack__", (), Some(&kwargs))?;
+    let capsule = cap
+        .cast::<PyCapsule>()
+        .map_err(|_| bad(arg, "__dlpack__ did not return a capsule"))?;
+    if !capsule.is_valid_checked(Some(c"dltensor")) {
+        return Err(bad(
+            arg,
+            "its DLPack capsule is not an unconsumed \"dltensor\" with a tensor",
+        ));
+    }
+    let p = capsule
+        .pointer_checked(Some(c"dltensor"))
+        .map_err(|_| bad(arg, "its DLPack capsule holds no tensor"))?
+        .as_ptr() as *const DlManagedTensor;
+    // SAFETY: a live "dltensor" capsule points at a DLManagedTensor its producer keeps alive
+    // while the capsule lives (we hold it in `_capsule`); we only read it.
+    let t = unsafe { &(*p).dl_tensor };
+    let ndim = usize::try_from(t.ndim).map_err(|_| bad(arg, "negative ndim"))?;
+    // SAFETY: `shape` has `ndim` entries and `strides` is null or has `ndim` entries
+    // (dlpack.h); both live as long as the capsule.
+    let shape: Vec<i64> = if ndim == 0 {
+        Vec::new()
+    } else {
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec()
+    };
+    let contiguous = if t.strides.is_null() || ndim == 0 {
+        true
+    } else {
+        // SAFETY: as above.
+        let st = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
+        let mut want = 1i64;
+        let mut ok = true;
+        for i in (0..ndim).rev() {
+            if shape[i] != 1 && st[i] != want {
+                ok = false;
+            }
+            want *= shape[i];
+        }
+        ok
+    };
+    Ok(TensorInfo {
+        ptr: t.data as u64 + t.byte_offset,
+        device_type: t.device.device_type,
+        device_id: t.device.device_id,
+        dtype: dtype_name(t.dtype),
+        shape,
+        contiguous,
+        _capsule: cap.clone().unbind(),
+    })
+}
+
+/// What DLPack says about a tensor: `{"device_type", "device_id", "dtype", "shape",
+/// "contiguous"}` (`device_type` 1 is the CPU, 2 CUDA) — for tests and for checking what a
+/// framework hands over.
+#[pyfunction]
+pub fn dlpack_info<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    let t = tensor_info("tensor", obj, None)?;
+    let d = PyDict::new(obj.py());
+    d.set_item("device_type", t.device_type)?;
+    d.set_item("device_id", t.device_id)?;
+    d.set_item("dtype", t.dtype)?;
+    d.set_item("shape", t.shape)?;
+    d.set_item("contiguous", t.contiguous)?;
+    Ok(d)
+}
+
+/// Checks a tensor for a call: a contiguous CUDA tensor on `device`, of `shape`, of one of
+/// `dtypes`; its data pointer and dtype, or a `ValueError` naming `arg`.
+fn cuda_tensor(
+    arg: &str,
+    obj: &Bound<'_, PyAny>,
+    stream: u64,
+    device: i32,
+    shape: &[usize],
+    dtypes: &[&str],
+) -> PyResult<(u64, KvDtype, TensorInfo)> {
+    let t = tensor_info(arg, obj, Some(stream))?;
+    check(arg, &t, device, shape, dtypes)
+}
+
+fn check(
+    arg: &str,
+    t: &TensorInfo,
+    device: i32,
+    shape: &[usize],
+    dtypes: &[&str],
+) -> PyResult<(u64, KvDtype, TensorInfo)> {
+    if t.device_type != DL_CUDA {
+        let what = if t.device_type == DL_CPU {
+            "the CPU".to_string()
+        } else {
+            format!("DLPack device type {}", t.device_type)
+        };
+        return Err(bad(arg, format!("must be a CUDA tensor; it is on {what}")));
+    }
+    if t.device_id != device {
+        return Err(bad(
+            arg,
+            format!("is on cuda:{}, the cache on cuda:{device}", t.device_id),
+        ));
+    }
+    let want: Vec<i64> = shape.iter().map(|&x| x as i64).collect();
+    if t.shape != want {
+        return Err(bad(arg, format!("has shape {:?}, want {want:?}", t.shape)));
+    }
+    if !dtypes.contains(&t.dtype.as_str()) {
+        return Err(bad(
+            arg,
+            format!("has dtype {}, want one of {}", t.dtype, dtypes.join(", ")),
+        ));
+    }
+    if !t.contiguous {
+        return Err(bad(arg, "must be contiguous (.contiguous())"));
+    }
+    let dt = match t.dtype.as_str() {
+        "float16" => KvDtype::F16,
+        "bfloat16" => KvDtype::Bf16,
+        _ => KvDtype::F32,
+    };
+    Ok((
+        t.ptr,
+        dt,
+        TensorInfo {
+            ptr: t.ptr,
+            device_type: t.device_type,
+            device_id: t.device_id,
+            dtype: t.dtype.clone(),
+            shape: t.shape.clone(),
+            contiguous: t.contiguous,
+            _capsule: Python::attach(|py| t._capsule.clone_ref(py)),
+        },
+    ))
+}
+
+/// Checks a tensor the way a cache call would, without a cache: for tests (`ValueError`
+/// naming `arg` on a mismatch; the dtype the cache would read otherwise).
+#[pyfunction]
+#[pyo3(signature = (arg, obj, shape, dtypes, device=0))]
+pub fn check_cuda_tensor(
+    arg: &str,
+    obj: &Bound<'_, PyAny>,
+    shape: Vec<usize>,
+    dtypes: Vec<String>,
+    device: i32,
+) -> PyResult<String> {
+    let t = tensor_info(arg, obj, None)?;
+    let d: Vec<&str> = dtypes.iter().map(|s| s.as_str()).collect();
+    let (_, dt, _) = check(arg, &t, device, &shape, &d)?;
+    Ok(format!("{dt:?}"))
+}
+
+/// A session of a [`GpuCache`].
+#[pyclass(module = "fathom._fathom", frozen)]
+#[derive(Clone, Copy)]
+pub struct Session {
+    id: SessionId,
+}
+
+#[pymethods]
+impl Session {
+    fn __repr__(&self) -> String {
+        format!("Session({})", self.id)
+    }
+}
+
+/// Where one step's new tokens go (`GpuCache.reserve`); valid until the next reserve, fork or
+/// free.
+#[pyclass(module = "fathom._fathom")]
+pub struct Batch {
+    inner: AppendBatch,
+}
+
+#[pymethods]
+impl Batch {
+    /// Rows of the step's K/V arrays (the sum of the sessions' new tokens).
+    #[getter]
+    fn rows(&self) -> usize {
+        self.inner.rows
+    }
+    /// Sessions in the batch.
+    fn __len__(&self) -> usize {
+        self.inner.plans.len()
+    }
+}
+
+/// The paged KV cache of one model shape on a CUDA device (docs/SPEC.md §6.1), on DLPack
+/// tensors. See `fathom.GpuCache` for the documented Python API.
+#[pyclass(module = "fathom._fathom", unsendable)]
+pub struct GpuCache {
+    cache: PagedCache,
+    _gpu: Gpu,
+    device: i32,
+}
+
+fn gpu_err(e: fathom_cuda::CudaError) -> PyErr {
+    lib_err(e)
+}
+
+#[pymethods]
+impl GpuCache {
+    #[new]
+    #[pyo3(signature = (layers, kv_heads, group, dim, max_sessions, max_tokens, pages=None, page_tokens=2048, max_batch=None, max_k=512, row_cache=0, residency="host", device=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layers: usize,
+        kv_heads: usize,
+        group: usize,
+        dim: usize,
+        max_sessions: usize,
+        max_tokens: usize,
+        pages: Option<usize>,
+        page_tokens: usize,
+        max_batch: Option<usize>,
+        max_k: usize,
+        row_cache: usize,
+        residency: &str,
+        device: i32,
+    ) -> PyResult<Self> {
+        let residency = match residency {
+            "host" => Residency::Host,
+            "hbm" => Residency::Hbm,
+            other => return Err(bad("residency", format!("{other:?} (want host or hbm)"))),
+        };
+        let per = max_tokens.div_ceil(page_tokens.max(1));
+        let cfg = CacheConfig {
+            shape: ModelShape {
+                layers,
+                kv_heads,
+                group,
+                dim,
+            },
+            pages: PageConfig {
+                page_tokens,
+                pages: pages.unwrap_or(max_sessions * (per + 1)),
+                max_sessions,
+                max_tokens,
+            },
+            max_batch: max_batch.unwrap_or(max_sessions),
+            max_k,
+            row_cache,
+            residency,
+        };
+        // Limits first: a bad one is a ValueError before the device is opened.
+        let cfg = cfg.validate().map_err(lib_err)?;
+        let ordinal = usize::try_from(device).map_err(|_| bad("device", "negative"))?;
+        let gpu = Gpu::open(ordinal).map_err(gpu_err)?;
+        let cache = PagedCache::new(&gpu, cfg).map_err(gpu_err)?;
+        Ok(GpuCache {
+            cache,
+            _gpu: gpu,
+            device,
+        })
+    }
+
+    /// A new, empty session.
+    fn create(&mut self) -> PyResult<Session> {
+        Ok(Session {
+            id: self.cache.create().map_err(gpu_err)?,
+        })
+    }
+
+    /// A session sharing every token of `parent` (copy-on-write pages).
+    fn fork(&mut self, parent: &Session) -> PyResult<Session> {
+        Ok(Session {
+            id: self.cache.fork(parent.id).map_err(gpu_err)?,
+        })
+    }
+
+    /// Frees a session.
+    fn free(&mut self, session: &Session) -> PyResult<()> {
+        self.cache.free(session.id).map_err(gpu_err)
+    }
+
+    /// Tokens in a session.
+    fn len(&self, session: &Session) -> PyResult<usize> {
+        self.cache.len(session.id).map_err(gpu_err)
+    }
+
+    /// Grows a ragged batch `[(session, new_tokens)]` (all or nothing).
+    fn reserve(&mut self, batch: Vec<(Session, usize)>) -> PyResult<Batch> {
+        let b: Vec<(SessionId, usize)> = batch.iter().map(|(s, n)| (s.id, *n)).collect();
+        Ok(Batch {
+            inner: self.cache.reserve(&b).map_err(gpu_err)?,
+        })
+    }
+
+    /// Loads one layer's σ² `[Hkv][D]` (float32, host) for `fathom:B`.
+    fn load_sigma2(
+        &mut self,
+        layer: usize,
+        sigma2: numpy::PyReadonlyArray2<'_, f32>,
+    ) -> PyResult<()> {
+        use numpy::PyUntypedArrayMethods;
+        let s = self.cache.config().shape;
+        if sigma2.shape() != [s.kv_heads, s.dim] {
+            return Err(bad(
+                "sigma2",
+                format!(
+                    "shape {:?}, want [{}, {}]",
+                    sigma2.shape(),
+                    s.kv_heads,
+                    s.dim
+                ),
+            ));
+        }
+        let x = sigma2
+            .as_slice()
+            .map_err(|_| bad("sigma2", "must be C-contiguous"))?;
+        let heads: Vec<fathom_plan::scanner::HeadCalib> = x
+            .chunks(s.dim)
+            .map(|c| fathom_plan::scanner::HeadCalib {
+                sigma2: c.to_vec(),
+                ..Default::default()
+            })
+            .collect();
+        self.cache.load_calibration(layer, &heads).map_err(gpu_err)
+    }
+
+    /// Appends one layer's K and V (`[rows, Hkv, D]`, float32 / float16 / bfloat16, on this
+    /// device) to the batch's sessions, after the work queued on `stream`.
+    fn append(
+        &mut self,
+        batch: &Batch,
+        layer: usize,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.cache.config().shape;
+        let shape = [batch.inner.rows, s.kv_heads, s.dim];
+        let dt = ["float32", "float16", "bfloat16"];
+        let (kp, kd, _kh) = cuda_tensor("k", k, stream, self.device, &shape, &dt)?;
+        let (vp, vd, _vh) = cuda_tensor("v", v, stream, self.device, &shape, &dt)?;
+        if kd != vd {
+            return Err(bad("v", format!("has dtype {vd:?}, k has {kd:?}")));
+        }
+        let kv = KvRows {
+            k: kp,
+            v: vp,
+            dtype: kd,
+            rows: shape[0],
+        };
+        // SAFETY: `stream` is the caller's stream of this device's context (the Python wrapper
+        // passes torch's current stream, or the caller's own).
+        unsafe { self.cache.follow(stream) }.map_err(gpu_err)?;
+        self.cache
+            .append(&batch.inner, layer, &kv)
+            .map_err(gpu_err)?;
+        // SAFETY: as above.
+        unsafe { self.cache.signal(stream) }.map_err(gpu_err)
+    }
+
+    /// One layer's attention for the batch's sessions: queries `q` `[batch, Hq, D]` into `out`
+    /// `[batch, Hq, D]` float32 (written in place), with `method` (`dense` or any method of
+    /// the grammar) and the sink + local + top-k selection.
+    #[pyo3(signature = (batch, layer, method, q, out, stream, k=256, sink=4, local=32))]
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &mut self,
+        batch: &Batch,
+        layer: usize,
+        method: &str,
+        q: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        stream: u64,
+        k: usize,
+        sink: usize,
+        local: usize,
+    ) -> PyResult<()> {
+        let s = self.cache.config().shape;
+        let m = AttendMethod::parse(method, s.dim).map_err(lib_err)?;
+        let shape = [batch.inner.plans.len(), s.kv_heads * s.group, s.dim];
+        let (qp, qd, _qh) = cuda_tensor(
+            "q",
+            q,
+            stream,
+            self.device,
+            &shape,
+            &["float32", "float16", "bfloat16"],
+        )?;
+        let (op, _, _oh) = cuda_tensor("out", out, stream, self.device, &shape, &["float32"])?;
+        let params = fathom_plan::SelectParams { sink, local, k };
+        let qr = QueryRows { q: qp, dtype: qd };
+        if let AttendMethod::Scan(mm) = m {
+            self.cache.prepare(mm).map_err(gpu_err)?;
+        }
+        self.cache.check_method(m, layer).map_err(gpu_err)?;
+        // SAFETY: as in `append`.
+        unsafe { self.cache.follow(stream) }.map_err(gpu_err)?;
+        self.cache
+            .attend(&batch.inner, layer, m, &params, &qr, op)
+            .map_err(gpu_err)?;
+        // SAFETY: as above.
+        unsafe { self.cache.signal(stream) }.map_err(gpu_err)
+    }
+}
+
+/// The GPU half of the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<GpuCache>()?;
+    m.add_class::<Session>()?;
+    m.add_class::<Batch>()?;
+    m.add_function(wrap_pyfunction!(dlpack_info, m)?)?;
+    m.add_function(wrap_pyfunction!(check_cuda_tensor, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,85 @@
+"""The GPU API on the device: torch CUDA tensors in, attention out, zero-copy, against torch's
+own attention over the same bf16 K/V. Skips without torch or a GPU (as on CI); with
+FATHOM_REQUIRE_GPU=1 (the device runs) a missing GPU fails instead."""
+
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import fathom
+import fathom.gpu as fg
+
+if not torch.cuda.is_available():
+    if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
+        raise RuntimeError("FATHOM_REQUIRE_GPU=1 and torch sees no GPU")
+    pytest.skip("no GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+
+
+def reference(k, v, q, g):
+    """Dense attention of q [B, Hq, D] over k, v [n, Hkv, D] (bf16-rounded, as stored)."""
+    kb = k.to(torch.bfloat16).float()
+    vb = v.to(torch.bfloat16).float()
+    n, hkv, d = kb.shape
+    out = torch.empty_like(q)
+    for h in range(q.shape[1]):
+        kh, vh = kb[:, h // g], vb[:, h // g]
+        w = torch.softmax((q[0, h] @ kh.T) / math.sqrt(d), dim=0)
+        out[0, h] = w @ vh
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_append_and_dense_attend_match_torch(dtype):
+    torch.manual_seed(0)
+    L, hkv, g, d = 2, 2, 4, 128
+    cache = fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=2, max_tokens=4096)
+    s = cache.create()
+    n = 700
+    ks = [torch.randn(n, hkv, d, device="cuda").to(dtype) for _ in range(L)]
+    vs = [torch.randn(n, hkv, d, device="cuda").to(dtype) for _ in range(L)]
+    b = cache.reserve([(s, n - 1)])
+    for l in range(L):
+        cache.append(b, l, ks[l][: n - 1], vs[l][: n - 1])
+    b = cache.reserve([(s, 1)])
+    for l in range(L):
+        cache.append(b, l, ks[l][n - 1:], vs[l][n - 1:])
+    assert cache.len(s) == n
+    stream = torch.cuda.Stream()
+    for l in range(L):
+        q = torch.randn(1, hkv * g, d, device="cuda")
+        out = torch.full_like(q, float("nan"))
+        with torch.cuda.stream(stream):
+            cache.attend(b, l, "dense", q, out)  # runs on `stream` (torch's current there)
+        stream.synchronize()
+        want = reference(ks[l].float(), vs[l].float(), q, g)
+        err = ((out - want).norm() / want.norm()).item()
+        assert err < 1e-3, err
+        # exact top-k with a k that keeps every token is dense attention.
+        out2 = torch.empty_like(q)
+        cache.attend(b, l, "exact", q, out2, k=1024)
+        torch.cuda.synchronize()
+        assert ((out2 - want).norm() / want.norm()).item() < 1e-3
+
+
+def test_mismatches_raise_value_errors_and_launch_nothing():
+    cache = fg.GpuCache(layers=1, kv_heads=2, group=4, dim=64, max_sessions=2, max_tokens=1024)
+    s = cache.create()
+    b = cache.reserve([(s, 10)])
+    good = torch.zeros(10, 2, 64, device="cuda")
+    for bad, needle in [
+        (torch.zeros(10, 2, 64), "CUDA tensor"),
+        (torch.zeros(9, 2, 64, device="cuda"), "shape"),
+        (torch.zeros(10, 2, 64, device="cuda", dtype=torch.float64), "dtype"),
+        (torch.zeros(10, 64, 2, device="cuda").transpose(1, 2), "contiguous"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            cache.append(b, 0, bad, good)
+    cache.append(b, 0, good, good)
+    assert cache.len(s) == 10
+    q = torch.zeros(1, 8, 64, device="cuda")
+    with pytest.raises(ValueError, match="out"):
+        cache.attend(b, 0, "dense", q, torch.zeros(1, 8, 64, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(fathom.FathomError, match="unknown method|nope"):
+        cache.attend(b, 0, "nope", q, torch.zeros_like(q))
