@@ -419,6 +419,31 @@ impl GpuCache {
         self.cache.load_calibration(layer, &heads).map_err(gpu_err)
     }
 
+    /// Loads a calibration file (`fathom calibrate`'s JSON): σ² and Double Sparsity's channels
+    /// of every calibrated layer.
+    fn load_calibration(&mut self, path: std::path::PathBuf) -> PyResult<()> {
+        let c = fathom_bench::calib::Calibration::load(&path).map_err(lib_err)?;
+        let s = self.cache.config().shape;
+        if c.d != s.dim || c.hkv != s.kv_heads {
+            return Err(lib_err(format!(
+                "the calibration is for Hkv = {}, D = {}; the cache for Hkv = {}, D = {}",
+                c.hkv, c.d, s.kv_heads, s.dim
+            )));
+        }
+        for (slot, &layer) in c.layers.iter().enumerate() {
+            self.cache
+                .load_calibration(layer, &c.heads[slot])
+                .map_err(gpu_err)?;
+        }
+        Ok(())
+    }
+
+    /// `(mean plan bits per token and KV head, plans)` of every GPU-planned attend so far
+    /// (waits for the cache's stream).
+    fn plan_bits(&self) -> PyResult<(f64, u64)> {
+        self.cache.plan_bits().map_err(gpu_err)
+    }
+
     /// Appends one layer's K and V (`[rows, Hkv, D]`, float32 / float16 / bfloat16, on this
     /// device) to the batch's sessions, after the work queued on `stream`.
     fn append(

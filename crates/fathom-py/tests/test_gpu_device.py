@@ -83,3 +83,31 @@ def test_mismatches_raise_value_errors_and_launch_nothing():
         cache.attend(b, 0, "dense", q, torch.zeros(1, 8, 64, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(fathom.FathomError, match="unknown method|nope"):
         cache.attend(b, 0, "nope", q, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_hf_generation_on_the_gpu_cache_gives_the_models_own_tokens(qk_norm):
+    transformers = pytest.importorskip("transformers")
+    import fathom.hf
+
+    torch.manual_seed(5)
+    if qk_norm:
+        c = transformers.Qwen3Config(vocab_size=300, hidden_size=128, intermediate_size=256,
+                                     num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64)
+        model = transformers.Qwen3ForCausalLM(c)
+    else:
+        c = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256,
+                                     num_hidden_layers=2, num_attention_heads=8,
+                                     num_key_value_heads=2, head_dim=64)
+        model = transformers.LlamaForCausalLM(c)
+    model = model.eval().to("cuda")
+    ids = torch.randint(0, 300, (1, 150), device="cuda")
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True)
+    for method, k in [("dense", 16), ("exact", 400)]:
+        got, att = fathom.hf.generate(model, ids, method, k=k, max_new_tokens=12, device="cuda")
+        assert torch.equal(got, want), (method, got[0, 150:].tolist(), want[0, 150:].tolist())
+        assert att.steps > 0 and att.density == pytest.approx(1.0)
+    _, small = fathom.hf.generate(model, ids, "exact", k=16, max_new_tokens=12, device="cuda")
+    assert small.density < 0.6

@@ -87,6 +87,17 @@ class GpuCache:
 
         self._c.load_sigma2(layer, np.ascontiguousarray(sigma2, dtype=np.float32))
 
+    def load_calibration(self, path) -> None:
+        """Loads ``fathom calibrate``'s JSON: σ² (``fathom:B``) and Double Sparsity's channels
+        of every calibrated layer."""
+        import os
+
+        self._c.load_calibration(os.fspath(path))
+
+    def plan_bits(self) -> Tuple[float, int]:
+        """``(mean plan bits per token and KV head, plans)`` of the GPU-planned attends so far."""
+        return self._c.plan_bits()
+
     def append(self, batch: Batch, layer: int, k, v, stream=None) -> None:
         """Appends one layer's K and V ``[batch.rows, kv_heads, dim]`` (float32, float16 or
         bfloat16 CUDA tensors) to the batch's sessions: quantized and packed on the GPU (bit

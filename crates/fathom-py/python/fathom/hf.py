@@ -15,6 +15,12 @@ no change to the model: llama-family GQA decoders with or without QK-norm (Llama
 Qwen2.5, Qwen3) and Gemma 3. This is the CPU reference backend (the library's CPU protocol;
 the decoder keeps the sequence's keys and values on the host, so a step copies only the new
 token's rows and its queries there); batch 1.
+
+With ``device="cuda"`` the same protocol runs on the GPU through :class:`fathom.gpu.GpuCache`
+(the offloaded paged cache: the prompt's and each new token's K/V appended from the model's
+own CUDA tensors, zero-copy; plan, scan, top-k and attention on the GPU, on torch's current
+stream). Methods there: ``dense``, ``exact``, ``fathom:B``, ``sparq:r``, ``ds:r``, ``thumb2``;
+head dimensions 64, 128 or 256.
 """
 
 from __future__ import annotations
@@ -39,7 +45,20 @@ class FathomAttention:
     """The attention of one generation with one method (see the module docs)."""
 
     def __init__(self, method: str, *, k: int, calib: Optional[os.PathLike | str] = None,
-                 sink: int = 4, local: int = 32, basis: str = "raw", capacity: int = 4096):
+                 sink: int = 4, local: int = 32, basis: str = "raw", capacity: int = 4096,
+                 device: str = "cpu"):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device: {device!r} (want 'cpu' or 'cuda')")
+        if device == "cuda" and basis != "raw":
+            raise ValueError("device='cuda' stores raw channels: use basis='raw'")
+        self.device = device
+        self.gpu = None
+        self._session = None
+        self._batch = None
+        self._step_n = -1
+        self._step_rows = 0
+        self._kept = 0.0
+        self._visible = 0.0
         self.method = method
         self.k, self.sink, self.local, self.basis, self.capacity = int(k), int(sink), int(local), basis, int(capacity)
         self.calib = None if calib is None else os.fspath(calib)
@@ -56,13 +75,59 @@ class FathomAttention:
                 getattr(text, "attn_logit_softcapping", None))
         return self.decoder
 
+    def _gpu(self, config, hkv: int, d: int):
+        if self.gpu is None:
+            from . import gpu as fg
+
+            text = _text_config(config)
+            hq = int(text.num_attention_heads)
+            if getattr(text, "attn_logit_softcapping", None):
+                raise ValueError("device='cuda': the paged cache has no attention softcap")
+            self.gpu = fg.GpuCache(layers=int(text.num_hidden_layers), kv_heads=hkv, group=hq // hkv,
+                                   dim=d, max_sessions=1, max_tokens=self.capacity,
+                                   max_k=min(self.k, self.capacity))
+            if self.calib is not None:
+                self.gpu.load_calibration(self.calib)
+            self._session = self.gpu.create()
+        return self.gpu
+
     def check(self, config) -> None:
         """Builds the decoder from the model's shape, so a bad method, k or calibration is an
         error before generation starts."""
         text = _text_config(config)
         hkv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         d = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-        self._decoder(config, hkv, d)
+        if self.device == "cuda":
+            self._gpu(config, hkv, d)
+        else:
+            self._decoder(config, hkv, d)
+
+    def _cuda(self, module, query, key, value, pre: float):
+        """One decode step of one global layer through the GPU cache."""
+        import torch
+
+        cache = self._gpu(module.config, key.shape[1], query.shape[-1])
+        layer, n = int(module.layer_idx), int(key.shape[2])
+        if n != self._step_n:
+            # The step's first global layer: grow the session by what the cache has not seen
+            # (the prompt and the first token at the first step, then one token).
+            have = cache.len(self._session)
+            if n <= have:
+                raise ValueError(f"layer {layer}: the model's cache holds {n} tokens, Fathom's {have}")
+            self._batch = cache.reserve([(self._session, n - have)])
+            self._step_n, self._step_rows = n, n - have
+        rows = self._step_rows
+        k_new = key[0, :, n - rows:n].transpose(0, 1).contiguous()
+        v_new = value[0, :, n - rows:n].transpose(0, 1).contiguous()
+        cache.append(self._batch, layer, k_new, v_new)
+        q = (query[0, :, -1, :].float() * pre).unsqueeze(0).contiguous()
+        out = torch.empty_like(q)
+        cache.attend(self._batch, layer, self.method, q, out, k=self.k, sink=self.sink, local=self.local)
+        self.steps += 1
+        kept = n if self.method == "dense" else min(n, self.sink + self.local + self.k)
+        self._kept += kept
+        self._visible += n
+        return out.to(query.dtype).view(1, 1, query.shape[1], query.shape[-1]), None
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         import torch
@@ -77,6 +142,8 @@ class FathomAttention:
         d = query.shape[-1]
         hkv, n = key.shape[1], key.shape[2]
         pre = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * math.sqrt(d)
+        if self.device == "cuda":
+            return self._cuda(module, query, key, value, pre)
         dec = self._decoder(module.config, hkv, d)
 
         def host(t):
@@ -97,10 +164,17 @@ class FathomAttention:
 
     @property
     def mean_bits(self) -> float:
+        if self.device == "cuda":
+            if self.gpu is None:
+                return 0.0
+            mean, plans = self.gpu.plan_bits()
+            return mean if plans else 0.0
         return 0.0 if self.decoder is None else self.decoder.mean_bits
 
     @property
     def density(self) -> float:
+        if self.device == "cuda":
+            return 1.0 if self._visible == 0 else self._kept / self._visible
         return 1.0 if self.decoder is None else self.decoder.density
 
     @contextlib.contextmanager
@@ -121,17 +195,19 @@ class FathomAttention:
 
 
 def generate(model, input_ids, method: str, *, k: int, calib: Optional[os.PathLike | str] = None,
-             max_new_tokens: int = 32, sink: int = 4, local: int = 32, basis: str = "raw", **generate_kwargs):
+             max_new_tokens: int = 32, sink: int = 4, local: int = 32, basis: str = "raw",
+             device: str = "cpu", **generate_kwargs):
     """Greedy ``model.generate`` with every decode step's global attention through Fathom's
     protocol with ``method`` (``"dense"``, ``"exact"``, ``"fathom:48"``, ``"sparq:32"``, …);
     returns ``(output_ids, attention)``, the latter with ``mean_bits`` and ``density``.
-    Fathom methods need ``calib`` (``fathom.calibrate`` on a capture of the same model)."""
+    Fathom methods need ``calib`` (``fathom.calibrate`` on a capture of the same model).
+    ``device="cuda"`` runs the protocol on the GPU through the offloaded paged cache."""
     import torch
 
     if input_ids.shape[0] != 1:
         raise ValueError(f"input_ids: batch {input_ids.shape[0]}; fathom.hf decodes one sequence")
     att = FathomAttention(method, k=k, calib=calib, sink=sink, local=local, basis=basis,
-                          capacity=int(input_ids.shape[1]) + int(max_new_tokens))
+                          capacity=int(input_ids.shape[1]) + int(max_new_tokens), device=device)
     with att.installed(model), torch.no_grad():
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
                              use_cache=True, **generate_kwargs)
