@@ -373,8 +373,10 @@ impl Event {
     /// As [`Event::record_raw`].
     pub(crate) unsafe fn wait_on_raw(&self, s: sys::CUstream) -> Result<()> {
         // SAFETY: a live event; the caller vouches for the stream.
-        unsafe { result::stream::wait_event(s, self.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(drv("stream wait event"))
+        unsafe {
+            result::stream::wait_event(s, self.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        }
+        .map_err(drv("stream wait event"))
     }
     pub(crate) fn elapsed_ms(&self, end: &Event) -> Result<f64> {
         // SAFETY: both events are live and have completed (the caller synchronised).
