@@ -391,11 +391,51 @@ pub struct DecodeBenchArgs {
     /// HBM row-cache slots per (session, layer, KV head).
     #[arg(long, default_value_t = 0)]
     pub row_cache: usize,
+    /// GPUs of this host (sessions spread over `gpus / tp` groups).
+    #[arg(long, default_value_t = 1)]
+    pub gpus: usize,
+    /// Tensor-parallel GPUs per group (KV heads split, Megatron-style).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Write the results as JSON here (atomically).
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[command(flatten)]
     pub cache: CacheArgs,
+}
+
+/// Checks `--gpus` / `--tp` against the model (`fathom_gpu::shard`) and describes the plan; a
+/// plan over several GPUs is refused until the multi-GPU path exists (it needs NCCL and a
+/// machine with several GPUs).
+fn multi_gpu_plan(
+    cfg: &fathom_model::Config,
+    gpus: usize,
+    tp: usize,
+    sessions: &[usize],
+) -> Result<()> {
+    if gpus == 0 || tp == 0 || gpus % tp != 0 {
+        bail!("--gpus {gpus} --tp {tp}: want tp ≥ 1 dividing gpus ≥ 1");
+    }
+    let shards = fathom_gpu::shard::tensor_parallel(cfg, tp)?;
+    let groups = fathom_gpu::shard::data_parallel(sessions, gpus / tp)?;
+    if gpus > 1 {
+        let heads: Vec<String> = shards
+            .iter()
+            .map(|s| {
+                format!(
+                    "GPU {}: KV heads {:?}, FFN rows {:?}",
+                    s.rank, s.kv_heads, s.ffn
+                )
+            })
+            .collect();
+        bail!(
+            "--gpus {gpus}: several GPUs are not run yet (the tensor-parallel all-reduce needs NCCL and a multi-GPU machine); the plan would be: within each of {} groups {}; sessions per group {:?}",
+            gpus / tp,
+            heads.join("; "),
+            groups
+        );
+    }
+    Ok(())
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -434,6 +474,18 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     if let Some(p) = &a.json {
         crate::check_writable(p)?;
     }
+    if let Some(c) = &preset {
+        // The shape is known: the multi-GPU plan is checked before the device is opened.
+        let bmax = *a.batch.iter().max().unwrap_or(&1);
+        let ctx: Vec<usize> = (0..bmax).map(|i| contexts[i % contexts.len()]).collect();
+        multi_gpu_plan(c, a.gpus, a.tp, &ctx)?;
+    } else if a.gpus == 0 || a.tp == 0 || a.gpus % a.tp != 0 {
+        bail!(
+            "--gpus {} --tp {}: want tp ≥ 1 dividing gpus ≥ 1",
+            a.gpus,
+            a.tp
+        );
+    }
     let gpu = Gpu::open(0).context("decode-bench needs a GPU")?;
     let h2d_gbps = gpu.h2d_bandwidth(256 << 20)?;
     // Real weights and text, or a preset's random weights and synthetic K/V (labelled).
@@ -467,6 +519,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let bmax = *a.batch.iter().max().unwrap_or(&1);
     let ctx: Vec<usize> = (0..bmax).map(|i| contexts[i % contexts.len()]).collect();
+    multi_gpu_plan(&cfg, a.gpus, a.tp, &ctx)?;
     let max_tokens = ctx.iter().max().copied().unwrap_or(1) + a.steps + 8;
     let mut dcfg = DecoderConfig::new(2 * bmax, max_tokens);
     dcfg.max_batch = bmax;

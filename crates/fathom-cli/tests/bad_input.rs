@@ -1019,6 +1019,40 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "landmark",
         Some(out_db.clone()),
     );
+    case(
+        "impossible split",
+        "decode-bench",
+        off(s([
+            "decode-bench",
+            "--model",
+            "qwen3-8b",
+            "--gpus",
+            "6",
+            "--tp",
+            "3",
+            "--json",
+            &out_db,
+        ])),
+        "KV heads",
+        Some(out_db.clone()),
+    );
+    case(
+        "several GPUs (not run yet)",
+        "decode-bench",
+        off(s([
+            "decode-bench",
+            "--model",
+            "qwen3-8b",
+            "--gpus",
+            "4",
+            "--tp",
+            "2",
+            "--json",
+            &out_db,
+        ])),
+        "several GPUs are not run yet",
+        Some(out_db.clone()),
+    );
     let uw = unwritable("decode-bench.json");
     case(
         "unwritable output",

@@ -62,6 +62,7 @@ pub mod error;
 pub mod layout;
 pub mod parity;
 pub mod presets;
+pub mod shard;
 
 #[cfg(feature = "cuda")]
 mod cuda;
