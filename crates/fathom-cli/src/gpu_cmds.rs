@@ -438,6 +438,9 @@ fn multi_gpu_plan(
     Ok(())
 }
 
+/// Instrumented steps per method and batch (after the timed ones).
+const SPLIT_STEPS: usize = 3;
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -650,6 +653,22 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
             }
             let (bits1, plans1) = dec.cache_mut()?.plan_bits()?;
             let rc1 = dec.cache_mut()?.row_counters()?;
+            // A few more steps with CUDA events around the stages, apart from the timed ones.
+            dec.set_instrument(true);
+            for _ in 0..SPLIT_STEPS {
+                step(&mut dec, &mut toks)?;
+            }
+            let st = dec.take_stage_times()?;
+            dec.set_instrument(false);
+            let per = |x: f64| x / st.steps.max(1) as f64;
+            let split = fathom_results::decode_bench::StageSplit {
+                steps: st.steps,
+                total_ms: per(st.total_ms),
+                weights_ms: per(st.weights_ms),
+                attention_ms: per(st.attention_ms),
+                appends_ms: per(st.appends_ms),
+                sampling_ms: per(st.sampling_ms),
+            };
             for f in forks {
                 dec.free(f)?;
             }
@@ -693,16 +712,21 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
                 } else {
                     0.0
                 },
+                split: Some(split.clone()),
             };
             println!(
-                "B={b:<3} {:<12} {:>9.1} tok/s ({:.1} per session), step p50 {:.2} ms p99 {:.2} ms, link {:.1} MB/step = floor {:.2} ms",
+                "B={b:<3} {:<12} {:>9.1} tok/s ({:.1} per session), step p50 {:.2} ms p99 {:.2} ms, link {:.1} MB/step = floor {:.2} ms; GPU split: weights {:.2}, attention {:.2}, appends {:.2}, sampling {:.2} ms",
                 e.method,
                 e.tokens_per_s,
                 e.per_session_tokens_per_s,
                 e.step_ms_p50,
                 e.step_ms_p99,
                 e.pcie_bytes_per_step / 1e6,
-                e.link_floor_ms
+                e.link_floor_ms,
+                split.weights_ms,
+                split.attention_ms,
+                split.appends_ms,
+                split.sampling_ms
             );
             entries.push(e);
         }

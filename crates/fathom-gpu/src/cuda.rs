@@ -20,14 +20,16 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
-use cudarc::driver::{result, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    result, CudaEvent, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use fathom_cuda::cache::{AppendBatch, AttendMethod, KvDtype, KvRows, QueryRows};
 use fathom_cuda::pages::SessionId;
 use fathom_cuda::{CudaError, Gpu, PagedCache};
 use fathom_model::{Arch, Config, DenseWeights, LayerKind, RopeStyle};
 
-use crate::decoder::{Attention, Decoder};
+use crate::decoder::{Attention, Decoder, StageTimes};
 use crate::error::{GpuError, Result};
 use crate::layout::{self, DecoderConfig};
 
@@ -169,6 +171,18 @@ pub struct GpuDecoder {
     work: Work,
     window: usize,
     prepared: HashSet<String>,
+    /// Timing events of instrumented decode steps (`set_instrument`): per stage, the (start,
+    /// end) pairs recorded since the last `take_stage_times`.
+    timing: Option<Timing>,
+}
+
+/// Events of instrumented steps.
+#[derive(Default)]
+struct Timing {
+    steps: Vec<(CudaEvent, CudaEvent)>,
+    attention: Vec<(CudaEvent, CudaEvent)>,
+    appends: Vec<(CudaEvent, CudaEvent)>,
+    sampling: Vec<(CudaEvent, CudaEvent)>,
 }
 
 impl std::fmt::Debug for GpuDecoder {
@@ -415,6 +429,7 @@ impl GpuDecoder {
             work,
             window,
             prepared: HashSet::new(),
+            timing: None,
         })
     }
 
@@ -625,8 +640,11 @@ impl GpuDecoder {
                 dtype: KvDtype::F32,
                 rows,
             };
+            let t = self.mark()?;
             self.cache.append(batch, l, &kv)?;
+            Self::close(&self.stream, &mut self.timing, t, |tm| &mut tm.appends)?;
             let kind = c.layer_kinds[l];
+            let t = self.mark()?;
             match (prefill, attention, kind) {
                 (None, Some(att), LayerKind::Global) => {
                     let q = QueryRows {
@@ -641,6 +659,7 @@ impl GpuDecoder {
                     self.prefill_attention(batch, l, kind, pos0, end, rows)?
                 }
             }
+            Self::close(&self.stream, &mut self.timing, t, |tm| &mut tm.attention)?;
             let blk = &self.blocks[l];
             let w = &self.work;
             self.to_bf16(w.o.ptr, rows * hq * d, w.xb.ptr)?;
@@ -839,8 +858,10 @@ impl GpuDecoder {
         batch: &[(SessionId, u32)],
         attention: &Attention,
     ) -> Result<Vec<u32>> {
+        let step = self.mark()?;
         self.decode_layers(batch, attention)?;
         let rows = batch.len();
+        let t = self.mark()?;
         self.lm_head_rows(0, rows)?;
         let w = &self.work;
         let v = self.cfg.vocab_size as u32;
@@ -849,6 +870,8 @@ impl GpuDecoder {
         // SAFETY: logits holds rows · vocab f32 and sampled max_batch ≥ rows u32.
         unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
             .map_err(drv("launch argmax_rows"))?;
+        Self::close(&self.stream, &mut self.timing, t, |tm| &mut tm.sampling)?;
+        Self::close(&self.stream, &mut self.timing, step, |tm| &mut tm.steps)?;
         self.stream.synchronize().map_err(drv("synchronize"))?;
         let mut out = vec![0u32; rows];
         // SAFETY: sampled holds at least `rows` u32; the stream is idle.
@@ -910,6 +933,74 @@ impl GpuDecoder {
             }
             done += m;
         }
+        Ok(())
+    }
+
+    /// Turns the per-stage timing of [`GpuDecoder::decode_greedy`] steps on or off (CUDA events
+    /// around every append, attention and the sampling; leave it off for throughput).
+    pub fn set_instrument(&mut self, on: bool) {
+        self.timing = on.then(Timing::default);
+    }
+
+    /// The stage times of the instrumented steps since the last call (waits for the stream).
+    ///
+    /// # Errors
+    /// Instrumentation off; a driver failure.
+    pub fn take_stage_times(&mut self) -> Result<StageTimes> {
+        let tm = self.timing.replace(Timing::default()).ok_or_else(|| {
+            GpuError::invalid("stage times", "instrumentation is off (set_instrument)")
+        })?;
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        let sum = |v: &[(CudaEvent, CudaEvent)]| -> Result<f64> {
+            let mut t = 0.0;
+            for (a, b) in v {
+                t += a.elapsed_ms(b).map_err(drv("event elapsed"))? as f64;
+            }
+            Ok(t)
+        };
+        let (total, attention, appends, sampling) = (
+            sum(&tm.steps)?,
+            sum(&tm.attention)?,
+            sum(&tm.appends)?,
+            sum(&tm.sampling)?,
+        );
+        Ok(StageTimes {
+            steps: tm.steps.len(),
+            total_ms: total,
+            attention_ms: attention,
+            appends_ms: appends,
+            sampling_ms: sampling,
+            weights_ms: (total - attention - appends - sampling).max(0.0),
+        })
+    }
+
+    /// A timing event recorded now when instrumenting.
+    fn mark(&self) -> Result<Option<CudaEvent>> {
+        if self.timing.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(
+            self.stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv("event record"))?,
+        ))
+    }
+
+    /// Closes a `mark` into the stage list `pick` chooses (a function of the two fields, so
+    /// that callers may hold other fields borrowed).
+    fn close(
+        stream: &CudaStream,
+        timing: &mut Option<Timing>,
+        start: Option<CudaEvent>,
+        pick: impl FnOnce(&mut Timing) -> &mut Vec<(CudaEvent, CudaEvent)>,
+    ) -> Result<()> {
+        let (Some(a), Some(tm)) = (start, timing.as_mut()) else {
+            return Ok(());
+        };
+        let b = stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv("event record"))?;
+        pick(tm).push((a, b));
         Ok(())
     }
 

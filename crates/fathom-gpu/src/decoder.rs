@@ -35,3 +35,21 @@ pub trait Decoder {
     /// sliding-window layers densely over their window.
     fn decode(&mut self, batch: &[(SessionId, u32)], attention: &Attention) -> Result<Vec<f32>>;
 }
+
+/// Where instrumented decode steps spent their GPU time (ms summed over the steps, CUDA
+/// events; the events themselves add a little to each step).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StageTimes {
+    /// Instrumented steps.
+    pub steps: usize,
+    /// Whole steps.
+    pub total_ms: f64,
+    /// The global layers' attends and the sliding layers' window attention.
+    pub attention_ms: f64,
+    /// The K/V appends.
+    pub appends_ms: f64,
+    /// The final norm, LM head and greedy sampling.
+    pub sampling_ms: f64,
+    /// The rest: embeddings, norms, QK-norm and RoPE, every other matmul (the weights' share).
+    pub weights_ms: f64,
+}

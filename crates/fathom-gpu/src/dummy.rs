@@ -62,6 +62,17 @@ impl GpuDecoder {
         Err(CudaError::NotCompiledWithCuda.into())
     }
 
+    /// Turns per-stage timing on or off (nothing to time in this build).
+    pub fn set_instrument(&mut self, _on: bool) {}
+
+    /// The stage times of the instrumented steps.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn take_stage_times(&mut self) -> Result<crate::StageTimes> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+
     /// Bytes of device memory in use.
     ///
     /// # Errors

@@ -74,6 +74,6 @@ mod dummy;
 #[cfg(not(feature = "cuda"))]
 pub use dummy::GpuDecoder;
 
-pub use decoder::{Attention, Decoder};
+pub use decoder::{Attention, Decoder, StageTimes};
 pub use error::{GpuError, Result};
 pub use layout::DecoderConfig;

@@ -34,6 +34,26 @@ pub struct DecodeBenchEntry {
     pub rows_per_step: f64,
     /// Row-cache hit rate.
     pub row_hit_rate: f64,
+    /// Where the GPU time of a few instrumented steps went (CUDA events; not the timed steps).
+    #[serde(default)]
+    pub split: Option<StageSplit>,
+}
+
+/// Mean GPU milliseconds per instrumented step, by stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageSplit {
+    /// Instrumented steps averaged.
+    pub steps: usize,
+    /// Whole step.
+    pub total_ms: f64,
+    /// Embeddings, norms, QK-norm and RoPE and every matmul but the LM head (the weights).
+    pub weights_ms: f64,
+    /// Attention (the cache's attends; sliding layers' windows).
+    pub attention_ms: f64,
+    /// K/V appends.
+    pub appends_ms: f64,
+    /// Final norm, LM head and greedy sampling.
+    pub sampling_ms: f64,
 }
 
 /// A `fathom decode-bench` run.
