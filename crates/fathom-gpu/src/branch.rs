@@ -172,36 +172,41 @@ pub fn greedy<D: BranchDecoder + ?Sized>(
     })
 }
 
-/// Teacher forcing from a fork of each root: feeds `forced[i]` one token per step (every
-/// root's in one batch) and returns the argmax after each (prediction `j` is for
-/// `forced[i][j + 1]`); the forks are freed.
+/// Teacher forcing from a fork of each root: feeds `forced[i]` one token per step (every root
+/// that still has tokens in one batch; the sequences may differ in length) and returns the
+/// argmax after each (prediction `j` is for `forced[i][j + 1]`); the forks are freed.
 ///
 /// # Errors
-/// As [`greedy`]; forced sequences of different lengths.
+/// As [`greedy`]; not one forced sequence per root.
 pub fn forced<D: BranchDecoder + ?Sized>(
     dec: &mut D,
     roots: &[SessionId],
     att: &Attention,
     forced: &[&[u32]],
 ) -> Result<Vec<BranchOut>> {
-    let n = forced.first().map_or(0, |f| f.len());
-    if forced.len() != roots.len() || forced.iter().any(|f| f.len() != n) {
+    if forced.len() != roots.len() {
         return Err(crate::error::GpuError::invalid(
             "forced",
-            "one forced sequence per root, all of one length",
+            format!(
+                "{} forced sequences for {} roots",
+                forced.len(),
+                roots.len()
+            ),
         ));
     }
+    let n = forced.iter().map(|f| f.len()).max().unwrap_or(0);
     with_forks(dec, roots, |dec, forks| {
         let mut outs = vec![BranchOut::default(); roots.len()];
         for j in 0..n {
+            let active: Vec<usize> = (0..roots.len()).filter(|&i| j < forced[i].len()).collect();
             let batch: Vec<(SessionId, u32)> =
-                forks.iter().zip(forced).map(|(&f, s)| (f, s[j])).collect();
+                active.iter().map(|&i| (forks[i], forced[i][j])).collect();
             let (logits, bits) = step(dec, &batch, att)?;
             let v = dec.model().vocab_size;
-            for (i, out) in outs.iter_mut().enumerate() {
+            for (r, &i) in active.iter().enumerate() {
                 let visible = dec.len(forks[i])?;
-                account(dec.model(), out, att, visible, bits);
-                out.tokens.push(argmax(&logits[i * v..(i + 1) * v]));
+                account(dec.model(), &mut outs[i], att, visible, bits);
+                outs[i].tokens.push(argmax(&logits[r * v..(r + 1) * v]));
             }
         }
         Ok(outs)
@@ -403,8 +408,12 @@ mod tests {
                 .collect();
             assert_eq!(out[i].tokens, want);
         }
+        // Sequences of different lengths: each root is fed its own, the shorter leaves the batch.
+        let ragged = forced(&mut dec, &ids, &att(), &[&f0, &f1[..3]]).unwrap();
+        assert_eq!(ragged[0].tokens, out[0].tokens);
+        assert_eq!(ragged[1].tokens, out[1].tokens[..3].to_vec());
         let live = dec.sessions.live_sessions();
-        assert!(forced(&mut dec, &ids, &att(), &[&f0, &f1[..3]]).is_err());
+        assert!(forced(&mut dec, &ids, &att(), &[&f0]).is_err());
         dec.fail_at = Some(dec.batches.len() + 2);
         assert!(forced(&mut dec, &ids, &att(), &[&f0, &f1]).is_err());
         assert_eq!(
