@@ -82,6 +82,8 @@ pub struct Inputs {
     pub agent: Vec<Source<AgentDoc>>,
     /// CPU runtime speed tables.
     pub speed: Vec<Source<ModelSpeed>>,
+    /// End-to-end decode throughput runs (`fathom decode-bench`).
+    pub decode: Vec<Source<fathom_results::decode_bench::DecodeBench>>,
     /// JSON files that are no result document, with why (listed, never read as results;
     /// calibration files, the runs' inputs, are skipped).
     pub others: Vec<(PathBuf, String)>,
@@ -152,20 +154,7 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                     Document::Stage(_) => inp
                         .others
                         .push((path.clone(), "a single stage record".into())),
-                    Document::DecodeBench(d) => inp.others.push((
-                        path.clone(),
-                        format!(
-                            "decode throughput of {} ({} weights) on {}: {}",
-                            d.model,
-                            d.weights,
-                            d.device.name,
-                            d.entries
-                                .iter()
-                                .map(|e| format!("{} B={} {:.0} tok/s", e.method, e.batch, e.tokens_per_s))
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    )),
+                    Document::DecodeBench(d) => push!(decode, d),
                     Document::GpuParity(d) => inp.others.push((
                         path.clone(),
                         format!(
@@ -211,6 +200,7 @@ pub fn render(inp: &Inputs) -> String {
     }
     sections::ablations(inp, &mut s);
     sections::cpu_speed(inp, &mut s);
+    sections::decode_throughput(inp, &mut s);
     sections::memory(inp, &mut s);
     sections::others(inp, &mut s);
     sections::stage_log(inp, &mut s);

@@ -139,6 +139,53 @@ pub fn cpu_speed(inp: &Inputs, s: &mut String) {
     }
 }
 
+/// End-to-end decode throughput with the K|V in the offloaded cache (docs/SPEC.md §9).
+pub fn decode_throughput(inp: &Inputs, s: &mut String) {
+    s.push_str("## Decode throughput with many sessions (docs/SPEC.md §9)\n\n");
+    if inp.decode.is_empty() {
+        s.push_str("No `fathom decode-bench` results were found: not measured in this run.\n\n");
+        return;
+    }
+    for d in &inp.decode {
+        let v = &d.doc;
+        s.push_str(&format!(
+            "`{}` ({}, weights: {}; {} on {}, pages in {}, {} timed steps, H2D {:.1} GB/s; {:.0} bytes of pinned memory per resident token; {:.1} GiB of device memory in use; prefill {:.1} s apart):\n\n",
+            inp.rel(&d.path),
+            v.model,
+            v.weights,
+            v.command.split_whitespace().next().unwrap_or("fathom"),
+            v.device.name,
+            v.residency,
+            v.steps,
+            v.h2d_gbps,
+            v.host_bytes_per_token,
+            v.device_bytes_in_use as f64 / (1u64 << 30) as f64,
+            v.prefill_seconds
+        ));
+        s.push_str("| method | B | tokens/s | per session | step p50 / p99 ms | link MB/step | link floor ms | GPU split: weights / attention / appends / sampling ms |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+        for e in &v.entries {
+            let split = e.split.as_ref().map_or("—".into(), |x| {
+                format!(
+                    "{:.2} / {:.2} / {:.2} / {:.2}",
+                    x.weights_ms, x.attention_ms, x.appends_ms, x.sampling_ms
+                )
+            });
+            s.push_str(&format!(
+                "| {} | {} | {:.1} | {:.2} | {:.2} / {:.2} | {:.1} | {:.2} | {split} |\n",
+                e.method,
+                e.batch,
+                e.tokens_per_s,
+                e.per_session_tokens_per_s,
+                e.step_ms_p50,
+                e.step_ms_p99,
+                e.pcie_bytes_per_step / 1e6,
+                e.link_floor_ms
+            ));
+        }
+        s.push('\n');
+    }
+}
+
 /// Bytes per token per KV head, read per scan and kept by each index, from the first
 /// fidelity run with more than three methods.
 pub fn memory(inp: &Inputs, s: &mut String) {
@@ -200,4 +247,73 @@ pub fn stage_log(inp: &Inputs, s: &mut String) {
         ));
     }
     s.push('\n');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fathom_results::decode_bench::{DecodeBench, DecodeBenchEntry, StageSplit};
+    use fathom_results::offload::DeviceInfo;
+
+    /// A made-up document (not a measurement): the section renders every entry and its split.
+    #[test]
+    fn the_decode_throughput_section_lists_every_entry() {
+        let entry = |method: &str, batch: usize, tps: f64| DecodeBenchEntry {
+            method: method.into(),
+            batch,
+            contexts: vec![32768; batch],
+            tokens_per_s: tps,
+            per_session_tokens_per_s: tps / batch as f64,
+            step_ms_p50: 1.0,
+            step_ms_p99: 2.0,
+            plan_bits: 48.0,
+            pcie_bytes_per_step: 3e6,
+            link_floor_ms: 0.06,
+            rows_per_step: 100.0,
+            row_hit_rate: 0.5,
+            split: Some(StageSplit {
+                steps: 3,
+                total_ms: 1.0,
+                weights_ms: 0.4,
+                attention_ms: 0.3,
+                appends_ms: 0.1,
+                sampling_ms: 0.2,
+            }),
+        };
+        let doc = DecodeBench {
+            version: fathom_results::VERSION,
+            fathom: "test".into(),
+            command: "fathom decode-bench (made up for this test)".into(),
+            model: "smollm2-135m".into(),
+            weights: "real".into(),
+            device: DeviceInfo {
+                name: "no device (test)".into(),
+                compute_capability: (0, 0),
+                total_mem_bytes: 0,
+                multiprocessors: 0,
+                driver_version: 0,
+                arch: "none".into(),
+            },
+            residency: "host".into(),
+            steps: 32,
+            h2d_gbps: 50.0,
+            host_bytes_per_token: 1000.0,
+            device_bytes_in_use: 1 << 30,
+            prefill_seconds: 1.0,
+            entries: vec![entry("dense", 1, 100.0), entry("fathom:48", 16, 900.0)],
+        };
+        let mut inp = Inputs::default();
+        let mut s = String::new();
+        decode_throughput(&inp, &mut s);
+        assert!(s.contains("not measured"));
+        inp.decode.push(crate::Source {
+            path: "x/decode-bench.json".into(),
+            doc,
+        });
+        let mut s = String::new();
+        decode_throughput(&inp, &mut s);
+        assert!(s.contains("| dense | 1 | 100.0 |"), "{s}");
+        assert!(s.contains("| fathom:48 | 16 | 900.0 | 56.25 |"), "{s}");
+        assert!(s.contains("0.40 / 0.30 / 0.10 / 0.20"), "{s}");
+    }
 }
