@@ -400,6 +400,9 @@ pub struct DecodeBenchArgs {
     /// Write the results as JSON here (atomically).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also plot aggregate tokens/s against B, one line per method (PNG).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     #[command(flatten)]
     pub cache: CacheArgs,
 }
@@ -475,6 +478,9 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     let names: Vec<String> = a.methods.split(',').map(|m| m.trim().to_string()).collect();
     check_gpu_methods(&names)?;
     if let Some(p) = &a.json {
+        crate::check_writable(p)?;
+    }
+    if let Some(p) = &a.plot {
         crate::check_writable(p)?;
     }
     if let Some(c) = &preset {
@@ -746,6 +752,25 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         prefill_seconds,
         entries,
     };
+    if let Some(p) = &a.plot {
+        let pts: Vec<(String, usize, f64)> = doc
+            .entries
+            .iter()
+            .map(|e| (e.method.clone(), e.batch, e.tokens_per_s))
+            .collect();
+        let title = format!(
+            "{} on {}: decode tokens/s against B (pages in {}; {})",
+            doc.model,
+            doc.device.name,
+            doc.residency,
+            if doc.weights.starts_with("real") {
+                "real weights"
+            } else {
+                "random weights"
+            }
+        );
+        fathom_report::plot::tokens_vs_batch(&pts, &title, p)?;
+    }
     if let Some(out) = &a.json {
         fathom_results::write(out, doc).with_context(|| format!("writing {}", out.display()))?;
     }

@@ -183,3 +183,85 @@ impl Drop for RemoveOnDrop<'_> {
         let _ = std::fs::remove_file(self.0);
     }
 }
+
+/// Writes aggregate decode tokens/s against the batch size (log₂ x) to `path` atomically, one
+/// line per method: `points` are `(method, batch, tokens_per_s)`.
+pub fn tokens_vs_batch(points: &[(String, usize, f64)], title: &str, path: &Path) -> Result<()> {
+    register_font()?;
+    let pts: Vec<&(String, usize, f64)> = points
+        .iter()
+        .filter(|p| p.1 > 0 && p.2.is_finite() && p.2 > 0.0)
+        .collect();
+    if pts.is_empty() {
+        return Err(ReportError::Plot(
+            "nothing to plot: no positive throughput".into(),
+        ));
+    }
+    let xmax = pts.iter().map(|p| p.1).max().unwrap_or(1) as f64 * 1.5;
+    let ymax = pts.iter().map(|p| p.2).fold(0.0, f64::max) * 1.1;
+    let tmp = path.with_extension(format!("tmp-{}.png", std::process::id()));
+    let _cleanup = RemoveOnDrop(&tmp);
+    {
+        let root = BitMapBackend::new(&tmp, (1000, 650)).into_drawing_area();
+        root.fill(&WHITE).map_err(draw)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(80)
+            .build_cartesian_2d((0.75f64..xmax).log_scale(), 0f64..ymax)
+            .map_err(draw)?;
+        chart
+            .configure_mesh()
+            .x_desc("sessions decoding together (B)")
+            .y_desc("aggregate tokens per second")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()
+            .map_err(draw)?;
+        let mut methods: Vec<&str> = pts.iter().map(|p| p.0.as_str()).collect();
+        methods.sort();
+        methods.dedup();
+        for (i, m) in methods.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()].to_rgba();
+            let mut series: Vec<(f64, f64)> = pts
+                .iter()
+                .filter(|p| p.0 == *m)
+                .map(|p| (p.1 as f64, p.2))
+                .collect();
+            series.sort_by(|a, b| a.0.total_cmp(&b.0));
+            chart
+                .draw_series(LineSeries::new(series.clone(), color.stroke_width(2)))
+                .map_err(draw)?
+                .label(*m)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+            chart
+                .draw_series(
+                    series
+                        .iter()
+                        .map(|&(x, y)| Circle::new((x, y), 4, color.filled())),
+                )
+                .map_err(draw)?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(draw)?;
+        root.present().map_err(|e| {
+            ReportError::Plot(format!("rendering the plot into {}: {e}", path.display()))
+        })?;
+    }
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|source| ReportError::Io {
+            path: path.into(),
+            source,
+        })?;
+    Ok(())
+}
