@@ -42,7 +42,7 @@ throughput)
   for m in "smollm2-135m 32k" "gemma3-270m 32k" "qwen3-8b 128k"; do
     set -- $m
     timeout 280 $B/fathom decode-bench --model $1 --context $2 --batch 1,4,16 --steps 32 \
-      --methods dense,exact,fathom:48,fathom:92,sparq:32 --offline --json $OUT/decode-bench-$1-$2.json \
+      --methods dense,exact,fathom:48,fathom:92,sparq:32 --offline --json $OUT/decode-bench-$1-$2.json --plot $OUT/decode-bench-$1-$2.png \
       > $OUT/decode-bench-$1-$2.txt 2>&1
     echo "decode-bench $1 $2 rc=$?" | tee -a $OUT/summary.txt; tail -15 $OUT/decode-bench-$1-$2.txt
   done
