@@ -165,14 +165,18 @@ pub fn error_vs_bits(methods: &[MethodRow], title: &str, path: &Path) -> Result<
             ReportError::Plot(format!("rendering the plot into {}: {e}", path.display()))
         })?;
     }
-    std::fs::File::open(&tmp)
+    commit_png(&tmp, path)
+}
+
+/// Makes the rendered temporary PNG durable and moves it to `path` (atomic rename).
+fn commit_png(tmp: &Path, path: &Path) -> Result<()> {
+    std::fs::File::open(tmp)
         .and_then(|f| f.sync_all())
-        .and_then(|()| std::fs::rename(&tmp, path))
+        .and_then(|()| std::fs::rename(tmp, path))
         .map_err(|source| ReportError::Io {
             path: path.into(),
             source,
-        })?;
-    Ok(())
+        })
 }
 
 /// Removes a temporary file on every exit (after a successful rename it is already gone).
@@ -256,12 +260,5 @@ pub fn tokens_vs_batch(points: &[(String, usize, f64)], title: &str, path: &Path
             ReportError::Plot(format!("rendering the plot into {}: {e}", path.display()))
         })?;
     }
-    std::fs::File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|source| ReportError::Io {
-            path: path.into(),
-            source,
-        })?;
-    Ok(())
+    commit_png(&tmp, path)
 }
