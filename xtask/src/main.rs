@@ -930,6 +930,7 @@ mod tests {
                     "fathom-model",
                     "fathom-plan",
                     "fathom-results",
+                    "fathom-store",
                 ],
             ),
             (

@@ -199,27 +199,16 @@ impl GpuEval {
         max_tokens: usize,
         calib: Option<&fathom_eval::decode::LayerCalib>,
     ) -> Result<GpuEval> {
-        let d = head_dim;
-        let mut atts = Vec::with_capacity(methods.len());
-        let mut refused = Vec::new();
-        for m in methods {
-            let method = AttendMethod::parse(m, d)?;
-            if let AttendMethod::Scan(
-                fathom_cuda::Method::Loki(_)
-                | fathom_cuda::Method::Landmark
-                | fathom_cuda::Method::Quest,
-            ) = method
-            {
-                refused.push(m.clone());
-            }
-            atts.push(Attention { method, params });
-        }
-        if !refused.is_empty() {
-            bail!(
-                "--device cuda: the paged cache does not run {} yet; remove them from --methods (or run them with --device cpu)",
-                refused.join(", ")
-            );
-        }
+        check_gpu_methods(methods)?;
+        let atts = methods
+            .iter()
+            .map(|m| {
+                Ok(Attention {
+                    method: AttendMethod::parse(m, head_dim)?,
+                    params,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let gpu = Gpu::open(0).context("--device cuda needs a GPU")?;
         let weights = DenseWeights::load(model_path)?;
         // A group's roots and their forks of one method alive at once.
@@ -441,17 +430,6 @@ fn multi_gpu_plan(
     Ok(())
 }
 
-/// Instrumented steps per method and batch (after the timed ones).
-const SPLIT_STEPS: usize = 3;
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
 /// Run `fathom decode-bench`.
 pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     let preset = fathom_gpu::presets::preset(&a.model);
@@ -615,128 +593,35 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         }
     };
     let prefill_seconds = t0.elapsed().as_secs_f64();
-    let layout = fathom_cuda::PagedLayout::new(
-        fathom_store::Dims {
-            heads: cfg.n_kv_heads,
-            channels: d,
-        },
-        dcfg.page_tokens,
-        1,
+    let named: Vec<(String, Attention)> = names.iter().cloned().zip(atts.iter().copied()).collect();
+    let m = fathom_gpu::throughput::measure(
+        &mut dec,
+        &roots,
+        &named,
+        &a.batch,
+        a.steps,
+        h2d_gbps,
+        a.residency == "hbm",
     )?;
-    let host_bytes_per_token =
-        layout.page_bytes() as f64 / dcfg.page_tokens as f64 * cfg.n_layers as f64;
-    let globals = cfg
-        .layer_kinds
-        .iter()
-        .filter(|k| **k == fathom_model::LayerKind::Global)
-        .count();
-    let record = layout.record_bytes() as f64;
-    let mut entries = Vec::new();
-    for &b in &a.batch {
-        for (mi, att) in atts.iter().enumerate() {
-            let forks = roots[..b]
-                .iter()
-                .map(|&(s, _)| dec.fork(s))
-                .collect::<fathom_gpu::Result<Vec<_>>>()?;
-            let mut toks: Vec<u32> = roots[..b].iter().map(|r| r.1).collect();
-            let step = |dec: &mut GpuDecoder, toks: &mut Vec<u32>| -> Result<()> {
-                let batch: Vec<_> = forks.iter().copied().zip(toks.iter().copied()).collect();
-                *toks = dec.decode_greedy(&batch, att)?;
-                Ok(())
-            };
-            step(&mut dec, &mut toks)?; // untimed: the method's first plans and the row cache
-            let (bits0, plans0) = dec.cache_mut()?.plan_bits()?;
-            let rc0 = dec.cache_mut()?.row_counters()?;
-            let mut ms = Vec::with_capacity(a.steps);
-            let mut keys = 0f64;
-            for _ in 0..a.steps {
-                for &f in &forks {
-                    keys += (dec.len(f)? + 1) as f64;
-                }
-                let t = Instant::now();
-                step(&mut dec, &mut toks)?;
-                ms.push(t.elapsed().as_secs_f64() * 1e3);
-            }
-            let (bits1, plans1) = dec.cache_mut()?.plan_bits()?;
-            let rc1 = dec.cache_mut()?.row_counters()?;
-            // A few more steps with CUDA events around the stages, apart from the timed ones.
-            dec.set_instrument(true);
-            for _ in 0..SPLIT_STEPS {
-                step(&mut dec, &mut toks)?;
-            }
-            let st = dec.take_stage_times()?;
-            dec.set_instrument(false);
-            let per = |x: f64| x / st.steps.max(1) as f64;
-            let split = fathom_results::decode_bench::StageSplit {
-                steps: st.steps,
-                total_ms: per(st.total_ms),
-                weights_ms: per(st.weights_ms),
-                attention_ms: per(st.attention_ms),
-                appends_ms: per(st.appends_ms),
-                sampling_ms: per(st.sampling_ms),
-            };
-            for f in forks {
-                dec.free(f)?;
-            }
-            let steps = a.steps as f64;
-            let plan_bits = if plans1 > plans0 {
-                (bits1 * plans1 as f64 - bits0 * plans0 as f64) / (plans1 - plans0) as f64
-            } else {
-                match att.method {
-                    AttendMethod::Scan(m) => m.bits(d) as f64,
-                    AttendMethod::Dense => 0.0,
-                }
-            };
-            let heads = (globals * cfg.n_kv_heads) as f64;
-            let rows = (rc1.rows - rc0.rows) as f64 / steps;
-            let misses = ((rc1.rows - rc0.rows) - (rc1.hits - rc0.hits)) as f64 / steps;
-            // With the pages in HBM nothing of the cache crosses the link.
-            let pcie = match (a.residency.as_str(), att.method) {
-                ("hbm", _) => 0.0,
-                (_, AttendMethod::Dense) => keys / steps * heads * record,
-                (_, AttendMethod::Scan(_)) => {
-                    keys / steps * heads * plan_bits / 8.0 + misses * record
-                }
-            };
-            let total_s: f64 = ms.iter().sum::<f64>() / 1e3;
-            let mut sorted = ms.clone();
-            sorted.sort_by(f64::total_cmp);
-            let e = fathom_results::decode_bench::DecodeBenchEntry {
-                method: names[mi].clone(),
-                batch: b,
-                contexts: ctx[..b].to_vec(),
-                tokens_per_s: b as f64 * steps / total_s,
-                per_session_tokens_per_s: steps / total_s,
-                step_ms_p50: percentile(&sorted, 0.5),
-                step_ms_p99: percentile(&sorted, 0.99),
-                plan_bits,
-                pcie_bytes_per_step: pcie,
-                link_floor_ms: pcie / (h2d_gbps * 1e9) * 1e3,
-                rows_per_step: rows,
-                row_hit_rate: if rc1.rows > rc0.rows {
-                    (rc1.hits - rc0.hits) as f64 / (rc1.rows - rc0.rows) as f64
-                } else {
-                    0.0
-                },
-                split: Some(split.clone()),
-            };
-            println!(
-                "B={b:<3} {:<12} {:>9.1} tok/s ({:.1} per session), step p50 {:.2} ms p99 {:.2} ms, link {:.1} MB/step = floor {:.2} ms; GPU split: weights {:.2}, attention {:.2}, appends {:.2}, sampling {:.2} ms",
-                e.method,
-                e.tokens_per_s,
-                e.per_session_tokens_per_s,
-                e.step_ms_p50,
-                e.step_ms_p99,
-                e.pcie_bytes_per_step / 1e6,
-                e.link_floor_ms,
-                split.weights_ms,
-                split.attention_ms,
-                split.appends_ms,
-                split.sampling_ms
-            );
-            entries.push(e);
-        }
+    for e in &m.entries {
+        let sp = e.split.as_ref();
+        println!(
+            "B={:<3} {:<12} {:>9.1} tok/s ({:.1} per session), step p50 {:.2} ms p99 {:.2} ms, link {:.1} MB/step = floor {:.2} ms; GPU split: weights {:.2}, attention {:.2}, appends {:.2}, sampling {:.2} ms",
+            e.batch,
+            e.method,
+            e.tokens_per_s,
+            e.per_session_tokens_per_s,
+            e.step_ms_p50,
+            e.step_ms_p99,
+            e.pcie_bytes_per_step / 1e6,
+            e.link_floor_ms,
+            sp.map_or(f64::NAN, |x| x.weights_ms),
+            sp.map_or(f64::NAN, |x| x.attention_ms),
+            sp.map_or(f64::NAN, |x| x.appends_ms),
+            sp.map_or(f64::NAN, |x| x.sampling_ms)
+        );
     }
+    let (entries, host_bytes_per_token) = (m.entries, m.host_bytes_per_token);
     let doc = fathom_results::decode_bench::DecodeBench {
         version: fathom_results::VERSION,
         fathom: env!("CARGO_PKG_VERSION").into(),

@@ -86,6 +86,11 @@ impl GpuDecoder {
         match self._never {}
     }
 
+    /// The decoder's limits.
+    pub fn decoder_config(&self) -> &DecoderConfig {
+        match self._never {}
+    }
+
     /// The cache (for calibrations and counters).
     ///
     /// # Errors

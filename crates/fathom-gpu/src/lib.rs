@@ -63,6 +63,7 @@ pub mod layout;
 pub mod parity;
 pub mod presets;
 pub mod shard;
+pub mod throughput;
 
 #[cfg(feature = "cuda")]
 mod cuda;

@@ -1,0 +1,225 @@
+//! End-to-end decode throughput (docs/SPEC.md §9): for each batch size and method, forks of
+//! the first B prefilled sessions decode greedily together, one batched step at a time, timed
+//! on the host around each whole step (forward, appends, attention, sampling, the copy of the
+//! sampled ids), then a few more steps with CUDA events around the stages. The link bytes
+//! come from the cache's own counters (the plans' bits, the row fetches that missed the row
+//! cache), so they are what the step read, not a model of it.
+
+use fathom_cuda::cache::AttendMethod;
+use fathom_cuda::pages::SessionId;
+use fathom_model::LayerKind;
+use fathom_results::decode_bench::{DecodeBenchEntry, StageSplit};
+
+use crate::decoder::{Attention, Decoder};
+use crate::error::Result;
+use crate::GpuDecoder;
+
+/// Instrumented steps per method and batch (after the timed ones).
+pub const SPLIT_STEPS: usize = 3;
+
+/// The entries of one run and the host bytes per resident token.
+#[derive(Debug, Clone)]
+pub struct Measured {
+    /// One per batch size and method, in that order.
+    pub entries: Vec<DecodeBenchEntry>,
+    /// Bytes of pinned memory (or HBM) per resident token, over every layer.
+    pub host_bytes_per_token: f64,
+}
+
+/// The value at quantile `p` of `sorted` (nearest rank).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Times `steps` decode steps per batch size in `batches` (each at most `roots.len()`) and
+/// method, from forks of `roots` (prefilled sessions with the token each decodes first).
+///
+/// # Errors
+/// Whatever the decoder refuses; a batch larger than the roots.
+#[allow(clippy::too_many_arguments)]
+pub fn measure(
+    dec: &mut GpuDecoder,
+    roots: &[(SessionId, u32)],
+    methods: &[(String, Attention)],
+    batches: &[usize],
+    steps: usize,
+    h2d_gbps: f64,
+    hbm: bool,
+) -> Result<Measured> {
+    let cfg = dec.config().clone();
+    let d = cfg.head_dim;
+    let dc = *dec.decoder_config();
+    let layout = fathom_cuda::PagedLayout::new(
+        fathom_store::Dims {
+            heads: cfg.n_kv_heads,
+            channels: d,
+        },
+        dc.page_tokens,
+        1,
+    )
+    .map_err(fathom_cuda::CudaError::from)?;
+    let host_bytes_per_token =
+        layout.page_bytes() as f64 / dc.page_tokens as f64 * cfg.n_layers as f64;
+    let globals = cfg
+        .layer_kinds
+        .iter()
+        .filter(|k| **k == LayerKind::Global)
+        .count();
+    let record = layout.record_bytes() as f64;
+    let heads = (globals * cfg.n_kv_heads) as f64;
+    let mut entries = Vec::new();
+    for &b in batches {
+        if b > roots.len() {
+            return Err(crate::error::GpuError::invalid(
+                "batch",
+                format!("{b} sessions, {} prefilled", roots.len()),
+            ));
+        }
+        for (name, att) in methods {
+            let mut forks = Vec::with_capacity(b);
+            for &(s, _) in &roots[..b] {
+                forks.push(dec.fork(s)?);
+            }
+            let r = time_one(dec, &forks, &roots[..b], att, steps);
+            for f in &forks {
+                dec.free(*f)?;
+            }
+            let t = r?;
+            let n = steps as f64;
+            let plan_bits = if t.plans1 > t.plans0 {
+                (t.bits1 * t.plans1 as f64 - t.bits0 * t.plans0 as f64)
+                    / (t.plans1 - t.plans0) as f64
+            } else {
+                match att.method {
+                    AttendMethod::Scan(m) => m.bits(d) as f64,
+                    AttendMethod::Dense => 0.0,
+                }
+            };
+            let rows = t.rows as f64 / n;
+            let misses = (t.rows - t.hits) as f64 / n;
+            // With the pages in HBM nothing of the cache crosses the link.
+            let pcie = match (hbm, att.method) {
+                (true, _) => 0.0,
+                (false, AttendMethod::Dense) => t.keys / n * heads * record,
+                (false, AttendMethod::Scan(_)) => {
+                    t.keys / n * heads * plan_bits / 8.0 + misses * record
+                }
+            };
+            let total_s: f64 = t.ms.iter().sum::<f64>() / 1e3;
+            let mut sorted = t.ms.clone();
+            sorted.sort_by(f64::total_cmp);
+            entries.push(DecodeBenchEntry {
+                method: name.clone(),
+                batch: b,
+                contexts: roots[..b]
+                    .iter()
+                    .map(|&(s, _)| dec.len(s))
+                    .collect::<Result<Vec<_>>>()?,
+                tokens_per_s: b as f64 * n / total_s,
+                per_session_tokens_per_s: n / total_s,
+                step_ms_p50: percentile(&sorted, 0.5),
+                step_ms_p99: percentile(&sorted, 0.99),
+                plan_bits,
+                pcie_bytes_per_step: pcie,
+                link_floor_ms: pcie / (h2d_gbps * 1e9) * 1e3,
+                rows_per_step: rows,
+                row_hit_rate: if t.rows > 0 {
+                    t.hits as f64 / t.rows as f64
+                } else {
+                    0.0
+                },
+                split: Some(t.split),
+            });
+        }
+    }
+    Ok(Measured {
+        entries,
+        host_bytes_per_token,
+    })
+}
+
+/// One method at one batch: the counters around the timed steps and the split.
+struct Timed {
+    ms: Vec<f64>,
+    keys: f64,
+    bits0: f64,
+    plans0: u64,
+    bits1: f64,
+    plans1: u64,
+    rows: u64,
+    hits: u64,
+    split: StageSplit,
+}
+
+fn time_one(
+    dec: &mut GpuDecoder,
+    forks: &[SessionId],
+    roots: &[(SessionId, u32)],
+    att: &Attention,
+    steps: usize,
+) -> Result<Timed> {
+    let mut toks: Vec<u32> = roots.iter().map(|r| r.1).collect();
+    let step = |dec: &mut GpuDecoder, toks: &mut Vec<u32>| -> Result<()> {
+        let batch: Vec<_> = forks.iter().copied().zip(toks.iter().copied()).collect();
+        *toks = dec.decode_greedy(&batch, att)?;
+        Ok(())
+    };
+    step(dec, &mut toks)?; // untimed: the method's first plans and the row cache
+    let (bits0, plans0) = dec.cache_mut()?.plan_bits()?;
+    let rc0 = dec.cache_mut()?.row_counters()?;
+    let mut ms = Vec::with_capacity(steps);
+    let mut keys = 0f64;
+    for _ in 0..steps {
+        for &f in forks {
+            keys += (dec.len(f)? + 1) as f64;
+        }
+        let t = std::time::Instant::now();
+        step(dec, &mut toks)?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let (bits1, plans1) = dec.cache_mut()?.plan_bits()?;
+    let rc1 = dec.cache_mut()?.row_counters()?;
+    dec.set_instrument(true);
+    let r = (0..SPLIT_STEPS).try_for_each(|_| step(dec, &mut toks));
+    let st = dec.take_stage_times();
+    dec.set_instrument(false);
+    r?;
+    let st = st?;
+    let per = |x: f64| x / st.steps.max(1) as f64;
+    Ok(Timed {
+        ms,
+        keys,
+        bits0,
+        plans0,
+        bits1,
+        plans1,
+        rows: rc1.rows - rc0.rows,
+        hits: rc1.hits - rc0.hits,
+        split: StageSplit {
+            steps: st.steps,
+            total_ms: per(st.total_ms),
+            weights_ms: per(st.weights_ms),
+            attention_ms: per(st.attention_ms),
+            appends_ms: per(st.appends_ms),
+            sampling_ms: per(st.sampling_ms),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let x: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&x, 0.5), 51.0);
+        assert_eq!(percentile(&x, 0.99), 99.0);
+        assert_eq!(percentile(&[3.0], 0.99), 3.0);
+        assert!(percentile(&[], 0.5).is_nan());
+    }
+}
