@@ -48,8 +48,10 @@
 //! ```
 //!
 //! Without the `cuda` feature the same types exist and [`GpuDecoder::new`] returns
-//! [`fathom_cuda::CudaError::NotCompiledWithCuda`]; [`layout`] (packing, limits, checks) is
-//! pure CPU and compiled in every build.
+//! [`fathom_cuda::CudaError::NotCompiledWithCuda`]; [`layout`] (packing, limits, checks),
+//! [`presets`] (random-weight 8B shapes), [`shard`] (multi-GPU plans) and the logic of
+//! [`branch`] are pure CPU and compiled in every build. [`parity`] compares the GPU with the
+//! CPU runtime, [`branch`] runs the downstream protocol, [`throughput`] times decode steps.
 //!
 //! **Architecture invariant:** the model's math is `fathom-model`'s (its config, its weights,
 //! its layer loop as the reference); the cache and its kernels are `fathom-cuda`'s. This crate
