@@ -13,6 +13,18 @@ pub struct Gpu {
 }
 
 impl Gpu {
+    /// Compiles and loads a module of the caller's kernels.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn load_module(
+        &self,
+        _name: &'static str,
+        _src: &str,
+        _options: Vec<String>,
+    ) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Opens device `ordinal`.
     ///
     /// # Errors

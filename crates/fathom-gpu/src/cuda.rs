@@ -23,7 +23,6 @@ use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use cudarc::driver::{
     result, CudaEvent, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use fathom_cuda::cache::{AppendBatch, AttendMethod, KvDtype, KvRows, QueryRows};
 use fathom_cuda::pages::SessionId;
 use fathom_cuda::{CudaError, Gpu, PagedCache};
@@ -276,29 +275,11 @@ impl GpuDecoder {
             cfg.head_dim,
             cfg.n_ff,
         );
-        let arch: &'static str = Box::leak(gpu.info().arch.clone().into_boxed_str());
-        let opts = CompileOptions {
-            arch: Some(arch),
-            options: vec![format!("-DDIM={d}"), "--fmad=false".into()],
-            name: Some("forward.cu".into()),
-            ..Default::default()
-        };
-        let ptx = std::panic::catch_unwind(|| compile_ptx_with_opts(FORWARD_SRC, opts))
-            .map_err(|_| {
-                GpuError::Cuda(CudaError::NoDevice {
-                    message: "NVRTC library (libnvrtc) not found".into(),
-                })
-            })?
-            .map_err(|err| {
-                GpuError::Cuda(CudaError::Compile {
-                    kernel: "forward.cu",
-                    log: format!("{err:?}"),
-                })
-            })?;
-        let module = stream
-            .context()
-            .load_module(ptx)
-            .map_err(drv("load_module forward.cu"))?;
+        let module = gpu.load_module(
+            "forward.cu",
+            FORWARD_SRC,
+            vec![format!("-DDIM={d}"), "--fmad=false".into()],
+        )?;
         let k = |n: &str| module.load_function(n).map_err(drv("load_function"));
         let kernels = Kernels {
             embed: k("embed")?,

@@ -130,6 +130,23 @@ impl Gpu {
         &self.stream
     }
 
+    /// Compiles `src` (a `.cu` source; `#include "common.cuh"` is inlined) with NVRTC for this
+    /// device's architecture and `options` (`-D…`, `--fmad=false`, …), and loads the module:
+    /// how a crate built on this one runs its own kernels with no toolkit at build time.
+    ///
+    /// # Errors
+    /// [`CudaError::Compile`] with the compiler log; [`CudaError::NoDevice`] without libnvrtc;
+    /// a driver failure loading the module.
+    pub fn load_module(
+        &self,
+        name: &'static str,
+        src: &str,
+        options: Vec<String>,
+    ) -> Result<Arc<CudaModule>> {
+        let ptx = super::compile_one(self.arch, name, src, options)?;
+        self.ctx.load_module(ptx).map_err(drv("load_module"))
+    }
+
     pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
