@@ -313,7 +313,8 @@ const RULER_QUICK: &str =
 const AGENT_FULL: &str = "agent-steps --sessions 4 --steps 64 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
 const AGENT_QUICK: &str =
     "agent-steps --sessions 1 --steps 16 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32";
-/// Methods the paged cache does not run yet: `--device cuda` drops them from the downstream
+/// Methods the paged cache does not run yet (mirrors `fathom_cuda::Method::paged`; xtask does
+/// not link fathom-cuda): `--device cuda` drops them from the downstream
 /// stages (and says so).
 const NOT_ON_GPU: [&str; 3] = ["loki:", "landmark", "quest"];
 

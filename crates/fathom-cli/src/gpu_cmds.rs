@@ -161,12 +161,11 @@ pub fn run_gpu_parity(a: GpuParityArgs) -> Result<()> {
 /// Refuses the methods the paged cache does not run yet (Loki, landmark, Quest), naming them:
 /// checked before the model loads.
 pub fn check_gpu_methods(methods: &[String]) -> Result<()> {
+    // The cache's own rule (`Method::paged`); a name that does not parse is reported later,
+    // with the model's head dimension.
     let refused: Vec<&String> = methods
         .iter()
-        .filter(|m| {
-            let m = m.trim();
-            m.starts_with("loki") || m == "landmark" || m == "quest"
-        })
+        .filter(|m| fathom_cuda::Method::parse(m.trim(), 256).is_ok_and(|x| !x.paged()))
         .collect();
     if !refused.is_empty() {
         bail!(

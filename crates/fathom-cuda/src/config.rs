@@ -189,6 +189,12 @@ impl Method {
         }
     }
 
+    /// Whether the paged cache ([`crate::PagedCache`]) runs the method: all but Loki (its
+    /// own basis), landmark and Quest (their tables), which only the benchmark step runs.
+    pub fn paged(&self) -> bool {
+        !matches!(self, Method::Loki(_) | Method::Landmark | Method::Quest)
+    }
+
     /// Whether the method scans the bit-plane store (all but the table methods).
     pub fn uses_planes(&self) -> bool {
         !matches!(self, Method::Landmark | Method::Quest)

@@ -883,6 +883,15 @@ impl PagedCache {
     /// A method the paged cache does not run yet (Loki in its own basis, landmark, Quest), or
     /// Double Sparsity before every layer's calibration is loaded.
     pub fn prepare(&mut self, method: crate::config::Method) -> Result<()> {
+        if !method.paged() {
+            return Err(CudaError::invalid(
+                "method",
+                format!(
+                    "{} is not run by the paged cache yet (it reads its own basis or table); use fathom, sparq, ds, thumb2, exact or dense",
+                    method.label()
+                ),
+            ));
+        }
         use crate::config::Method as M;
         let s = self.cfg.shape;
         let (hkv, d) = (s.kv_heads, s.dim);
@@ -915,10 +924,7 @@ impl PagedCache {
             M::Loki(_) | M::Landmark | M::Quest => {
                 return Err(CudaError::invalid(
                     "method",
-                    format!(
-                        "{} is not run by the paged cache yet (it reads its own basis or table); use fathom, sparq, ds, thumb2, exact or dense",
-                        method.label()
-                    ),
+                    format!("{} has no static plan", method.label()),
                 ))
             }
         };
