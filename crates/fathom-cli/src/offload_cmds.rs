@@ -143,6 +143,12 @@ pub struct OffloadBenchArgs {
     /// are timed and the JSON says so).
     #[arg(long, default_value_t = 72.0)]
     pub pool_budget_gib: f64,
+    /// Cache engine: the top-k's filtered select from this many middle tokens (the scan keeps
+    /// only the tokens above an estimate of the k-th score and writes no score array; exact,
+    /// with a fallback), or `0` for the score path. A list times each setting over every
+    /// method, e.g. `--filtered-select 8192,0` to measure the two against each other.
+    #[arg(long, value_delimiter = ',', default_values_t = [fathom_cuda::DEFAULT_FUSE_MIN])]
+    pub filtered_select: Vec<usize>,
 }
 
 /// Runs `fathom offload-bench`.
@@ -214,6 +220,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         },
         ragged,
         pool_budget: (a.pool_budget_gib * (1u64 << 30) as f64) as u64,
+        filtered_select: a.filtered_select.clone(),
     };
     let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;
@@ -236,7 +243,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             r.context,
             r.residency,
             format!("{}/{}", r.groups, r.gather_ctas),
-            r.method,
+            if r.select.is_empty() {
+                r.method.clone()
+            } else {
+                format!("{} [{}]", r.method, r.select)
+            },
             r.bits,
             r.gpu_ms,
             r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),

@@ -27,6 +27,8 @@ struct AttendGeom {
     u32 cache_rows;               // HBM row-cache slots per (session, layer, KV head); 0: none
     u32 layer;                    // this attend's layer (row-cache index)
     u32 nsplit;                   // partial-attention CTAs per (session, KV head)
+    u32 fuse_min;                 // middle tokens from which a row may take the filtered select (0: never)
+    u32 fcap;                     // filtered candidates per row
     u32 pad;
 };
 
@@ -44,10 +46,70 @@ __device__ __forceinline__ void middle(u32 n, const AttendGeom& a, u32* lo, u32*
     *hi = max(h, l);
 }
 
+// The order-preserving key's float (the inverse of f32_key).
+__device__ __forceinline__ float key_f32(u32 k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The filtered select (docs/SPEC.md §5, "Selection without a score array"). A row that has
+// an estimate e (the previous attend's filter score over the norm of its query's active
+// channels; 0 bits: none) scans with the filter F = e * |q_active| and keeps only the
+// (key, token) pairs of middle tokens with key >= key(F). When at least kk and at most fcap
+// tokens pass, the row's top-kk lies among them (every token at or above the kk-th score
+// passed), and an exact radix select over the pairs gives the same winners as the score
+// path, ties included (every token tied with the kk-th score passed too). Otherwise the row
+// falls back: it is scanned again with its scores written, and the score path selects.
+// The estimate aims at FUSE_TARGET * kk passing tokens.
+#define FUSE_TARGET 4
+
+__device__ __forceinline__ bool fuse_row(const AttendGeom& a, u32 lo, u32 hi, float est) {
+    const u32 mid = hi - lo, kk = min(a.k, mid);
+    return a.fuse_min > 0 && mid >= a.fuse_min && mid >= 2u * FUSE_TARGET * kk && __float_as_uint(est) != 0u;
+}
+
+// The row's estimate slot: [max_sessions][L][Hq].
+__device__ __forceinline__ u64 est_at(const AppendDesc& d, const PoolGeom& g, const AttendGeom& a, u32 hq) {
+    return ((u64)d.slot * g.layers + a.layer) * (g.heads * GQ) + hq;
+}
+
+// |q| over the channels the row's KV head scans (depth > 0), summed by one warp in a fixed
+// order (lane l takes channels l, l + 32, ...; then a butterfly): every kernel that calls it
+// gets the same bits.
+__device__ float active_norm(const float* qrow, const u8* dep) {
+    const u32 lane = threadIdx.x & 31;
+    float s = 0.0f;
+    for (u32 c = lane; c < DIM; c += 32) if (dep[c] > 0) s = fmaf(qrow[c], qrow[c], s);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return sqrtf(s);
+}
+
+// The estimate the next attend of the row uses: the score of key fkey over |q_active|
+// (0 bits, none, when that is not a finite number; +0 stored as -0).
+__device__ __forceinline__ float next_estimate(u32 fkey, float norm) {
+    const float e = key_f32(fkey) / norm;
+    if (!(fabsf(e) <= 3.0e38f)) return 0.0f;
+    return __float_as_uint(e) == 0u ? -0.0f : e;
+}
+
 // The query rows as f32: grid = batch * Hq, block = DIM.
 extern "C" __global__ void attend_queries(const void* __restrict__ q, u32 dtype, float* __restrict__ qf) {
     const u64 i = (u64)blockIdx.x * DIM + threadIdx.x;
     qf[i] = load_elem(q, i, dtype);
+}
+
+// Warp-aggregated append of the lanes with `flag` set to a list of pairs (one atomic per
+// warp; the count goes on past cap, so a caller sees an overflow). Every lane must call it.
+__device__ __forceinline__ void warp_append_pair(bool flag, uint2 value, u32* count, uint2* list, u32 cap) {
+    const unsigned m = __ballot_sync(0xffffffffu, flag);
+    if (!m) return;
+    const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
+    u32 p0 = 0;
+    if (lane == leader) p0 = atomicAdd(count, (u32)__popc(m));
+    p0 = __shfl_sync(0xffffffffu, p0, leader);
+    if (flag) {
+        const u32 p = p0 + (u32)__popc(m & ((1u << lane) - 1u));
+        if (p < cap) list[p] = value;
+    }
 }
 
 #define BPC 32     // 64-token blocks per scan CTA (at most one page's): 8 threads per block
@@ -66,7 +128,9 @@ extern "C" __global__ void attend_queries(const void* __restrict__ q, u32 dtype,
 extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                       const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                       const float* __restrict__ qf, const u8* __restrict__ depths,
-                                      float* __restrict__ scores, u32* __restrict__ hist) {
+                                      float* __restrict__ scores, u32* __restrict__ hist, u32 pass,
+                                      const float* __restrict__ est, const u32* __restrict__ mode,
+                                      uint2* __restrict__ fcand, u32* __restrict__ fcount) {
     __shared__ int act_c[DIM];
     __shared__ int act_t[DIM];
     __shared__ float qa[GQ][DIM];
@@ -77,6 +141,9 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
     __shared__ float sm[2][CHS][BPC];
     // Two 16-bit bin counts per word (a CTA counts at most 8 * BPC * 8 = 2048 tokens).
     __shared__ u32 sh[GQ][HBINS / 2];
+    // Per query head: 0 scores + histogram, 1 filtered pairs (key >= rkey), 2 nothing.
+    __shared__ int rmode[GQ];
+    __shared__ u32 rkey[GQ];
     const u32 b = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
     const AppendDesc d = descs[b];
     const u32 n = d.n0 + d.m;
@@ -85,16 +152,43 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
     const u32 blk0 = blockIdx.x * cb;
     const u32 nblk = (n + 63) / 64;
     if (blk0 >= nblk) return;  // uniform over the CTA
-    for (u32 i = tid; i < GQ * HBINS / 2; i += blockDim.x) sh[i / (HBINS / 2)][i % (HBINS / 2)] = 0;
-    // Order-preserving compaction of the active channels (DIM <= blockDim).
+    u32 lo, hi;
+    middle(n, a, &lo, &hi);
+    const u32 heads_q = g.heads * GQ;
     const u8* dep = depths + (u64)b * a.depth_stride + (u64)h * DIM;
+    // Each row's mode: pass 0 filters the rows with an estimate; pass 1 (the fallback) scans
+    // only the rows whose filter failed, with scores. One warp per query head (GQ <= 8 warps).
+    if ((tid >> 5) < GQ) {
+        const u32 q = tid >> 5, hq = h * GQ + q;
+        const u64 r = (u64)b * heads_q + hq;
+        int md = 0;
+        u32 fk = 0;
+        if (pass == 0) {
+            const float e = est[est_at(d, g, a, hq)];
+            if (fuse_row(a, lo, hi, e)) {
+                const float norm = active_norm(qf + r * DIM, dep);
+                md = 1;
+                fk = f32_key(e * norm);
+            }
+        } else {
+            md = mode[r] == 2 ? 0 : 2;
+        }
+        if ((tid & 31) == 0) { rmode[q] = md; rkey[q] = fk; }
+    }
+    for (u32 i = tid; i < GQ * HBINS / 2; i += blockDim.x) sh[i / (HBINS / 2)][i % (HBINS / 2)] = 0;
+    __syncthreads();
+    if (pass == 1) {
+        bool any = false;
+        for (int q = 0; q < GQ; q++) any |= rmode[q] == 0;
+        if (!any) return;  // uniform over the CTA
+    }
+    // Order-preserving compaction of the active channels (DIM <= blockDim).
     int t0 = 0;
     bool on = false;
     if (tid < DIM) { t0 = dep[tid]; on = t0 > 0; }
     const unsigned bal = __ballot_sync(0xffffffffu, on);
     if ((tid & 31) == 0) wcnt[tid >> 5] = __popc(bal);
     __syncthreads();
-    const u32 heads_q = g.heads * GQ;
     if (tid < DIM) {
         int off = 0;
         for (u32 w = 0; w < (tid >> 5); w++) off += wcnt[w];
@@ -191,19 +285,30 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
         if (next) store(buf ^ 1);
         __syncthreads();
     }
-    u32 lo, hi;
-    middle(n, a, &lo, &hi);
     const u32 tok0 = (blk0 + lb) * 64 + sub * 8;
 #pragma unroll
     for (int q = 0; q < GQ; q++) {
-        float* out = scores + ((u64)b * heads_q + h * GQ + q) * a.max_tokens;
+        const u64 r = (u64)b * heads_q + h * GQ + q;
+        const int md = rmode[q];  // uniform over the CTA: every lane reaches the ballots
+        if (md == 0) {
+            float* out = scores + r * a.max_tokens;
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const u32 tok = tok0 + j;
-            if (live && tok < n) out[tok] = acc[q][j];
-            if (live && tok >= lo && tok < hi) {
-                const u32 bin = f32_key(acc[q][j]) >> 22;
-                atomicAdd(&sh[q][bin >> 1], 1u << ((bin & 1u) * 16));
+            for (int j = 0; j < 8; j++) {
+                const u32 tok = tok0 + j;
+                if (live && tok < n) out[tok] = acc[q][j];
+                if (live && tok >= lo && tok < hi) {
+                    const u32 bin = f32_key(acc[q][j]) >> 22;
+                    atomicAdd(&sh[q][bin >> 1], 1u << ((bin & 1u) * 16));
+                }
+            }
+        } else if (md == 1) {
+            const u32 fk = rkey[q];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const u32 tok = tok0 + j;
+                const u32 key = f32_key(acc[q][j]);
+                const bool pass_f = live && tok >= lo && tok < hi && key >= fk;
+                warp_append_pair(pass_f, make_uint2(key, tok), &fcount[r], fcand + r * a.fcap, a.fcap);
             }
         }
     }
@@ -273,12 +378,14 @@ __device__ void select_bin(const u32* cnt, u32 k, int* out_bin, u32* out_above, 
 struct Sel { int bucket; u32 need; };
 extern "C" __global__ void paged_topk_select(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
                                              const u32* __restrict__ hist, Sel* __restrict__ sel,
-                                             u32* __restrict__ counts, u32* __restrict__ ccount) {
+                                             u32* __restrict__ counts, u32* __restrict__ ccount,
+                                             const u32* __restrict__ mode) {
     __shared__ u32 cnt[BINS];
     __shared__ int bin;
     __shared__ u32 above, total;
     const u32 b = blockIdx.y, hq = blockIdx.x;
     const u64 r = (u64)b * g.heads * GQ + hq;
+    if (mode[r] == 1) return;  // selected by the filtered path
     const AppendDesc d = descs[b];
     u32 lo, hi;
     middle(d.n0 + d.m, a, &lo, &hi);
@@ -318,9 +425,11 @@ __device__ __forceinline__ void warp_append(bool flag, u32 value, u32* count, u3
 extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
                                               const float* __restrict__ scores, const Sel* __restrict__ sel,
                                               u32* __restrict__ winners, u32* __restrict__ counts,
-                                              u32* __restrict__ cand, u32* __restrict__ ccount) {
+                                              u32* __restrict__ cand, u32* __restrict__ ccount,
+                                              const u32* __restrict__ mode) {
     const u32 b = blockIdx.z, hq = blockIdx.y;
     const u64 r = (u64)b * g.heads * GQ + hq;
+    if (mode[r] == 1) return;  // uniform over the CTA
     const AppendDesc d = descs[b];
     u32 lo, hi;
     middle(d.n0 + d.m, a, &lo, &hi);
@@ -347,22 +456,24 @@ extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ des
     }
 }
 
-// One radix-select pass over the candidates (row indices `idx`): among those whose value v
-// matches *prefix under *pmask, the bin of bits [shift, shift + width] of v holding the
-// *need-th largest. v is the score's order-preserving key, or, with `ties`, ~index among the
-// candidates whose key is T (so the largest v are the lowest indices). Narrows prefix and
-// mask, lowers need by the count above the bin, and returns the bin's own count. All TK
-// threads, with the same arguments.
-__device__ u32 select_pass(const float* row, const u32* idx, u32 cc, bool ties, u32 T, u32* prefix,
-                           u32* pmask, int shift, u32 width, u32* need, u32* hist) {
+// One radix-select pass over the candidates: `cand(i, &key, &tok)` gives candidate i's
+// order-preserving key and token. Among those whose value v matches *prefix under *pmask,
+// the bin of bits [shift, shift + width] of v holding the *need-th largest; v is the key, or,
+// with `ties`, ~token among the candidates whose key is T (so the largest v are the lowest
+// tokens). Narrows prefix and mask, lowers need by the count above the bin, and returns the
+// bin's own count. All TK threads, with the same arguments.
+template <class C>
+__device__ u32 select_pass(C cand, u32 cc, bool ties, u32 T, u32* prefix, u32* pmask, int shift, u32 width,
+                           u32* need, u32* hist) {
     __shared__ int bin;
     __shared__ u32 above, total;
     for (u32 i = threadIdx.x; i < BINS; i += TK) hist[i] = 0;
     if (threadIdx.x == 0) { bin = -1; above = 0; }
     __syncthreads();
     for (u32 i = threadIdx.x; i < cc; i += TK) {
-        const u32 key = f32_key(row[idx[i]]);
-        const u32 v = ties ? ~idx[i] : key;
+        u32 key, tok;
+        cand(i, &key, &tok);
+        const u32 v = ties ? ~tok : key;
         if ((!ties || key == T) && (v & *pmask) == *prefix) atomicAdd(&hist[(v >> shift) & width], 1u);
     }
     __syncthreads();
@@ -377,42 +488,131 @@ __device__ u32 select_pass(const float* row, const u32* idx, u32 cc, bool ties, 
     return own;
 }
 
-// Per row: the `need` largest candidates by their remaining 22 key bits (two passes of 11
-// bits) give the exact kk-th score T; every candidate above T wins, and of those equal to T
-// the lowest indices (three passes over ~index), as fathom_plan::select_per_head.
+// The key of the need-th largest candidate, from the bits known under kmask (0: none; or the
+// level-1 bucket's top 10): passes of 11 bits. Lowers *need to the count still wanted among
+// the candidates equal to it, and returns (in *eq) how many are. All TK threads.
+template <class C>
+__device__ u32 kth_key(C cand, u32 cc, u32 T, u32 kmask, u32* need, u32* eq, u32* hist) {
+    if (kmask == 0u) {
+        select_pass(cand, cc, false, 0, &T, &kmask, 21, 0x7ffu, need, hist);
+        select_pass(cand, cc, false, 0, &T, &kmask, 10, 0x7ffu, need, hist);
+        *eq = select_pass(cand, cc, false, 0, &T, &kmask, 0, 0x3ffu, need, hist);
+    } else {
+        select_pass(cand, cc, false, 0, &T, &kmask, 11, 0x7ffu, need, hist);
+        *eq = select_pass(cand, cc, false, 0, &T, &kmask, 0, 0x7ffu, need, hist);
+    }
+    return T;
+}
+
+// The winners of one row among its candidates (as fathom_plan::select_per_head): the kk-th
+// score's key T from the known bits (kmask over T), every candidate above T, and of those
+// equal to T the lowest tokens (three passes over ~token). Appends to out (counts[r] from 0).
+template <class C>
+__device__ void take_winners(C cand, u32 cc, u32 need, u32 T, u32 kmask, u32* count, u32* out, u32 max_k,
+                             u32* hist) {
+    u32 eq = 0;
+    T = kth_key(cand, cc, T, kmask, &need, &eq, hist);
+    // `need` of the `eq` candidates equal to T still win.
+    u32 ilim = 0xffffffffu;  // ties win when their token is <= ilim
+    if (need < eq) {
+        u32 ip = 0, imask = 0;
+        select_pass(cand, cc, true, T, &ip, &imask, 21, 0x7ffu, &need, hist);
+        select_pass(cand, cc, true, T, &ip, &imask, 10, 0x7ffu, &need, hist);
+        select_pass(cand, cc, true, T, &ip, &imask, 0, 0x3ffu, &need, hist);
+        ilim = ~ip;  // ip is ~(the need-th lowest tied token)
+    }
+    for (u32 i = threadIdx.x; i < cc; i += TK) {
+        u32 key, tok;
+        cand(i, &key, &tok);
+        if (key > T || (key == T && tok <= ilim)) {
+            const u32 p = atomicAdd(count, 1u);
+            if (p < max_k) out[p] = tok;
+        }
+    }
+}
+
+// Per row of the score path: the `need` largest candidates of the boundary bucket give the
+// exact kk-th score and the winners (take_winners). A row long enough for the filtered select
+// then leaves its next estimate: the score of the FUSE_TARGET * kk-th largest token when it
+// lies in the bucket, else the bucket's lowest score (fewer pass, but at least kk).
 // grid = (Hq, batch), block = TK.
-extern "C" __global__ void paged_topk_finish(PoolGeom g, AttendGeom a, const float* __restrict__ scores,
-                                             const Sel* __restrict__ sel, u32* __restrict__ winners,
-                                             u32* __restrict__ counts, const u32* __restrict__ cand,
-                                             const u32* __restrict__ ccount) {
+extern "C" __global__ void paged_topk_finish(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
+                                             const float* __restrict__ scores, const Sel* __restrict__ sel,
+                                             u32* __restrict__ winners, u32* __restrict__ counts,
+                                             const u32* __restrict__ cand, const u32* __restrict__ ccount,
+                                             const u32* __restrict__ mode, const float* __restrict__ qf,
+                                             const u8* __restrict__ depths, float* __restrict__ est) {
     __shared__ u32 hist[BINS];
     const u32 b = blockIdx.y, hq = blockIdx.x;
     const u64 r = (u64)b * g.heads * GQ + hq;
+    if (mode[r] == 1) return;  // selected by the filtered path
     const Sel s = sel[r];
     if (s.need == 0) return;
     const float* row = scores + r * a.max_tokens;
     const u32 cc = min(ccount[r], (u32)a.max_tokens);
     const u32* idx = cand + r * a.max_tokens;
-    u32* out = winners + r * a.max_k;
-    u32 need = s.need, T = (u32)s.bucket << 22, kmask = 0xffc00000u;
-    select_pass(row, idx, cc, false, 0, &T, &kmask, 11, 0x7ffu, &need, hist);
-    const u32 eq = select_pass(row, idx, cc, false, 0, &T, &kmask, 0, 0x7ffu, &need, hist);
-    // T is now the kk-th score's key: `need` of the `eq` candidates equal to it still win.
-    u32 ilim = 0xffffffffu;  // ties win when their index is <= ilim
-    if (need < eq) {
-        u32 ip = 0, imask = 0;
-        select_pass(row, idx, cc, true, T, &ip, &imask, 21, 0x7ffu, &need, hist);
-        select_pass(row, idx, cc, true, T, &ip, &imask, 10, 0x7ffu, &need, hist);
-        select_pass(row, idx, cc, true, T, &ip, &imask, 0, 0x3ffu, &need, hist);
-        ilim = ~ip;  // ip is ~(the need-th lowest tied index)
+    auto c = [&](u32 i, u32* key, u32* tok) { *tok = idx[i]; *key = f32_key(row[*tok]); };
+    const u32 T0 = (u32)s.bucket << 22;
+    take_winners(c, cc, s.need, T0, 0xffc00000u, &counts[r], winners + r * a.max_k, a.max_k, hist);
+    if (a.fuse_min == 0) return;
+    const AppendDesc d = descs[b];
+    u32 lo, hi;
+    middle(d.n0 + d.m, a, &lo, &hi);
+    const u32 kk = min(a.k, hi - lo);
+    if (hi - lo < a.fuse_min || hi - lo < 2u * FUSE_TARGET * kk) return;
+    const u32 above = kk - s.need, m = FUSE_TARGET * kk;
+    u32 fkey = T0;
+    if (above + cc >= m) {
+        u32 need = m - above, eq = 0;
+        fkey = kth_key(c, cc, T0, 0xffc00000u, &need, &eq, hist);
     }
-    for (u32 i = threadIdx.x; i < cc; i += TK) {
-        const u32 t = idx[i];
-        const u32 key = f32_key(row[t]);
-        if (key > T || (key == T && t <= ilim)) {
-            const u32 p = atomicAdd(&counts[r], 1u);
-            if (p < a.max_k) out[p] = t;
-        }
+    if (threadIdx.x < 32) {
+        const float norm = active_norm(qf + r * DIM, depths + (u64)b * a.depth_stride + (u64)(hq / GQ) * DIM);
+        if (threadIdx.x == 0) est[est_at(d, g, a, hq)] = next_estimate(fkey, norm);
+    }
+}
+
+// Per row with an estimate (fuse_row): checks the filtered scan's pairs. With kk to fcap of
+// them, selects the winners among them exactly (take_winners over full keys), sets mode 1,
+// and, when more than 2 * FUSE_TARGET * kk passed, tightens the estimate to the score of the
+// FUSE_TARGET * kk-th largest; otherwise mode 2 (the fallback scan and the score path run).
+// Rows without an estimate take mode 0. counters[2] counts filtered rows, counters[3]
+// fallbacks. grid = (Hq, batch), block = TK.
+extern "C" __global__ void paged_topk_fused(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
+                                            const float* __restrict__ qf, const u8* __restrict__ depths,
+                                            float* __restrict__ est, u32* __restrict__ mode,
+                                            const uint2* __restrict__ fcand, const u32* __restrict__ fcount,
+                                            u32* __restrict__ winners, u32* __restrict__ counts,
+                                            unsigned long long* __restrict__ counters) {
+    __shared__ u32 hist[BINS];
+    const u32 b = blockIdx.y, hq = blockIdx.x;
+    const u64 r = (u64)b * g.heads * GQ + hq;
+    const AppendDesc d = descs[b];
+    u32 lo, hi;
+    middle(d.n0 + d.m, a, &lo, &hi);
+    const u32 kk = min(a.k, hi - lo);
+    const u64 ei = est_at(d, g, a, hq);
+    if (!fuse_row(a, lo, hi, est[ei])) {
+        if (threadIdx.x == 0) mode[r] = 0;
+        return;
+    }
+    const u32 cnt = fcount[r];
+    if (cnt < kk || cnt > a.fcap) {
+        if (threadIdx.x == 0) { mode[r] = 2; atomicAdd(&counters[3], 1ull); }
+        return;
+    }
+    if (threadIdx.x == 0) { mode[r] = 1; counts[r] = 0; atomicAdd(&counters[2], 1ull); }
+    __syncthreads();
+    const uint2* pairs = fcand + r * a.fcap;
+    auto c = [&](u32 i, u32* key, u32* tok) { const uint2 p = pairs[i]; *key = p.x; *tok = p.y; };
+    take_winners(c, cnt, kk, 0u, 0u, &counts[r], winners + r * a.max_k, a.max_k, hist);
+    const u32 m = FUSE_TARGET * kk;
+    if (cnt <= 2u * m) return;  // the estimate stands
+    u32 need = m, eq = 0;
+    const u32 fkey = kth_key(c, cnt, 0u, 0u, &need, &eq, hist);
+    if (threadIdx.x < 32) {
+        const float norm = active_norm(qf + r * DIM, depths + (u64)b * a.depth_stride + (u64)(hq / GQ) * DIM);
+        if (threadIdx.x == 0) est[ei] = next_estimate(fkey, norm);
     }
 }
 

@@ -75,6 +75,14 @@ pub struct BenchConfig {
     /// past it).
     #[serde(default = "default_pool_budget")]
     pub pool_budget: u64,
+    /// Cache engine only: the filtered-select settings to time, each over every method
+    /// ([`crate::PagedCache::set_filtered_select`]: min middle tokens; 0 = the score path).
+    #[serde(default = "default_filtered_select")]
+    pub filtered_select: Vec<usize>,
+}
+
+fn default_filtered_select() -> Vec<usize> {
+    vec![crate::DEFAULT_FUSE_MIN]
 }
 
 fn default_pool_budget() -> u64 {
@@ -389,17 +397,20 @@ fn run_cache_engine(
 /// Speedups of every result against every 136-bit scan among `results` (one context and
 /// residency).
 pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
-    let base: Vec<(String, f64)> = results
+    // Against the 136-bit scans timed under the same select setting.
+    let base: Vec<(String, String, f64)> = results
         .iter()
         .filter(|r| {
             fathom_plan::method::MethodSpec::parse(&r.method, dim)
                 .is_ok_and(|m| m.is_136_bit_scan())
         })
-        .map(|r| (r.method.clone(), r.gpu_ms))
+        .map(|r| (r.select.clone(), r.method.clone(), r.gpu_ms))
         .collect();
     for r in results {
-        for (name, ms) in &base {
-            r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
+        for (select, name, ms) in &base {
+            if *select == r.select {
+                r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
+            }
         }
     }
 }
@@ -524,5 +535,8 @@ fn summarize(
         union_rows: union,
         cache_hit_rate: if union > 0.0 { hits / union } else { 0.0 },
         speedup_vs_136: BTreeMap::new(),
+        select: String::new(),
+        fallback_rate: None,
+        filtered_share: None,
     }
 }

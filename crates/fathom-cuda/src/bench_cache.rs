@@ -216,7 +216,21 @@ pub(crate) fn run(
         );
         let decode: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
         let first = rep.results.len();
-        for &m in &c.methods {
+        let settings = if c.filtered_select.is_empty() {
+            vec![crate::DEFAULT_FUSE_MIN]
+        } else {
+            c.filtered_select.clone()
+        };
+        for (fuse, &m) in settings
+            .iter()
+            .flat_map(|&f| c.methods.iter().map(move |m| (f, m)))
+        {
+            cache.set_filtered_select(fuse);
+            let select = if fuse == 0 {
+                "scores".to_string()
+            } else {
+                format!("filtered>={fuse}")
+            };
             let am = AttendMethod::Scan(m);
             if let Err(e) = cache.prepare(m) {
                 let note = format!("cache engine: {} not timed: {e}", m.label());
@@ -231,6 +245,7 @@ pub(crate) fn run(
             }
             let (bits0, plans0) = cache.plan_bits()?;
             let rows0 = cache.row_counters()?;
+            let mut sel0 = cache.select_counters()?;
             let (mut gpu_ms, mut wall_ms) = (Vec::new(), Vec::new());
             for step in 0..steps_per_method {
                 let w0 = std::time::Instant::now();
@@ -297,6 +312,11 @@ pub(crate) fn run(
                 }
                 let e1 = ev(&stream)?;
                 e1.synchronize().map_err(drv("event synchronize"))?;
+                if step + 1 == c.warmup {
+                    // The filtered select's counts cover the timed steps only (each row's
+                    // first attend after the reset is on the score path by design).
+                    sel0 = cache.select_counters()?;
+                }
                 if step >= c.warmup {
                     gpu_ms.push(e0.elapsed_ms(&e1).map_err(drv("elapsed"))? as f64);
                     wall_ms.push(w0.elapsed().as_secs_f64() * 1e3);
@@ -304,6 +324,7 @@ pub(crate) fn run(
             }
             let (bits1, plans1) = cache.plan_bits()?;
             let rows1 = cache.row_counters()?;
+            let sel1 = cache.select_counters()?;
             let bits = if plans1 > plans0 {
                 (bits1 * plans1 as f64 - bits0 * plans0 as f64) / (plans1 - plans0) as f64
             } else {
@@ -312,17 +333,34 @@ pub(crate) fn run(
             let nsteps = steps_per_method as f64;
             let union = (rows1.rows - rows0.rows) as f64 / nsteps;
             let hits = (rows1.hits - rows0.hits) as f64 / nsteps;
-            let r = result(
+            let mut r = result(
                 rep, cshape, lens, residency, k, m, bits, union, hits, gpu_ms, wall_ms,
             );
+            r.select = select;
+            if fuse > 0 {
+                let filtered = sel1.filtered - sel0.filtered;
+                let fallbacks = sel1.fallbacks - sel0.fallbacks;
+                let rows = (c.steps * layers * b * hq) as f64;
+                r.filtered_share = Some(filtered as f64 / rows.max(1.0));
+                r.fallback_rate = Some(if filtered + fallbacks == 0 {
+                    0.0
+                } else {
+                    fallbacks as f64 / (filtered + fallbacks) as f64
+                });
+            }
             progress(&format!(
-                "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%",
+                "  {:<10} {:<15} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}",
                 r.method,
+                r.select,
                 r.bits,
                 r.gpu_ms,
                 r.wall_ms,
                 r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
-                100.0 * r.cache_hit_rate
+                100.0 * r.cache_hit_rate,
+                match (r.filtered_share, r.fallback_rate) {
+                    (Some(f), Some(b)) => format!("{:.1}% (fallbacks {:.1}%)", 100.0 * f, 100.0 * b),
+                    _ => "-".into(),
+                }
             ));
             rep.results.push(r);
         }
@@ -383,5 +421,8 @@ fn result(
         union_rows: union,
         cache_hit_rate: if union > 0.0 { hits / union } else { 0.0 },
         speedup_vs_136: Default::default(),
+        select: String::new(),
+        fallback_rate: None,
+        filtered_share: None,
     }
 }

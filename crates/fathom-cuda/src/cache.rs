@@ -149,6 +149,34 @@ impl CacheConfig {
     }
 }
 
+/// The default of [`crate::PagedCache::set_filtered_select`]: rows of at least 8192 middle
+/// tokens take the filtered select.
+pub const DEFAULT_FUSE_MIN: usize = 8192;
+
+/// How attends' query-head rows took their top-k ([`crate::PagedCache::select_counters`]):
+/// rows that did not take the filtered select (too short, no estimate yet, or the setting
+/// off) are in neither count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SelectCounters {
+    /// Rows selected from their filtered pairs alone (no score array written).
+    pub filtered: u64,
+    /// Rows whose filter passed fewer than k tokens or more than the pair capacity: scanned
+    /// again with scores, then selected by the score path.
+    pub fallbacks: u64,
+}
+
+impl SelectCounters {
+    /// Fallbacks over the rows that tried the filtered select (0 when none did).
+    pub fn fallback_rate(&self) -> f64 {
+        let tried = self.filtered + self.fallbacks;
+        if tried == 0 {
+            0.0
+        } else {
+            self.fallbacks as f64 / tried as f64
+        }
+    }
+}
+
 /// Union rows fetched and row-cache hits ([`crate::PagedCache::row_counters`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RowCounters {

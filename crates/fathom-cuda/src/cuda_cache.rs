@@ -14,7 +14,9 @@ use std::sync::Arc;
 use cudarc::driver::{result, CudaFunction, CudaStream, PushKernelArg};
 use half::bf16;
 
-use crate::cache::{check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows, RowCounters};
+use crate::cache::{
+    check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows, RowCounters, SelectCounters,
+};
 use crate::config::Residency;
 use crate::cuda::{cast_mut, cfg, compile_one, drv, DevBuf, HostBuf, Mem};
 use crate::error::{CudaError, Result};
@@ -52,6 +54,10 @@ const SPARSE_SPLITS: usize = 64;
 const DENSE_SPLITS: usize = 256;
 /// Rows per CTA of `read_rows` (`READ_ROWS` of append.cu).
 const READ_ROWS: usize = 8;
+/// Filtered-select candidates per row, per winner of `max_k`: 4× the FUSE_TARGET · k that
+/// the estimate aims at (attend.cu), so a row falls back only when four times as many
+/// tokens pass its filter as the previous attend predicted.
+const FUSE_CAP_PER_K: usize = 16;
 
 /// `struct AppendDesc` of append.cu.
 #[repr(C)]
@@ -98,9 +104,11 @@ struct AttendGeom {
     cache_rows: u32,
     layer: u32,
     nsplit: u32,
+    fuse_min: u32,
+    fcap: u32,
     pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<AttendGeom>() == 56);
+const _: () = assert!(std::mem::size_of::<AttendGeom>() == 64);
 
 // SAFETY: plain `#[repr(C)]` data of integers and one f32, passed by value.
 unsafe impl cudarc::driver::DeviceRepr for AttendGeom {}
@@ -111,6 +119,7 @@ struct AttendKernels {
     topk_select: CudaFunction,
     topk_collect: CudaFunction,
     topk_finish: CudaFunction,
+    topk_fused: CudaFunction,
     union: CudaFunction,
     fetch: CudaFunction,
     attn_partial: CudaFunction,
@@ -144,12 +153,22 @@ struct Work {
     sel: DevBuf,
     cand: DevBuf,
     ccount: DevBuf,
+    /// The filtered select (attend.cu, `paged_topk_fused`): each row's estimate
+    /// `[max_sessions][L][Hq]` f32 (0 bits: none), its mode `[max_batch][Hq]` u32 (0 score
+    /// path, 1 filtered, 2 fallen back), its passing (key, token) pairs
+    /// `[max_batch][Hq][fcap]` and their counts.
+    est: DevBuf,
+    mode: DevBuf,
+    fcand: DevBuf,
+    fcount: DevBuf,
+    fcap: usize,
     /// Partial attention: max and sum `[max_batch][Hq][DENSE_SPLITS]` f32, weighted V
     /// `[max_batch][Hq][DENSE_SPLITS][D]` f32.
     pm: DevBuf,
     pl: DevBuf,
     pacc: DevBuf,
-    /// Union rows and row-cache hits summed over every attend since the cache was made (u64).
+    /// Union rows, row-cache hits, filtered rows and fallbacks summed over every attend since
+    /// the cache was made (u64).
     counters: DevBuf,
     /// The HBM row cache (`cache_rows` slots per (session, layer, KV head); absent at 0):
     /// tags u32 (token + 1, 0 empty), records `[4D]` bytes, and the bids of one attend u32
@@ -241,6 +260,9 @@ pub struct PagedCache {
     plans_counted: u64,
     /// While capturing a graph: grids sized for the largest context, decode batches only.
     fixed_grids: bool,
+    /// Middle tokens from which a row takes the filtered select (0: never); see
+    /// [`PagedCache::set_filtered_select`].
+    fuse_min: usize,
     // Keep the modules alive.
     _module: Arc<cudarc::driver::CudaModule>,
     _attend_modules: [Arc<cudarc::driver::CudaModule>; 2],
@@ -323,6 +345,7 @@ impl PagedCache {
             topk_select: fa("paged_topk_select")?,
             topk_collect: fa("paged_topk_collect")?,
             topk_finish: fa("paged_topk_finish")?,
+            topk_fused: fa("paged_topk_fused")?,
             union: fa("paged_union")?,
             fetch: fa("paged_fetch")?,
             attn_partial: fa("paged_attn_partial")?,
@@ -332,6 +355,7 @@ impl PagedCache {
         };
         let (mb, hkv, hq, d) = (cfg.max_batch, s.kv_heads, s.kv_heads * s.group, s.dim);
         let umax = crate::cache::MAX_SINK_LOCAL + s.group * cfg.max_k;
+        let fcap = FUSE_CAP_PER_K * cfg.max_k;
         let max_pages = cfg.pages.pages_for(cfg.pages.max_tokens);
         let work = Work {
             qf: DevBuf::new(mb * hq * d * 4, "attend queries")?,
@@ -346,10 +370,18 @@ impl PagedCache {
             sel: DevBuf::zeroed(mb * hq * 8, "top-k boundaries")?,
             cand: DevBuf::new(mb * hq * cfg.pages.max_tokens * 4, "top-k candidates")?,
             ccount: DevBuf::zeroed(mb * hq * 4, "top-k candidate counts")?,
+            est: DevBuf::zeroed(
+                cfg.pages.max_sessions * s.layers * hq * 4,
+                "filtered-select estimates",
+            )?,
+            mode: DevBuf::zeroed(mb * hq * 4, "select modes")?,
+            fcand: DevBuf::new(mb * hq * fcap * 8, "filtered candidates")?,
+            fcount: DevBuf::zeroed(mb * hq * 4, "filtered candidate counts")?,
+            fcap,
             pm: DevBuf::new(mb * hq * DENSE_SPLITS * 4, "attention partial max")?,
             pl: DevBuf::new(mb * hq * DENSE_SPLITS * 4, "attention partial sum")?,
             pacc: DevBuf::new(mb * hq * DENSE_SPLITS * d * 4, "attention partials")?,
-            counters: DevBuf::zeroed(16, "attend counters")?,
+            counters: DevBuf::zeroed(32, "attend counters")?,
             row_tags: row_cache_buf(&cfg, 4, "row-cache tags")?,
             row_data: row_cache_buf(&cfg, 4 * d, "row cache")?,
             row_claim: row_cache_buf(&cfg, 4, "row-cache bids")?,
@@ -405,6 +437,7 @@ impl PagedCache {
             calib,
             plans_counted: 0,
             fixed_grids: false,
+            fuse_min: crate::cache::DEFAULT_FUSE_MIN,
             _module: module,
             _attend_modules: [attend_mod, plan_mod],
         })
@@ -464,6 +497,14 @@ impl PagedCache {
     /// An unknown or freed session.
     pub fn reset_row_cache(&self, session: SessionId) -> Result<()> {
         self.sessions.len(session)?;
+        // The filtered select's estimates too: a new session (or a fork) starts on the score
+        // path.
+        let s = self.cfg.shape;
+        let est_bytes = s.layers * s.kv_heads * s.group * 4;
+        let at = self.work.est.ptr + (session.slot() * est_bytes) as u64;
+        // SAFETY: the slot's estimates lie inside the buffer (slot < max_sessions).
+        unsafe { result::memset_d8_async(at, 0, est_bytes, self.stream.cu_stream()) }
+            .map_err(drv("memset select estimates"))?;
         if let Some(tags) = &self.work.row_tags {
             let s = self.cfg.shape;
             let bytes = s.layers * s.kv_heads * self.cfg.row_cache * 4;
@@ -1050,6 +1091,8 @@ impl PagedCache {
             } else {
                 self.work.umax.div_ceil(ATTN_GRAN).min(SPARSE_SPLITS)
             } as u32,
+            fuse_min: self.fuse_min.min(u32::MAX as usize) as u32,
+            fcap: self.work.fcap as u32,
             pad: 0,
         };
         let k = &self.attend_kernels;
@@ -1127,24 +1170,61 @@ impl PagedCache {
                 result::memset_d8_async(w.hist.ptr, 0, nb * hq * HIST_BINS * 4, st.cu_stream())
             }
             .map_err(drv("memset top-k histogram"))?;
+            let fused = self.fuse_min > 0;
+            if fused {
+                // SAFETY: the counts hold max_batch·Hq u32.
+                unsafe { result::memset_d8_async(w.fcount.ptr, 0, nb * hq * 4, st.cu_stream()) }
+                    .map_err(drv("memset filtered counts"))?;
+            }
             let per_cta = SCAN_BLOCKS.min(lay.blocks_per_page());
             let ctas = longest.div_ceil(BLOCK_TOKENS).div_ceil(per_cta) as u32;
-            let mut b = st.launch_builder(&k.scan);
+            let scan = |pass: u32| -> Result<()> {
+                let mut b = st.launch_builder(&k.scan);
+                b.arg(&descs)
+                    .arg(&tables)
+                    .arg(&pool)
+                    .arg(&geom)
+                    .arg(&ag)
+                    .arg(&w.qf.ptr)
+                    .arg(&depths)
+                    .arg(&w.scores.ptr)
+                    .arg(&w.hist.ptr)
+                    .arg(&pass)
+                    .arg(&w.est.ptr)
+                    .arg(&w.mode.ptr)
+                    .arg(&w.fcand.ptr)
+                    .arg(&w.fcount.ptr);
+                // SAFETY: only pages < each session's table length are read (the kernel
+                // checks its length); scores hold max_batch·Hq rows of max_tokens, the
+                // filtered pairs fcap per row (bounded in the kernel), the estimates
+                // max_sessions·L·Hq.
+                unsafe { b.launch(cfg((ctas.max(1), hkv32, nb32), 8 * SCAN_BLOCKS as u32)) }
+                    .map_err(drv("launch paged_scan"))?;
+                Ok(())
+            };
+            scan(0)?;
+            // 4. The filtered rows' selection (or their fallback), then each other row's
+            // top-k: the boundary bucket, one streaming pass, the exact boundary among the
+            // bucket's candidates (ties to the lower index).
+            let mut b = st.launch_builder(&k.topk_fused);
             b.arg(&descs)
-                .arg(&tables)
-                .arg(&pool)
                 .arg(&geom)
                 .arg(&ag)
                 .arg(&w.qf.ptr)
                 .arg(&depths)
-                .arg(&w.scores.ptr)
-                .arg(&w.hist.ptr);
-            // SAFETY: only pages < each session's table length are read (the kernel checks
-            // its length); scores hold max_batch·Hq rows of max_tokens.
-            unsafe { b.launch(cfg((ctas.max(1), hkv32, nb32), 8 * SCAN_BLOCKS as u32)) }
-                .map_err(drv("launch paged_scan"))?;
-            // 4. Each query head's top-k: the boundary bucket, one streaming pass, the exact
-            // boundary among the bucket's candidates (ties to the lower index).
+                .arg(&w.est.ptr)
+                .arg(&w.mode.ptr)
+                .arg(&w.fcand.ptr)
+                .arg(&w.fcount.ptr)
+                .arg(&w.winners.ptr)
+                .arg(&w.counts.ptr)
+                .arg(&w.counters.ptr);
+            // SAFETY: rows < max_batch·Hq of every per-row array; pairs read < min(count, fcap).
+            unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
+                .map_err(drv("launch paged_topk_fused"))?;
+            if fused {
+                scan(1)?;
+            }
             let mut b = st.launch_builder(&k.topk_select);
             b.arg(&descs)
                 .arg(&geom)
@@ -1152,7 +1232,8 @@ impl PagedCache {
                 .arg(&w.hist.ptr)
                 .arg(&w.sel.ptr)
                 .arg(&w.counts.ptr)
-                .arg(&w.ccount.ptr);
+                .arg(&w.ccount.ptr)
+                .arg(&w.mode.ptr);
             // SAFETY: rows < max_batch·Hq of every per-row array.
             unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
                 .map_err(drv("launch paged_topk_select"))?;
@@ -1166,20 +1247,26 @@ impl PagedCache {
                 .arg(&w.winners.ptr)
                 .arg(&w.counts.ptr)
                 .arg(&w.cand.ptr)
-                .arg(&w.ccount.ptr);
+                .arg(&w.ccount.ptr)
+                .arg(&w.mode.ptr);
             // SAFETY: winners hold max_k per row (k ≤ max_k was checked), candidates
             // max_tokens per row; both lists are bounded in the kernel.
             unsafe { b.launch(cfg((chunks, hq32, nb32), 256)) }
                 .map_err(drv("launch paged_topk_collect"))?;
             let mut b = st.launch_builder(&k.topk_finish);
-            b.arg(&geom)
+            b.arg(&descs)
+                .arg(&geom)
                 .arg(&ag)
                 .arg(&w.scores.ptr)
                 .arg(&w.sel.ptr)
                 .arg(&w.winners.ptr)
                 .arg(&w.counts.ptr)
                 .arg(&w.cand.ptr)
-                .arg(&w.ccount.ptr);
+                .arg(&w.ccount.ptr)
+                .arg(&w.mode.ptr)
+                .arg(&w.qf.ptr)
+                .arg(&depths)
+                .arg(&w.est.ptr);
             // SAFETY: as above.
             unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
                 .map_err(drv("launch paged_topk_finish"))?;
@@ -1370,6 +1457,34 @@ impl PagedCache {
             rows: v[0],
             hits: v[1],
         })
+    }
+
+    /// Waits for the stream, then how the query-head rows of every attend since the cache was
+    /// made took their top-k: by the filtered select, or by falling back to the score path
+    /// after their filter failed.
+    pub fn select_counters(&self) -> Result<SelectCounters> {
+        self.sync()?;
+        let v: Vec<u64> = self.work.counters.read(4)?;
+        Ok(SelectCounters {
+            filtered: v[2],
+            fallbacks: v[3],
+        })
+    }
+
+    /// Sets when a query head's top-k may skip the score array (docs/SPEC.md §5, "Selection
+    /// without a score array"): a row with at least `min_middle_tokens` middle tokens (and
+    /// 8·k of them) filters its scan by an estimate left by its previous attend, and keeps only
+    /// the tokens that pass; the winners are exactly those of the score path (a row whose
+    /// filter passes fewer than k tokens, or too many, falls back to it within the same
+    /// attend). 0 turns the filtered select off. The default is
+    /// [`crate::DEFAULT_FUSE_MIN`].
+    pub fn set_filtered_select(&mut self, min_middle_tokens: usize) {
+        self.fuse_min = min_middle_tokens;
+    }
+
+    /// The setting of [`PagedCache::set_filtered_select`].
+    pub fn filtered_select(&self) -> usize {
+        self.fuse_min
     }
 
     /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and

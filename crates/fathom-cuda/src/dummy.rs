@@ -359,6 +359,19 @@ impl PagedCache {
     pub fn row_counters(&self) -> Result<crate::cache::RowCounters> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// How attends' rows took their top-k since the cache was made.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn select_counters(&self) -> Result<crate::cache::SelectCounters> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Sets when a row takes the filtered select (no effect in this build).
+    pub fn set_filtered_select(&mut self, _min_middle_tokens: usize) {}
+    /// The filtered-select setting.
+    pub fn filtered_select(&self) -> usize {
+        crate::cache::DEFAULT_FUSE_MIN
+    }
     /// Empties the HBM row cache of a session.
     ///
     /// # Errors

@@ -756,6 +756,121 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
     assert_eq!(b.hits, 0, "no row cache, no hits: {b:?}");
 }
 
+/// The filtered select (docs/SPEC.md §5) picks exactly the score path's winners: two caches
+/// fed the same appends, one with the filtered select off and one with it on from 256 middle
+/// tokens, attend a ragged batch (3000, 5000 and 9000 tokens) for 8 decode steps × 3 methods
+/// with drifting queries; every query head's winners and every output are equal, and the
+/// filtered cache really took the filtered path (after each row's first attend). Then a zero
+/// query (every score ties at 0): the 3000-token session selects the lowest tokens from its
+/// pairs, and the two longer ones pass more tokens than the pair capacity (16 · max_k = 4096)
+/// and fall back, with the same winners as the score path.
+#[test]
+fn the_filtered_select_picks_the_score_paths_winners() {
+    use fathom_cuda::cache::AttendMethod;
+    use fathom_plan::SelectParams;
+    let Some(gpu) = gpu() else { return };
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 64,
+    };
+    let (hkv, d, g, layers) = (2, 128, 4, 2);
+    let hq = hkv * g;
+    let mut caches = [
+        PagedCache::new(&gpu, config(layers, hkv, d, 256, 200)).unwrap(),
+        PagedCache::new(&gpu, config(layers, hkv, d, 256, 200)).unwrap(),
+    ];
+    caches[0].set_filtered_select(0);
+    caches[1].set_filtered_select(256);
+    let mut rngs = [StdRng::seed_from_u64(21), StdRng::seed_from_u64(21)];
+    let mut ids: Vec<Vec<SessionId>> = Vec::new();
+    for (c, rng) in caches.iter_mut().zip(&mut rngs) {
+        let s: Vec<SessionId> = (0..3).map(|_| c.create().unwrap()).collect();
+        let mut shadows = vec![vec![Shadow::default(); layers]; 8];
+        let slot = |s: SessionId| s.slot();
+        step(
+            c,
+            rng,
+            &[(s[0], 3000), (s[1], 5000), (s[2], 9000)],
+            &mut shadows,
+            &slot,
+        );
+        let calib = vec![
+            fathom_plan::scanner::HeadCalib {
+                sigma2: vec![1.0; d],
+                ..Default::default()
+            };
+            hkv
+        ];
+        for l in 0..layers {
+            c.load_calibration(l, &calib).unwrap();
+        }
+        ids.push(s);
+    }
+    let mut qrng = StdRng::seed_from_u64(22);
+    let base: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+    let mut attend_all = |caches: &mut [PagedCache; 2], q: &[f32], m: &str, what: &str| {
+        let am = AttendMethod::parse(m, d).unwrap();
+        let mut outs = Vec::new();
+        let mut wins = Vec::new();
+        for (ci, c) in caches.iter_mut().enumerate() {
+            if let AttendMethod::Scan(mm) = am {
+                c.prepare(mm).unwrap();
+            }
+            let all: Vec<(SessionId, usize)> = ids[ci].iter().map(|&s| (s, 1)).collect();
+            let mut shadows = vec![vec![Shadow::default(); layers]; 8];
+            let slot = |s: SessionId| s.slot();
+            let batch = step(c, &mut rngs[ci], &all, &mut shadows, &slot);
+            let mut o = Vec::new();
+            let mut w = Vec::new();
+            for l in 0..layers {
+                o.extend(c.attend_host(&batch, l, am, &params, q).unwrap());
+                for b in 0..3 {
+                    w.push(c.debug_readback(&batch, b).unwrap().winners);
+                }
+            }
+            outs.push(o);
+            wins.push(w);
+        }
+        assert_eq!(
+            wins[0], wins[1],
+            "{what} {m}: winners, score path vs filtered"
+        );
+        assert_eq!(
+            outs[0], outs[1],
+            "{what} {m}: outputs, score path vs filtered"
+        );
+    };
+    for t in 0..8 {
+        let q: Vec<f32> = base
+            .iter()
+            .map(|&x| x + 0.1 * qrng.gen_range(-1.0..1.0))
+            .collect();
+        for m in ["fathom:48", "sparq:16", "exact"] {
+            attend_all(&mut caches, &q, m, &format!("step {t}"));
+        }
+    }
+    let (off, on) = (
+        caches[0].select_counters().unwrap(),
+        caches[1].select_counters().unwrap(),
+    );
+    assert_eq!(
+        off,
+        fathom_cuda::cache::SelectCounters::default(),
+        "filtered select off"
+    );
+    // 8 steps × 3 methods × 2 layers × 3 sessions × 8 heads rows; each (session, layer, head)
+    // starts on the score path, and a method's scores differ in scale from the previous one's.
+    assert!(on.filtered > 0, "the filtered path ran: {on:?}");
+    let before = on;
+    attend_all(&mut caches, &vec![0.0; 3 * hq * d], "exact", "zero query");
+    let after = caches[1].select_counters().unwrap();
+    assert!(
+        after.fallbacks > before.fallbacks,
+        "every score ties at 0: the longer sessions' filters overflow ({before:?} -> {after:?})"
+    );
+}
+
 /// `read_rows` returns each session's last `min(len, cap)` records as the stored bf16, in
 /// batch order, for a ragged batch, with caps below, at and above the lengths, in host and
 /// HBM residency; rows past a session's count are left as they were.

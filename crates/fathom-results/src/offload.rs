@@ -120,6 +120,18 @@ pub struct BenchResult {
     pub cache_hit_rate: f64,
     /// GPU-time speedup against each 136-bit scan at the same context and residency.
     pub speedup_vs_136: BTreeMap<String, f64>,
+    /// Cache engine: how the top-k selected, `filtered>=N` (the filtered select from N
+    /// middle tokens, docs/SPEC.md §5) or `scores` (the score array); empty in older runs.
+    #[serde(default)]
+    pub select: String,
+    /// Cache engine, filtered select: of the query-head rows that tried it, the fraction that
+    /// fell back to the score path.
+    #[serde(default)]
+    pub fallback_rate: Option<f64>,
+    /// Cache engine, filtered select: the fraction of all query-head rows (timed steps) that
+    /// selected from their filtered pairs alone.
+    #[serde(default)]
+    pub filtered_share: Option<f64>,
 }
 
 /// An `offload-bench` run.
