@@ -145,8 +145,9 @@ pub struct OffloadBenchArgs {
     pub pool_budget_gib: f64,
     /// Cache engine: the top-k's filtered select from this many middle tokens (the scan keeps
     /// only the tokens above an estimate of the k-th score and writes no score array; exact,
-    /// with a fallback), or `0` for the score path. A list times each setting over every
-    /// method, e.g. `--filtered-select 8192,0` to measure the two against each other.
+    /// with a fallback), or `0` for the score path (the default). A list times each setting
+    /// over every method, e.g. `--filtered-select 8192,0` to measure the two against each
+    /// other.
     #[arg(long, value_delimiter = ',', default_values_t = [fathom_cuda::DEFAULT_FUSE_MIN])]
     pub filtered_select: Vec<usize>,
 }
