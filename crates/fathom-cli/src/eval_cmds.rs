@@ -123,6 +123,11 @@ pub struct RulerArgs {
     /// `fathom ruler --model smollm2-135m --context 8192 --prompt chat --shape small --samples 20`.
     #[arg(long, default_value = "ruler")]
     pub shape: String,
+    /// The haystack's words: `docs` (the prose corpus as written: documentation with its
+    /// markup and code names) or `prose` (only the words that read as running prose, closer
+    /// to RULER's essays; small models otherwise answer with a code name they read).
+    #[arg(long, default_value = "docs", value_parser = ["docs", "prose"])]
+    pub haystack: String,
 }
 
 /// `fathom agent-steps`: teacher-forced step agreement on agent-transcript coding contexts.
@@ -395,7 +400,10 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     }
     let tok = s.model.tokenizer();
     let (docs, source) = eval_documents(c, CorpusKind::Prose, &s.corpus)?;
-    let haystack = Haystack::new(docs.iter().map(|d| d.text.as_str()), &source)?;
+    let mut haystack = Haystack::new(docs.iter().map(|d| d.text.as_str()), &source)?;
+    if a.haystack == "prose" {
+        haystack = haystack.prose_only()?;
+    }
     let words = WordList::fetch(&s.corpus).context("fetching the RULER key word list")?;
     let (calib, calib_info) = calibration(&s, CorpusKind::Prose, c.context, c.calib_queries)?;
     let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());

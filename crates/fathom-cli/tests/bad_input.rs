@@ -774,6 +774,13 @@ fn cases(fx: &Fx) -> Vec<Case> {
             Some(out.clone()),
         );
     }
+    case(
+        "bad filtered-select setting",
+        "offload-bench",
+        s(["offload-bench", "--filtered-select", "8k", "--json", &out]),
+        "8k",
+        Some(out.clone()),
+    );
     // `k > n` and the shapes of a capture are validated on the device path, after the device
     // check, so without a GPU only the missing device is observable for them here.
 
@@ -1066,6 +1073,13 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "ruler",
         off(s(["ruler", "--shape", "small,digits=0", "--json", &out])),
         "digits=0",
+        Some(out.clone()),
+    );
+    case(
+        "unknown haystack",
+        "ruler",
+        off(s(["ruler", "--haystack", "essays", "--json", &out])),
+        "essays",
         Some(out.clone()),
     );
     let out = fx.p("speed.json");

@@ -59,7 +59,8 @@ __device__ __forceinline__ float key_f32(u32 k) {
 // passed), and an exact radix select over the pairs gives the same winners as the score
 // path, ties included (every token tied with the kk-th score passed too). Otherwise the row
 // falls back: it is scanned again with its scores written, and the score path selects.
-// The estimate aims at FUSE_TARGET * kk passing tokens.
+// The estimate aims at FUSE_TARGET * kk passing tokens. CPU reference of the selection:
+// fathom_plan::select::select_filtered.
 #define FUSE_TARGET 4
 
 __device__ __forceinline__ bool fuse_row(const AttendGeom& a, u32 lo, u32 hi, float est) {

@@ -32,7 +32,11 @@
 //! when one value is asked for; the [`TaskShape::SMALL`] counts plant 2 keys (multikey,
 //! multiquery) and 2 values (multivalue) instead of 4, and a `vt` chain of 2 variables (1 hop)
 //! instead of 5 (4 hops), with the answer prefix's count to match. Templates, needle
-//! sentences, depths, sizing and scoring stay RULER's.
+//! sentences, depths, sizing and scoring stay RULER's. Two more, also off by default and
+//! recorded: [`Needle::Passkey`] (`--shape …,needle=passkey`) words the NIAH needles as
+//! numeric pass keys stated twice, with a matching question and answer prefix; and
+//! [`Haystack::prose_only`] (`fathom ruler --haystack prose`) keeps only the haystack's
+//! running-prose words.
 //!
 //! Everything is drawn from one [`StdRng`] seeded per (task, sample), so a seed fixes the
 //! prompt exactly. **Score** (RULER's `string_match_all`): the fraction of gold strings that
@@ -130,6 +134,52 @@ pub struct TaskShape {
     pub chain: usize,
     /// Digits of a NIAH needle's value (RULER: 7; `vt`'s value keeps RULER's 5 digits).
     pub digits: u32,
+    /// The NIAH needle's wording (RULER: [`Needle::Magic`]).
+    pub needle: Needle,
+}
+
+/// How a NIAH needle, its question and its answer prefix are worded. The structure (keys,
+/// values, depths, queries, gold, scoring) is the same for both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Needle {
+    /// RULER's: `One of the special magic numbers for {key} is: {value}.`, asked as "What
+    /// are all the special magic numbers for {query} mentioned in the provided text?".
+    #[default]
+    Magic,
+    /// The numeric pass key of the passkey-retrieval test (Mohtashami and Jaggi, 2023), keyed
+    /// as RULER's needles are: `The pass key for {key} is {value}. Remember it. {value} is the
+    /// pass key for {key}.`, asked as "What is the pass key for {query}?" (plural for several
+    /// keys or values). The value is stated twice, so a small model finds it more easily.
+    Passkey,
+}
+
+impl Needle {
+    /// The needle sentence for `key` and `value`.
+    pub fn sentence(self, key: &str, value: &str) -> String {
+        match self {
+            Needle::Magic => needle(key, value),
+            Needle::Passkey => format!(
+                "The pass key for {key} is {value}. Remember it. {value} is the pass key for {key}."
+            ),
+        }
+    }
+
+    /// The task template (with `{context}` and `{query}`) and the answer prefix (with
+    /// `{query}`) for `values` gold values, under `format`.
+    fn template(self, format: &PromptFormat, values: usize) -> (&'static str, &'static str) {
+        match self {
+            Needle::Magic => (
+                NIAH_TEMPLATE,
+                match (format, values) {
+                    (PromptFormat::Chat(_), 1) => NIAH_ANSWER_ONE,
+                    _ => NIAH_ANSWER,
+                },
+            ),
+            Needle::Passkey if values == 1 => (PASSKEY_TEMPLATE_ONE, PASSKEY_ANSWER_ONE),
+            Needle::Passkey => (PASSKEY_TEMPLATE, PASSKEY_ANSWER),
+        }
+    }
 }
 
 impl TaskShape {
@@ -139,6 +189,7 @@ impl TaskShape {
         values: 4,
         chain: 5,
         digits: 7,
+        needle: Needle::Magic,
     };
     /// For 100M-parameter models: 2 keys, 2 values, a chain of 2, 7-digit values.
     pub const SMALL: TaskShape = TaskShape {
@@ -146,15 +197,16 @@ impl TaskShape {
         values: 2,
         chain: 2,
         digits: 7,
+        needle: Needle::Magic,
     };
 
     /// `ruler`, `small`, or either followed by overrides, `small,digits=4,keys=3` (a bare
     /// list of overrides starts from `ruler`): `keys` and `values` in 1..=16, `chain` in
-    /// 1..=10, `digits` in 1..=9.
+    /// 1..=10, `digits` in 1..=9, `needle` `magic` or `passkey`.
     pub fn parse(s: &str) -> Result<TaskShape, EvalError> {
         let bad = |what: String| {
             EvalError::Invalid(format!(
-                "task shape {s:?}: {what}; expected ruler, small, or one of them followed by keys=K, values=V, chain=C, digits=D"
+                "task shape {s:?}: {what}; expected ruler, small, or one of them followed by keys=K, values=V, chain=C, digits=D, needle=magic|passkey"
             ))
         };
         let mut parts = s.split(',').map(str::trim).peekable();
@@ -175,6 +227,14 @@ impl TaskShape {
             let (k, v) = p
                 .split_once('=')
                 .ok_or_else(|| bad(format!("{p:?} is not name=value")))?;
+            if k.trim() == "needle" {
+                shape.needle = match v.trim() {
+                    "magic" => Needle::Magic,
+                    "passkey" => Needle::Passkey,
+                    other => return Err(bad(format!("needle={other} (want magic or passkey)"))),
+                };
+                continue;
+            }
             let n: usize = v
                 .trim()
                 .parse()
@@ -208,8 +268,12 @@ impl TaskShape {
         if *self == TaskShape::RULER {
             return "ruler".into();
         }
+        let needle = match self.needle {
+            Needle::Magic => "",
+            Needle::Passkey => ", passkey needles",
+        };
         format!(
-            "keys {}, values {}, chain {}, digits {} (RULER: 4, 4, 5, 7)",
+            "keys {}, values {}, chain {}, digits {}{needle} (RULER: 4, 4, 5, 7)",
             self.keys, self.values, self.chain, self.digits
         )
     }
@@ -332,6 +396,41 @@ impl Haystack {
         })
     }
 
+    /// The words that read as running prose: markup, identifiers and numbers dropped. A word
+    /// is kept when, without its leading `("'` and trailing `.,;:?!)"'`, it is letters,
+    /// apostrophes and hyphens only (so no `_`, inner `.`, backquote, digit or `=`), and it
+    /// does not end in `::` (a reST directive). Built for small
+    /// models, which take a documentation haystack's code names (`DJANGO_SETTINGS_MODULE`,
+    /// ``:attr:`…` ``) for the answer; RULER's own haystack (essays) is plain prose.
+    ///
+    /// # Errors
+    /// [`EvalError::Invalid`] when fewer than 1000 words remain.
+    pub fn prose_only(&self) -> Result<Haystack, EvalError> {
+        let keep = |w: &str| {
+            let core = w
+                .trim_start_matches(|c| "(\"'".contains(c))
+                .trim_end_matches(|c| ".,;:?!)\"'".contains(c));
+            !core.is_empty()
+                && core.chars().any(char::is_alphabetic)
+                && core
+                    .chars()
+                    .all(|c| c.is_alphabetic() || c == '\'' || c == '-')
+                && !w.ends_with("::")
+        };
+        let words: Vec<String> = self.words.iter().filter(|w| keep(w)).cloned().collect();
+        if words.len() < 1000 {
+            return Err(EvalError::Invalid(format!(
+                "haystack {} (prose only): only {} words",
+                self.source,
+                words.len()
+            )));
+        }
+        Ok(Haystack {
+            words,
+            source: format!("{} (prose words only)", self.source),
+        })
+    }
+
     /// `m` words from `start` on, wrapping around.
     fn take(&self, start: usize, m: usize) -> impl Iterator<Item = &str> {
         let n = self.words.len();
@@ -383,6 +482,10 @@ const NIAH_ANSWER: &str =
 /// [`PromptFormat::Chat`]'s answer prefix when one value is asked for.
 const NIAH_ANSWER_ONE: &str =
     " The special magic number for {query} mentioned in the provided text is";
+const PASSKEY_TEMPLATE_ONE: &str = "A pass key is hidden within the following text. Make sure to memorize it. I will quiz you about the pass key afterwards.\n{context}\nWhat is the pass key for {query}?";
+const PASSKEY_ANSWER_ONE: &str = " The pass key for {query} is";
+const PASSKEY_TEMPLATE: &str = "Some pass keys are hidden within the following text. Make sure to memorize them. I will quiz you about the pass keys afterwards.\n{context}\nWhat are all the pass keys for {query}?";
+const PASSKEY_ANSWER: &str = " The pass keys for {query} are";
 const VT_TEMPLATE: &str = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.";
 const VT_ANSWER: &str = " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined the value {query}, they are: ";
 const FWE_TEMPLATE: &str = "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?";
@@ -594,22 +697,19 @@ pub fn generate(
             let items: Vec<(f64, String)> = chosen
                 .iter()
                 .zip(&needles)
-                .map(|(d, (k, v))| (*d as f64 / 100.0, needle(k, v)))
+                .map(|(d, (k, v))| (*d as f64 / 100.0, sh.needle.sentence(k, v)))
                 .collect();
             let queries = &keys[..n_queries];
             let query = join_query(queries);
             let gold: Vec<String> = values[..n_queries].iter().flatten().cloned().collect();
-            let question = NIAH_TEMPLATE
+            let (template, answer) = sh.needle.template(&params.format, gold.len());
+            let question = template
                 .rsplit_once("{context}")
                 .map_or("", |x| x.1)
                 .replace("{query}", &query);
-            let answer = match (&params.format, gold.len()) {
-                (PromptFormat::Chat(_), 1) => NIAH_ANSWER_ONE,
-                _ => NIAH_ANSWER,
-            };
             let build = |m: usize| -> String {
                 let ctx = plant(&sentences(haystack.take(offset, m)), &items);
-                let t = NIAH_TEMPLATE
+                let t = template
                     .replace("{context}", &ctx)
                     .replace("{query}", &query);
                 params.format.wrap(&t, &answer.replace("{query}", &query))
@@ -682,4 +782,30 @@ pub fn score(generation: &str, gold: &[String]) -> f64 {
         .filter(|s| g.contains(&s.to_lowercase()))
         .count() as f64
         / gold.len() as f64
+}
+
+#[cfg(test)]
+mod prose_tests {
+    use super::*;
+
+    #[test]
+    fn prose_only_drops_markup_identifiers_and_numbers() {
+        let text = "The login cookie isn't set, because :setting:`SESSION_COOKIE_DOMAIN` \
+                    (for example) ``SESSION_COOKIE_DOMAIN = 'www.example.com'`` set to True. \
+                    Note:: version 5.1 django.contrib.auth is_active ====== Why? ";
+        let doc = text.repeat(200);
+        let h = Haystack::new(std::iter::once(doc.as_str()), "test").unwrap();
+        let p = h.prose_only().unwrap();
+        let first: Vec<&str> = p.take(0, 14).collect();
+        assert_eq!(
+            first,
+            [
+                "The", "login", "cookie", "isn't", "set,", "because", "(for", "example)", "set",
+                "to", "True.", "version", "Why?", "The"
+            ]
+        );
+        assert!(p.source.ends_with("(prose words only)"));
+        let tiny = Haystack::new(std::iter::once("x_1 ".repeat(2000).as_str()), "t").unwrap();
+        assert!(tiny.prose_only().is_err(), "no prose word left is an error");
+    }
 }

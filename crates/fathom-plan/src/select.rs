@@ -236,6 +236,104 @@ pub fn select_group(
         .collect()
 }
 
+/// What [`select_filtered`] did with its filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FilterOutcome {
+    /// `passed` middle tokens scored at or above the filter (at least `min(k, middle)`, at
+    /// most the cap): the selection is made from them alone and equals [`select_per_head`]'s.
+    Selected {
+        /// Middle tokens at or above the filter.
+        passed: usize,
+    },
+    /// Fewer than `min(k, middle)` passed: the filter was too high (the caller falls back to
+    /// the whole row).
+    TooFew {
+        /// Middle tokens at or above the filter.
+        passed: usize,
+    },
+    /// More than the cap passed: a bounded pair buffer would have overflowed (the caller falls
+    /// back to the whole row).
+    Overflow {
+        /// Middle tokens at or above the filter.
+        passed: usize,
+    },
+}
+
+/// The filtered select of docs/SPEC.md §5 ("Selection without a score array"), the CPU
+/// reference of `fathom-cuda`'s `paged_topk_fused`: only the middle tokens with a score
+/// `≥ filter` are kept (as a scan that writes no score array keeps its passing (score, token)
+/// pairs, at most `cap` of them), and when at least `kk = min(k, middle)` pass, the top-kk of
+/// those (ties to the lower index) is the selection. Then `out` holds exactly what
+/// [`select_per_head`] gives for the same row: every token at or above the kk-th score
+/// passed the filter. Otherwise `out` is left empty and the outcome says why.
+///
+/// ```
+/// use fathom_plan::select::{select_filtered, FilterOutcome};
+/// use fathom_plan::{select_per_head, SelectParams};
+/// let p = SelectParams { sink: 1, local: 1, k: 2 };
+/// let scores = [0.0, 5.0, 1.0, 7.0, 5.0, 3.0, 0.0];
+/// let (mut a, mut b) = (Vec::new(), Vec::new());
+/// assert_eq!(select_filtered(6, &scores, &p, 2.0, 8, &mut a)?, FilterOutcome::Selected { passed: 4 });
+/// select_per_head(6, &scores, &p, &mut b)?;
+/// assert_eq!(a, b); // [0, 1, 3, 6]
+/// assert_eq!(select_filtered(6, &scores, &p, 6.0, 8, &mut a)?, FilterOutcome::TooFew { passed: 1 });
+/// assert_eq!(select_filtered(6, &scores, &p, 0.0, 3, &mut a)?, FilterOutcome::Overflow { passed: 5 });
+/// # Ok::<(), fathom_plan::PlanError>(())
+/// ```
+///
+/// # Errors
+/// As [`select_per_head`]; a NaN filter is [`PlanError::InvalidParameter`].
+pub fn select_filtered(
+    pos: usize,
+    scores: &[f32],
+    params: &SelectParams,
+    filter: f32,
+    cap: usize,
+    out: &mut Vec<u32>,
+) -> Result<FilterOutcome, PlanError> {
+    if filter.is_nan() {
+        return Err(PlanError::InvalidParameter {
+            name: "filter",
+            value: f64::NAN,
+            reason: "a filter score must be a number",
+        });
+    }
+    // The row's checks (length, NaN in the middle) are select_per_head's.
+    let mut full = Vec::new();
+    select_per_head(pos, scores, params, &mut full)?;
+    let middle = params.middle(pos);
+    let kk = params.k.min(middle.len());
+    let passing: Vec<usize> = middle.clone().filter(|&i| scores[i] >= filter).collect();
+    out.clear();
+    if passing.len() < kk {
+        return Ok(FilterOutcome::TooFew {
+            passed: passing.len(),
+        });
+    }
+    if passing.len() > cap {
+        return Ok(FilterOutcome::Overflow {
+            passed: passing.len(),
+        });
+    }
+    // The top kk of the passing pairs by (score, then lower index), as the device's radix
+    // select over their keys and then over ~index.
+    let mut ranked = passing.clone();
+    ranked.sort_by(|&a, &b| {
+        scores[b]
+            .partial_cmp(&scores[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    out.extend((0..middle.start).map(|i| i as u32));
+    let first = out.len();
+    out.extend(ranked[..kk].iter().map(|&i| i as u32));
+    out[first..].sort_unstable();
+    out.extend((middle.end..=pos).map(|i| i as u32));
+    Ok(FilterOutcome::Selected {
+        passed: passing.len(),
+    })
+}
+
 /// The union of token sets (the rows a KV head fetches for its `G` query heads), sorted
 /// ascending without duplicates. The inputs need not be sorted.
 pub fn union_sorted(sets: &[Vec<u32>]) -> Vec<u32> {
@@ -402,6 +500,68 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    /// The filtered select equals the whole-row select whenever at least kk tokens pass its
+    /// filter (ties at the filter and at the kk-th score included: scores are drawn from a
+    /// few values half the time), and reports TooFew exactly when fewer pass, at sizes from
+    /// 1 to 600 tokens and filters below, inside and above the row's range.
+    #[test]
+    fn prop_filtered_select_is_the_whole_row_select() {
+        let strategy = (1usize..600, 0usize..6, 0usize..40, 0usize..80).prop_flat_map(
+            |(n, sink, local, k)| {
+                (
+                    prop::collection::vec(
+                        prop_oneof![(0i8..4).prop_map(f32::from), -1e3f32..1e3],
+                        n,
+                    ),
+                    Just((sink, local, k)),
+                    prop_oneof![(0i8..4).prop_map(f32::from), -1.2e3f32..1.2e3],
+                    1usize..700,
+                )
+            },
+        );
+        runner(512)
+            .run(&strategy, |(scores, (sink, local, k), filter, cap)| {
+                let pos = scores.len() - 1;
+                let p = SelectParams { sink, local, k };
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                let outcome = select_filtered(pos, &scores, &p, filter, cap, &mut a).unwrap();
+                select_per_head(pos, &scores, &p, &mut b).unwrap();
+                let mid = p.middle(pos);
+                let passed = mid.clone().filter(|&i| scores[i] >= filter).count();
+                let kk = k.min(mid.len());
+                match outcome {
+                    FilterOutcome::Selected { passed: n } => {
+                        prop_assert_eq!(n, passed);
+                        prop_assert!(passed >= kk && passed <= cap);
+                        prop_assert_eq!(a, b);
+                    }
+                    FilterOutcome::TooFew { passed: n } => {
+                        prop_assert_eq!(n, passed);
+                        prop_assert!(passed < kk);
+                        prop_assert!(a.is_empty());
+                    }
+                    FilterOutcome::Overflow { passed: n } => {
+                        prop_assert_eq!(n, passed);
+                        prop_assert!(passed >= kk && passed > cap);
+                    }
+                }
+                Ok(())
+            })
+            .unwrap();
+        let mut out = Vec::new();
+        assert!(matches!(
+            select_filtered(
+                3,
+                &[0.0; 4],
+                &SelectParams::default(),
+                f32::NAN,
+                8,
+                &mut out
+            ),
+            Err(PlanError::InvalidParameter { name: "filter", .. })
+        ));
     }
 
     /// Long contexts (the sampled threshold, strided sample) against a full sort, with
