@@ -98,9 +98,10 @@ extern "C" __global__ void attend_queries(const void* __restrict__ q, u32 dtype,
     qf[i] = load_elem(q, i, dtype);
 }
 
-// Warp-aggregated append of the lanes with `flag` set to a list of pairs (one atomic per
-// warp; the count goes on past cap, so a caller sees an overflow). Every lane must call it.
-__device__ __forceinline__ void warp_append_pair(bool flag, uint2 value, u32* count, uint2* list, u32 cap) {
+// Warp-aggregated append of the lanes with `flag` set to `list` (one atomic per warp; the
+// count goes on past cap, so a caller sees an overflow). Every lane must call it.
+template <class T>
+__device__ __forceinline__ void warp_append(bool flag, T value, u32* count, T* list, u32 cap) {
     const unsigned m = __ballot_sync(0xffffffffu, flag);
     if (!m) return;
     const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
@@ -309,7 +310,7 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
                 const u32 tok = tok0 + j;
                 const u32 key = f32_key(acc[q][j]);
                 const bool pass_f = live && tok >= lo && tok < hi && key >= fk;
-                warp_append_pair(pass_f, make_uint2(key, tok), &fcount[r], fcand + r * a.fcap, a.fcap);
+                warp_append(pass_f, make_uint2(key, tok), &fcount[r], fcand + r * a.fcap, a.fcap);
             }
         }
     }
@@ -406,19 +407,6 @@ extern "C" __global__ void paged_topk_select(const AppendDesc* __restrict__ desc
     }
 }
 
-// Warp-aggregated append of the lanes with `flag` set to list[row] (one atomic per warp).
-__device__ __forceinline__ void warp_append(bool flag, u32 value, u32* count, u32* list, u32 cap) {
-    const unsigned m = __ballot_sync(0xffffffffu, flag);
-    if (!m) return;
-    const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
-    u32 p0 = 0;
-    if (lane == leader) p0 = atomicAdd(count, (u32)__popc(m));
-    p0 = __shfl_sync(0xffffffffu, p0, leader);
-    if (flag) {
-        const u32 p = p0 + (u32)__popc(m & ((1u << lane) - 1u));
-        if (p < cap) list[p] = value;
-    }
-}
 
 // Streams ELEMS middle tokens of one row once: a score above the boundary bucket wins, one in
 // it is a candidate (its index kept). grid = (chunks, Hq, batch), block = COLLECT_NT.

@@ -225,7 +225,7 @@ pub(crate) fn run(
             .iter()
             .flat_map(|&f| c.methods.iter().map(move |m| (f, m)))
         {
-            cache.set_filtered_select(fuse);
+            cache.set_filtered_select(fuse)?;
             let select = if fuse == 0 {
                 "scores".to_string()
             } else {

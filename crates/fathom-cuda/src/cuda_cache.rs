@@ -1205,24 +1205,26 @@ impl PagedCache {
             scan(0)?;
             // 4. The filtered rows' selection (or their fallback), then each other row's
             // top-k: the boundary bucket, one streaming pass, the exact boundary among the
-            // bucket's candidates (ties to the lower index).
-            let mut b = st.launch_builder(&k.topk_fused);
-            b.arg(&descs)
-                .arg(&geom)
-                .arg(&ag)
-                .arg(&w.qf.ptr)
-                .arg(&depths)
-                .arg(&w.est.ptr)
-                .arg(&w.mode.ptr)
-                .arg(&w.fcand.ptr)
-                .arg(&w.fcount.ptr)
-                .arg(&w.winners.ptr)
-                .arg(&w.counts.ptr)
-                .arg(&w.counters.ptr);
-            // SAFETY: rows < max_batch·Hq of every per-row array; pairs read < min(count, fcap).
-            unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
-                .map_err(drv("launch paged_topk_fused"))?;
+            // bucket's candidates (ties to the lower index). With the filtered select off,
+            // every row's mode is 0 already (set_filtered_select cleared them).
             if fused {
+                let mut b = st.launch_builder(&k.topk_fused);
+                b.arg(&descs)
+                    .arg(&geom)
+                    .arg(&ag)
+                    .arg(&w.qf.ptr)
+                    .arg(&depths)
+                    .arg(&w.est.ptr)
+                    .arg(&w.mode.ptr)
+                    .arg(&w.fcand.ptr)
+                    .arg(&w.fcount.ptr)
+                    .arg(&w.winners.ptr)
+                    .arg(&w.counts.ptr)
+                    .arg(&w.counters.ptr);
+                // SAFETY: rows < max_batch·Hq of every per-row array; pairs read
+                // < min(count, fcap).
+                unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
+                    .map_err(drv("launch paged_topk_fused"))?;
                 scan(1)?;
             }
             let mut b = st.launch_builder(&k.topk_select);
@@ -1478,8 +1480,21 @@ impl PagedCache {
     /// filter passes fewer than k tokens, or too many, falls back to it within the same
     /// attend). 0 turns the filtered select off. The default is
     /// [`crate::DEFAULT_FUSE_MIN`].
-    pub fn set_filtered_select(&mut self, min_middle_tokens: usize) {
+    ///
+    /// # Errors
+    /// A driver failure clearing the rows' modes (turning the setting off).
+    pub fn set_filtered_select(&mut self, min_middle_tokens: usize) -> Result<()> {
+        if min_middle_tokens == 0 && self.fuse_min != 0 {
+            // Every row back on the score path: the kernels that skip filtered rows read
+            // these, and nothing writes them while the setting is off.
+            let w = &self.work;
+            let bytes = self.cfg.max_batch * self.cfg.shape.kv_heads * self.cfg.shape.group * 4;
+            // SAFETY: the modes hold max_batch·Hq u32.
+            unsafe { result::memset_d8_async(w.mode.ptr, 0, bytes, self.stream.cu_stream()) }
+                .map_err(drv("memset select modes"))?;
+        }
         self.fuse_min = min_middle_tokens;
+        Ok(())
     }
 
     /// The setting of [`PagedCache::set_filtered_select`].

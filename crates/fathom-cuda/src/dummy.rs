@@ -366,8 +366,13 @@ impl PagedCache {
     pub fn select_counters(&self) -> Result<crate::cache::SelectCounters> {
         Err(CudaError::NotCompiledWithCuda)
     }
-    /// Sets when a row takes the filtered select (no effect in this build).
-    pub fn set_filtered_select(&mut self, _min_middle_tokens: usize) {}
+    /// Sets when a row takes the filtered select.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn set_filtered_select(&mut self, _min_middle_tokens: usize) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// The filtered-select setting.
     pub fn filtered_select(&self) -> usize {
         crate::cache::DEFAULT_FUSE_MIN

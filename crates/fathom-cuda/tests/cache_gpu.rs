@@ -780,8 +780,8 @@ fn the_filtered_select_picks_the_score_paths_winners() {
         PagedCache::new(&gpu, config(layers, hkv, d, 256, 200)).unwrap(),
         PagedCache::new(&gpu, config(layers, hkv, d, 256, 200)).unwrap(),
     ];
-    caches[0].set_filtered_select(0);
-    caches[1].set_filtered_select(256);
+    caches[0].set_filtered_select(0).unwrap();
+    caches[1].set_filtered_select(256).unwrap();
     let mut rngs = [StdRng::seed_from_u64(21), StdRng::seed_from_u64(21)];
     let mut ids: Vec<Vec<SessionId>> = Vec::new();
     for (c, rng) in caches.iter_mut().zip(&mut rngs) {
