@@ -54,10 +54,12 @@ const SPARSE_SPLITS: usize = 64;
 const DENSE_SPLITS: usize = 256;
 /// Rows per CTA of `read_rows` (`READ_ROWS` of append.cu).
 const READ_ROWS: usize = 8;
-/// Filtered-select candidates per row, per winner of `max_k`: 4× the FUSE_TARGET · k that
-/// the estimate aims at (attend.cu), so a row falls back only when four times as many
-/// tokens pass its filter as the previous attend predicted.
-const FUSE_CAP_PER_K: usize = 16;
+/// Filtered-select candidates per row, per winner of `max_k`: 4× the FUSE_TARGET · k = 6·k that
+/// the estimate aims at (attend.cu), so a row overflows only when four times as many tokens
+/// pass its filter as the previous attend predicted. Chosen with FUSE_TARGET on the
+/// consecutive decode positions of a real capture (`results/filtered-select/README.md`: no
+/// overflow at 24·k; 0.3 % at 16·k).
+const FUSE_CAP_PER_K: usize = 24;
 
 /// `struct AppendDesc` of append.cu.
 #[repr(C)]
@@ -1475,7 +1477,7 @@ impl PagedCache {
 
     /// Sets when a query head's top-k may skip the score array (docs/SPEC.md §5, "Selection
     /// without a score array"): a row with at least `min_middle_tokens` middle tokens (and
-    /// 8·k of them) filters its scan by an estimate left by its previous attend, and keeps only
+    /// 12·k of them) filters its scan by an estimate left by its previous attend, and keeps only
     /// the tokens that pass; the winners are exactly those of the score path (a row whose
     /// filter passes fewer than k tokens, or too many, falls back to it within the same
     /// attend). 0 turns the filtered select off. The default is

@@ -762,8 +762,8 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
 /// with drifting queries; every query head's winners and every output are equal, and the
 /// filtered cache really took the filtered path (after each row's first attend). Then a zero
 /// query (every score ties at 0): the 3000-token session selects the lowest tokens from its
-/// pairs, and the two longer ones pass more tokens than the pair capacity (16 · max_k = 4096)
-/// and fall back, with the same winners as the score path.
+/// pairs, the 5000-token one too, and the 9000-token one passes more tokens than the pair
+/// capacity (24 · max_k = 6144) and falls back, with the same winners as the score path.
 #[test]
 fn the_filtered_select_picks_the_score_paths_winners() {
     use fathom_cuda::cache::AttendMethod;
@@ -867,7 +867,7 @@ fn the_filtered_select_picks_the_score_paths_winners() {
     let after = caches[1].select_counters().unwrap();
     assert!(
         after.fallbacks > before.fallbacks,
-        "every score ties at 0: the longer sessions' filters overflow ({before:?} -> {after:?})"
+        "every score ties at 0: the 9000-token session's filters overflow ({before:?} -> {after:?})"
     );
 }
 

@@ -482,9 +482,11 @@ const NIAH_ANSWER: &str =
 /// [`PromptFormat::Chat`]'s answer prefix when one value is asked for.
 const NIAH_ANSWER_ONE: &str =
     " The special magic number for {query} mentioned in the provided text is";
-const PASSKEY_TEMPLATE_ONE: &str = "A pass key is hidden within the following text. Make sure to memorize it. I will quiz you about the pass key afterwards.\n{context}\nWhat is the pass key for {query}?";
+// The passkey test's own wording (its answer prefix must not repeat the instruction's first
+// words: with "A pass key is hidden …" Gemma 3 continued the instruction instead).
+const PASSKEY_TEMPLATE_ONE: &str = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there.\n{context}\nWhat is the pass key for {query}?";
 const PASSKEY_ANSWER_ONE: &str = " The pass key for {query} is";
-const PASSKEY_TEMPLATE: &str = "Some pass keys are hidden within the following text. Make sure to memorize them. I will quiz you about the pass keys afterwards.\n{context}\nWhat are all the pass keys for {query}?";
+const PASSKEY_TEMPLATE: &str = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there.\n{context}\nWhat are all the pass keys for {query}?";
 const PASSKEY_ANSWER: &str = " The pass keys for {query} are";
 const VT_TEMPLATE: &str = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.";
 const VT_ANSWER: &str = " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined the value {query}, they are: ";
@@ -807,5 +809,37 @@ mod prose_tests {
         assert!(p.source.ends_with("(prose words only)"));
         let tiny = Haystack::new(std::iter::once("x_1 ".repeat(2000).as_str()), "t").unwrap();
         assert!(tiny.prose_only().is_err(), "no prose word left is an error");
+    }
+}
+
+#[cfg(test)]
+mod needle_tests {
+    use super::*;
+
+    #[test]
+    fn passkey_needles_parse_label_and_word_the_question() {
+        let s = TaskShape::parse("small,needle=passkey,digits=5").unwrap();
+        assert_eq!(s.needle, Needle::Passkey);
+        assert_eq!((s.keys, s.digits), (2, 5));
+        assert!(s.label().contains("passkey"), "{}", s.label());
+        assert_eq!(
+            TaskShape::parse("small,needle=magic").unwrap(),
+            TaskShape::SMALL
+        );
+        let e = TaskShape::parse("small,needle=pin")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("needle=pin"), "{e}");
+        assert_eq!(
+            Needle::Passkey.sentence("calm-river", "12345"),
+            "The pass key for calm-river is 12345. Remember it. 12345 is the pass key for calm-river."
+        );
+        assert_eq!(Needle::Magic.sentence("a-b", "7"), needle("a-b", "7"));
+        // The answer prefix never repeats the instruction's opening words.
+        for values in [1, 2] {
+            let (t, a) = Needle::Passkey.template(&PromptFormat::Ruler, values);
+            let opening: String = t.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
+            assert!(!a.trim().starts_with(&opening), "{a:?} vs {opening:?}");
+        }
     }
 }
