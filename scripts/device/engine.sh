@@ -6,7 +6,7 @@
 #   ... cargo build --release -p fathom-cli --features cuda
 # and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
 # graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
-#   bash scripts/device/engine.sh tests|bench|ncu|sanitize|py ...
+#   bash scripts/device/engine.sh tests|bench|ncu|sanitize|filtered|py ...
 # Every output goes under $OUT.
 set -u
 B=.devbin
@@ -31,6 +31,21 @@ bench)
     --json $OUT/$name.json > $OUT/$name.txt 2>&1
   echo "$name rc=$?" | tee -a $OUT/summary.txt
   grep -E "fathom:48|sparq:32|ds:32" $OUT/$name.txt | head -20
+  ;;
+filtered)
+  # The filtered select (docs/SPEC.md §5, issue 16), first device runs: its device test, then
+  # filtered vs the score path in one run per residency (256k and 1M, the methods the targets
+  # name), then the ragged batch with both settings. The JSON's `select`, `filtered_share` and
+  # `fallback_rate` say which path each entry timed.
+  timeout 200 $B/cache_gpu --test-threads 1 the_filtered_select 2>&1 | tee $OUT/filtered-test.log | tail -3
+  echo "filtered test rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
+  for res in host hbm; do
+    timeout 280 $B/fathom offload-bench --engine cache --context 256k,1m --methods fathom:48,fathom:64,sparq:32,ds:32 \
+      --steps 10 --residency $res --filtered-select 8192,0 --probe-mib 2048 \
+      --json $OUT/offload-qwen3-8b-filtered-$res.json > $OUT/offload-qwen3-8b-filtered-$res.txt 2>&1
+    echo "filtered $res rc=$?" | tee -a $OUT/summary.txt
+    grep -E "^[0-9]" $OUT/offload-qwen3-8b-filtered-$res.txt | head -20
+  done
   ;;
 py)
   # The Python package's tests with the device's torch and transformers (the wheel built here
@@ -90,5 +105,18 @@ ncu)
     --launch-skip 2340 --launch-count 12 --metrics gpu__time_duration.sum \
     $B/$bin offload-bench --engine cache --context 256k --methods fathom:48 --steps 2 --probe-mib 64 > $OUT/ncu-append-$name.txt 2>&1
   echo "ncu append $name rc=$?" | tee -a $OUT/summary.txt
+  ;;
+ncu1m)
+  # One 1M layer's kernels (fathom:48, host residency, 15 layers timed, the third step), the
+  # score path ("before") and the filtered select ("after"): 10 and 12 matching kernels per
+  # layer, two layers each.
+  for cfg in "0 300 20 scores" "8192 360 24 filtered"; do
+    set -- $cfg
+    timeout 280 ncu --cache-control none --clock-control none -k regex:'paged_|attend_queries|fathom_plan' \
+      --launch-skip $2 --launch-count $3 --metrics gpu__time_duration.sum \
+      $B/fathom offload-bench --engine cache --context 1m --methods fathom:48 --steps 3 --probe-mib 64 \
+      --filtered-select $1 > $OUT/ncu-1m-$4.txt 2>&1
+    echo "ncu 1m $4 rc=$?" | tee -a $OUT/summary.txt
+  done
   ;;
 esac
