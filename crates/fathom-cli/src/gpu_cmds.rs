@@ -621,6 +621,29 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         );
     }
     let (entries, host_bytes_per_token) = (m.entries, m.host_bytes_per_token);
+    // What bounds B: the memory the pages live in, at this run's bytes per token and contexts.
+    let memory = if a.residency == "hbm" {
+        Some(gpu.info().total_mem_bytes)
+    } else {
+        fathom_gpu::throughput::host_memory_bytes()
+    };
+    let capacity = match memory {
+        Some(mem) => {
+            let c = fathom_gpu::throughput::capacity(mem, host_bytes_per_token, &contexts)?;
+            println!(
+                "capacity: {:.0} GiB of {} memory × {:.0}% / {:.0} B per resident token = {} tokens: at most {} sessions of {:?} tokens (cycled)",
+                mem as f64 / (1u64 << 30) as f64,
+                if a.residency == "hbm" { "GPU" } else { "host" },
+                100.0 * c.usable_fraction,
+                host_bytes_per_token,
+                c.max_resident_tokens,
+                c.largest_batch,
+                contexts
+            );
+            Some(c)
+        }
+        None => None,
+    };
     let doc = fathom_results::decode_bench::DecodeBench {
         version: fathom_results::VERSION,
         fathom: env!("CARGO_PKG_VERSION").into(),
@@ -635,6 +658,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         device_bytes_in_use: dec.device_bytes_in_use()?,
         prefill_seconds,
         entries,
+        capacity,
     };
     if let Some(p) = &a.plot {
         let pts: Vec<(String, usize, f64)> = doc

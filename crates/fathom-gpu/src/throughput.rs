@@ -26,6 +26,65 @@ pub struct Measured {
     pub host_bytes_per_token: f64,
 }
 
+/// The share of the memory the pages may take in [`capacity`].
+pub const USABLE_FRACTION: f64 = 0.9;
+
+/// What bounds B: the resident tokens `memory_bytes · USABLE_FRACTION` holds at
+/// `bytes_per_token`, and the largest batch of sessions whose contexts cycle through
+/// `contexts` (session i has `contexts[i % len]` tokens) that fits.
+///
+/// ```
+/// use fathom_gpu::throughput::capacity;
+/// // 128 GiB of host memory at the Qwen3-8B shape's ~167 kB per resident token:
+/// let c = capacity(128 << 30, 167_000.0, &[131_072]).unwrap();
+/// assert_eq!(c.largest_batch, 5); // 740k tokens fit: 5 sessions of 128k
+/// ```
+///
+/// # Errors
+/// A `bytes_per_token` that is not positive and finite, or an empty or zero context list.
+pub fn capacity(
+    memory_bytes: u64,
+    bytes_per_token: f64,
+    contexts: &[usize],
+) -> Result<fathom_results::decode_bench::Capacity> {
+    if !(bytes_per_token.is_finite() && bytes_per_token > 0.0) {
+        return Err(crate::error::GpuError::invalid(
+            "bytes per token",
+            format!("{bytes_per_token} (want a positive number)"),
+        ));
+    }
+    if contexts.is_empty() || contexts.contains(&0) {
+        return Err(crate::error::GpuError::invalid(
+            "contexts",
+            format!("{contexts:?} (want at least one, each ≥ 1 token)"),
+        ));
+    }
+    let max_tokens = (memory_bytes as f64 * USABLE_FRACTION / bytes_per_token).floor() as u64;
+    let (mut used, mut b) = (0u64, 0usize);
+    loop {
+        let next = used + contexts[b % contexts.len()] as u64;
+        if next > max_tokens {
+            break;
+        }
+        used = next;
+        b += 1;
+    }
+    Ok(fathom_results::decode_bench::Capacity {
+        memory_bytes,
+        usable_fraction: USABLE_FRACTION,
+        max_resident_tokens: max_tokens,
+        largest_batch: b,
+    })
+}
+
+/// The host's memory in bytes (`MemTotal` of `/proc/meminfo`), where the OS exposes it.
+pub fn host_memory_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// The value at quantile `p` of `sorted` (nearest rank).
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -212,7 +271,37 @@ fn time_one(
 
 #[cfg(test)]
 mod tests {
-    use super::percentile;
+    use super::{capacity, host_memory_bytes, percentile, USABLE_FRACTION};
+
+    #[test]
+    fn capacity_fills_the_usable_memory_with_the_cycled_contexts() {
+        // 1000 tokens fit (1 MB usable at 900 B per token... = 1e6 · 0.9 / 900).
+        let c = capacity(1_000_000, 900.0, &[300, 100]).unwrap();
+        assert_eq!(c.max_resident_tokens, 1000);
+        // 300 + 100 + 300 + 100 = 800; the next 300 would make 1100.
+        assert_eq!(c.largest_batch, 4);
+        assert_eq!(c.usable_fraction, USABLE_FRACTION);
+        assert_eq!(
+            capacity(1_000_000, 900.0, &[1001]).unwrap().largest_batch,
+            0
+        );
+        assert_eq!(
+            capacity(1_000_000, 900.0, &[1000]).unwrap().largest_batch,
+            1
+        );
+        // The issue's arithmetic: 128 GiB at ~167 kB per token holds about 700k tokens.
+        let q = capacity(128 << 30, 167_000.0, &[65_536]).unwrap();
+        assert_eq!(q.max_resident_tokens / 1000, 740);
+        assert_eq!(q.largest_batch, 11);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(capacity(1 << 30, bad, &[8]).is_err(), "{bad}");
+        }
+        assert!(capacity(1 << 30, 8.0, &[]).is_err());
+        assert!(capacity(1 << 30, 8.0, &[8, 0]).is_err());
+        if cfg!(target_os = "linux") {
+            assert!(host_memory_bytes().is_some_and(|b| b > 1 << 20));
+        }
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {

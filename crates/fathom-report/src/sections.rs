@@ -162,6 +162,15 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
             v.device_bytes_in_use as f64 / (1u64 << 30) as f64,
             v.prefill_seconds
         ));
+        if let Some(c) = &v.capacity {
+            s.push_str(&format!(
+                "What bounds B: {:.0} GiB of memory × {:.0}% holds {} resident tokens, so at most {} sessions of this run's contexts.\n\n",
+                c.memory_bytes as f64 / (1u64 << 30) as f64,
+                100.0 * c.usable_fraction,
+                c.max_resident_tokens,
+                c.largest_batch
+            ));
+        }
         s.push_str("| method | B | tokens/s | per session | step p50 / p99 ms | link MB/step | link floor ms | GPU split: weights / attention / appends / sampling ms |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
         for e in &v.entries {
             let split = e.split.as_ref().map_or("—".into(), |x| {
@@ -281,6 +290,7 @@ mod tests {
             }),
         };
         let doc = DecodeBench {
+            capacity: None,
             version: fathom_results::VERSION,
             fathom: "test".into(),
             command: "fathom decode-bench (made up for this test)".into(),

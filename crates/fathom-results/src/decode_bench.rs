@@ -86,4 +86,23 @@ pub struct DecodeBench {
     pub prefill_seconds: f64,
     /// One entry per method and batch.
     pub entries: Vec<DecodeBenchEntry>,
+    /// What bounds B on the machine that ran it (absent in older runs, or where the host's
+    /// memory could not be read).
+    #[serde(default)]
+    pub capacity: Option<Capacity>,
+}
+
+/// How many resident tokens, and so sessions, the machine's memory holds at
+/// `host_bytes_per_token` (docs/SPEC.md §9: host memory bounds B when the pages live there).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Capacity {
+    /// The memory the pages live in: the host's (`MemTotal`) or, with HBM pages, the GPU's.
+    pub memory_bytes: u64,
+    /// The share of it the pages may take (the rest: the OS, the process, staging buffers).
+    pub usable_fraction: f64,
+    /// Resident tokens that fit: usable bytes over bytes per resident token.
+    pub max_resident_tokens: u64,
+    /// The largest batch of sessions with this run's contexts (cycled as the run cycles them)
+    /// that fits.
+    pub largest_batch: usize,
 }
