@@ -34,14 +34,14 @@ bench)
   ;;
 filtered)
   # The filtered select (docs/SPEC.md §5, issue 16), first device runs: its device test, then
-  # filtered vs the score path in one run per residency (256k and 1M, the methods the targets
-  # name), then the ragged batch with both settings. The JSON's `select`, `filtered_share` and
-  # `fallback_rate` say which path each entry timed.
+  # the score path, the filtered select (failed rows rescan) and the filtered select with
+  # scores kept, in one run per residency (256k and 1M, the methods the targets name). The
+  # JSON's `select`, `filtered_share` and `fallback_rate` say which path each entry timed.
   timeout 200 $B/cache_gpu --test-threads 1 the_filtered_select 2>&1 | tee $OUT/filtered-test.log | tail -3
   echo "filtered test rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
   for res in host hbm; do
     timeout 280 $B/fathom offload-bench --engine cache --context 256k,1m --methods fathom:48,fathom:64,sparq:32,ds:32 \
-      --steps 10 --residency $res --filtered-select 8192,0 --probe-mib 2048 \
+      --steps 10 --residency $res --select scores,8192,8192+scores --probe-mib 2048 \
       --json $OUT/offload-qwen3-8b-filtered-$res.json > $OUT/offload-qwen3-8b-filtered-$res.txt 2>&1
     echo "filtered $res rc=$?" | tee -a $OUT/summary.txt
     grep -E "^[0-9]" $OUT/offload-qwen3-8b-filtered-$res.txt | head -20
@@ -110,12 +110,12 @@ ncu1m)
   # One 1M layer's kernels (fathom:48, host residency, 15 layers timed, the third step), the
   # score path ("before") and the filtered select ("after"): 10 and 12 matching kernels per
   # layer, two layers each.
-  for cfg in "0 300 20 scores" "8192 360 24 filtered"; do
+  for cfg in "scores 300 20 scores" "8192 360 24 filtered"; do
     set -- $cfg
     timeout 280 ncu --cache-control none --clock-control none -k regex:'paged_|attend_queries|fathom_plan' \
       --launch-skip $2 --launch-count $3 --metrics gpu__time_duration.sum \
       $B/fathom offload-bench --engine cache --context 1m --methods fathom:48 --steps 3 --probe-mib 64 \
-      --filtered-select $1 > $OUT/ncu-1m-$4.txt 2>&1
+      --select $1 > $OUT/ncu-1m-$4.txt 2>&1
     echo "ncu 1m $4 rc=$?" | tee -a $OUT/summary.txt
   done
   ;;

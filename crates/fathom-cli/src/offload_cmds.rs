@@ -143,13 +143,14 @@ pub struct OffloadBenchArgs {
     /// are timed and the JSON says so).
     #[arg(long, default_value_t = 72.0)]
     pub pool_budget_gib: f64,
-    /// Cache engine: the top-k's filtered select from this many middle tokens (the scan keeps
-    /// only the tokens above an estimate of the k-th score and writes no score array; exact,
-    /// with a fallback), or `0` for the score path (the default). A list times each setting
-    /// over every method, e.g. `--filtered-select 8192,0` to measure the two against each
-    /// other.
-    #[arg(long, value_delimiter = ',', default_values_t = [fathom_cuda::DEFAULT_FUSE_MIN])]
-    pub filtered_select: Vec<usize>,
+    /// Cache engine: how the top-k selects (docs/SPEC.md §5): `scores` (the scan writes every
+    /// score; the default), `N` (the filtered select from N middle tokens: the scan keeps only
+    /// the tokens above an estimate of the k-th score and writes no score array; a row whose
+    /// filter fails rescans its KV head) or `N+scores` (filtered, with the scores written too,
+    /// so a failed row needs no rescan). Exact either way. A list times each over every
+    /// method, e.g. `--select scores,8192,8192+scores`.
+    #[arg(long, value_delimiter = ',', default_value = "scores")]
+    pub select: Vec<String>,
 }
 
 /// Runs `fathom offload-bench`.
@@ -221,7 +222,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         },
         ragged,
         pool_budget: (a.pool_budget_gib * (1u64 << 30) as f64) as u64,
-        filtered_select: a.filtered_select.clone(),
+        select_paths: a
+            .select
+            .iter()
+            .map(|s| fathom_cuda::cache::SelectPath::parse(s))
+            .collect::<Result<Vec<_>, _>>()?,
     };
     let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;

@@ -775,9 +775,9 @@ fn cases(fx: &Fx) -> Vec<Case> {
         );
     }
     case(
-        "bad filtered-select setting",
+        "bad select path",
         "offload-bench",
-        s(["offload-bench", "--filtered-select", "8k", "--json", &out]),
+        s(["offload-bench", "--select", "8k", "--json", &out]),
         "8k",
         Some(out.clone()),
     );

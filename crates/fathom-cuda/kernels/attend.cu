@@ -29,7 +29,7 @@ struct AttendGeom {
     u32 nsplit;                   // partial-attention CTAs per (session, KV head)
     u32 fuse_min;                 // middle tokens from which a row may take the filtered select (0: never)
     u32 fcap;                     // filtered candidates per row
-    u32 pad;
+    u32 keep_scores;              // 1: the filtered scan also writes scores and the histogram
 };
 
 __device__ __forceinline__ float load_elem(const void* p, u64 i, u32 dtype) {
@@ -58,7 +58,8 @@ __device__ __forceinline__ float key_f32(u32 k) {
 // tokens pass, the row's top-kk lies among them (every token at or above the kk-th score
 // passed), and an exact radix select over the pairs gives the same winners as the score
 // path, ties included (every token tied with the kk-th score passed too). Otherwise the row
-// falls back: it is scanned again with its scores written, and the score path selects.
+// falls back: it is scanned again with its scores written (or, with keep_scores, the first
+// scan wrote them and the histogram too), and the score path selects.
 // The estimate aims at FUSE_TARGET * kk passing tokens. CPU reference of the selection:
 // fathom_plan::select::select_filtered.
 #define FUSE_TARGET 6  // results/filtered-select/README.md: 1.1 % of rows fall back at 6, 2.8 % at 4
@@ -292,7 +293,7 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
     for (int q = 0; q < GQ; q++) {
         const u64 r = (u64)b * heads_q + h * GQ + q;
         const int md = rmode[q];  // uniform over the CTA: every lane reaches the ballots
-        if (md == 0) {
+        if (md == 0 || (md == 1 && a.keep_scores)) {
             float* out = scores + r * a.max_tokens;
 #pragma unroll
             for (int j = 0; j < 8; j++) {
@@ -303,7 +304,8 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
                     atomicAdd(&sh[q][bin >> 1], 1u << ((bin & 1u) * 16));
                 }
             }
-        } else if (md == 1) {
+        }
+        if (md == 1) {
             const u32 fk = rkey[q];
 #pragma unroll
             for (int j = 0; j < 8; j++) {

@@ -75,14 +75,10 @@ pub struct BenchConfig {
     /// past it).
     #[serde(default = "default_pool_budget")]
     pub pool_budget: u64,
-    /// Cache engine only: the filtered-select settings to time, each over every method
-    /// ([`crate::PagedCache::set_filtered_select`]: min middle tokens; 0 = the score path).
-    #[serde(default = "default_filtered_select")]
-    pub filtered_select: Vec<usize>,
-}
-
-fn default_filtered_select() -> Vec<usize> {
-    vec![crate::DEFAULT_FUSE_MIN]
+    /// Cache engine only: the select paths to time, each over every method
+    /// ([`crate::PagedCache::set_select_path`]; empty: the default).
+    #[serde(default)]
+    pub select_paths: Vec<crate::cache::SelectPath>,
 }
 
 fn default_pool_budget() -> u64 {

@@ -216,21 +216,17 @@ pub(crate) fn run(
         );
         let decode: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
         let first = rep.results.len();
-        let settings = if c.filtered_select.is_empty() {
-            vec![crate::DEFAULT_FUSE_MIN]
+        let settings = if c.select_paths.is_empty() {
+            vec![crate::cache::SelectPath::default()]
         } else {
-            c.filtered_select.clone()
+            c.select_paths.clone()
         };
         for (fuse, &m) in settings
             .iter()
             .flat_map(|&f| c.methods.iter().map(move |m| (f, m)))
         {
-            cache.set_filtered_select(fuse)?;
-            let select = if fuse == 0 {
-                "scores".to_string()
-            } else {
-                format!("filtered>={fuse}")
-            };
+            cache.set_select_path(fuse)?;
+            let select = fuse.label();
             let am = AttendMethod::Scan(m);
             if let Err(e) = cache.prepare(m) {
                 let note = format!("cache engine: {} not timed: {e}", m.label());
@@ -337,7 +333,7 @@ pub(crate) fn run(
                 rep, cshape, lens, residency, k, m, bits, union, hits, gpu_ms, wall_ms,
             );
             r.select = select;
-            if fuse > 0 {
+            if fuse != crate::cache::SelectPath::Scores {
                 let filtered = sel1.filtered - sel0.filtered;
                 let fallbacks = sel1.fallbacks - sel0.fallbacks;
                 let rows = (c.steps * layers * b * hq) as f64;

@@ -149,12 +149,83 @@ impl CacheConfig {
     }
 }
 
-/// The default of [`crate::PagedCache::set_filtered_select`]: off (0), the score path. The
-/// filtered select has not yet run on a device (its kernels are compiled and its device test
-/// written, but no device time was left when it was built), so the measured path stays the
-/// default until its device test passes and `offload-bench --filtered-select N,0` picks the
-/// faster one.
-pub const DEFAULT_FUSE_MIN: usize = 0;
+/// How attends take each query head's top-k (docs/SPEC.md §5; [`crate::PagedCache::set_select_path`]).
+///
+/// The default is [`SelectPath::Scores`]: the filtered select has not yet run on a device (its
+/// kernels are compiled and its device test written, but no device time was left when it was
+/// built), so the measured path stays the default until its device test passes and
+/// `offload-bench --select scores,8192,8192+scores` picks the fastest.
+///
+/// ```
+/// use fathom_cuda::cache::SelectPath;
+/// assert_eq!(SelectPath::parse("scores")?, SelectPath::Scores);
+/// let f = SelectPath::parse("8192+scores")?;
+/// assert_eq!(f, SelectPath::Filtered { min_middle_tokens: 8192, keep_scores: true });
+/// assert_eq!(f.label(), "filtered>=8192+scores");
+/// assert!(SelectPath::parse("8k").is_err());
+/// # Ok::<(), fathom_cuda::CudaError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum SelectPath {
+    /// The scan writes every score; a level-1 histogram, one streaming pass and an exact
+    /// boundary select (the measured path).
+    #[default]
+    Scores,
+    /// Rows of at least `min_middle_tokens` middle tokens (and 12·k) that have an estimate
+    /// from their previous attend keep only the (key, token) pairs above it and select from
+    /// those; a row whose filter passed fewer than k (or more than the pair capacity) falls
+    /// back to the score path: its KV head is scanned again with scores, or, with
+    /// `keep_scores`, the first scan wrote them too (no rescan, but the score array is
+    /// written as on the score path).
+    Filtered {
+        /// Middle tokens from which a row may filter.
+        min_middle_tokens: usize,
+        /// Whether the filtered scan also writes every score and the histogram.
+        keep_scores: bool,
+    },
+}
+
+impl SelectPath {
+    /// `scores` (or `0`), `N` (filtered from N middle tokens, failed rows rescan) or
+    /// `N+scores` (filtered, scores kept for failed rows).
+    ///
+    /// # Errors
+    /// [`crate::CudaError::Invalid`] naming the text.
+    pub fn parse(s: &str) -> crate::Result<SelectPath> {
+        let t = s.trim();
+        if t == "scores" || t == "0" {
+            return Ok(SelectPath::Scores);
+        }
+        let (n, keep) = match t.strip_suffix("+scores") {
+            Some(n) => (n, true),
+            None => (t, false),
+        };
+        match n.parse::<usize>() {
+            Ok(m) if m > 0 => Ok(SelectPath::Filtered {
+                min_middle_tokens: m,
+                keep_scores: keep,
+            }),
+            _ => Err(crate::CudaError::invalid(
+                "select path",
+                format!("{s:?}: want scores, N (middle tokens) or N+scores"),
+            )),
+        }
+    }
+
+    /// `scores`, `filtered>=N` or `filtered>=N+scores`.
+    pub fn label(&self) -> String {
+        match *self {
+            SelectPath::Scores => "scores".into(),
+            SelectPath::Filtered {
+                min_middle_tokens,
+                keep_scores,
+            } => format!(
+                "filtered>={min_middle_tokens}{}",
+                if keep_scores { "+scores" } else { "" }
+            ),
+        }
+    }
+}
 
 /// How attends' query-head rows took their top-k ([`crate::PagedCache::select_counters`]):
 /// rows that did not take the filtered select (too short, no estimate yet, or the setting

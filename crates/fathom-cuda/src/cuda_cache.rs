@@ -108,7 +108,7 @@ struct AttendGeom {
     nsplit: u32,
     fuse_min: u32,
     fcap: u32,
-    pad: u32,
+    keep_scores: u32,
 }
 const _: () = assert!(std::mem::size_of::<AttendGeom>() == 64);
 
@@ -262,9 +262,8 @@ pub struct PagedCache {
     plans_counted: u64,
     /// While capturing a graph: grids sized for the largest context, decode batches only.
     fixed_grids: bool,
-    /// Middle tokens from which a row takes the filtered select (0: never); see
-    /// [`PagedCache::set_filtered_select`].
-    fuse_min: usize,
+    /// How attends select ([`PagedCache::set_select_path`]).
+    select: crate::cache::SelectPath,
     // Keep the modules alive.
     _module: Arc<cudarc::driver::CudaModule>,
     _attend_modules: [Arc<cudarc::driver::CudaModule>; 2],
@@ -439,7 +438,7 @@ impl PagedCache {
             calib,
             plans_counted: 0,
             fixed_grids: false,
-            fuse_min: crate::cache::DEFAULT_FUSE_MIN,
+            select: crate::cache::SelectPath::Scores,
             _module: module,
             _attend_modules: [attend_mod, plan_mod],
         })
@@ -1093,9 +1092,20 @@ impl PagedCache {
             } else {
                 self.work.umax.div_ceil(ATTN_GRAN).min(SPARSE_SPLITS)
             } as u32,
-            fuse_min: self.fuse_min.min(u32::MAX as usize) as u32,
+            fuse_min: match self.select {
+                crate::cache::SelectPath::Filtered {
+                    min_middle_tokens, ..
+                } => min_middle_tokens.min(u32::MAX as usize) as u32,
+                crate::cache::SelectPath::Scores => 0,
+            },
             fcap: self.work.fcap as u32,
-            pad: 0,
+            keep_scores: u32::from(matches!(
+                self.select,
+                crate::cache::SelectPath::Filtered {
+                    keep_scores: true,
+                    ..
+                }
+            )),
         };
         let k = &self.attend_kernels;
         let w = &self.work;
@@ -1172,7 +1182,7 @@ impl PagedCache {
                 result::memset_d8_async(w.hist.ptr, 0, nb * hq * HIST_BINS * 4, st.cu_stream())
             }
             .map_err(drv("memset top-k histogram"))?;
-            let fused = self.fuse_min > 0;
+            let fused = ag.fuse_min > 0;
             if fused {
                 // SAFETY: the counts hold max_batch·Hq u32.
                 unsafe { result::memset_d8_async(w.fcount.ptr, 0, nb * hq * 4, st.cu_stream()) }
@@ -1208,7 +1218,7 @@ impl PagedCache {
             // 4. The filtered rows' selection (or their fallback), then each other row's
             // top-k: the boundary bucket, one streaming pass, the exact boundary among the
             // bucket's candidates (ties to the lower index). With the filtered select off,
-            // every row's mode is 0 already (set_filtered_select cleared them).
+            // every row's mode is 0 already (set_select_path cleared them).
             if fused {
                 let mut b = st.launch_builder(&k.topk_fused);
                 b.arg(&descs)
@@ -1227,7 +1237,9 @@ impl PagedCache {
                 // < min(count, fcap).
                 unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
                     .map_err(drv("launch paged_topk_fused"))?;
-                scan(1)?;
+                if ag.keep_scores == 0 {
+                    scan(1)?;
+                }
             }
             let mut b = st.launch_builder(&k.topk_select);
             b.arg(&descs)
@@ -1475,18 +1487,18 @@ impl PagedCache {
         })
     }
 
-    /// Sets when a query head's top-k may skip the score array (docs/SPEC.md §5, "Selection
-    /// without a score array"): a row with at least `min_middle_tokens` middle tokens (and
-    /// 12·k of them) filters its scan by an estimate left by its previous attend, and keeps only
-    /// the tokens that pass; the winners are exactly those of the score path (a row whose
-    /// filter passes fewer than k tokens, or too many, falls back to it within the same
-    /// attend). 0 turns the filtered select off. The default is
-    /// [`crate::DEFAULT_FUSE_MIN`].
+    /// Sets how attends take each query head's top-k ([`crate::cache::SelectPath`],
+    /// docs/SPEC.md §5 "Selection without a score array"). With
+    /// [`SelectPath::Filtered`](crate::cache::SelectPath::Filtered), a row with enough middle
+    /// tokens filters its scan by an estimate left by its previous attend and keeps only the
+    /// tokens that pass; the winners are exactly those of the score path (a row whose filter
+    /// passes fewer than k tokens, or too many, falls back to it within the same attend). The
+    /// default is [`SelectPath::Scores`](crate::cache::SelectPath::Scores).
     ///
     /// # Errors
-    /// A driver failure clearing the rows' modes (turning the setting off).
-    pub fn set_filtered_select(&mut self, min_middle_tokens: usize) -> Result<()> {
-        if min_middle_tokens == 0 && self.fuse_min != 0 {
+    /// A driver failure clearing the rows' modes (when switching to the score path).
+    pub fn set_select_path(&mut self, path: crate::cache::SelectPath) -> Result<()> {
+        if path == crate::cache::SelectPath::Scores && self.select != path {
             // Every row back on the score path: the kernels that skip filtered rows read
             // these, and nothing writes them while the setting is off.
             let w = &self.work;
@@ -1495,13 +1507,13 @@ impl PagedCache {
             unsafe { result::memset_d8_async(w.mode.ptr, 0, bytes, self.stream.cu_stream()) }
                 .map_err(drv("memset select modes"))?;
         }
-        self.fuse_min = min_middle_tokens;
+        self.select = path;
         Ok(())
     }
 
-    /// The setting of [`PagedCache::set_filtered_select`].
-    pub fn filtered_select(&self) -> usize {
-        self.fuse_min
+    /// The setting of [`PagedCache::set_select_path`].
+    pub fn select_path(&self) -> crate::cache::SelectPath {
+        self.select
     }
 
     /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and

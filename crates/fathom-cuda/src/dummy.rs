@@ -366,16 +366,16 @@ impl PagedCache {
     pub fn select_counters(&self) -> Result<crate::cache::SelectCounters> {
         Err(CudaError::NotCompiledWithCuda)
     }
-    /// Sets when a row takes the filtered select.
+    /// Sets how attends select their top-k.
     ///
     /// # Errors
     /// Always [`CudaError::NotCompiledWithCuda`] in this build.
-    pub fn set_filtered_select(&mut self, _min_middle_tokens: usize) -> Result<()> {
+    pub fn set_select_path(&mut self, _path: crate::cache::SelectPath) -> Result<()> {
         Err(CudaError::NotCompiledWithCuda)
     }
-    /// The filtered-select setting.
-    pub fn filtered_select(&self) -> usize {
-        crate::cache::DEFAULT_FUSE_MIN
+    /// The select setting (the default in this build).
+    pub fn select_path(&self) -> crate::cache::SelectPath {
+        crate::cache::SelectPath::Scores
     }
     /// Empties the HBM row cache of a session.
     ///

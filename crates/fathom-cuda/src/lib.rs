@@ -93,7 +93,6 @@ mod dummy;
 #[cfg(not(feature = "cuda"))]
 pub use dummy::{DecodeGraph, Gpu, PagedCache, Session};
 
-pub use cache::DEFAULT_FUSE_MIN;
 pub use config::{
     Method, ModelShape, Residency, SessionConfig, AUTO_GATHER_CTAS, AUTO_PIPELINE_GROUPS,
     AUTO_PIPELINE_MIN_CONTEXT,

@@ -756,9 +756,9 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
     assert_eq!(b.hits, 0, "no row cache, no hits: {b:?}");
 }
 
-/// The filtered select (docs/SPEC.md §5) picks exactly the score path's winners: two caches
-/// fed the same appends, one with the filtered select off and one with it on from 256 middle
-/// tokens, attend a ragged batch (3000, 5000 and 9000 tokens) for 8 decode steps × 3 methods
+/// The filtered select (docs/SPEC.md §5) picks exactly the score path's winners: three caches
+/// fed the same appends, one on the score path and two with the filtered select from 256
+/// middle tokens (failed rows rescan; failed rows use the kept scores), attend a ragged batch (3000, 5000 and 9000 tokens) for 8 decode steps × 3 methods
 /// with drifting queries; every query head's winners and every output are equal, and the
 /// filtered cache really took the filtered path (after each row's first attend). Then a zero
 /// query (every score ties at 0): the 3000-token session selects the lowest tokens from its
@@ -776,13 +776,26 @@ fn the_filtered_select_picks_the_score_paths_winners() {
     };
     let (hkv, d, g, layers) = (2, 128, 4, 2);
     let hq = hkv * g;
-    let mut caches = [
-        PagedCache::new(&gpu, config(layers, hkv, d, 256, 200)).unwrap(),
-        PagedCache::new(&gpu, config(layers, hkv, d, 256, 200)).unwrap(),
+    use fathom_cuda::cache::SelectPath;
+    // The score path, the filtered select whose failed rows rescan, and the one that keeps
+    // the scores for them.
+    let paths = [
+        SelectPath::Scores,
+        SelectPath::Filtered {
+            min_middle_tokens: 256,
+            keep_scores: false,
+        },
+        SelectPath::Filtered {
+            min_middle_tokens: 256,
+            keep_scores: true,
+        },
     ];
-    caches[0].set_filtered_select(0).unwrap();
-    caches[1].set_filtered_select(256).unwrap();
-    let mut rngs = [StdRng::seed_from_u64(21), StdRng::seed_from_u64(21)];
+    let mut caches =
+        paths.map(|_| PagedCache::new(&gpu, config(layers, hkv, d, 256, 200)).unwrap());
+    for (c, p) in caches.iter_mut().zip(paths) {
+        c.set_select_path(p).unwrap();
+    }
+    let mut rngs = [0; 3].map(|_| StdRng::seed_from_u64(21));
     let mut ids: Vec<Vec<SessionId>> = Vec::new();
     for (c, rng) in caches.iter_mut().zip(&mut rngs) {
         let s: Vec<SessionId> = (0..3).map(|_| c.create().unwrap()).collect();
@@ -809,7 +822,7 @@ fn the_filtered_select_picks_the_score_paths_winners() {
     }
     let mut qrng = StdRng::seed_from_u64(22);
     let base: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
-    let mut attend_all = |caches: &mut [PagedCache; 2], q: &[f32], m: &str, what: &str| {
+    let mut attend_all = |caches: &mut [PagedCache; 3], q: &[f32], m: &str, what: &str| {
         let am = AttendMethod::parse(m, d).unwrap();
         let mut outs = Vec::new();
         let mut wins = Vec::new();
@@ -832,14 +845,11 @@ fn the_filtered_select_picks_the_score_paths_winners() {
             outs.push(o);
             wins.push(w);
         }
-        assert_eq!(
-            wins[0], wins[1],
-            "{what} {m}: winners, score path vs filtered"
-        );
-        assert_eq!(
-            outs[0], outs[1],
-            "{what} {m}: outputs, score path vs filtered"
-        );
+        for i in 1..3 {
+            let p = paths[i].label();
+            assert_eq!(wins[0], wins[i], "{what} {m}: winners, score path vs {p}");
+            assert_eq!(outs[0], outs[i], "{what} {m}: outputs, score path vs {p}");
+        }
     };
     for t in 0..8 {
         let q: Vec<f32> = base
@@ -850,25 +860,29 @@ fn the_filtered_select_picks_the_score_paths_winners() {
             attend_all(&mut caches, &q, m, &format!("step {t}"));
         }
     }
-    let (off, on) = (
-        caches[0].select_counters().unwrap(),
-        caches[1].select_counters().unwrap(),
-    );
+    let counters =
+        |caches: &[PagedCache; 3]| caches.each_ref().map(|c| c.select_counters().unwrap());
+    let before = counters(&caches);
     assert_eq!(
-        off,
+        before[0],
         fathom_cuda::cache::SelectCounters::default(),
         "filtered select off"
     );
     // 8 steps × 3 methods × 2 layers × 3 sessions × 8 heads rows; each (session, layer, head)
     // starts on the score path, and a method's scores differ in scale from the previous one's.
-    assert!(on.filtered > 0, "the filtered path ran: {on:?}");
-    let before = on;
+    for c in &before[1..] {
+        assert!(c.filtered > 0, "the filtered path ran: {c:?}");
+    }
     attend_all(&mut caches, &vec![0.0; 3 * hq * d], "exact", "zero query");
-    let after = caches[1].select_counters().unwrap();
-    assert!(
-        after.fallbacks > before.fallbacks,
-        "every score ties at 0: the 9000-token session's filters overflow ({before:?} -> {after:?})"
-    );
+    let after = counters(&caches);
+    for i in 1..3 {
+        assert!(
+            after[i].fallbacks > before[i].fallbacks,
+            "every score ties at 0: the 9000-token session's filters overflow ({:?} -> {:?})",
+            before[i],
+            after[i]
+        );
+    }
 }
 
 /// `read_rows` returns each session's last `min(len, cap)` records as the stored bf16, in
