@@ -14,9 +14,11 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
 }
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
-// Order-preserving map of f32 to u32 (larger float -> larger key).
+// Order-preserving map of f32 to u32 (larger float -> larger key), with -0 = +0 as the CPU
+// selection compares them (fathom_plan::select's order key): a tie at zero goes to the lower
+// token on both sides.
 __device__ __forceinline__ u32 f32_key(float x) {
-    u32 u = __float_as_uint(x);
+    u32 u = x == 0.0f ? 0u : __float_as_uint(x);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
