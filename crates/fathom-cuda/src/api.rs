@@ -170,6 +170,10 @@ pub trait KvCache: Sized {
     ) -> Result<crate::paged_ref::PagedExport>;
     /// Union rows fetched and row-cache hits since the cache was made.
     fn row_counters(&self) -> Result<crate::cache::RowCounters>;
+    /// How attends take each query head's top-k (docs/SPEC.md §5).
+    fn set_select_path(&mut self, path: crate::cache::SelectPath) -> Result<()>;
+    /// Rows selected by the filtered select, and its fallbacks, since the cache was made.
+    fn select_counters(&self) -> Result<crate::cache::SelectCounters>;
 }
 
 impl KvCache for crate::PagedCache {
@@ -264,6 +268,12 @@ impl KvCache for crate::PagedCache {
     }
     fn row_counters(&self) -> Result<crate::cache::RowCounters> {
         crate::PagedCache::row_counters(self)
+    }
+    fn set_select_path(&mut self, path: crate::cache::SelectPath) -> Result<()> {
+        crate::PagedCache::set_select_path(self, path)
+    }
+    fn select_counters(&self) -> Result<crate::cache::SelectCounters> {
+        crate::PagedCache::select_counters(self)
     }
     fn export(
         &self,
