@@ -47,15 +47,30 @@ filtered)
     grep -E "^[0-9]" $OUT/offload-qwen3-8b-filtered-$res.txt | head -20
   done
   ;;
+rowsweep)
+  # rowsweep SLOTS...: the row cache's size (issue 16), one offload-bench run per setting,
+  # fathom:48 at 256k and 1M, host residency; hit rate and step per setting (8192, the
+  # default, is in the `filtered` runs). Text output goes to one log (8 files come back).
+  for rows in "$@"; do
+    echo "## --cache-rows $rows" >> $OUT/rowsweep.log
+    timeout 200 $B/fathom offload-bench --engine cache --context 256k,1m --methods fathom:48 \
+      --steps 10 --residency host --cache-rows $rows --probe-mib 256 \
+      --json $OUT/offload-qwen3-8b-rows$rows.json >> $OUT/rowsweep.log 2>&1
+    echo "rows $rows rc=$?" | tee -a $OUT/summary.txt
+  done
+  grep -E "^[0-9]" $OUT/rowsweep.log
+  ;;
 py)
   # The Python package's tests with the device's torch and transformers (the wheel built here
   # by `maturin build --release` in crates/fathom-py and carried in .devbin/): nothing that
   # needs torch may skip (FATHOM_REQUIRE_GPU=1 above).
-  python3 -m venv --system-site-packages $OUT/venv
-  $OUT/venv/bin/pip install --no-index --no-deps --quiet $B/fathom-*.whl
-  (cd crates/fathom-py/tests && $OUT/venv/bin/python -m pytest -v -rs -s -p no:cacheprovider .) > $OUT/pytest-device.log 2>&1
+  # python3 there is itself a virtual environment (/opt/torch/.venv) that holds torch, so a
+  # venv made from it would not see torch: the wheel goes to a folder on PYTHONPATH instead.
+  lib=$(mktemp -d)
+  python3 -m pip install --no-index --no-deps --quiet --target $lib $B/fathom-*.whl
+  (cd crates/fathom-py/tests && PYTHONPATH=$lib python3 -m pytest -v -rs -s -p no:cacheprovider .) > $OUT/pytest-device.log 2>&1
   echo "pytest rc=$? $(tail -1 $OUT/pytest-device.log)" | tee -a $OUT/summary.txt
-  rm -rf $OUT/venv
+  rm -rf $lib
   ;;
 model)
   # model MODEL...: the GPU forward (issue 15) on real models staged by

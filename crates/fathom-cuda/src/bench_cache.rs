@@ -87,7 +87,8 @@ pub(crate) fn run(
     for lens in runs {
         let b = lens.len();
         let longest = *lens.iter().max().unwrap_or(&0);
-        let grow = steps_per_method * c.methods.len() + 8;
+        // Every (select path, method) pair appends its steps to every session.
+        let grow = steps_per_method * c.methods.len() * c.select_paths.len().max(1) + 8;
         let page = DEFAULT_PAGE_TOKENS;
         let pages: usize = lens
             .iter()

@@ -85,6 +85,18 @@ fn dtype_name(t: DlDataType) -> String {
     }
 }
 
+/// The `stream` argument of `__dlpack__` for a raw `CUstream`. DLPack reserves 0 on CUDA
+/// (ambiguous, and torch refuses it) and names the legacy default stream 1, so the null
+/// handle, which is what `torch.cuda.current_stream().cuda_stream` is on the default
+/// stream, becomes 1; any other handle passes unchanged.
+fn dlpack_stream(raw: u64) -> i64 {
+    if raw == 0 {
+        1
+    } else {
+        raw as i64
+    }
+}
+
 /// Reads `obj.__dlpack__(stream=...)` without consuming the capsule.
 fn tensor_info(arg: &str, obj: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<TensorInfo> {
     if !obj.hasattr("__dlpack__")? {
@@ -98,7 +110,7 @@ fn tensor_info(arg: &str, obj: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResu
         // A CPU producer (numpy) refuses any stream; CUDA producers order their work on it.
         let dev: (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
         if dev.0 == DL_CUDA {
-            kwargs.set_item("stream", s as i64)?;
+            kwargs.set_item("stream", dlpack_stream(s))?;
         }
     }
     let cap = obj.call_method("__dlpack__", (), Some(&kwargs))?;

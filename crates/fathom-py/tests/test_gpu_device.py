@@ -34,7 +34,8 @@ def reference(k, v, q, g):
 def test_append_and_dense_attend_match_torch(dtype):
     torch.manual_seed(0)
     L, hkv, g, d = 2, 2, 4, 128
-    cache = fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=2, max_tokens=4096)
+    cache = fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=2, max_tokens=4096,
+                        max_k=1024)
     s = cache.create()
     n = 700
     ks = [torch.randn(n, hkv, d, device="cuda").to(dtype) for _ in range(L)]

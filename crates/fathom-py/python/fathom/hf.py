@@ -122,7 +122,10 @@ class FathomAttention:
         cache.append(self._batch, layer, k_new, v_new)
         q = (query[0, :, -1, :].float() * pre).unsqueeze(0).contiguous()
         out = torch.empty_like(q)
-        cache.attend(self._batch, layer, self.method, q, out, k=self.k, sink=self.sink, local=self.local)
+        # The cache was made with max_k = min(k, capacity): a k past the capacity keeps every
+        # token either way.
+        cache.attend(self._batch, layer, self.method, q, out, k=min(self.k, self.capacity),
+                     sink=self.sink, local=self.local)
         self.steps += 1
         kept = n if self.method == "dense" else min(n, self.sink + self.local + self.k)
         self._kept += kept
