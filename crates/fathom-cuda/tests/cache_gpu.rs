@@ -885,6 +885,139 @@ fn the_filtered_select_picks_the_score_paths_winners() {
     }
 }
 
+/// A session of 2^20 + 37 tokens, the length the benchmark's 1M rows time: every score of
+/// the scan, the top-k and the attention equal the CPU reference, on the score path and on the
+/// filtered select (scores kept), for exact, Fathom and SparQ. The tests above stay below
+/// 10⁴ tokens; this one reaches what only long sessions do: 513 scan CTAs per KV head, page
+/// indices past 2⁹, a middle of 2²⁰ tokens for the top-k's histogram, and a 16-bit CTA bin
+/// count at its largest. Host residency, one layer, one KV head (G = 4, D = 128).
+#[test]
+fn a_million_token_session_matches_the_cpu_reference() {
+    use fathom_cuda::cache::{AttendMethod, SelectPath};
+    use fathom_plan::{KvView, SelectParams};
+    let Some(gpu) = gpu() else { return };
+    let (d, g, hkv, page) = (128, 4, 1, 2048);
+    let hq = hkv * g;
+    let n0 = (1usize << 20) + 36;
+    let mut cfg = config(1, hkv, d, page, n0.div_ceil(page) + 2);
+    cfg.shape.group = g;
+    cfg.pages.max_sessions = 1;
+    cfg.pages.max_tokens = n0 + 64;
+    cfg.max_batch = 1;
+    cfg.max_k = 512;
+    let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+    let s = cache.create().unwrap();
+    let mut shadows = vec![vec![Shadow::default(); 1]; 1];
+    let slot = |_: SessionId| 0;
+    let mut rng = StdRng::seed_from_u64(31);
+    let mut left = n0;
+    while left > 0 {
+        let m = left.min(1 << 17);
+        step(&mut cache, &mut rng, &[(s, m)], &mut shadows, &slot);
+        left -= m;
+    }
+    let dims = Dims {
+        heads: hkv,
+        channels: d,
+    };
+    // Calibration from the first 8192 keys and random queries.
+    let head: Vec<f32> = shadows[0][0].k[..8192 * d].iter().map(|&x| bf(x)).collect();
+    let qs: Vec<f32> = (0..16 * g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let calib = vec![fathom_plan::calib::head_calib(
+        &KvView::head(&head, hkv, d, 0),
+        &qs,
+    )];
+    cache.load_calibration(0, &calib).unwrap();
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 512,
+    };
+    let base: Vec<f32> = (0..hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let paths = [
+        SelectPath::Scores,
+        SelectPath::Filtered {
+            min_middle_tokens: 8192,
+            keep_scores: true,
+        },
+    ];
+    for (t, path) in paths.iter().enumerate() {
+        cache.set_select_path(*path).unwrap();
+        let batch = step(&mut cache, &mut rng, &[(s, 1)], &mut shadows, &slot);
+        let sh = &shadows[0][0];
+        let n = sh.k.len() / dims.row();
+        assert_eq!(n, n0 + 1 + t);
+        let kb: Vec<f32> = sh.k.iter().map(|&x| bf(x)).collect();
+        let vb: Vec<f32> = sh.v.iter().map(|&x| bf(x)).collect();
+        let store = KeyStore::from_keys(dims, &kb, None).unwrap();
+        let view = store.view();
+        let (kv, vv) = (KvView::head(&kb, hkv, d, 0), KvView::head(&vb, hkv, d, 0));
+        for m in ["exact", "fathom:48", "sparq:16"] {
+            let am = AttendMethod::parse(m, d).unwrap();
+            let AttendMethod::Scan(mm) = am else {
+                unreachable!()
+            };
+            cache.prepare(mm).unwrap();
+            // Twice: the second attend of a filtered path runs on the first one's estimate.
+            for rep in 0..2 {
+                let q: Vec<f32> = base
+                    .iter()
+                    .map(|&x| x + 0.05 * rng.gen_range(-1.0..1.0))
+                    .collect();
+                let out = cache.attend_host(&batch, 0, am, &params, &q).unwrap();
+                let dbg = cache.debug_readback(&batch, 0).unwrap();
+                let what = format!("{} {m} attend {rep}, {n} tokens", path.label());
+                let depths = cpu_depths(mm, &calib[0], &q, g, d);
+                let (refs, mag) =
+                    fathom_plan::scan::reference_scores(&view, 0, &q, g, &depths).unwrap();
+                for gg in 0..g {
+                    let row = &dbg.scores[gg * n..(gg + 1) * n];
+                    let bad = (0..n)
+                        .filter(|&i| {
+                            (row[i] as f64 - refs[gg * n + i]).abs()
+                                > SCORE_TOL * mag[gg * n + i] + 1e-30
+                        })
+                        .count();
+                    assert_eq!(bad, 0, "{what} q {gg}: scores off the reference");
+                    let mut sel = Vec::new();
+                    fathom_plan::select_per_head(n - 1, row, &params, &mut sel).unwrap();
+                    let mid = params.middle(n - 1);
+                    let cpu_mid: Vec<u32> = sel
+                        .iter()
+                        .copied()
+                        .filter(|&i| mid.contains(&(i as usize)))
+                        .collect();
+                    assert_eq!(dbg.winners[gg], cpu_mid, "{what} q {gg}: top-k");
+                    let mut want = vec![0f32; d];
+                    let scale = 1.0 / (d as f32).sqrt();
+                    fathom_plan::attend(
+                        &q[gg * d..(gg + 1) * d],
+                        kv,
+                        vv,
+                        &sel,
+                        scale,
+                        None,
+                        &mut want,
+                    )
+                    .unwrap();
+                    let err = fathom_plan::relative_error(&out[gg * d..(gg + 1) * d], &want);
+                    assert!(
+                        err <= ATTN_TOL,
+                        "{what} q {gg}: attention relative error {err}"
+                    );
+                }
+            }
+        }
+    }
+    if let SelectPath::Filtered { .. } = paths[1] {
+        let c = cache.select_counters().unwrap();
+        assert!(
+            c.filtered > 0,
+            "the filtered path ran at 2^20 tokens: {c:?}"
+        );
+    }
+}
+
 /// `read_rows` returns each session's last `min(len, cap)` records as the stored bf16, in
 /// batch order, for a ragged batch, with caps below, at and above the lengths, in host and
 /// HBM residency; rows past a session's count are left as they were.
