@@ -86,6 +86,63 @@ def test_mismatches_raise_value_errors_and_launch_nothing():
         cache.attend(b, 0, "nope", q, torch.zeros_like(q))
 
 
+# (GPU method, the CPU decoder's name for the same scan). The GPU cache's `exact` scans the
+# full 4-bit store (every channel at 4 planes: crates/fathom-cuda/README.md); the CPU
+# decoder's `exact` scores full-precision keys, and its `fathom:4D` is the full 4-bit store.
+GPU_CPU = [("exact", "fathom:256"), ("fathom:48", "fathom:48"), ("sparq:16", "sparq:16"),
+           ("ds:16", "ds:16"), ("thumb2", "thumb2")]
+
+
+@pytest.mark.parametrize("method,cpu_method", GPU_CPU)
+def test_every_method_on_the_gpu_equals_the_cpu_decoder(tmp_path, method, cpu_method):
+    """The GPU cache's attend and the Rust CPU reference (`fathom.Decoder`, the protocol the
+    CPU runtime decodes with) on the same bf16-rounded keys and values and the same
+    calibration: the same output within ATTN_TOL (fp32 accumulation orders differ; the
+    selections are equal, as crates/fathom-cuda/tests/cache_gpu.rs checks token by token)."""
+    import numpy as np
+
+    attn_tol = 1e-3
+    r = np.random.default_rng(7)
+    L, hkv, g, d, n, k = 2, 2, 4, 64, 900, 64
+    scale = (0.2 + np.arange(d) / d).astype(np.float32)  # per-channel spread, as real keys
+
+    def bf16(x):
+        return torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).float()
+
+    ks = [bf16(r.standard_normal((n, hkv, d)) * scale) for _ in range(L)]
+    vs = [bf16(r.standard_normal((n, hkv, d))) for _ in range(L)]
+    positions = [n // 2, n - 1]
+    layers = {}
+    for l in range(L):
+        q = r.standard_normal((len(positions), hkv * g, d)).astype(np.float32)
+        layers[l] = {"q": q, "k": ks[l].numpy(), "v": vs[l].numpy()}
+    cap = tmp_path / "cap.safetensors"
+    fathom.write_capture(cap, layers, positions, "gpu-vs-cpu-random", dtype="f32")
+    cal = tmp_path / "cal.json"
+    fathom.calibrate(cap, cal, targets=[48.0], k=k)
+    cache = fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=1, max_tokens=2048, max_k=k)
+    cache.load_calibration(cal)
+    dec = fathom.Decoder(cpu_method, L, hkv, d, k, capacity=2048, calib=str(cal))
+    assert d * 4 == 256  # fathom:256 is every channel at 4 planes at this D
+    s = cache.create()
+    b = cache.reserve([(s, n)])
+    for l in range(L):
+        cache.append(b, l, ks[l].cuda(), vs[l].cuda())
+        dec.append(l, ks[l].numpy(), vs[l].numpy())
+    for l in range(L):
+        q = torch.tensor(r.standard_normal((1, hkv * g, d)), dtype=torch.float32)
+        out = torch.full((1, hkv * g, d), float("nan"), device="cuda")
+        cache.attend(b, l, method, q.cuda(), out, k=k)
+        torch.cuda.synchronize()
+        want = dec.attend(l, q[0].numpy())
+        got = out.cpu()[0].numpy()
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert err <= attn_tol, (method, l, err)
+    if method.startswith("fathom"):
+        bits, plans = cache.plan_bits()
+        assert plans > 0 and 0.0 < bits <= 48.0
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_hf_generation_on_the_gpu_cache_gives_the_models_own_tokens(qk_norm):
     transformers = pytest.importorskip("transformers")
