@@ -70,6 +70,10 @@ py)
   python3 -m pip install --no-index --no-deps --quiet --target $lib $B/fathom-*.whl
   (cd crates/fathom-py/tests && PYTHONPATH=$lib python3 -m pytest -v -rs -s -p no:cacheprovider .) > $OUT/pytest-device.log 2>&1
   echo "pytest rc=$? $(tail -1 $OUT/pytest-device.log)" | tee -a $OUT/summary.txt
+  # The README's generation example (a random Qwen3-style model) next to HF's own generate.
+  PYTHONPATH=$lib python3 crates/fathom-py/examples/generate_example.py --device cuda \
+    --json $OUT/generate-example.json > $OUT/generate-example.txt 2>&1
+  echo "generate example rc=$?" | tee -a $OUT/summary.txt
   rm -rf $lib
   ;;
 model)
