@@ -47,6 +47,21 @@ filtered)
     grep -E "^[0-9]" $OUT/offload-qwen3-8b-filtered-$res.txt | head -20
   done
   ;;
+groups)
+  # Head groups per attend (PagedCache::set_attend_groups, issue 16 item 3): the device tests
+  # that decide correctness at any setting (bit-identical to one group) and at 2^20 tokens,
+  # then one run per residency timing 1, 2, 4 and 8 groups over the four methods the targets
+  # name, at 256k and 1M.
+  timeout 240 $B/cache_gpu --test-threads 1 head_groups a_million 2>&1 | tee $OUT/groups-tests.log | tail -4
+  echo "groups tests rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
+  for res in host hbm; do
+    timeout 280 $B/fathom offload-bench --engine cache --context 256k,1m --methods fathom:48,sparq:32,ds:32 \
+      --steps 10 --residency $res --groups 1,2,4,8 --probe-mib 2048 \
+      --json $OUT/offload-qwen3-8b-groups-$res.json > $OUT/offload-qwen3-8b-groups-$res.txt 2>&1
+    echo "groups $res rc=$?" | tee -a $OUT/summary.txt
+    grep -E "^[0-9]" $OUT/offload-qwen3-8b-groups-$res.txt | head -30
+  done
+  ;;
 rowsweep)
   # rowsweep SLOTS...: the row cache's size (issue 16), one offload-bench run per setting,
   # fathom:48 at 256k and 1M, host residency; hit rate and step per setting (8192, the

@@ -101,9 +101,12 @@ pub struct OffloadBenchArgs {
     /// Generator seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Head groups pipelined per layer (host residency): the copy stream gathers group i+1
-    /// while group i is scanned; 1 = sequential; 0 = auto (4 from 512k tokens on, else 1,
-    /// from the H200 sweep). A list times each setting.
+    /// Head groups pipelined per layer. Step engine (host residency): the copy stream gathers
+    /// group i+1 while group i is scanned; 0 = auto (4 from 512k tokens on, else 1, from the
+    /// H200 sweep). Cache engine (`PagedCache::set_attend_groups`): the cache's stream scans
+    /// group i+1 while a second stream runs group i's top-k, union, row fetch and attention;
+    /// 0 = 1 (unmeasured); at most the shape's KV heads. 1 = sequential on both. A list times
+    /// each setting, e.g. `--groups 1,2,4`.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub groups: Vec<usize>,
     /// Most CTAs per gather launch (host residency; the kernel strides over the rest), so

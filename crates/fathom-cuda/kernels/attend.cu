@@ -30,6 +30,8 @@ struct AttendGeom {
     u32 fuse_min;                 // middle tokens from which a row may take the filtered select (0: never)
     u32 fcap;                     // filtered candidates per row
     u32 keep_scores;              // 1: the filtered scan also writes scores and the histogram
+    u32 h0;                       // first KV head of this launch's head group (grids cover its heads)
+    u32 pad;
 };
 
 __device__ __forceinline__ float load_elem(const void* p, u64 i, u32 dtype) {
@@ -147,7 +149,7 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
     // Per query head: 0 scores + histogram, 1 filtered pairs (key >= rkey), 2 nothing.
     __shared__ int rmode[GQ];
     __shared__ u32 rkey[GQ];
-    const u32 b = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
+    const u32 b = blockIdx.z, h = a.h0 + blockIdx.y, tid = threadIdx.x;
     const AppendDesc d = descs[b];
     const u32 n = d.n0 + d.m;
     const u32 bp = g.page_tokens / 64;
@@ -387,7 +389,7 @@ extern "C" __global__ void paged_topk_select(const AppendDesc* __restrict__ desc
     __shared__ u32 cnt[BINS];
     __shared__ int bin;
     __shared__ u32 above, total;
-    const u32 b = blockIdx.y, hq = blockIdx.x;
+    const u32 b = blockIdx.y, hq = a.h0 * GQ + blockIdx.x;
     const u64 r = (u64)b * g.heads * GQ + hq;
     if (mode[r] == 1) return;  // selected by the filtered path
     const AppendDesc d = descs[b];
@@ -418,7 +420,7 @@ extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ des
                                               u32* __restrict__ winners, u32* __restrict__ counts,
                                               u32* __restrict__ cand, u32* __restrict__ ccount,
                                               const u32* __restrict__ mode) {
-    const u32 b = blockIdx.z, hq = blockIdx.y;
+    const u32 b = blockIdx.z, hq = a.h0 * GQ + blockIdx.y;
     const u64 r = (u64)b * g.heads * GQ + hq;
     if (mode[r] == 1) return;  // uniform over the CTA
     const AppendDesc d = descs[b];
@@ -534,7 +536,7 @@ extern "C" __global__ void paged_topk_finish(const AppendDesc* __restrict__ desc
                                              const u32* __restrict__ mode, const float* __restrict__ qf,
                                              const u8* __restrict__ depths, float* __restrict__ est) {
     __shared__ u32 hist[BINS];
-    const u32 b = blockIdx.y, hq = blockIdx.x;
+    const u32 b = blockIdx.y, hq = a.h0 * GQ + blockIdx.x;
     const u64 r = (u64)b * g.heads * GQ + hq;
     if (mode[r] == 1) return;  // selected by the filtered path
     const Sel s = sel[r];
@@ -576,7 +578,7 @@ extern "C" __global__ void paged_topk_fused(const AppendDesc* __restrict__ descs
                                             u32* __restrict__ winners, u32* __restrict__ counts,
                                             unsigned long long* __restrict__ counters) {
     __shared__ u32 hist[BINS];
-    const u32 b = blockIdx.y, hq = blockIdx.x;
+    const u32 b = blockIdx.y, hq = a.h0 * GQ + blockIdx.x;
     const u64 r = (u64)b * g.heads * GQ + hq;
     const AppendDesc d = descs[b];
     u32 lo, hi;
@@ -618,7 +620,7 @@ extern "C" __global__ void paged_union(const AppendDesc* __restrict__ descs, Poo
     __shared__ u32 warp_counts[TK / 32];
     __shared__ u32 sh_total, sh_out;
     const AppendDesc d = descs[blockIdx.x];
-    const u32 b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const u32 b = blockIdx.x, h = a.h0 + blockIdx.y, tid = threadIdx.x;
     const u32 n = d.n0 + d.m;
     const u32 sink_end = min(a.sink, n);
     const u32 local_start = max(n > a.local ? n - a.local : 0u, sink_end);
@@ -713,7 +715,7 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
                                        unsigned long long* __restrict__ counters) {
     __shared__ const uint4* src[FR];
     __shared__ u32 sh_hits;
-    const u32 b = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
+    const u32 b = blockIdx.z, h = a.h0 + blockIdx.y, tid = threadIdx.x;
     const u64 ub = ((u64)b * g.heads + h) * a.umax;
     const u32 cnt = min(ucount[(u64)b * g.heads + h], a.umax);
     if (blockIdx.x == 0 && tid == 0) atomicAdd(&counters[0], (unsigned long long)cnt);
@@ -826,7 +828,7 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
     __shared__ float corr[GQ], msum[GQ], lsum[GQ];
     __shared__ u64 wslot[NT];
     __shared__ u32 wrow[NT], wcnt[NT / 32], nwon;
-    const u32 b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
+    const u32 b = blockIdx.z, h = a.h0 + blockIdx.y, split = blockIdx.x;
     const AppendDesc d = descs[b];
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 n = d.n0 + d.m;
@@ -970,7 +972,7 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
 extern "C" __global__ void paged_attn_combine(PoolGeom g, AttendGeom a, const float* __restrict__ pm,
                                               const float* __restrict__ pl, const float* __restrict__ pacc,
                                               float* __restrict__ out) {
-    const u32 b = blockIdx.y, hq = blockIdx.x, c = threadIdx.x;
+    const u32 b = blockIdx.y, hq = a.h0 * GQ + blockIdx.x, c = threadIdx.x;
     const u64 row = (u64)b * g.heads * GQ + hq;
     const u64 base = row * a.nsplit;
     float M = -INFINITY;

@@ -172,6 +172,8 @@ pub trait KvCache: Sized {
     fn row_counters(&self) -> Result<crate::cache::RowCounters>;
     /// How attends take each query head's top-k (docs/SPEC.md §5).
     fn set_select_path(&mut self, path: crate::cache::SelectPath) -> Result<()>;
+    /// Head groups per attend, pipelined over two streams (docs/SPEC.md §6.1).
+    fn set_attend_groups(&mut self, groups: usize) -> Result<()>;
     /// Rows selected by the filtered select, and its fallbacks, since the cache was made.
     fn select_counters(&self) -> Result<crate::cache::SelectCounters>;
 }
@@ -271,6 +273,9 @@ impl KvCache for crate::PagedCache {
     }
     fn set_select_path(&mut self, path: crate::cache::SelectPath) -> Result<()> {
         crate::PagedCache::set_select_path(self, path)
+    }
+    fn set_attend_groups(&mut self, groups: usize) -> Result<()> {
+        crate::PagedCache::set_attend_groups(self, groups)
     }
     fn select_counters(&self) -> Result<crate::cache::SelectCounters> {
         crate::PagedCache::select_counters(self)

@@ -393,18 +393,18 @@ fn run_cache_engine(
 /// Speedups of every result against every 136-bit scan among `results` (one context and
 /// residency).
 pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
-    // Against the 136-bit scans timed under the same select setting.
-    let base: Vec<(String, String, f64)> = results
+    // Against the 136-bit scans timed under the same select and head-group settings.
+    let base: Vec<(String, usize, String, f64)> = results
         .iter()
         .filter(|r| {
             fathom_plan::method::MethodSpec::parse(&r.method, dim)
                 .is_ok_and(|m| m.is_136_bit_scan())
         })
-        .map(|r| (r.select.clone(), r.method.clone(), r.gpu_ms))
+        .map(|r| (r.select.clone(), r.groups, r.method.clone(), r.gpu_ms))
         .collect();
     for r in results {
-        for (select, name, ms) in &base {
-            if *select == r.select {
+        for (select, groups, name, ms) in &base {
+            if *select == r.select && *groups == r.groups {
                 r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
             }
         }

@@ -87,8 +87,12 @@ pub(crate) fn run(
     for lens in runs {
         let b = lens.len();
         let longest = *lens.iter().max().unwrap_or(&0);
-        // Every (select path, method) pair appends its steps to every session.
-        let grow = steps_per_method * c.methods.len() * c.select_paths.len().max(1) + 8;
+        // Every (select path, head groups, method) setting appends its steps to every session.
+        let grow = steps_per_method
+            * c.methods.len()
+            * c.select_paths.len().max(1)
+            * c.groups.len().max(1)
+            + 8;
         let page = DEFAULT_PAGE_TOKENS;
         let pages: usize = lens
             .iter()
@@ -222,11 +226,26 @@ pub(crate) fn run(
         } else {
             c.select_paths.clone()
         };
-        for (fuse, &m) in settings
+        // Head groups per attend (`--groups`; 0, "auto", is one group on this engine).
+        let attend_groups: Vec<usize> = if c.groups.is_empty() {
+            vec![1]
+        } else {
+            c.groups.iter().map(|&g| g.max(1)).collect()
+        };
+        for (fuse, groups, &m) in settings
             .iter()
-            .flat_map(|&f| c.methods.iter().map(move |m| (f, m)))
+            .flat_map(|&f| attend_groups.iter().map(move |&g| (f, g)))
+            .flat_map(|(f, g)| c.methods.iter().map(move |m| (f, g, m)))
         {
             cache.set_select_path(fuse)?;
+            if let Err(e) = cache.set_attend_groups(groups) {
+                let note = format!("cache engine: --groups {groups} not timed: {e}");
+                progress(&format!("  {note}"));
+                if !rep.notes.contains(&note) {
+                    rep.notes.push(note);
+                }
+                continue;
+            }
             let select = fuse.label();
             let am = AttendMethod::Scan(m);
             if let Err(e) = cache.prepare(m) {
@@ -334,6 +353,7 @@ pub(crate) fn run(
                 rep, cshape, lens, residency, k, m, bits, union, hits, gpu_ms, wall_ms,
             );
             r.select = select;
+            r.groups = groups;
             if fuse != crate::cache::SelectPath::Scores {
                 let filtered = sel1.filtered - sel0.filtered;
                 let fallbacks = sel1.fallbacks - sel0.fallbacks;
@@ -346,9 +366,10 @@ pub(crate) fn run(
                 });
             }
             progress(&format!(
-                "  {:<10} {:<15} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}",
+                "  {:<10} {:<15} groups {}  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}",
                 r.method,
                 r.select,
+                r.groups,
                 r.bits,
                 r.gpu_ms,
                 r.wall_ms,

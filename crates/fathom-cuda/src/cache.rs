@@ -151,10 +151,10 @@ impl CacheConfig {
 
 /// How attends take each query head's top-k (docs/SPEC.md §5; [`crate::PagedCache::set_select_path`]).
 ///
-/// The default is [`SelectPath::Scores`]: the filtered select has not yet run on a device (its
-/// kernels are compiled and its device test written, but no device time was left when it was
-/// built), so the measured path stays the default until its device test passes and
-/// `offload-bench --select scores,8192,8192+scores` picks the fastest.
+/// The default is [`SelectPath::Scores`]: on the H200 the filtered select passed its device test
+/// but was not faster (`results/device/select/README.md`: 12–24% slower in host residency
+/// without kept scores, within ±3% with them except 1M in HBM, 5.7% faster);
+/// `offload-bench --select scores,8192,8192+scores` times the three in one run.
 ///
 /// ```
 /// use fathom_cuda::cache::SelectPath;
@@ -300,6 +300,18 @@ pub struct QueryRows {
     pub q: u64,
     /// Element type.
     pub dtype: KvDtype,
+}
+
+/// The check of [`crate::PagedCache::set_attend_groups`]: `1 ≤ groups ≤ Hkv`.
+pub fn check_attend_groups(cfg: &CacheConfig, groups: usize) -> Result<()> {
+    let hkv = cfg.shape.kv_heads;
+    if groups == 0 || groups > hkv {
+        return Err(CudaError::invalid(
+            "attend groups",
+            format!("{groups} (want 1..={hkv}, the model's KV heads: a group holds at least one)"),
+        ));
+    }
+    Ok(())
 }
 
 /// The checks of an attend before its launch: the layer exists, the batch is the current
@@ -517,6 +529,20 @@ mod tests {
             max_k: 64,
             row_cache: 0,
             residency: crate::config::Residency::Host,
+        }
+    }
+
+    #[test]
+    fn attend_groups_are_between_one_and_the_kv_heads() {
+        let c = cfg();
+        assert!(check_attend_groups(&c, 1).is_ok());
+        assert!(check_attend_groups(&c, 2).is_ok());
+        for bad in [0, 3, 100] {
+            let e = check_attend_groups(&c, bad).unwrap_err().to_string();
+            assert!(
+                e.contains("attend groups") && e.contains("1..=2"),
+                "{bad}: {e}"
+            );
         }
     }
 

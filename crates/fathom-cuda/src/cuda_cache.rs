@@ -109,8 +109,11 @@ struct AttendGeom {
     fuse_min: u32,
     fcap: u32,
     keep_scores: u32,
+    /// First KV head of the launch's head group ([`PagedCache::set_attend_groups`]).
+    h0: u32,
+    pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<AttendGeom>() == 64);
+const _: () = assert!(std::mem::size_of::<AttendGeom>() == 72);
 
 // SAFETY: plain `#[repr(C)]` data of integers and one f32, passed by value.
 unsafe impl cudarc::driver::DeviceRepr for AttendGeom {}
@@ -264,6 +267,13 @@ pub struct PagedCache {
     fixed_grids: bool,
     /// How attends select ([`PagedCache::set_select_path`]).
     select: crate::cache::SelectPath,
+    /// Head groups per attend ([`PagedCache::set_attend_groups`]), the second stream that
+    /// runs each group's top-k to attention while the cache's stream scans the next group,
+    /// and the events that order the two.
+    groups: usize,
+    side: Arc<CudaStream>,
+    scanned: cudarc::driver::CudaEvent,
+    joined: cudarc::driver::CudaEvent,
     // Keep the modules alive.
     _module: Arc<cudarc::driver::CudaModule>,
     _attend_modules: [Arc<cudarc::driver::CudaModule>; 2],
@@ -439,6 +449,13 @@ impl PagedCache {
             plans_counted: 0,
             fixed_grids: false,
             select: crate::cache::SelectPath::Scores,
+            groups: 1,
+            side: gpu
+                .stream()
+                .fork()
+                .map_err(drv("create the second stream"))?,
+            scanned: gpu.ctx().new_event(None).map_err(drv("create event"))?,
+            joined: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             _module: module,
             _attend_modules: [attend_mod, plan_mod],
         })
@@ -1106,7 +1123,12 @@ impl PagedCache {
                     ..
                 }
             )),
+            h0: 0,
+            pad: 0,
         };
+        // Head groups: `per` KV heads each (the last may hold fewer); one for dense attends.
+        let groups = if dense { 1 } else { self.groups.min(hkv) };
+        let per = hkv.div_ceil(groups);
         let k = &self.attend_kernels;
         let w = &self.work;
         let st = &self.stream;
@@ -1128,6 +1150,33 @@ impl PagedCache {
             batch.plans.iter().map(|p| p.end_token()).max().unwrap_or(0)
         };
         let dtype = q.dtype.code();
+        // 6. Exact attention of each query head over its own set, split (each split fills the
+        // row cache from its rows), then combined (after every group).
+        let partial = |ps: &CudaStream, ag: &AttendGeom, hn: u32| -> Result<()> {
+            let mut b = ps.launch_builder(&k.attn_partial);
+            b.arg(&descs)
+                .arg(&tables)
+                .arg(&pool)
+                .arg(&geom)
+                .arg(ag)
+                .arg(&w.qf.ptr)
+                .arg(&w.rows.ptr)
+                .arg(&w.urows.ptr)
+                .arg(&w.umask.ptr)
+                .arg(&w.ucount.ptr)
+                .arg(&tags)
+                .arg(&data)
+                .arg(&claim)
+                .arg(&w.pm.ptr)
+                .arg(&w.pl.ptr)
+                .arg(&w.pacc.ptr);
+            // SAFETY: partials hold DENSE_SPLITS ≥ nsplit per row; rows are read through the
+            // session's pages only at tokens < its length; the row cache (when present) has
+            // cache_rows slots per (slot, layer, head).
+            unsafe { b.launch(cfg((ag.nsplit, hn, nb32), ATTN_THREADS)) }
+                .map_err(drv("launch paged_attn_partial"))?;
+            Ok(())
+        };
         // 1. Queries to f32.
         let mut b = st.launch_builder(&k.queries);
         b.arg(&q.q).arg(&dtype).arg(&w.qf.ptr);
@@ -1190,13 +1239,13 @@ impl PagedCache {
             }
             let per_cta = SCAN_BLOCKS.min(lay.blocks_per_page());
             let ctas = longest.div_ceil(BLOCK_TOKENS).div_ceil(per_cta) as u32;
-            let scan = |pass: u32| -> Result<()> {
+            let scan = |pass: u32, ag: &AttendGeom, hn: u32| -> Result<()> {
                 let mut b = st.launch_builder(&k.scan);
                 b.arg(&descs)
                     .arg(&tables)
                     .arg(&pool)
                     .arg(&geom)
-                    .arg(&ag)
+                    .arg(ag)
                     .arg(&w.qf.ptr)
                     .arg(&depths)
                     .arg(&w.scores.ptr)
@@ -1210,138 +1259,147 @@ impl PagedCache {
                 // checks its length); scores hold max_batch·Hq rows of max_tokens, the
                 // filtered pairs fcap per row (bounded in the kernel), the estimates
                 // max_sessions·L·Hq.
-                unsafe { b.launch(cfg((ctas.max(1), hkv32, nb32), 8 * SCAN_BLOCKS as u32)) }
+                unsafe { b.launch(cfg((ctas.max(1), hn, nb32), 8 * SCAN_BLOCKS as u32)) }
                     .map_err(drv("launch paged_scan"))?;
                 Ok(())
             };
-            scan(0)?;
-            // 4. The filtered rows' selection (or their fallback), then each other row's
-            // top-k: the boundary bucket, one streaming pass, the exact boundary among the
-            // bucket's candidates (ties to the lower index). With the filtered select off,
-            // every row's mode is 0 already (set_select_path cleared them).
-            if fused {
-                let mut b = st.launch_builder(&k.topk_fused);
+            for gi in 0..groups {
+                let h0 = gi * per;
+                if h0 >= hkv {
+                    break;
+                }
+                let hn = per.min(hkv - h0) as u32;
+                let (ag, gq32) = (
+                    AttendGeom {
+                        h0: h0 as u32,
+                        ..ag
+                    },
+                    hn * s.group as u32,
+                );
+                let ag = &ag;
+                scan(0, ag, hn)?;
+                // 4. The filtered rows' selection (or their fallback), then each other row's
+                // top-k: the boundary bucket, one streaming pass, the exact boundary among the
+                // bucket's candidates (ties to the lower index). With the filtered select off,
+                // every row's mode is 0 already (set_select_path cleared them).
+                if fused {
+                    let mut b = st.launch_builder(&k.topk_fused);
+                    b.arg(&descs)
+                        .arg(&geom)
+                        .arg(ag)
+                        .arg(&w.qf.ptr)
+                        .arg(&depths)
+                        .arg(&w.est.ptr)
+                        .arg(&w.mode.ptr)
+                        .arg(&w.fcand.ptr)
+                        .arg(&w.fcount.ptr)
+                        .arg(&w.winners.ptr)
+                        .arg(&w.counts.ptr)
+                        .arg(&w.counters.ptr);
+                    // SAFETY: rows < max_batch·Hq of every per-row array; pairs read
+                    // < min(count, fcap).
+                    unsafe { b.launch(cfg((gq32, nb32, 1), TOPK_THREADS)) }
+                        .map_err(drv("launch paged_topk_fused"))?;
+                    if ag.keep_scores == 0 {
+                        scan(1, ag, hn)?;
+                    }
+                }
+                // With head groups, the rest of this group's attend runs on the second stream
+                // (after this group's scan), while the cache's stream scans the next group.
+                let ps: &CudaStream = if groups > 1 {
+                    self.scanned.record(st).map_err(drv("record event"))?;
+                    self.side.wait(&self.scanned).map_err(drv("wait event"))?;
+                    &self.side
+                } else {
+                    st
+                };
+                let mut b = ps.launch_builder(&k.topk_select);
                 b.arg(&descs)
                     .arg(&geom)
-                    .arg(&ag)
-                    .arg(&w.qf.ptr)
-                    .arg(&depths)
-                    .arg(&w.est.ptr)
-                    .arg(&w.mode.ptr)
-                    .arg(&w.fcand.ptr)
-                    .arg(&w.fcount.ptr)
+                    .arg(ag)
+                    .arg(&w.hist.ptr)
+                    .arg(&w.sel.ptr)
+                    .arg(&w.counts.ptr)
+                    .arg(&w.ccount.ptr)
+                    .arg(&w.mode.ptr);
+                // SAFETY: rows < max_batch·Hq of every per-row array.
+                unsafe { b.launch(cfg((gq32, nb32, 1), TOPK_THREADS)) }
+                    .map_err(drv("launch paged_topk_select"))?;
+                let chunks = longest.div_ceil(COLLECT_ELEMS).max(1) as u32;
+                let mut b = ps.launch_builder(&k.topk_collect);
+                b.arg(&descs)
+                    .arg(&geom)
+                    .arg(ag)
+                    .arg(&w.scores.ptr)
+                    .arg(&w.sel.ptr)
                     .arg(&w.winners.ptr)
                     .arg(&w.counts.ptr)
+                    .arg(&w.cand.ptr)
+                    .arg(&w.ccount.ptr)
+                    .arg(&w.mode.ptr);
+                // SAFETY: winners hold max_k per row (k ≤ max_k was checked), candidates
+                // max_tokens per row; both lists are bounded in the kernel.
+                unsafe { b.launch(cfg((chunks, gq32, nb32), 256)) }
+                    .map_err(drv("launch paged_topk_collect"))?;
+                let mut b = ps.launch_builder(&k.topk_finish);
+                b.arg(&descs)
+                    .arg(&geom)
+                    .arg(ag)
+                    .arg(&w.scores.ptr)
+                    .arg(&w.sel.ptr)
+                    .arg(&w.winners.ptr)
+                    .arg(&w.counts.ptr)
+                    .arg(&w.cand.ptr)
+                    .arg(&w.ccount.ptr)
+                    .arg(&w.mode.ptr)
+                    .arg(&w.qf.ptr)
+                    .arg(&depths)
+                    .arg(&w.est.ptr);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg((gq32, nb32, 1), TOPK_THREADS)) }
+                    .map_err(drv("launch paged_topk_finish"))?;
+                // 5. The union per KV head, then its rows into HBM (row cache first).
+                let mut b = ps.launch_builder(&k.union);
+                b.arg(&descs)
+                    .arg(&geom)
+                    .arg(ag)
+                    .arg(&w.winners.ptr)
+                    .arg(&w.counts.ptr)
+                    .arg(&w.urows.ptr)
+                    .arg(&w.umask.ptr)
+                    .arg(&w.ucount.ptr);
+                // SAFETY: union lists hold umax = 64 + G·max_k rows ≥ sink + local + G·k.
+                unsafe { b.launch(cfg((nb32, hn, 1), TOPK_THREADS)) }
+                    .map_err(drv("launch paged_union"))?;
+                let row_chunks = self.work.umax.div_ceil(FETCH_ROWS) as u32;
+                let mut b = ps.launch_builder(&k.fetch);
+                b.arg(&descs)
+                    .arg(&tables)
+                    .arg(&pool)
+                    .arg(&geom)
+                    .arg(ag)
+                    .arg(&w.urows.ptr)
+                    .arg(&w.ucount.ptr)
+                    .arg(&tags)
+                    .arg(&data)
+                    .arg(&claim)
+                    .arg(&w.rows.ptr)
                     .arg(&w.counters.ptr);
-                // SAFETY: rows < max_batch·Hq of every per-row array; pairs read
-                // < min(count, fcap).
-                unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
-                    .map_err(drv("launch paged_topk_fused"))?;
-                if ag.keep_scores == 0 {
-                    scan(1)?;
-                }
+                // SAFETY: every union row is a token < the session's length; rows hold umax
+                // records; the row cache (when present) has cache_rows slots per (slot, layer, head).
+                unsafe { b.launch(cfg((row_chunks, hn, nb32), 256)) }
+                    .map_err(drv("launch paged_fetch"))?;
+                partial(ps, ag, hn)?;
             }
-            let mut b = st.launch_builder(&k.topk_select);
-            b.arg(&descs)
-                .arg(&geom)
-                .arg(&ag)
-                .arg(&w.hist.ptr)
-                .arg(&w.sel.ptr)
-                .arg(&w.counts.ptr)
-                .arg(&w.ccount.ptr)
-                .arg(&w.mode.ptr);
-            // SAFETY: rows < max_batch·Hq of every per-row array.
-            unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
-                .map_err(drv("launch paged_topk_select"))?;
-            let chunks = longest.div_ceil(COLLECT_ELEMS).max(1) as u32;
-            let mut b = st.launch_builder(&k.topk_collect);
-            b.arg(&descs)
-                .arg(&geom)
-                .arg(&ag)
-                .arg(&w.scores.ptr)
-                .arg(&w.sel.ptr)
-                .arg(&w.winners.ptr)
-                .arg(&w.counts.ptr)
-                .arg(&w.cand.ptr)
-                .arg(&w.ccount.ptr)
-                .arg(&w.mode.ptr);
-            // SAFETY: winners hold max_k per row (k ≤ max_k was checked), candidates
-            // max_tokens per row; both lists are bounded in the kernel.
-            unsafe { b.launch(cfg((chunks, hq32, nb32), 256)) }
-                .map_err(drv("launch paged_topk_collect"))?;
-            let mut b = st.launch_builder(&k.topk_finish);
-            b.arg(&descs)
-                .arg(&geom)
-                .arg(&ag)
-                .arg(&w.scores.ptr)
-                .arg(&w.sel.ptr)
-                .arg(&w.winners.ptr)
-                .arg(&w.counts.ptr)
-                .arg(&w.cand.ptr)
-                .arg(&w.ccount.ptr)
-                .arg(&w.mode.ptr)
-                .arg(&w.qf.ptr)
-                .arg(&depths)
-                .arg(&w.est.ptr);
-            // SAFETY: as above.
-            unsafe { b.launch(cfg((hq32, nb32, 1), TOPK_THREADS)) }
-                .map_err(drv("launch paged_topk_finish"))?;
-            // 5. The union per KV head, then its rows into HBM (row cache first).
-            let mut b = st.launch_builder(&k.union);
-            b.arg(&descs)
-                .arg(&geom)
-                .arg(&ag)
-                .arg(&w.winners.ptr)
-                .arg(&w.counts.ptr)
-                .arg(&w.urows.ptr)
-                .arg(&w.umask.ptr)
-                .arg(&w.ucount.ptr);
-            // SAFETY: union lists hold umax = 64 + G·max_k rows ≥ sink + local + G·k.
-            unsafe { b.launch(cfg((nb32, hkv32, 1), TOPK_THREADS)) }
-                .map_err(drv("launch paged_union"))?;
-            let row_chunks = self.work.umax.div_ceil(FETCH_ROWS) as u32;
-            let mut b = st.launch_builder(&k.fetch);
-            b.arg(&descs)
-                .arg(&tables)
-                .arg(&pool)
-                .arg(&geom)
-                .arg(&ag)
-                .arg(&w.urows.ptr)
-                .arg(&w.ucount.ptr)
-                .arg(&tags)
-                .arg(&data)
-                .arg(&claim)
-                .arg(&w.rows.ptr)
-                .arg(&w.counters.ptr);
-            // SAFETY: every union row is a token < the session's length; rows hold umax
-            // records; the row cache (when present) has cache_rows slots per (slot, layer, head).
-            unsafe { b.launch(cfg((row_chunks, hkv32, nb32), 256)) }
-                .map_err(drv("launch paged_fetch"))?;
+            if groups > 1 {
+                self.joined
+                    .record(&self.side)
+                    .map_err(drv("record event"))?;
+                st.wait(&self.joined).map_err(drv("wait event"))?;
+            }
+        } else {
+            partial(st, &ag, hkv32)?;
         }
-        // 6. Exact attention of each query head over its own set, split (each split fills the
-        // row cache from its rows), then combined.
-        let mut b = st.launch_builder(&k.attn_partial);
-        b.arg(&descs)
-            .arg(&tables)
-            .arg(&pool)
-            .arg(&geom)
-            .arg(&ag)
-            .arg(&w.qf.ptr)
-            .arg(&w.rows.ptr)
-            .arg(&w.urows.ptr)
-            .arg(&w.umask.ptr)
-            .arg(&w.ucount.ptr)
-            .arg(&tags)
-            .arg(&data)
-            .arg(&claim)
-            .arg(&w.pm.ptr)
-            .arg(&w.pl.ptr)
-            .arg(&w.pacc.ptr);
-        // SAFETY: partials hold DENSE_SPLITS ≥ nsplit per row; rows are read through the
-        // session's pages only at tokens < its length; the row cache (when present) has
-        // cache_rows slots per (slot, layer, head).
-        unsafe { b.launch(cfg((ag.nsplit, hkv32, nb32), ATTN_THREADS)) }
-            .map_err(drv("launch paged_attn_partial"))?;
         let mut b = st.launch_builder(&k.attn_combine);
         b.arg(&geom)
             .arg(&ag)
@@ -1514,6 +1572,26 @@ impl PagedCache {
     /// The setting of [`PagedCache::set_select_path`].
     pub fn select_path(&self) -> crate::cache::SelectPath {
         self.select
+    }
+
+    /// Splits each attend's KV heads into `groups` head groups of `⌈Hkv / groups⌉` heads (the
+    /// last may hold fewer): the cache's stream scans group `i + 1` while a second stream runs
+    /// group `i`'s top-k, union, row fetch and partial attention, so the scan's plane reads
+    /// keep the link busy while the kernels that do not read it run (docs/SPEC.md §6.1). The
+    /// outputs are the same bits for every setting: each head's launches are the same, only
+    /// their order across heads changes. Dense attends stay one group. `1` is the default.
+    ///
+    /// # Errors
+    /// `groups` of 0 or more than the model's KV heads.
+    pub fn set_attend_groups(&mut self, groups: usize) -> Result<()> {
+        crate::cache::check_attend_groups(&self.cfg, groups)?;
+        self.groups = groups;
+        Ok(())
+    }
+
+    /// The setting of [`PagedCache::set_attend_groups`].
+    pub fn attend_groups(&self) -> usize {
+        self.groups
     }
 
     /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and

@@ -377,6 +377,17 @@ impl PagedCache {
     pub fn select_path(&self) -> crate::cache::SelectPath {
         crate::cache::SelectPath::Scores
     }
+    /// Sets the head groups per attend.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn set_attend_groups(&mut self, _groups: usize) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// The head groups per attend (the default in this build).
+    pub fn attend_groups(&self) -> usize {
+        1
+    }
     /// Empties the HBM row cache of a session.
     ///
     /// # Errors

@@ -885,6 +885,122 @@ fn the_filtered_select_picks_the_score_paths_winners() {
     }
 }
 
+/// Head groups (`set_attend_groups`: the scan of group i + 1 on the cache's stream while the
+/// second stream runs group i's top-k, union, fetch and attention) change no bit: the same
+/// winners, outputs and row-cache hits as one group, for 1, 2 and 3 groups of 3 KV heads (the
+/// last group smaller at 2), with the row cache on, on the score path and the filtered select,
+/// in host and HBM residency; 0 and 4 groups are typed errors.
+#[test]
+fn head_groups_change_no_bit() {
+    use fathom_cuda::cache::{AttendMethod, SelectPath};
+    use fathom_plan::SelectParams;
+    let Some(gpu) = gpu() else { return };
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 64,
+    };
+    let (hkv, d, g, layers) = (3, 128, 4, 2);
+    let hq = hkv * g;
+    for residency in [Residency::Host, Residency::Hbm] {
+        let settings = [1, 2, 3];
+        let mut caches = settings.map(|_| {
+            let mut c = config(layers, hkv, d, 256, 200);
+            c.residency = residency;
+            c.row_cache = 64;
+            PagedCache::new(&gpu, c).unwrap()
+        });
+        for (c, n) in caches.iter_mut().zip(settings) {
+            c.set_attend_groups(n).unwrap();
+            assert_eq!(c.attend_groups(), n);
+        }
+        for bad in [0, 4] {
+            assert!(caches[0].set_attend_groups(bad).is_err(), "{bad} groups");
+        }
+        assert_eq!(
+            caches[0].attend_groups(),
+            1,
+            "a refused setting changes nothing"
+        );
+        let mut rngs = [0; 3].map(|_| StdRng::seed_from_u64(41));
+        let mut ids: Vec<Vec<SessionId>> = Vec::new();
+        for (c, rng) in caches.iter_mut().zip(&mut rngs) {
+            let s: Vec<SessionId> = (0..3).map(|_| c.create().unwrap()).collect();
+            let mut shadows = vec![vec![Shadow::default(); layers]; 8];
+            let slot = |s: SessionId| s.slot();
+            step(
+                c,
+                rng,
+                &[(s[0], 1500), (s[1], 4000), (s[2], 7000)],
+                &mut shadows,
+                &slot,
+            );
+            let calib = vec![
+                fathom_plan::scanner::HeadCalib {
+                    sigma2: (0..d).map(|i| 0.5 + i as f32 / d as f32).collect(),
+                    ..Default::default()
+                };
+                hkv
+            ];
+            for l in 0..layers {
+                c.load_calibration(l, &calib).unwrap();
+            }
+            ids.push(s);
+        }
+        let mut qrng = StdRng::seed_from_u64(42);
+        for (t, path) in [
+            SelectPath::Scores,
+            SelectPath::Scores,
+            SelectPath::Filtered {
+                min_middle_tokens: 256,
+                keep_scores: false,
+            },
+            SelectPath::Filtered {
+                min_middle_tokens: 256,
+                keep_scores: false,
+            },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+            for m in ["fathom:48", "sparq:16", "exact", "dense"] {
+                let am = AttendMethod::parse(m, d).unwrap();
+                let mut seen = Vec::new();
+                for (ci, c) in caches.iter_mut().enumerate() {
+                    c.set_select_path(path).unwrap();
+                    if let AttendMethod::Scan(mm) = am {
+                        c.prepare(mm).unwrap();
+                    }
+                    let all: Vec<(SessionId, usize)> = ids[ci].iter().map(|&s| (s, 1)).collect();
+                    let mut shadows = vec![vec![Shadow::default(); layers]; 8];
+                    let slot = |s: SessionId| s.slot();
+                    let batch = step(c, &mut rngs[ci], &all, &mut shadows, &slot);
+                    let mut o = Vec::new();
+                    let mut w = Vec::new();
+                    for l in 0..layers {
+                        o.extend(c.attend_host(&batch, l, am, &params, &q).unwrap());
+                        for b in 0..3 {
+                            w.push(c.debug_readback(&batch, b).unwrap().winners);
+                        }
+                    }
+                    seen.push((o, w, c.row_counters().unwrap()));
+                }
+                for i in 1..3 {
+                    let what = format!(
+                        "{residency:?} step {t} {} {m}: {} groups against 1",
+                        path.label(),
+                        settings[i]
+                    );
+                    assert_eq!(seen[0].1, seen[i].1, "{what}: winners");
+                    assert_eq!(seen[0].0, seen[i].0, "{what}: outputs");
+                    assert_eq!(seen[0].2, seen[i].2, "{what}: row-cache counters");
+                }
+            }
+        }
+    }
+}
+
 /// A session of 2^20 + 37 tokens, the length the benchmark's 1M rows time: every score of
 /// the scan, the top-k and the attention equal the CPU reference, on the score path and on the
 /// filtered select (scores kept), for exact, Fathom and SparQ. The tests above stay below
