@@ -756,17 +756,92 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
     assert_eq!(b.hits, 0, "no row cache, no hits: {b:?}");
 }
 
+/// Caches that must agree (one setting each) fed the same appends: three sessions of
+/// `lens` tokens each, from one seed, and the same σ² on every layer. Returns each cache's
+/// random stream (to keep feeding them alike) and its sessions.
+fn prefill_alike(
+    caches: &mut [PagedCache],
+    seed: u64,
+    lens: [usize; 3],
+    sigma2: &[f32],
+) -> (Vec<StdRng>, Vec<Vec<SessionId>>) {
+    let mut rngs: Vec<StdRng> = caches.iter().map(|_| StdRng::seed_from_u64(seed)).collect();
+    let mut ids = Vec::new();
+    for (c, rng) in caches.iter_mut().zip(&mut rngs) {
+        let sh = c.config().shape;
+        let s: Vec<SessionId> = (0..3).map(|_| c.create().unwrap()).collect();
+        let mut shadows = vec![vec![Shadow::default(); sh.layers]; 8];
+        let slot = |s: SessionId| s.slot();
+        let batch: Vec<(SessionId, usize)> = s.iter().copied().zip(lens).collect();
+        step(c, rng, &batch, &mut shadows, &slot);
+        let calib = vec![
+            fathom_plan::scanner::HeadCalib {
+                sigma2: sigma2.to_vec(),
+                ..Default::default()
+            };
+            sh.kv_heads
+        ];
+        for l in 0..sh.layers {
+            c.load_calibration(l, &calib).unwrap();
+        }
+        ids.push(s);
+    }
+    (rngs, ids)
+}
+
+/// One decode step of every session in each cache (the same new keys in each), then an
+/// attend of every layer with `q`: per cache, the outputs, the winners of every (layer,
+/// session) and the row counters after it.
+#[allow(clippy::type_complexity)]
+fn attend_alike(
+    caches: &mut [PagedCache],
+    rngs: &mut [StdRng],
+    ids: &[Vec<SessionId>],
+    m: &str,
+    params: &fathom_plan::SelectParams,
+    q: &[f32],
+) -> Vec<(
+    Vec<f32>,
+    Vec<Vec<Vec<u32>>>,
+    fathom_cuda::cache::RowCounters,
+)> {
+    use fathom_cuda::cache::AttendMethod;
+    let mut seen = Vec::new();
+    for (ci, c) in caches.iter_mut().enumerate() {
+        let sh = c.config().shape;
+        let am = AttendMethod::parse(m, sh.dim).unwrap();
+        if let AttendMethod::Scan(mm) = am {
+            c.prepare(mm).unwrap();
+        }
+        let all: Vec<(SessionId, usize)> = ids[ci].iter().map(|&s| (s, 1)).collect();
+        let mut shadows = vec![vec![Shadow::default(); sh.layers]; 8];
+        let slot = |s: SessionId| s.slot();
+        let batch = step(c, &mut rngs[ci], &all, &mut shadows, &slot);
+        let mut o = Vec::new();
+        let mut w = Vec::new();
+        for l in 0..sh.layers {
+            o.extend(c.attend_host(&batch, l, am, params, q).unwrap());
+            for b in 0..all.len() {
+                w.push(c.debug_readback(&batch, b).unwrap().winners);
+            }
+        }
+        seen.push((o, w, c.row_counters().unwrap()));
+    }
+    seen
+}
+
 /// The filtered select (docs/SPEC.md §5) picks exactly the score path's winners: three caches
 /// fed the same appends, one on the score path and two with the filtered select from 256
-/// middle tokens (failed rows rescan; failed rows use the kept scores), attend a ragged batch (3000, 5000 and 9000 tokens) for 8 decode steps × 3 methods
-/// with drifting queries; every query head's winners and every output are equal, and the
-/// filtered cache really took the filtered path (after each row's first attend). Then a zero
-/// query (every score ties at 0): the 3000-token session selects the lowest tokens from its
-/// pairs, the 5000-token one too, and the 9000-token one passes more tokens than the pair
-/// capacity (24 · max_k = 6144) and falls back, with the same winners as the score path.
+/// middle tokens (failed rows rescan; failed rows use the kept scores), attend a ragged batch
+/// (3000, 5000 and 9000 tokens) for 8 decode steps × 3 methods with drifting queries; every
+/// query head's winners and every output are equal, and the filtered cache really took the
+/// filtered path (after each row's first attend). Then a zero query (every score ties at 0):
+/// the 3000-token session selects the lowest tokens from its pairs, the 5000-token one too,
+/// and the 9000-token one passes more tokens than the pair capacity (24 · max_k = 6144) and
+/// falls back, with the same winners as the score path.
 #[test]
 fn the_filtered_select_picks_the_score_paths_winners() {
-    use fathom_cuda::cache::AttendMethod;
+    use fathom_cuda::cache::SelectPath;
     use fathom_plan::SelectParams;
     let Some(gpu) = gpu() else { return };
     let params = SelectParams {
@@ -776,7 +851,6 @@ fn the_filtered_select_picks_the_score_paths_winners() {
     };
     let (hkv, d, g, layers) = (2, 128, 4, 2);
     let hq = hkv * g;
-    use fathom_cuda::cache::SelectPath;
     // The score path, the filtered select whose failed rows rescan, and the one that keeps
     // the scores for them.
     let paths = [
@@ -795,60 +869,21 @@ fn the_filtered_select_picks_the_score_paths_winners() {
     for (c, p) in caches.iter_mut().zip(paths) {
         c.set_select_path(p).unwrap();
     }
-    let mut rngs = [0; 3].map(|_| StdRng::seed_from_u64(21));
-    let mut ids: Vec<Vec<SessionId>> = Vec::new();
-    for (c, rng) in caches.iter_mut().zip(&mut rngs) {
-        let s: Vec<SessionId> = (0..3).map(|_| c.create().unwrap()).collect();
-        let mut shadows = vec![vec![Shadow::default(); layers]; 8];
-        let slot = |s: SessionId| s.slot();
-        step(
-            c,
-            rng,
-            &[(s[0], 3000), (s[1], 5000), (s[2], 9000)],
-            &mut shadows,
-            &slot,
-        );
-        let calib = vec![
-            fathom_plan::scanner::HeadCalib {
-                sigma2: vec![1.0; d],
-                ..Default::default()
-            };
-            hkv
-        ];
-        for l in 0..layers {
-            c.load_calibration(l, &calib).unwrap();
-        }
-        ids.push(s);
-    }
+    let (mut rngs, ids) = prefill_alike(&mut caches, 21, [3000, 5000, 9000], &vec![1.0; d]);
     let mut qrng = StdRng::seed_from_u64(22);
     let base: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
     let mut attend_all = |caches: &mut [PagedCache; 3], q: &[f32], m: &str, what: &str| {
-        let am = AttendMethod::parse(m, d).unwrap();
-        let mut outs = Vec::new();
-        let mut wins = Vec::new();
-        for (ci, c) in caches.iter_mut().enumerate() {
-            if let AttendMethod::Scan(mm) = am {
-                c.prepare(mm).unwrap();
-            }
-            let all: Vec<(SessionId, usize)> = ids[ci].iter().map(|&s| (s, 1)).collect();
-            let mut shadows = vec![vec![Shadow::default(); layers]; 8];
-            let slot = |s: SessionId| s.slot();
-            let batch = step(c, &mut rngs[ci], &all, &mut shadows, &slot);
-            let mut o = Vec::new();
-            let mut w = Vec::new();
-            for l in 0..layers {
-                o.extend(c.attend_host(&batch, l, am, &params, q).unwrap());
-                for b in 0..3 {
-                    w.push(c.debug_readback(&batch, b).unwrap().winners);
-                }
-            }
-            outs.push(o);
-            wins.push(w);
-        }
+        let seen = attend_alike(caches, &mut rngs, &ids, m, &params, q);
         for i in 1..3 {
             let p = paths[i].label();
-            assert_eq!(wins[0], wins[i], "{what} {m}: winners, score path vs {p}");
-            assert_eq!(outs[0], outs[i], "{what} {m}: outputs, score path vs {p}");
+            assert_eq!(
+                seen[0].1, seen[i].1,
+                "{what} {m}: winners, score path vs {p}"
+            );
+            assert_eq!(
+                seen[0].0, seen[i].0,
+                "{what} {m}: outputs, score path vs {p}"
+            );
         }
     };
     for t in 0..8 {
@@ -892,7 +927,7 @@ fn the_filtered_select_picks_the_score_paths_winners() {
 /// in host and HBM residency; 0 and 4 groups are typed errors.
 #[test]
 fn head_groups_change_no_bit() {
-    use fathom_cuda::cache::{AttendMethod, SelectPath};
+    use fathom_cuda::cache::SelectPath;
     use fathom_plan::SelectParams;
     let Some(gpu) = gpu() else { return };
     let params = SelectParams {
@@ -902,8 +937,8 @@ fn head_groups_change_no_bit() {
     };
     let (hkv, d, g, layers) = (3, 128, 4, 2);
     let hq = hkv * g;
+    let settings = [1, 2, 3];
     for residency in [Residency::Host, Residency::Hbm] {
-        let settings = [1, 2, 3];
         let mut caches = settings.map(|_| {
             let mut c = config(layers, hkv, d, 256, 200);
             c.residency = residency;
@@ -922,70 +957,21 @@ fn head_groups_change_no_bit() {
             1,
             "a refused setting changes nothing"
         );
-        let mut rngs = [0; 3].map(|_| StdRng::seed_from_u64(41));
-        let mut ids: Vec<Vec<SessionId>> = Vec::new();
-        for (c, rng) in caches.iter_mut().zip(&mut rngs) {
-            let s: Vec<SessionId> = (0..3).map(|_| c.create().unwrap()).collect();
-            let mut shadows = vec![vec![Shadow::default(); layers]; 8];
-            let slot = |s: SessionId| s.slot();
-            step(
-                c,
-                rng,
-                &[(s[0], 1500), (s[1], 4000), (s[2], 7000)],
-                &mut shadows,
-                &slot,
-            );
-            let calib = vec![
-                fathom_plan::scanner::HeadCalib {
-                    sigma2: (0..d).map(|i| 0.5 + i as f32 / d as f32).collect(),
-                    ..Default::default()
-                };
-                hkv
-            ];
-            for l in 0..layers {
-                c.load_calibration(l, &calib).unwrap();
-            }
-            ids.push(s);
-        }
+        let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
+        let (mut rngs, ids) = prefill_alike(&mut caches, 41, [1500, 4000, 7000], &sigma2);
         let mut qrng = StdRng::seed_from_u64(42);
-        for (t, path) in [
-            SelectPath::Scores,
-            SelectPath::Scores,
-            SelectPath::Filtered {
-                min_middle_tokens: 256,
-                keep_scores: false,
-            },
-            SelectPath::Filtered {
-                min_middle_tokens: 256,
-                keep_scores: false,
-            },
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        let filtered = SelectPath::Filtered {
+            min_middle_tokens: 256,
+            keep_scores: false,
+        };
+        let paths = [SelectPath::Scores, SelectPath::Scores, filtered, filtered];
+        for (t, path) in paths.into_iter().enumerate() {
             let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+            for c in caches.iter_mut() {
+                c.set_select_path(path).unwrap();
+            }
             for m in ["fathom:48", "sparq:16", "exact", "dense"] {
-                let am = AttendMethod::parse(m, d).unwrap();
-                let mut seen = Vec::new();
-                for (ci, c) in caches.iter_mut().enumerate() {
-                    c.set_select_path(path).unwrap();
-                    if let AttendMethod::Scan(mm) = am {
-                        c.prepare(mm).unwrap();
-                    }
-                    let all: Vec<(SessionId, usize)> = ids[ci].iter().map(|&s| (s, 1)).collect();
-                    let mut shadows = vec![vec![Shadow::default(); layers]; 8];
-                    let slot = |s: SessionId| s.slot();
-                    let batch = step(c, &mut rngs[ci], &all, &mut shadows, &slot);
-                    let mut o = Vec::new();
-                    let mut w = Vec::new();
-                    for l in 0..layers {
-                        o.extend(c.attend_host(&batch, l, am, &params, &q).unwrap());
-                        for b in 0..3 {
-                            w.push(c.debug_readback(&batch, b).unwrap().winners);
-                        }
-                    }
-                    seen.push((o, w, c.row_counters().unwrap()));
-                }
+                let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
                 for i in 1..3 {
                     let what = format!(
                         "{residency:?} step {t} {} {m}: {} groups against 1",
