@@ -456,6 +456,30 @@ impl GpuCache {
         self.cache.plan_bits().map_err(gpu_err)
     }
 
+    /// How attends take the top-k: `scores`, `N` or `N+scores` (docs/SPEC.md §5).
+    fn set_select_path(&mut self, path: &str) -> PyResult<()> {
+        let p = fathom_cuda::cache::SelectPath::parse(path).map_err(|e| bad("path", e))?;
+        self.cache.set_select_path(p).map_err(gpu_err)
+    }
+
+    /// The select setting's label (`scores` or `filtered>=N`, `+scores` when kept).
+    #[getter]
+    fn select_path(&self) -> String {
+        self.cache.select_path().label()
+    }
+
+    /// Head groups per attend (1..=kv_heads), pipelined over two streams; the same outputs
+    /// for every setting.
+    fn set_attend_groups(&mut self, groups: usize) -> PyResult<()> {
+        self.cache.set_attend_groups(groups).map_err(gpu_err)
+    }
+
+    /// The head-group setting.
+    #[getter]
+    fn attend_groups(&self) -> usize {
+        self.cache.attend_groups()
+    }
+
     /// Appends one layer's K and V (`[rows, Hkv, D]`, float32 / float16 / bfloat16, on this
     /// device) to the batch's sessions, after the work queued on `stream`.
     fn append(

@@ -86,6 +86,42 @@ def test_mismatches_raise_value_errors_and_launch_nothing():
         cache.attend(b, 0, "nope", q, torch.zeros_like(q))
 
 
+def test_select_paths_and_head_groups_change_no_output():
+    """Every select path and head-group setting gives the default's output bit for bit; bad
+    settings are errors that change nothing."""
+    torch.manual_seed(3)
+    L, hkv, g, d, n = 1, 4, 2, 64, 3000
+    caches = []
+    for path, groups in [("scores", 1), ("256", 1), ("256+scores", 2), ("scores", 4)]:
+        c = fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=1, max_tokens=4096, max_k=64)
+        c.set_select_path(path)
+        c.set_attend_groups(groups)
+        assert c.attend_groups == groups
+        caches.append(c)
+    assert caches[1].select_path == "filtered>=256" and caches[0].select_path == "scores"
+    with pytest.raises(fathom.FathomError, match="attend groups"):
+        caches[0].set_attend_groups(5)
+    with pytest.raises(ValueError, match="path"):
+        caches[0].set_select_path("8k")
+    assert caches[0].attend_groups == 1 and caches[0].select_path == "scores"
+    k = torch.randn(n, hkv, d, device="cuda")
+    v = torch.randn(n, hkv, d, device="cuda")
+    sessions = [c.create() for c in caches]
+    batches = [c.reserve([(s, n)]) for c, s in zip(caches, sessions)]
+    for c, b in zip(caches, batches):
+        c.append(b, 0, k, v)
+    for step in range(3):  # the filtered select needs an estimate from a previous attend
+        q = torch.randn(1, hkv * g, d, device="cuda")
+        outs = []
+        for c, b in zip(caches, batches):
+            out = torch.empty_like(q)
+            c.attend(b, 0, "exact", q, out, k=64)
+            outs.append(out)
+        torch.cuda.synchronize()
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), step
+
+
 # (GPU method, the CPU decoder's name for the same scan). The GPU cache's `exact` scans the
 # full 4-bit store (every channel at 4 planes: crates/fathom-cuda/README.md); the CPU
 # decoder's `exact` scores full-precision keys, and its `fathom:4D` is the full 4-bit store.

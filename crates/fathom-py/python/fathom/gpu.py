@@ -98,6 +98,30 @@ class GpuCache:
         """``(mean plan bits per token and KV head, plans)`` of the GPU-planned attends so far."""
         return self._c.plan_bits()
 
+    def set_select_path(self, path: str) -> None:
+        """How attends take each query head's top-k (docs/SPEC.md §5): ``"scores"`` (the
+        default: the scan writes every score), ``"N"`` (the filtered select from N middle
+        tokens: only the tokens above an estimate of the k-th score are kept, a failed row
+        rescans) or ``"N+scores"`` (filtered, scores kept for failed rows). Exact either way;
+        measured on the H200, neither filtered setting is faster than ``"scores"``."""
+        self._c.set_select_path(path)
+
+    @property
+    def select_path(self) -> str:
+        """The select setting's label."""
+        return self._c.select_path
+
+    def set_attend_groups(self, groups: int) -> None:
+        """Splits each attend's KV heads into ``groups`` head groups (1 to ``kv_heads``): the
+        cache's stream scans group i + 1 while a second stream runs group i's top-k, union,
+        row fetch and attention. Outputs are the same bits for every setting."""
+        self._c.set_attend_groups(int(groups))
+
+    @property
+    def attend_groups(self) -> int:
+        """The head-group setting."""
+        return self._c.attend_groups
+
     def append(self, batch: Batch, layer: int, k, v, stream=None) -> None:
         """Appends one layer's K and V ``[batch.rows, kv_heads, dim]`` (float32, float16 or
         bfloat16 CUDA tensors) to the batch's sessions: quantized and packed on the GPU (bit
