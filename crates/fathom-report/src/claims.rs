@@ -355,13 +355,14 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
             OffloadEngine::Cache => "The library path (`--engine cache`, `fathom_cuda::PagedCache`): sessions prefilled by appends, one token appended per session every step, each query head attending over its own set (docs/SPEC.md §5); a context is the sum of the batch's session lengths, and where the pools of every layer do not fit the host-memory budget fewer layers are timed (the JSON's notes say how many; every layer is the same work, so the ratios hold, the milliseconds are of those layers). ",
         });
         s.push_str(&format!(
-            "`{}` ({label}; {}; H2D {:.1} GB/s measured in the same run; keys: {}):\n\n",
+            "`{}` ({label}; {}; H2D {:.1} GB/s measured in the same run; keys: {}; `{}`):\n\n",
             inp.rel(&o.path),
             v.device.as_ref().map_or("?", |d| d.name.as_str()),
             v.h2d_gbps,
-            v.generator.split(" (").next().unwrap_or(&v.generator)
+            v.generator.split(" (").next().unwrap_or(&v.generator),
+            command_tail(&v.command)
         ));
-        s.push_str("| context | residency | fathom:48 GPU ms | speedup vs 136-bit scans | step / link floor | planner share | verdict |\n|---:|---|---:|---|---:|---:|---|\n");
+        s.push_str("| context | residency | setting | fathom:48 GPU ms | speedup vs 136-bit scans | step / link floor | planner share | verdict |\n|---:|---|---|---:|---|---:|---:|---|\n");
         for r in v.results.iter().filter(|r| r.method == "fathom:48") {
             let min = r
                 .speedup_vs_136
@@ -374,6 +375,9 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
             let ragged = v.engine == OffloadEngine::Cache && !one_session;
             let target = speedup_target(&v.shape_label, r.context).filter(|_| !ragged);
             let verdict = match (r.residency.as_str(), target) {
+                _ if r.speedup_vs_136.is_empty() => {
+                    "— (no 136-bit scan under this setting in the run)".into()
+                }
                 ("host", Some(t)) if min >= t => format!("meets the {t}× target"),
                 ("host", Some(t)) => format!("misses the {t}× target at {min:.2}×"),
                 ("hbm", _) if min <= TARGETS.hbm_parity => {
@@ -388,8 +392,25 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
                 OffloadEngine::Step => format!("{:.2}%", 100.0 * r.planner_share),
                 OffloadEngine::Cache => "— (not staged)".into(),
             };
+            // What the run varied: the select path and head groups (cache engine), or the
+            // pipelining and gather grid (step engine).
+            let setting = match v.engine {
+                OffloadEngine::Cache => format!(
+                    "{}, {} head group{}",
+                    if r.select.is_empty() {
+                        "scores"
+                    } else {
+                        r.select.as_str()
+                    },
+                    r.groups,
+                    if r.groups == 1 { "" } else { "s" }
+                ),
+                OffloadEngine::Step => {
+                    format!("groups {}, gather CTAs {}", r.groups, r.gather_ctas)
+                }
+            };
             s.push_str(&format!(
-                "| {} | {} | {:.2} | {} | {} | {planner} | {verdict} |\n",
+                "| {} | {} | {setting} | {:.2} | {} | {} | {planner} | {verdict} |\n",
                 r.context,
                 r.residency,
                 r.gpu_ms,
@@ -402,6 +423,18 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
             ));
         }
         s.push('\n');
+    }
+}
+
+/// A run's command from the program name on (the binary's own path dropped): `fathom
+/// offload-bench …`.
+fn command_tail(cmd: &str) -> String {
+    match cmd.split_once(' ') {
+        Some((bin, rest)) => {
+            let name = bin.rsplit('/').next().unwrap_or(bin);
+            format!("{name} {rest}")
+        }
+        None => cmd.to_string(),
     }
 }
 

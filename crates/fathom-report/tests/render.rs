@@ -178,3 +178,55 @@ fn the_committed_report_is_rendered_from_the_committed_results() {
         );
     }
 }
+
+/// An offload run of one cache-engine setting per 136-bit scan, and one of fathom:48 alone:
+/// each row names its setting, a speedup is judged only against scans of the same setting,
+/// and a row with none gets no verdict (not a silently met target).
+#[test]
+fn an_offload_row_without_a_136_bit_scan_gets_no_verdict() {
+    use fathom_results::offload::{BenchResult, OffloadBench, OffloadEngine};
+    let dir = tempfile::tempdir().unwrap();
+    let row = |method: &str, select: &str, groups: usize, ms: f64| BenchResult {
+        context: 1 << 18,
+        residency: "host".into(),
+        method: method.into(),
+        groups,
+        select: select.into(),
+        gpu_ms: ms,
+        ..Default::default()
+    };
+    let mut with = row("fathom:48", "scores", 2, 10.0);
+    with.speedup_vs_136.insert("sparq:32".into(), 2.0);
+    let doc = |results: Vec<BenchResult>| OffloadBench {
+        version: 2,
+        command: "/x/y/fathom offload-bench --engine cache".into(),
+        shape_label: "qwen3-8b".into(),
+        batch: 1,
+        generator: "synthetic-gqa-v1 (test)".into(),
+        engine: OffloadEngine::Cache,
+        results,
+        ..Default::default()
+    };
+    fathom_results::write(
+        &dir.path().join("with.json"),
+        doc(vec![with, row("sparq:32", "scores", 2, 20.0)]),
+    )
+    .unwrap();
+    fathom_results::write(
+        &dir.path().join("alone.json"),
+        doc(vec![row("fathom:48", "scores", 1, 10.0)]),
+    )
+    .unwrap();
+    let md = render(dir.path(), None);
+    assert!(md.contains("`fathom offload-bench --engine cache`"), "{md}");
+    assert!(
+        md.contains("| 262144 | host | scores, 2 head groups | 10.00 | sparq:32 2.00× |"),
+        "{md}"
+    );
+    assert!(md.contains("meets the 1.9× target"), "{md}");
+    assert!(
+        md.contains("| 262144 | host | scores, 1 head group | 10.00 |  |")
+            && md.contains("— (no 136-bit scan under this setting in the run)"),
+        "{md}"
+    );
+}
