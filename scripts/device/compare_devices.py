@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Agreement of the same `fathom ruler` and `fathom agent-steps` runs on two devices.
+"""Agreement of the same `fathom ruler` or `fathom agent-steps` run on two devices.
 
-Usage: compare_devices.py RULER_A.json RULER_B.json AGENT_A.json AGENT_B.json
-Prints, per method, the fraction of RULER samples whose generations are token-identical on
-both devices (and the mean score on each), and the fraction of teacher-forced agent steps
-whose argmax agrees (and each device's agreement with its own exact top-k).
+Usage: compare_devices.py A.json B.json [C.json D.json ...]
+Each pair is one run on two devices (the same command but for --device); a pair is compared by
+its `kind`: for RULER, per method, the fraction of samples whose generations are
+token-identical on both devices (and the mean score on each); for agent steps, the fraction of
+teacher-forced steps whose argmax agrees (and each device's agreement with its own exact
+top-k).
 """
 import json
 import sys
@@ -44,8 +46,18 @@ def agent(a, b):
     print()
 
 
+def check_same_run(a, b):
+    """The two files must be one run: same model, context, methods, selection and samples."""
+    for key in ("kind", "model", "context", "methods", "select", "seed"):
+        if a.get(key) != b.get(key):
+            sys.exit(f"not the same run: {key} is {a.get(key)!r} against {b.get(key)!r}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 5:
+    paths = sys.argv[1:]
+    if not paths or len(paths) % 2:
         sys.exit(__doc__)
-    ruler(load(sys.argv[1]), load(sys.argv[2]))
-    agent(load(sys.argv[3]), load(sys.argv[4]))
+    for pa, pb in zip(paths[::2], paths[1::2]):
+        a, b = load(pa), load(pb)
+        check_same_run(a, b)
+        {"ruler": ruler, "agent-steps": agent}[a["kind"]](a, b)
