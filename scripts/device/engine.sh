@@ -48,15 +48,16 @@ filtered)
   done
   ;;
 groups)
-  # Head groups per attend (PagedCache::set_attend_groups, issue 16 item 3): the device tests
-  # that decide correctness at any setting (bit-identical to one group) and at 2^20 tokens,
-  # then one run per residency timing 1, 2, 4 and 8 groups over the four methods the targets
-  # name, at 256k and 1M.
-  timeout 240 $B/cache_gpu --test-threads 1 head_groups a_million 2>&1 | tee $OUT/groups-tests.log | tail -4
+  # Head groups per attend and 16-byte scan loads (set_attend_groups, set_scan_vector_words;
+  # issue 16 items 2 and 3): the device tests that decide correctness (every setting
+  # bit-identical to one group of 8-byte loads; 2^20 tokens against the CPU reference), then
+  # one run per residency timing 1, 2, 4 and 8 groups × 8- and 16-byte loads over fathom:48
+  # and the two 136-bit scans, at 256k and 1M.
+  timeout 240 $B/cache_gpu --test-threads 1 head_groups_and_scan_loads a_million 2>&1 | tee $OUT/groups-tests.log | tail -4
   echo "groups tests rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
   for res in host hbm; do
     timeout 280 $B/fathom offload-bench --engine cache --context 256k,1m --methods fathom:48,sparq:32,ds:32 \
-      --steps 10 --residency $res --groups 1,2,4,8 --probe-mib 2048 \
+      --steps 10 --residency $res --groups 1,2,4,8 --scan-vec 1,2 --probe-mib 2048 \
       --json $OUT/offload-qwen3-8b-groups-$res.json > $OUT/offload-qwen3-8b-groups-$res.txt 2>&1
     echo "groups $res rc=$?" | tee -a $OUT/summary.txt
     grep -E "^[0-9]" $OUT/offload-qwen3-8b-groups-$res.txt | head -30

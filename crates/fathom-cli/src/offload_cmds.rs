@@ -154,6 +154,11 @@ pub struct OffloadBenchArgs {
     /// method, e.g. `--select scores,8192,8192+scores`.
     #[arg(long, value_delimiter = ',', default_value = "scores")]
     pub select: Vec<String>,
+    /// Cache engine: plane words per global load of the scan, `1` (8 bytes, the default) or
+    /// `2` (16 bytes where a page's blocks allow it); the scores are the same bits. A list
+    /// times each over every method, e.g. `--scan-vec 1,2`.
+    #[arg(long = "scan-vec", value_delimiter = ',', default_value = "1")]
+    pub scan_vec: Vec<u32>,
 }
 
 /// Runs `fathom offload-bench`.
@@ -229,6 +234,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             .select
             .iter()
             .map(|s| fathom_cuda::cache::SelectPath::parse(s))
+            .collect::<Result<Vec<_>, _>>()?,
+        scan_vector_words: a
+            .scan_vec
+            .iter()
+            .map(|&w| fathom_cuda::cache::check_scan_vector_words(w).map(|()| w))
             .collect::<Result<Vec<_>, _>>()?,
     };
     let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))

@@ -130,7 +130,8 @@ __device__ __forceinline__ void warp_append(bool flag, T value, u32* count, T* l
 // does one FMA per token and query head with the exact product khat. Also counts the top 10
 // key bits of every middle token per query head (the top-k's level-1 histogram; hist zeroed
 // by the caller). grid = (CTAs, Hkv, batch), block = 8 * BPC. scores: [b][Hq][max_tokens].
-extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+template <int VEC>
+__device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                       const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                       const float* __restrict__ qf, const u8* __restrict__ depths,
                                       float* __restrict__ scores, u32* __restrict__ hist, u32 pass,
@@ -221,8 +222,29 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
     constexpr u32 NT_SCAN = 8 * BPC, SCAN_WORDS = CHS * 4 * BPC / NT_SCAN;
     u64 wreg[SCAN_WORDS];
     float sreg = 0.0f;
+    // With VEC 2 and an even number of blocks per page, each thread loads two adjacent
+    // words of a plane run at once (16-byte aligned: runs and pages are 16-byte multiples and
+    // bb0 + j is even), half the load instructions for the same bytes.
+    const bool pairs = VEC == 2 && (bp % 2 == 0);
     // Issues round a0's global loads into registers (zero-copy reads of the page).
     auto load = [&](int a0) {
+        if (pairs) {
+#pragma unroll
+            for (u32 k = 0; k < SCAN_WORDS / 2; k++) {
+                const u32 i = tid + k * NT_SCAN;  // a pair of words
+                const u32 s = i / (2 * BPC), p = (i / (BPC / 2)) % 4, j = (i % (BPC / 2)) * 2;
+                const int ac = a0 + (int)s;
+                ulonglong2 v = make_ulonglong2(0ull, 0ull);
+                if (ac < na && (int)p < act_t[ac] && j < cb && blk0 + j < nblk) {
+                    const u64* w = (const u64*)(run0 + (u64)act_c[ac] * g.run_bytes + g.scale_pad) +
+                                   (u64)p * bp + bb0 + j;
+                    if (blk0 + j + 1 < nblk) v = *(const ulonglong2*)w;
+                    else v.x = w[0];
+                }
+                wreg[2 * k] = v.x;
+                wreg[2 * k + 1] = v.y;
+            }
+        } else {
 #pragma unroll
         for (u32 k = 0; k < SCAN_WORDS; k++) {
             const u32 i = tid + k * NT_SCAN;
@@ -234,6 +256,7 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
                 wreg[k] = w[(u64)p * bp + bb0 + j];
             }
         }
+        }
         const u32 s = tid / BPC, j = tid % BPC;
         const int ac = a0 + (int)s;
         sreg = 0.0f;
@@ -243,10 +266,20 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
         }
     };
     auto store = [&](int buf) {
+        if (pairs) {
+#pragma unroll
+            for (u32 k = 0; k < SCAN_WORDS / 2; k++) {
+                const u32 i = tid + k * NT_SCAN;
+                const u32 s = i / (2 * BPC), p = (i / (BPC / 2)) % 4, j = (i % (BPC / 2)) * 2;
+                sw[buf][s][p][j] = wreg[2 * k];
+                sw[buf][s][p][j + 1] = wreg[2 * k + 1];
+            }
+        } else {
 #pragma unroll
         for (u32 k = 0; k < SCAN_WORDS; k++) {
             const u32 i = tid + k * NT_SCAN;
             sw[buf][i / (4 * BPC)][(i / BPC) % 4][i % BPC] = wreg[k];
+        }
         }
         sm[buf][tid / BPC][tid % BPC] = sreg;
     };
@@ -325,6 +358,25 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
         if (v & 0xffffu) atomicAdd(row, v & 0xffffu);
         if (v >> 16) atomicAdd(row + 1, v >> 16);
     }
+}
+
+// The scan with 8-byte plane loads (paged_scan) and with 16-byte ones where the page allows
+// (paged_scan_v2); PagedCache::set_scan_vector_words picks one by measurement.
+extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+                                      const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
+                                      const float* __restrict__ qf, const u8* __restrict__ depths,
+                                      float* __restrict__ scores, u32* __restrict__ hist, u32 pass,
+                                      const float* __restrict__ est, const u32* __restrict__ mode,
+                                      uint2* __restrict__ fcand, u32* __restrict__ fcount) {
+    paged_scan_body<1>(descs, tables, pool, g, a, qf, depths, scores, hist, pass, est, mode, fcand, fcount);
+}
+extern "C" __global__ void paged_scan_v2(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+                                      const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
+                                      const float* __restrict__ qf, const u8* __restrict__ depths,
+                                      float* __restrict__ scores, u32* __restrict__ hist, u32 pass,
+                                      const float* __restrict__ est, const u32* __restrict__ mode,
+                                      uint2* __restrict__ fcand, u32* __restrict__ fcount) {
+    paged_scan_body<2>(descs, tables, pool, g, a, qf, depths, scores, hist, pass, est, mode, fcand, fcount);
 }
 
 #define TK 1024

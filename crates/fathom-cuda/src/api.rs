@@ -174,6 +174,8 @@ pub trait KvCache: Sized {
     fn set_select_path(&mut self, path: crate::cache::SelectPath) -> Result<()>;
     /// Head groups per attend, pipelined over two streams (docs/SPEC.md §6.1).
     fn set_attend_groups(&mut self, groups: usize) -> Result<()>;
+    /// Plane words per global load of the scan, 1 or 2.
+    fn set_scan_vector_words(&mut self, words: u32) -> Result<()>;
     /// Rows selected by the filtered select, and its fallbacks, since the cache was made.
     fn select_counters(&self) -> Result<crate::cache::SelectCounters>;
 }
@@ -276,6 +278,9 @@ impl KvCache for crate::PagedCache {
     }
     fn set_attend_groups(&mut self, groups: usize) -> Result<()> {
         crate::PagedCache::set_attend_groups(self, groups)
+    }
+    fn set_scan_vector_words(&mut self, words: u32) -> Result<()> {
+        crate::PagedCache::set_scan_vector_words(self, words)
     }
     fn select_counters(&self) -> Result<crate::cache::SelectCounters> {
         crate::PagedCache::select_counters(self)

@@ -79,6 +79,10 @@ pub struct BenchConfig {
     /// ([`crate::PagedCache::set_select_path`]; empty: the default).
     #[serde(default)]
     pub select_paths: Vec<crate::cache::SelectPath>,
+    /// Cache engine only: the scan load widths to time, in plane words (1, 2), each over every
+    /// method ([`crate::PagedCache::set_scan_vector_words`]; empty: 1).
+    #[serde(default)]
+    pub scan_vector_words: Vec<u32>,
 }
 
 fn default_pool_budget() -> u64 {
@@ -393,18 +397,22 @@ fn run_cache_engine(
 /// Speedups of every result against every 136-bit scan among `results` (one context and
 /// residency).
 pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
-    // Against the 136-bit scans timed under the same select and head-group settings.
-    let base: Vec<(String, usize, String, f64)> = results
+    // Against the 136-bit scans timed under the same select, head-group and load settings.
+    let base: Vec<((String, usize, u32), String, f64)> = results
         .iter()
         .filter(|r| {
             fathom_plan::method::MethodSpec::parse(&r.method, dim)
                 .is_ok_and(|m| m.is_136_bit_scan())
         })
-        .map(|r| (r.select.clone(), r.groups, r.method.clone(), r.gpu_ms))
+        .map(|r| {
+            let setting = (r.select.clone(), r.groups, r.scan_vector_words);
+            (setting, r.method.clone(), r.gpu_ms)
+        })
         .collect();
     for r in results {
-        for (select, groups, name, ms) in &base {
-            if *select == r.select && *groups == r.groups {
+        let setting = (r.select.clone(), r.groups, r.scan_vector_words);
+        for (s, name, ms) in &base {
+            if *s == setting {
                 r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
             }
         }
@@ -534,5 +542,6 @@ fn summarize(
         select: String::new(),
         fallback_rate: None,
         filtered_share: None,
+        scan_vector_words: 0,
     }
 }

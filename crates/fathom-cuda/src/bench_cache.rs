@@ -92,6 +92,7 @@ pub(crate) fn run(
             * c.methods.len()
             * c.select_paths.len().max(1)
             * c.groups.len().max(1)
+            * c.scan_vector_words.len().max(1)
             + 8;
         let page = DEFAULT_PAGE_TOKENS;
         let pages: usize = lens
@@ -232,11 +233,25 @@ pub(crate) fn run(
         } else {
             c.groups.iter().map(|&g| g.max(1)).collect()
         };
-        for (fuse, groups, &m) in settings
+        let vecs: Vec<u32> = if c.scan_vector_words.is_empty() {
+            vec![1]
+        } else {
+            c.scan_vector_words.clone()
+        };
+        for (fuse, groups, vec, &m) in settings
             .iter()
             .flat_map(|&f| attend_groups.iter().map(move |&g| (f, g)))
-            .flat_map(|(f, g)| c.methods.iter().map(move |m| (f, g, m)))
+            .flat_map(|(f, g)| vecs.iter().map(move |&v| (f, g, v)))
+            .flat_map(|(f, g, v)| c.methods.iter().map(move |m| (f, g, v, m)))
         {
+            if let Err(e) = cache.set_scan_vector_words(vec) {
+                let note = format!("cache engine: --scan-vec {vec} not timed: {e}");
+                progress(&format!("  {note}"));
+                if !rep.notes.contains(&note) {
+                    rep.notes.push(note);
+                }
+                continue;
+            }
             cache.set_select_path(fuse)?;
             if let Err(e) = cache.set_attend_groups(groups) {
                 let note = format!("cache engine: --groups {groups} not timed: {e}");
@@ -354,6 +369,7 @@ pub(crate) fn run(
             );
             r.select = select;
             r.groups = groups;
+            r.scan_vector_words = vec;
             if fuse != crate::cache::SelectPath::Scores {
                 let filtered = sel1.filtered - sel0.filtered;
                 let fallbacks = sel1.fallbacks - sel0.fallbacks;
@@ -366,10 +382,11 @@ pub(crate) fn run(
                 });
             }
             progress(&format!(
-                "  {:<10} {:<15} groups {}  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}",
+                "  {:<10} {:<15} groups {} loads {}×8 B  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}",
                 r.method,
                 r.select,
                 r.groups,
+                r.scan_vector_words,
                 r.bits,
                 r.gpu_ms,
                 r.wall_ms,
@@ -442,5 +459,6 @@ fn result(
         select: String::new(),
         fallback_rate: None,
         filtered_share: None,
+        scan_vector_words: 0,
     }
 }

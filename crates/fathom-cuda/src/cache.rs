@@ -302,6 +302,28 @@ pub struct QueryRows {
     pub dtype: KvDtype,
 }
 
+/// The check of [`crate::PagedCache::set_scan_vector_words`]: 1 (8-byte plane loads) or 2
+/// (16-byte loads of two adjacent words where a page's blocks allow it).
+///
+/// ```
+/// use fathom_cuda::cache::check_scan_vector_words;
+/// assert!(check_scan_vector_words(1).is_ok() && check_scan_vector_words(2).is_ok());
+/// assert!(check_scan_vector_words(4).is_err());
+/// ```
+///
+/// # Errors
+/// Any other value.
+pub fn check_scan_vector_words(words: u32) -> Result<()> {
+    if words == 1 || words == 2 {
+        Ok(())
+    } else {
+        Err(CudaError::invalid(
+            "scan vector words",
+            format!("{words} (want 1, 8-byte loads, or 2, 16-byte loads)"),
+        ))
+    }
+}
+
 /// The check of [`crate::PagedCache::set_attend_groups`]: `1 ≤ groups ≤ Hkv`.
 pub fn check_attend_groups(cfg: &CacheConfig, groups: usize) -> Result<()> {
     let hkv = cfg.shape.kv_heads;

@@ -121,6 +121,7 @@ unsafe impl cudarc::driver::DeviceRepr for AttendGeom {}
 struct AttendKernels {
     queries: CudaFunction,
     scan: CudaFunction,
+    scan_v2: CudaFunction,
     topk_select: CudaFunction,
     topk_collect: CudaFunction,
     topk_finish: CudaFunction,
@@ -271,6 +272,8 @@ pub struct PagedCache {
     /// runs each group's top-k to attention while the cache's stream scans the next group,
     /// and the events that order the two.
     groups: usize,
+    /// Plane words per scan load ([`PagedCache::set_scan_vector_words`]).
+    scan_vec: u32,
     side: Arc<CudaStream>,
     scanned: cudarc::driver::CudaEvent,
     joined: cudarc::driver::CudaEvent,
@@ -353,6 +356,7 @@ impl PagedCache {
         let attend_kernels = AttendKernels {
             queries: fa("attend_queries")?,
             scan: fa("paged_scan")?,
+            scan_v2: fa("paged_scan_v2")?,
             topk_select: fa("paged_topk_select")?,
             topk_collect: fa("paged_topk_collect")?,
             topk_finish: fa("paged_topk_finish")?,
@@ -450,6 +454,7 @@ impl PagedCache {
             fixed_grids: false,
             select: crate::cache::SelectPath::Scores,
             groups: 1,
+            scan_vec: 1,
             side: gpu
                 .stream()
                 .fork()
@@ -1239,8 +1244,13 @@ impl PagedCache {
             }
             let per_cta = SCAN_BLOCKS.min(lay.blocks_per_page());
             let ctas = longest.div_ceil(BLOCK_TOKENS).div_ceil(per_cta) as u32;
+            let scan_fn = if self.scan_vec == 2 {
+                &k.scan_v2
+            } else {
+                &k.scan
+            };
             let scan = |pass: u32, ag: &AttendGeom, hn: u32| -> Result<()> {
-                let mut b = st.launch_builder(&k.scan);
+                let mut b = st.launch_builder(scan_fn);
                 b.arg(&descs)
                     .arg(&tables)
                     .arg(&pool)
@@ -1592,6 +1602,25 @@ impl PagedCache {
     /// The setting of [`PagedCache::set_attend_groups`].
     pub fn attend_groups(&self) -> usize {
         self.groups
+    }
+
+    /// Plane words per global load of the scan (docs/SPEC.md §6.1; issue 16 item 2, to be
+    /// settled by measurement): 1 (the default) reads one 8-byte word of a plane run per load,
+    /// 2 two adjacent words (16 bytes, aligned) where a page holds an even number of 64-token
+    /// blocks, half the load instructions for the same bytes. The scores are the same bits
+    /// either way (the same words reach the same shared memory).
+    ///
+    /// # Errors
+    /// Any value but 1 or 2.
+    pub fn set_scan_vector_words(&mut self, words: u32) -> Result<()> {
+        crate::cache::check_scan_vector_words(words)?;
+        self.scan_vec = words;
+        Ok(())
+    }
+
+    /// The setting of [`PagedCache::set_scan_vector_words`].
+    pub fn scan_vector_words(&self) -> u32 {
+        self.scan_vec
     }
 
     /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and

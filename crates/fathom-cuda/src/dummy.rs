@@ -388,6 +388,17 @@ impl PagedCache {
     pub fn attend_groups(&self) -> usize {
         1
     }
+    /// Sets the plane words per scan load.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn set_scan_vector_words(&mut self, _words: u32) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Plane words per scan load (the default in this build).
+    pub fn scan_vector_words(&self) -> u32 {
+        1
+    }
     /// Empties the HBM row cache of a session.
     ///
     /// # Errors

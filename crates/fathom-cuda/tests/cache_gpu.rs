@@ -921,12 +921,14 @@ fn the_filtered_select_picks_the_score_paths_winners() {
 }
 
 /// Head groups (`set_attend_groups`: the scan of group i + 1 on the cache's stream while the
-/// second stream runs group i's top-k, union, fetch and attention) change no bit: the same
-/// winners, outputs and row-cache hits as one group, for 1, 2 and 3 groups of 3 KV heads (the
-/// last group smaller at 2), with the row cache on, on the score path and the filtered select,
-/// in host and HBM residency; 0 and 4 groups are typed errors.
+/// second stream runs group i's top-k, union, fetch and attention) and 16-byte scan loads
+/// (`set_scan_vector_words(2)`) change no bit: the same winners, outputs and row-cache hits
+/// as one group of 8-byte loads, for 1, 2 and 3 groups of 3 KV heads (the last group smaller
+/// at 2) and for 16-byte loads alone and with 3 groups, with the row cache on, on the score
+/// path and the filtered select, in host and HBM residency; 0 and 4 groups and 3-word loads
+/// are typed errors.
 #[test]
-fn head_groups_change_no_bit() {
+fn head_groups_and_scan_loads_change_no_bit() {
     use fathom_cuda::cache::SelectPath;
     use fathom_plan::SelectParams;
     let Some(gpu) = gpu() else { return };
@@ -937,7 +939,7 @@ fn head_groups_change_no_bit() {
     };
     let (hkv, d, g, layers) = (3, 128, 4, 2);
     let hq = hkv * g;
-    let settings = [1, 2, 3];
+    let settings = [(1, 1), (2, 1), (3, 1), (1, 2), (3, 2)];
     for residency in [Residency::Host, Residency::Hbm] {
         let mut caches = settings.map(|_| {
             let mut c = config(layers, hkv, d, 256, 200);
@@ -945,16 +947,18 @@ fn head_groups_change_no_bit() {
             c.row_cache = 64;
             PagedCache::new(&gpu, c).unwrap()
         });
-        for (c, n) in caches.iter_mut().zip(settings) {
+        for (c, (n, words)) in caches.iter_mut().zip(settings) {
             c.set_attend_groups(n).unwrap();
-            assert_eq!(c.attend_groups(), n);
+            c.set_scan_vector_words(words).unwrap();
+            assert_eq!((c.attend_groups(), c.scan_vector_words()), (n, words));
         }
         for bad in [0, 4] {
             assert!(caches[0].set_attend_groups(bad).is_err(), "{bad} groups");
         }
+        assert!(caches[0].set_scan_vector_words(3).is_err(), "3-word loads");
         assert_eq!(
-            caches[0].attend_groups(),
-            1,
+            (caches[0].attend_groups(), caches[0].scan_vector_words()),
+            (1, 1),
             "a refused setting changes nothing"
         );
         let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
@@ -972,9 +976,9 @@ fn head_groups_change_no_bit() {
             }
             for m in ["fathom:48", "sparq:16", "exact", "dense"] {
                 let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
-                for i in 1..3 {
+                for i in 1..settings.len() {
                     let what = format!(
-                        "{residency:?} step {t} {} {m}: {} groups against 1",
+                        "{residency:?} step {t} {} {m}: (groups, load words) {:?} against (1, 1)",
                         path.label(),
                         settings[i]
                     );

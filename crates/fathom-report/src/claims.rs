@@ -396,14 +396,19 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
             // pipelining and gather grid (step engine).
             let setting = match v.engine {
                 OffloadEngine::Cache => format!(
-                    "{}, {} head group{}",
+                    "{}, {} head group{}{}",
                     if r.select.is_empty() {
                         "scores"
                     } else {
                         r.select.as_str()
                     },
                     r.groups,
-                    if r.groups == 1 { "" } else { "s" }
+                    if r.groups == 1 { "" } else { "s" },
+                    if r.scan_vector_words == 2 {
+                        ", 16-byte scan loads"
+                    } else {
+                        ""
+                    }
                 ),
                 OffloadEngine::Step => {
                     format!("groups {}, gather CTAs {}", r.groups, r.gather_ctas)

@@ -132,6 +132,10 @@ pub struct BenchResult {
     /// selected from their filtered pairs alone.
     #[serde(default)]
     pub filtered_share: Option<f64>,
+    /// Cache engine: plane words per global load of the scan (1: 8 bytes, 2: 16 bytes); 0 in
+    /// older runs, which loaded one word.
+    #[serde(default)]
+    pub scan_vector_words: u32,
 }
 
 /// An `offload-bench` run.
