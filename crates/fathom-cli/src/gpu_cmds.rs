@@ -379,6 +379,15 @@ pub struct DecodeBenchArgs {
     /// HBM row-cache slots per (session, layer, KV head).
     #[arg(long, default_value_t = 0)]
     pub row_cache: usize,
+    /// Head groups per attend (`PagedCache::set_attend_groups`: the scan of group i+1 overlaps
+    /// group i's top-k, row fetch and attention on a second stream; the same outputs), 1 to
+    /// the model's KV heads.
+    #[arg(long, default_value_t = 1)]
+    pub attend_groups: usize,
+    /// Plane words per global load of the scan (`PagedCache::set_scan_vector_words`): 1 (8
+    /// bytes) or 2 (16 bytes).
+    #[arg(long = "scan-vec", default_value_t = 1)]
+    pub scan_vec: u32,
     /// GPUs of this host (sessions spread over `gpus / tp` groups).
     #[arg(long, default_value_t = 1)]
     pub gpus: usize,
@@ -592,6 +601,8 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         }
     };
     let prefill_seconds = t0.elapsed().as_secs_f64();
+    dec.cache_mut()?.set_attend_groups(a.attend_groups)?;
+    dec.cache_mut()?.set_scan_vector_words(a.scan_vec)?;
     let named: Vec<(String, Attention)> = names.iter().cloned().zip(atts.iter().copied()).collect();
     let m = fathom_gpu::throughput::measure(
         &mut dec,
@@ -659,6 +670,8 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         prefill_seconds,
         entries,
         capacity,
+        attend_groups: a.attend_groups,
+        scan_vector_words: a.scan_vec,
     };
     if let Some(p) = &a.plot {
         let pts: Vec<(String, usize, f64)> = doc

@@ -162,6 +162,13 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
             v.device_bytes_in_use as f64 / (1u64 << 30) as f64,
             v.prefill_seconds
         ));
+        if v.attend_groups > 1 || v.scan_vector_words > 1 {
+            s.push_str(&format!(
+                "Attend settings: {} head group(s) per attend, {}-byte scan loads.\n\n",
+                v.attend_groups.max(1),
+                8 * v.scan_vector_words.max(1)
+            ));
+        }
         if let Some(c) = &v.capacity {
             s.push_str(&format!(
                 "What bounds B: {:.0} GiB of memory × {:.0}% holds {} resident tokens, so at most {} sessions of this run's contexts.\n\n",
@@ -291,6 +298,8 @@ mod tests {
         };
         let doc = DecodeBench {
             capacity: None,
+            attend_groups: 1,
+            scan_vector_words: 1,
             version: fathom_results::VERSION,
             fathom: "test".into(),
             command: "fathom decode-bench (made up for this test)".into(),

@@ -90,6 +90,12 @@ pub struct DecodeBench {
     /// memory could not be read).
     #[serde(default)]
     pub capacity: Option<Capacity>,
+    /// Head groups per attend (`PagedCache::set_attend_groups`); 0 in older runs (one group).
+    #[serde(default)]
+    pub attend_groups: usize,
+    /// Plane words per scan load (`PagedCache::set_scan_vector_words`); 0 in older runs (one).
+    #[serde(default)]
+    pub scan_vector_words: u32,
 }
 
 /// How many resident tokens, and so sessions, the machine's memory holds at
