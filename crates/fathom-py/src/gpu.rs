@@ -480,6 +480,17 @@ impl GpuCache {
         self.cache.attend_groups()
     }
 
+    /// Plane words per global load of the scan: 1 (8 bytes) or 2 (16 bytes); the same outputs.
+    fn set_scan_vector_words(&mut self, words: u32) -> PyResult<()> {
+        self.cache.set_scan_vector_words(words).map_err(gpu_err)
+    }
+
+    /// The scan-load setting.
+    #[getter]
+    fn scan_vector_words(&self) -> u32 {
+        self.cache.scan_vector_words()
+    }
+
     /// Appends one layer's K and V (`[rows, Hkv, D]`, float32 / float16 / bfloat16, on this
     /// device) to the batch's sessions, after the work queued on `stream`.
     fn append(

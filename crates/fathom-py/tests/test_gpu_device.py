@@ -86,23 +86,26 @@ def test_mismatches_raise_value_errors_and_launch_nothing():
         cache.attend(b, 0, "nope", q, torch.zeros_like(q))
 
 
-def test_select_paths_and_head_groups_change_no_output():
-    """Every select path and head-group setting gives the default's output bit for bit; bad
-    settings are errors that change nothing."""
+def test_select_paths_head_groups_and_scan_loads_change_no_output():
+    """Every select path, head-group and scan-load setting gives the default's output bit for
+    bit; bad settings are errors that change nothing."""
     torch.manual_seed(3)
     L, hkv, g, d, n = 1, 4, 2, 64, 3000
     caches = []
-    for path, groups in [("scores", 1), ("256", 1), ("256+scores", 2), ("scores", 4)]:
+    for path, groups, words in [("scores", 1, 1), ("256", 1, 1), ("256+scores", 2, 2), ("scores", 4, 2)]:
         c = fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=1, max_tokens=4096, max_k=64)
         c.set_select_path(path)
         c.set_attend_groups(groups)
-        assert c.attend_groups == groups
+        c.set_scan_vector_words(words)
+        assert (c.attend_groups, c.scan_vector_words) == (groups, words)
         caches.append(c)
     assert caches[1].select_path == "filtered>=256" and caches[0].select_path == "scores"
     with pytest.raises(fathom.FathomError, match="attend groups"):
         caches[0].set_attend_groups(5)
     with pytest.raises(ValueError, match="path"):
         caches[0].set_select_path("8k")
+    with pytest.raises(fathom.FathomError, match="scan vector words"):
+        caches[0].set_scan_vector_words(3)
     assert caches[0].attend_groups == 1 and caches[0].select_path == "scores"
     k = torch.randn(n, hkv, d, device="cuda")
     v = torch.randn(n, hkv, d, device="cuda")

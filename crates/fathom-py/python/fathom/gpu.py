@@ -122,6 +122,16 @@ class GpuCache:
         """The head-group setting."""
         return self._c.attend_groups
 
+    def set_scan_vector_words(self, words: int) -> None:
+        """Plane words per global load of the scan: 1 (8 bytes, the default) or 2 (16 bytes
+        where a page's blocks allow it). Outputs are the same bits either way."""
+        self._c.set_scan_vector_words(int(words))
+
+    @property
+    def scan_vector_words(self) -> int:
+        """The scan-load setting."""
+        return self._c.scan_vector_words
+
     def append(self, batch: Batch, layer: int, k, v, stream=None) -> None:
         """Appends one layer's K and V ``[batch.rows, kv_heads, dim]`` (float32, float16 or
         bfloat16 CUDA tensors) to the batch's sessions: quantized and packed on the GPU (bit
