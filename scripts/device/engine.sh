@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls of the engine (issue 14). Binaries built here with
+# Device calls of the engine (issue 14). Binaries built here by scripts/device/build.sh, i.e.
 #   CARGO_TARGET_DIR=/tmp/tgt-cuda RUSTFLAGS="-C target-cpu=x86-64-v3" \
 #     cargo test -p fathom-cuda --features cuda --release --no-run
 #   ... cargo build --release -p fathom-cuda --features cuda --example paged_decode ...
