@@ -244,27 +244,25 @@ pub(crate) fn run(
             .flat_map(|(f, g)| vecs.iter().map(move |&v| (f, g, v)))
             .flat_map(|(f, g, v)| c.methods.iter().map(move |m| (f, g, v, m)))
         {
-            if let Err(e) = cache.set_scan_vector_words(vec) {
-                let note = format!("cache engine: --scan-vec {vec} not timed: {e}");
-                progress(&format!("  {note}"));
-                if !rep.notes.contains(&note) {
-                    rep.notes.push(note);
-                }
-                continue;
-            }
             cache.set_select_path(fuse)?;
-            if let Err(e) = cache.set_attend_groups(groups) {
-                let note = format!("cache engine: --groups {groups} not timed: {e}");
-                progress(&format!("  {note}"));
-                if !rep.notes.contains(&note) {
-                    rep.notes.push(note);
-                }
-                continue;
-            }
             let select = fuse.label();
             let am = AttendMethod::Scan(m);
-            if let Err(e) = cache.prepare(m) {
-                let note = format!("cache engine: {} not timed: {e}", m.label());
+            // A setting the cache refuses is noted once and skipped, as a method it cannot run.
+            let refused = cache
+                .set_scan_vector_words(vec)
+                .map_err(|e| format!("--scan-vec {vec} not timed: {e}"))
+                .and_then(|()| {
+                    cache
+                        .set_attend_groups(groups)
+                        .map_err(|e| format!("--groups {groups} not timed: {e}"))
+                })
+                .and_then(|()| {
+                    cache
+                        .prepare(m)
+                        .map_err(|e| format!("{} not timed: {e}", m.label()))
+                });
+            if let Err(why) = refused {
+                let note = format!("cache engine: {why}");
                 progress(&format!("  {note}"));
                 if !rep.notes.contains(&note) {
                     rep.notes.push(note);
