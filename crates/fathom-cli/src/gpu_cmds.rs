@@ -469,7 +469,19 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     if let Some(p) = &a.plot {
         crate::check_writable(p)?;
     }
+    fathom_cuda::cache::check_scan_vector_words(a.scan_vec)
+        .map_err(|e| anyhow::anyhow!("--scan-vec: {e}"))?;
+    if a.attend_groups == 0 {
+        bail!("--attend-groups 0: want 1 to the model's KV heads");
+    }
     if let Some(c) = &preset {
+        if a.attend_groups > c.n_kv_heads {
+            bail!(
+                "--attend-groups {}: the model has {} KV heads (a group holds at least one)",
+                a.attend_groups,
+                c.n_kv_heads
+            );
+        }
         // The shape is known: the multi-GPU plan is checked before the device is opened.
         let bmax = *a.batch.iter().max().unwrap_or(&1);
         let ctx: Vec<usize> = (0..bmax).map(|i| contexts[i % contexts.len()]).collect();
@@ -498,6 +510,13 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         (None, Some(c)) => c.clone(),
         (None, None) => bail!("no model"),
     };
+    if a.attend_groups > cfg.n_kv_heads {
+        bail!(
+            "--attend-groups {}: the model has {} KV heads (a group holds at least one)",
+            a.attend_groups,
+            cfg.n_kv_heads
+        );
+    }
     let d = cfg.head_dim;
     let atts = names
         .iter()

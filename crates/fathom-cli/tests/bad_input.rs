@@ -781,6 +781,13 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "8k",
         Some(out.clone()),
     );
+    case(
+        "bad scan load width",
+        "offload-bench",
+        s(["offload-bench", "--scan-vec", "1,3", "--json", &out]),
+        "scan vector words",
+        Some(out.clone()),
+    );
     // `k > n` and the shapes of a capture are validated on the device path, after the device
     // check, so without a GPU only the missing device is observable for them here.
 
@@ -997,6 +1004,28 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "decode-bench",
         off(s(["decode-bench", "--json", &out_db])),
         "gpu",
+        Some(out_db.clone()),
+    );
+    case(
+        "bad scan load width",
+        "decode-bench",
+        off(s(["decode-bench", "--scan-vec", "4", "--json", &out_db])),
+        "--scan-vec",
+        Some(out_db.clone()),
+    );
+    case(
+        "more head groups than KV heads",
+        "decode-bench",
+        off(s([
+            "decode-bench",
+            "--model",
+            "qwen3-8b",
+            "--attend-groups",
+            "9",
+            "--json",
+            &out_db,
+        ])),
+        "8 KV heads",
         Some(out_db.clone()),
     );
     case(
