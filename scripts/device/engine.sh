@@ -52,16 +52,29 @@ groups)
   # issue 16 items 2 and 3): the device tests that decide correctness (every setting
   # bit-identical to one group of 8-byte loads; 2^20 tokens against the CPU reference), then
   # one run per residency timing 1, 2, 4 and 8 groups × 8- and 16-byte loads over fathom:48
-  # and the two 136-bit scans, at 256k and 1M.
-  timeout 240 $B/cache_gpu --test-threads 1 head_groups_and_scan_loads a_million 2>&1 | tee $OUT/groups-tests.log | tail -4
-  echo "groups tests rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
-  for res in host hbm; do
+  # and the two 136-bit scans, at 256k and 1M. `groups [RESIDENCY...]` (default host hbm);
+  # the tests run with the first.
+  [ $# -eq 0 ] && set -- host hbm
+  if [ "$1" = host ] || [ $# -eq 2 ]; then
+    timeout 240 $B/cache_gpu --test-threads 1 head_groups_and_scan_loads a_million 2>&1 | tee $OUT/groups-tests.log | tail -4
+    echo "groups tests rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
+  fi
+  for res in "$@"; do
     timeout 280 $B/fathom offload-bench --engine cache --context 256k,1m --methods fathom:48,sparq:32,ds:32 \
       --steps 10 --residency $res --groups 1,2,4,8 --scan-vec 1,2 --probe-mib 2048 \
       --json $OUT/offload-qwen3-8b-groups-$res.json > $OUT/offload-qwen3-8b-groups-$res.txt 2>&1
     echo "groups $res rc=$?" | tee -a $OUT/summary.txt
     grep -E "^[0-9]" $OUT/offload-qwen3-8b-groups-$res.txt | head -30
   done
+  ;;
+decode)
+  # decode NAME ARGS...: one `fathom decode-bench` run (issue 17) with the given arguments,
+  # JSON, text and plot under $OUT/NAME.*.
+  name=$1; shift
+  /usr/bin/time -f "wall %e s" timeout ${DECODE_TIMEOUT:-280} $B/fathom decode-bench "$@" \
+    --json $OUT/$name.json --plot $OUT/$name.png > $OUT/$name.txt 2>&1
+  echo "$name rc=$? $(tail -1 $OUT/$name.txt)" | tee -a $OUT/summary.txt
+  grep -E "^B=|capacity|Error|error" $OUT/$name.txt | head -30
   ;;
 rowsweep)
   # rowsweep SLOTS...: the row cache's size (issue 16), one offload-bench run per setting,
