@@ -10,6 +10,7 @@
 # Every output goes under $OUT.
 set -u
 B=.devbin
+[ -f $B/font.ttf ] && export FATHOM_FONT=$PWD/$B/font.ttf
 export FATHOM_REQUIRE_GPU=1
 mode=$1; shift
 case $mode in
@@ -53,7 +54,7 @@ groups)
   # bit-identical to one group of 8-byte loads; 2^20 tokens against the CPU reference), then
   # one run per residency timing 1, 2, 4 and 8 groups × 8- and 16-byte loads over fathom:48
   # and the two 136-bit scans, at 256k and 1M. `groups [RESIDENCY...]` (default host hbm);
-  # the tests run with the first.
+  # the tests run with the first; GROUPS=1,2 narrows the group counts.
   [ $# -eq 0 ] && set -- host hbm
   if [ "$1" = host ] || [ $# -eq 2 ]; then
     timeout 240 $B/cache_gpu --test-threads 1 head_groups_and_scan_loads a_million 2>&1 | tee $OUT/groups-tests.log | tail -4
@@ -61,7 +62,7 @@ groups)
   fi
   for res in "$@"; do
     timeout 280 $B/fathom offload-bench --engine cache --context 256k,1m --methods fathom:48,sparq:32,ds:32 \
-      --steps 10 --residency $res --groups 1,2,4,8 --scan-vec 1,2 --probe-mib 2048 \
+      --steps 10 --residency $res --groups ${GROUPS:-1,2,4,8} --scan-vec 1,2 --probe-mib 2048 \
       --json $OUT/offload-qwen3-8b-groups-$res.json > $OUT/offload-qwen3-8b-groups-$res.txt 2>&1
     echo "groups $res rc=$?" | tee -a $OUT/summary.txt
     grep -E "^[0-9]" $OUT/offload-qwen3-8b-groups-$res.txt | head -30

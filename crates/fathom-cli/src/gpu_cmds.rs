@@ -692,6 +692,10 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         attend_groups: a.attend_groups,
         scan_vector_words: a.scan_vec,
     };
+    if let Some(out) = &a.json {
+        fathom_results::write(out, doc.clone())
+            .with_context(|| format!("writing {}", out.display()))?;
+    }
     if let Some(p) = &a.plot {
         let pts: Vec<(String, usize, f64)> = doc
             .entries
@@ -709,10 +713,11 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
                 "random weights"
             }
         );
-        fathom_report::plot::tokens_vs_batch(&pts, &title, p)?;
-    }
-    if let Some(out) = &a.json {
-        fathom_results::write(out, doc).with_context(|| format!("writing {}", out.display()))?;
+        // The measurement is written already: a plot that cannot be drawn (no font on this
+        // machine, say: set FATHOM_FONT) is a warning, not a lost run.
+        if let Err(e) = fathom_report::plot::tokens_vs_batch(&pts, &title, p) {
+            eprintln!("warning: plot {}: {e}", p.display());
+        }
     }
     Ok(())
 }

@@ -60,8 +60,8 @@ __device__ __forceinline__ float key_bf16(const void* k, u64 i, u32 dtype, u16* 
 #define QS 4             // token quarters of a block: threads per channel
 #define QT (BLOCK / QS)  // tokens per thread
 
-// grid (batch, Hkv, blocks touched), DIM * QS threads: thread (c, qi) holds channel c's
-// tokens [16 qi, 16 qi + 16) of the block. Re-quantizes block b = n0/64 + blockIdx.z of one
+// grid (blocks touched, Hkv, batch), DIM * QS threads: thread (c, qi) holds channel c's
+// tokens [16 qi, 16 qi + 16) of the block. Re-quantizes block b = n0/64 + blockIdx.x of one
 // session and head: its tokens before n0 come from the tail (the bf16 keys of the session's
 // last partial block), the rest from the new rows. Writes all four plane words and the fp16
 // scale of the block (bits past the session's length are zero). A non-finite key or a block
@@ -86,9 +86,9 @@ extern "C" __global__ void append_quant(
     __shared__ float smax[QS][DIM];
     __shared__ int sbad[QS][DIM];
     __shared__ u16 spart[QS][4][DIM];
-    const AppendDesc d = descs[blockIdx.x];
+    const AppendDesc d = descs[blockIdx.z];
     const u32 h = blockIdx.y, c = threadIdx.x % DIM, qi = threadIdx.x / DIM;
-    const u32 b = d.n0 / BLOCK + blockIdx.z;
+    const u32 b = d.n0 / BLOCK + blockIdx.x;
     const u32 end = d.n0 + d.m;
     const u32 t0 = b * BLOCK;
     if (t0 >= end) return;  // uniform over the CTA
@@ -189,7 +189,7 @@ extern "C" __global__ void append_quant(
     ((u16*)run)[bb] = m16;
 }
 
-// grid (batch, Hkv, most new tokens of one session), DIM threads. Writes token n0 + z's bf16
+// grid (most new tokens of one session, Hkv, batch), DIM threads. Writes token n0 + x's bf16
 // K|V record of one head, and, when the token is in the session's last block, its key into
 // the tail (run after append_quant, which reads the old tail).
 extern "C" __global__ void append_records(
@@ -203,9 +203,9 @@ extern "C" __global__ void append_records(
     u32 dtype,
     u32 layer)
 {
-    const AppendDesc d = descs[blockIdx.x];
+    const AppendDesc d = descs[blockIdx.z];
     const u32 h = blockIdx.y, c = threadIdx.x;
-    const u32 j = blockIdx.z;
+    const u32 j = blockIdx.x;
     if (j >= d.m || c >= DIM) return;
     const u32 tok = d.n0 + j;
     const u64 src = ((u64)(d.row0 + j) * g.heads + h) * DIM + c;
@@ -227,7 +227,7 @@ extern "C" __global__ void append_records(
 
 #define READ_ROWS 8  // rows per CTA of read_rows
 
-// grid (batch, Hkv, ceil(cap / READ_ROWS)), DIM threads. Copies the last r = min(e, cap) tokens
+// grid (ceil(cap / READ_ROWS), Hkv, batch), DIM threads. Copies the last r = min(e, cap) tokens
 // of each session of the batch (e = n0 + m, its length after this step's appends) as f32:
 // token e - r + i of head h goes to k_out / v_out[((b * cap + i) * Hkv + h) * DIM + c]; rows
 // i >= r are not written. Thread t reads word t of the record (K|V as 2 DIM bf16 = DIM u32),
@@ -241,12 +241,12 @@ extern "C" __global__ void read_rows(
     float* __restrict__ k_out,
     float* __restrict__ v_out)
 {
-    const AppendDesc d = descs[blockIdx.x];
+    const AppendDesc d = descs[blockIdx.z];
     const u32 h = blockIdx.y, t = threadIdx.x;
     const u32 e = d.n0 + d.m;
     const u32 r = min(e, cap);
     const u32 first = e - r;
-    for (u32 i = blockIdx.z * READ_ROWS; i < min(r, (blockIdx.z + 1) * READ_ROWS); ++i) {
+    for (u32 i = blockIdx.x * READ_ROWS; i < min(r, (blockIdx.x + 1) * READ_ROWS); ++i) {
         const u32 tok = first + i;
         const u32 page = tables[(u64)d.slot * g.max_pages + tok / g.page_tokens];
         const u32* rec = (const u32*)(pool + (u64)page * g.page_bytes + g.records_at) +
@@ -255,7 +255,7 @@ extern "C" __global__ void read_rows(
         const u32 e2 = 2 * t;  // element index in K|V of the word's low half
         float* out = e2 < DIM ? k_out : v_out;
         const u32 c = e2 < DIM ? e2 : e2 - DIM;
-        const u64 o = (((u64)blockIdx.x * cap + i) * g.heads + h) * DIM + c;
+        const u64 o = (((u64)blockIdx.z * cap + i) * g.heads + h) * DIM + c;
         out[o] = __uint_as_float(w << 16);
         out[o + 1] = __uint_as_float(w & 0xffff0000u);
     }

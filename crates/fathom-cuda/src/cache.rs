@@ -118,6 +118,16 @@ impl CacheConfig {
             ));
         }
         self.pages.validate()?;
+        // The append kernels put the batch on grid z and the KV heads on grid y.
+        if self.max_batch > MAX_GRID_YZ || s.kv_heads > MAX_GRID_YZ {
+            return Err(CudaError::invalid(
+                "max_batch",
+                format!(
+                    "{} sessions per batch, {} KV heads (each at most {MAX_GRID_YZ}, CUDA's grid y and z limit)",
+                    self.max_batch, s.kv_heads
+                ),
+            ));
+        }
         if self.max_batch == 0 || self.max_batch > self.pages.max_sessions {
             return Err(CudaError::invalid(
                 "max_batch",
@@ -395,6 +405,9 @@ pub fn check_read_rows(
     }
     Ok(())
 }
+
+/// CUDA's limit on a grid's y and z extents.
+pub const MAX_GRID_YZ: usize = 65_535;
 
 /// Where one reserve step's new tokens go: one [`AppendPlan`] per session of the batch, in
 /// batch order, and each session's first row in the layer's [`KvRows`].

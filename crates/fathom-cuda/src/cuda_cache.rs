@@ -744,7 +744,7 @@ impl PagedCache {
             .arg(&layer_u)
             .arg(&fused)
             .arg(&faults);
-        let grid = (nb, s.kv_heads as u32, self.batch_max_blocks as u32);
+        let grid = (self.batch_max_blocks as u32, s.kv_heads as u32, nb);
         // SAFETY: descriptors, tables, pool, tails and faults are allocated at the sizes the
         // kernel indexes (batch ≤ max_batch, slots < max_sessions, pages < pool pages, layer <
         // L); `kv` holds `batch.rows` rows of [Hkv][D] (checked count; the caller owns the
@@ -764,7 +764,7 @@ impl PagedCache {
             .arg(&kv.v)
             .arg(&dtype)
             .arg(&layer_u);
-        let grid = (nb, s.kv_heads as u32, self.batch_max_m as u32);
+        let grid = (self.batch_max_m as u32, s.kv_heads as u32, nb);
         // SAFETY: as above.
         unsafe { b.launch(cfg(grid, s.dim as u32)) }.map_err(drv("launch append_records"))?;
         Ok(())
@@ -839,9 +839,9 @@ impl PagedCache {
             .arg(&k_out)
             .arg(&v_out);
         let grid = (
-            self.batch_len as u32,
-            s.kv_heads as u32,
             cap.div_ceil(READ_ROWS) as u32,
+            s.kv_heads as u32,
+            self.batch_len as u32,
         );
         // SAFETY: descriptors, tables and the pool are the cache's own (rows < each session's
         // length, pages < the pool's); the caller's buffers hold batch · cap · Hkv · D f32 (its
