@@ -373,8 +373,10 @@ pub struct DecodeBenchArgs {
     /// Top-k per query head.
     #[arg(long, default_value_t = 256)]
     pub k: usize,
-    /// Where the pages live: host (the offloaded cache) or hbm.
-    #[arg(long, default_value = "host", value_parser = ["host", "hbm"])]
+    /// Where the pages live: host (the offloaded cache), hbm (the whole cache in HBM: the
+    /// in-GPU reference), or index-hbm (the index, planes and scales, in HBM; the K|V records
+    /// on the host: only fetched rows cross the link).
+    #[arg(long, default_value = "host", value_parser = ["host", "hbm", "index-hbm"])]
     pub residency: String,
     /// HBM row-cache slots per (session, layer, KV head).
     #[arg(long, default_value_t = 0)]
@@ -539,11 +541,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     dcfg.max_batch = bmax;
     dcfg.max_k = a.k.min(max_tokens);
     dcfg.row_cache = a.row_cache;
-    dcfg.residency = if a.residency == "hbm" {
-        fathom_cuda::Residency::Hbm
-    } else {
-        fathom_cuda::Residency::Host
-    };
+    dcfg.residency = fathom_cuda::Residency::parse(&a.residency)?;
     let per: usize = ctx
         .iter()
         .map(|n| (n + a.steps + 8).div_ceil(dcfg.page_tokens))
@@ -630,7 +628,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         &a.batch,
         a.steps,
         h2d_gbps,
-        a.residency == "hbm",
+        dcfg.residency,
     )?;
     for e in &m.entries {
         let sp = e.split.as_ref();
@@ -652,7 +650,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     }
     let (entries, host_bytes_per_token) = (m.entries, m.host_bytes_per_token);
     // What bounds B: the memory the pages live in, at this run's bytes per token and contexts.
-    let memory = if a.residency == "hbm" {
+    let memory = if dcfg.residency == fathom_cuda::Residency::Hbm {
         Some(gpu.info().total_mem_bytes)
     } else {
         fathom_gpu::throughput::host_memory_bytes()
@@ -663,7 +661,11 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
             println!(
                 "capacity: {:.0} GiB of {} memory × {:.0}% / {:.0} B per resident token = {} tokens: at most {} sessions of {:?} tokens (cycled)",
                 mem as f64 / (1u64 << 30) as f64,
-                if a.residency == "hbm" { "GPU" } else { "host" },
+                if dcfg.residency == fathom_cuda::Residency::Hbm {
+                    "GPU"
+                } else {
+                    "host"
+                },
                 100.0 * c.usable_fraction,
                 host_bytes_per_token,
                 c.max_resident_tokens,

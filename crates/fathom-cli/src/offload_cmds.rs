@@ -195,8 +195,13 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
     let residencies = a
         .residency
         .iter()
-        .map(|r| Residency::parse(r))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|r| match Residency::parse(r) {
+            Ok(Residency::IndexHbm) => Err(anyhow::anyhow!(
+                "--residency index-hbm: offload-bench times host and hbm; the split residency runs in `fathom decode-bench --residency index-hbm`"
+            )),
+            r => r.map_err(anyhow::Error::from),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let cfg = BenchConfig {
         command: fathom_results::command_line(),
         study: if a.study == "pipeline-sweep" {

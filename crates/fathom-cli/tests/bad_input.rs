@@ -788,6 +788,13 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "scan vector words",
         Some(out.clone()),
     );
+    case(
+        "split residency in offload-bench",
+        "offload-bench",
+        s(["offload-bench", "--residency", "index-hbm", "--json", &out]),
+        "decode-bench --residency index-hbm",
+        Some(out.clone()),
+    );
     // `k > n` and the shapes of a capture are validated on the device path, after the device
     // check, so without a GPU only the missing device is observable for them here.
 

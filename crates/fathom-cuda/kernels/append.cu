@@ -19,7 +19,9 @@ struct PoolGeom {
     u64 page_bytes;  // stride of pages in the pool
     u32 run_bytes;   // one channel run: S bytes of fp16 scales, then 4 planes of B words
     u32 scale_pad;   // S
-    u64 records_at;  // offset of the K|V records section in a page
+    u64 recs;            // device address of page 0's K|V records (in the page, or the split
+                         // residency's records pool)
+    u64 rec_page_bytes;  // stride between pages' record sections
     u32 page_tokens; // P
     u32 max_pages;   // page-table row length
     u32 heads;       // Hkv
@@ -115,7 +117,7 @@ extern "C" __global__ void append_quant(
     const u32 bp = g.page_tokens / BLOCK;
     const u32 page = tables[(u64)d.slot * g.max_pages + t0 / g.page_tokens];
     u8* base = pool + (u64)page * g.page_bytes;
-    u16* recs = (u16*)(base + g.records_at) + ((u64)h * g.page_tokens + t0 % g.page_tokens) * (2 * DIM);
+    u16* recs = (u16*)(g.recs + (u64)page * g.rec_page_bytes) + ((u64)h * g.page_tokens + t0 % g.page_tokens) * (2 * DIM);
     float mx = 0.0f;
     bool bad = false;
 #pragma unroll
@@ -214,7 +216,7 @@ extern "C" __global__ void append_records(
     const u16 vb = f32_to_bf16_bits(load_elem(v, src, dtype));
     const u32 page = tables[(u64)d.slot * g.max_pages + tok / g.page_tokens];
     const u32 s = tok % g.page_tokens;
-    u16* rec = (u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
+    u16* rec = (u16*)(g.recs + (u64)page * g.rec_page_bytes) +
                ((u64)h * g.page_tokens + s) * (2 * DIM);
     rec[c] = kb;
     rec[DIM + c] = vb;
@@ -249,7 +251,7 @@ extern "C" __global__ void read_rows(
     for (u32 i = blockIdx.x * READ_ROWS; i < min(r, (blockIdx.x + 1) * READ_ROWS); ++i) {
         const u32 tok = first + i;
         const u32 page = tables[(u64)d.slot * g.max_pages + tok / g.page_tokens];
-        const u32* rec = (const u32*)(pool + (u64)page * g.page_bytes + g.records_at) +
+        const u32* rec = (const u32*)(g.recs + (u64)page * g.rec_page_bytes) +
                          ((u64)h * g.page_tokens + tok % g.page_tokens) * DIM;
         const u32 w = rec[t];
         const u32 e2 = 2 * t;  // element index in K|V of the word's low half

@@ -11,7 +11,8 @@ struct AppendDesc { u32 slot; u32 n0; u32 m; u32 row0; };
 
 // One layer's pool geometry (paged_layout.rs): channel runs [S scales][4][B] words.
 struct PoolGeom {
-    u64 page_bytes; u32 run_bytes; u32 scale_pad; u64 records_at;
+    u64 page_bytes; u32 run_bytes; u32 scale_pad;
+    u64 recs; u64 rec_page_bytes;  // page 0's K|V records (device address) and their page stride
     u32 page_tokens; u32 max_pages; u32 heads; u32 layers;
 };
 
@@ -789,7 +790,7 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
         }
         if (!hit) {
             const u32 page = tables[(u64)d.slot * g.max_pages + t / g.page_tokens];
-            p = (const uint4*)((const u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
+            p = (const uint4*)((const u16*)(g.recs + (u64)page * g.rec_page_bytes) +
                                ((u64)h * g.page_tokens + t % g.page_tokens) * 2 * DIM);
         }
         src[tid] = p;
@@ -938,7 +939,7 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
             const u32 j = t0 + tid;
             if (a.dense) {
                 const u32 page = tables[(u64)d.slot * g.max_pages + j / g.page_tokens];
-                recs[tid] = (const u16*)(pool + (u64)page * g.page_bytes + g.records_at) +
+                recs[tid] = (const u16*)(g.recs + (u64)page * g.rec_page_bytes) +
                             ((u64)h * g.page_tokens + j % g.page_tokens) * 2 * DIM;
             } else {
                 recs[tid] = rows + (ub + j) * 2 * DIM;

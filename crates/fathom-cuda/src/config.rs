@@ -236,26 +236,38 @@ pub enum Residency {
     Host,
     /// Device memory (HBM); no PCIe traffic in the step.
     Hbm,
+    /// Split (the paged cache only, docs/SPEC.md §6.1): the index (bit planes and block
+    /// scales) in HBM, the bf16 K|V records in pinned, mapped host memory. The scan reads HBM;
+    /// only the rows the selection fetches (past the row cache) cross the link. Costs HBM for
+    /// `4·D/8 + D/32` bytes per token and KV head of the index, not the `4·D` of the records.
+    IndexHbm,
 }
 
 impl Residency {
-    /// Parses `host` or `hbm`.
+    /// Parses `host`, `hbm` or `index-hbm`.
     pub fn parse(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "host" => Ok(Residency::Host),
             "hbm" => Ok(Residency::Hbm),
+            "index-hbm" => Ok(Residency::IndexHbm),
             _ => Err(CudaError::invalid(
                 "residency",
-                format!("`{s}` (want host or hbm)"),
+                format!("`{s}` (want host, hbm or index-hbm)"),
             )),
         }
     }
-    /// `host` or `hbm`.
+    /// `host`, `hbm` or `index-hbm`.
     pub fn label(&self) -> &'static str {
         match self {
             Residency::Host => "host",
             Residency::Hbm => "hbm",
+            Residency::IndexHbm => "index-hbm",
         }
+    }
+    /// Whether the K|V records live in host memory (every row the step reads crosses the link
+    /// unless the row cache holds it).
+    pub fn records_on_host(&self) -> bool {
+        matches!(self, Residency::Host | Residency::IndexHbm)
     }
 }
 
@@ -347,6 +359,18 @@ mod tests {
             groups,
             gather_ctas,
         }
+    }
+
+    #[test]
+    fn residencies_parse_and_label_each_other() {
+        for r in [Residency::Host, Residency::Hbm, Residency::IndexHbm] {
+            assert_eq!(Residency::parse(r.label()).unwrap(), r);
+        }
+        assert_eq!(Residency::parse("Index-HBM").unwrap(), Residency::IndexHbm);
+        assert!(Residency::Host.records_on_host() && Residency::IndexHbm.records_on_host());
+        assert!(!Residency::Hbm.records_on_host());
+        let e = Residency::parse("split").unwrap_err().to_string();
+        assert!(e.contains("index-hbm"), "{e}");
     }
 
     #[test]

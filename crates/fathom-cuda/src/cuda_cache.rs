@@ -79,13 +79,16 @@ struct PoolGeom {
     page_bytes: u64,
     run_bytes: u32,
     scale_pad: u32,
-    records_at: u64,
+    /// Device address of page 0's K|V records: the pool's own record section, or the
+    /// records pool of the split residency.
+    recs: u64,
+    rec_page_bytes: u64,
     page_tokens: u32,
     max_pages: u32,
     heads: u32,
     layers: u32,
 }
-const _: () = assert!(std::mem::size_of::<PoolGeom>() == 40);
+const _: () = assert!(std::mem::size_of::<PoolGeom>() == 48);
 
 // SAFETY: plain `#[repr(C)]` data of integers, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for PoolGeom {}
@@ -237,7 +240,12 @@ pub struct PagedCache {
     stream: Arc<CudaStream>,
     kernels: AppendKernels,
     /// One pool per layer: pinned, mapped host memory, or HBM ([`CacheConfig::residency`]).
+    /// In the split residency it holds only each page's key section (planes and scales; the
+    /// page stride is [`PagedLayout::records_at`]) in HBM, and `rec_pools` the record sections.
     pools: Vec<Mem>,
+    /// The split residency's K|V records, one pinned, mapped host pool per layer (stride
+    /// `page_bytes − records_at`); empty otherwise.
+    rec_pools: Vec<Mem>,
     /// Page tables, `u32 [max_sessions][max_pages]`, and the append descriptors of the
     /// current batch, `[max_batch]`: written on the host (pinned), copied to HBM on the
     /// stream by every [`PagedCache::reserve`] (which waits for the stream first, so a copy
@@ -414,12 +422,23 @@ impl PagedCache {
         let pool_bytes = usize::try_from(layout.pool_bytes()).map_err(|_| {
             CudaError::invalid("pages", "pool larger than the address space".to_string())
         })?;
+        let pages = layout.pages();
+        let key_pool = pages * layout.records_at() as usize;
+        let rec_pool = pages * (layout.page_bytes() - layout.records_at()) as usize;
         let pools = (0..s.layers)
             .map(|_| match cfg.residency {
                 Residency::Host => HostBuf::new(pool_bytes, "page pool").map(Mem::Host),
                 Residency::Hbm => DevBuf::zeroed(pool_bytes, "page pool").map(Mem::Dev),
+                Residency::IndexHbm => DevBuf::zeroed(key_pool, "page index pool").map(Mem::Dev),
             })
             .collect::<Result<Vec<_>>>()?;
+        // After the HBM (a typed out-of-memory before any host pinning).
+        let rec_pools = match cfg.residency {
+            Residency::IndexHbm => (0..s.layers)
+                .map(|_| HostBuf::new(rec_pool, "page records pool").map(Mem::Host))
+                .collect::<Result<Vec<_>>>()?,
+            Residency::Host | Residency::Hbm => Vec::new(),
+        };
         let mut tables = HostBuf::new(cfg.pages.max_sessions * max_pages * 4, "page tables")?;
         tables.as_mut_bytes().fill(0);
         let descs = HostBuf::new(cfg.max_batch * 16, "append descriptors")?;
@@ -435,6 +454,7 @@ impl PagedCache {
             stream: gpu.stream().clone(),
             kernels,
             pools,
+            rec_pools,
             tables,
             descs,
             tables_dev,
@@ -471,14 +491,28 @@ impl PagedCache {
         &self.cfg
     }
 
-    /// The pool geometry every kernel takes.
-    fn geom(&self) -> PoolGeom {
+    /// The pool geometry every kernel takes, for `layer` (`layer < L`): the key sections'
+    /// page stride, and where the records are (in the page, or in the records pool).
+    fn geom(&self, layer: usize) -> PoolGeom {
         let lay = self.layout;
+        let (page_bytes, recs, rec_page_bytes) = match self.rec_pools.get(layer) {
+            Some(r) => (
+                lay.records_at(),
+                r.dptr(),
+                lay.page_bytes() - lay.records_at(),
+            ),
+            None => (
+                lay.page_bytes(),
+                self.pools[layer].dptr() + lay.records_at(),
+                lay.page_bytes(),
+            ),
+        };
         PoolGeom {
-            page_bytes: lay.page_bytes(),
+            page_bytes,
             run_bytes: lay.channel_run_bytes() as u32,
             scale_pad: lay.scale_pad_bytes() as u32,
-            records_at: lay.records_at(),
+            recs,
+            rec_page_bytes,
             page_tokens: lay.page_tokens() as u32,
             max_pages: self.max_pages as u32,
             heads: self.cfg.shape.kv_heads as u32,
@@ -665,39 +699,37 @@ impl PagedCache {
     /// head.
     fn copy_page(&mut self, c: PageCopy) -> Result<()> {
         let lay = self.layout;
-        let (src, dst) = (
-            lay.page_offset(c.src)? as usize,
-            lay.page_offset(c.dst)? as usize,
-        );
+        // Validates both page ids.
+        lay.page_offset(c.src)?;
+        lay.page_offset(c.dst)?;
+        let (src, dst) = (c.src.index(), c.dst.index());
         let head_bytes = lay.records_at() as usize;
         let rec = lay.record_bytes() as usize;
         let p = lay.page_tokens();
-        let ranges: Vec<(usize, usize)> = std::iter::once((0, head_bytes))
-            .chain((0..self.cfg.shape.kv_heads).map(|h| (head_bytes + h * p * rec, c.tokens * rec)))
-            .collect();
-        for pool in &mut self.pools {
-            match pool {
-                Mem::Host(hb) => {
-                    let b = hb.as_mut_bytes();
-                    for &(off, len) in &ranges {
-                        b.copy_within(src + off..src + off + len, dst + off);
-                    }
-                }
-                Mem::Dev(db) => {
-                    for &(off, len) in &ranges {
-                        // SAFETY: both ranges lie inside the pool (pages < its page count) and
-                        // are different pages; stream-ordered before any later append.
-                        unsafe {
-                            result::memcpy_dtod_async(
-                                db.ptr + (dst + off) as u64,
-                                db.ptr + (src + off) as u64,
-                                len,
-                                self.stream.cu_stream(),
-                            )
-                        }
-                        .map_err(drv("memcpy_dtod page copy"))?;
-                    }
-                }
+        let records = |at: usize| {
+            (0..self.cfg.shape.kv_heads).map(move |h| (at + h * p * rec, c.tokens * rec))
+        };
+        let stream = self.stream.clone();
+        if self.rec_pools.is_empty() {
+            let ranges: Vec<(usize, usize)> = std::iter::once((0, head_bytes))
+                .chain(records(head_bytes))
+                .collect();
+            let stride = lay.page_bytes() as usize;
+            for pool in &mut self.pools {
+                copy_ranges(pool, &stream, src * stride, dst * stride, &ranges)?;
+            }
+        } else {
+            let rstride = (lay.page_bytes() - lay.records_at()) as usize;
+            let ranges: Vec<(usize, usize)> = records(0).collect();
+            for (pool, recs) in self.pools.iter_mut().zip(self.rec_pools.iter_mut()) {
+                copy_ranges(
+                    pool,
+                    &stream,
+                    src * head_bytes,
+                    dst * head_bytes,
+                    &[(0, head_bytes)],
+                )?;
+                copy_ranges(recs, &stream, src * rstride, dst * rstride, &ranges)?;
             }
         }
         Ok(())
@@ -719,7 +751,7 @@ impl PagedCache {
             ));
         }
         let s = self.cfg.shape;
-        let geom = self.geom();
+        let geom = self.geom(layer);
         let (descs, tables, pool) = (
             self.descs_dev.ptr,
             self.tables_dev.ptr,
@@ -823,7 +855,7 @@ impl PagedCache {
     ) -> Result<()> {
         crate::cache::check_read_rows(&self.cfg, batch, self.step, layer, cap, k_out, v_out)?;
         let s = self.cfg.shape;
-        let geom = self.geom();
+        let geom = self.geom(layer);
         let (descs, tables, pool) = (
             self.descs_dev.ptr,
             self.tables_dev.ptr,
@@ -1091,7 +1123,7 @@ impl PagedCache {
         let nb = self.batch_len;
         let (static_depths, sigma) = self.method_inputs(method, layer)?;
         let lay = self.layout;
-        let geom = self.geom();
+        let geom = self.geom(layer);
         let dense = matches!(method, AttendMethod::Dense);
         let ag = AttendGeom {
             sink: params.sink as u32,
@@ -1702,15 +1734,34 @@ impl PagedCache {
             .collect())
     }
 
-    /// One layer's whole pool as host bytes (borrowed in host residency, read back from HBM).
+    /// One layer's whole pool as host bytes in [`PagedLayout`]'s page layout (borrowed in host
+    /// residency, read back from HBM; the split residency's two pools interleaved page by page).
     fn pool_bytes(&self, layer: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
         let pool = self.pools.get(layer).ok_or_else(|| {
             CudaError::invalid("layer", format!("{layer} of {}", self.pools.len()))
         })?;
-        Ok(match pool {
-            Mem::Host(h) => std::borrow::Cow::Borrowed(h.as_bytes()),
-            Mem::Dev(d) => std::borrow::Cow::Owned(d.read::<u8>(d.bytes)?),
-        })
+        fn read(m: &Mem) -> Result<std::borrow::Cow<'_, [u8]>> {
+            Ok(match m {
+                Mem::Host(h) => std::borrow::Cow::Borrowed(h.as_bytes()),
+                Mem::Dev(d) => std::borrow::Cow::Owned(d.read::<u8>(d.bytes)?),
+            })
+        }
+        let Some(recs) = self.rec_pools.get(layer) else {
+            return read(pool);
+        };
+        let lay = self.layout;
+        let (stride, key, rec) = (
+            lay.page_bytes() as usize,
+            lay.records_at() as usize,
+            (lay.page_bytes() - lay.records_at()) as usize,
+        );
+        let (kb, rb) = (read(pool)?, read(recs)?);
+        let mut out = vec![0u8; lay.pool_bytes() as usize];
+        for (i, page) in out.chunks_exact_mut(stride).enumerate() {
+            page[..key].copy_from_slice(&kb[i * key..(i + 1) * key]);
+            page[key..].copy_from_slice(&rb[i * rec..(i + 1) * rec]);
+        }
+        Ok(std::borrow::Cow::Owned(out))
     }
 
     /// Waits for the stream, then one layer's store of `session` in `fathom-store`'s layout
@@ -1730,6 +1781,41 @@ impl PagedCache {
         let n = self.sessions.len(session)?;
         records_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }
+}
+
+/// Copies `ranges` (offset, length) of one page at byte `src` of `mem` to the page at `dst`:
+/// on the host for pinned memory, stream-ordered on the device for HBM.
+fn copy_ranges(
+    mem: &mut Mem,
+    stream: &CudaStream,
+    src: usize,
+    dst: usize,
+    ranges: &[(usize, usize)],
+) -> Result<()> {
+    match mem {
+        Mem::Host(hb) => {
+            let b = hb.as_mut_bytes();
+            for &(off, len) in ranges {
+                b.copy_within(src + off..src + off + len, dst + off);
+            }
+        }
+        Mem::Dev(db) => {
+            for &(off, len) in ranges {
+                // SAFETY: both ranges lie inside the pool (pages < its page count) and are
+                // different pages; stream-ordered before any later append.
+                unsafe {
+                    result::memcpy_dtod_async(
+                        db.ptr + (dst + off) as u64,
+                        db.ptr + (src + off) as u64,
+                        len,
+                        stream.cu_stream(),
+                    )
+                }
+                .map_err(drv("memcpy_dtod page copy"))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A captured decode step ([`PagedCache::capture`]).

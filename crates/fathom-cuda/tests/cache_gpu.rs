@@ -135,6 +135,9 @@ fn ragged_prefill_and_decode_equal_the_cpu_store_bit_for_bit() {
         (256, 1, 256, 32, Residency::Hbm),
         (128, 1, 64, 80, Residency::Hbm),
         (64, 3, 128, 48, Residency::Hbm),
+        // The split residency: planes and scales in HBM, records on the host.
+        (64, 3, 128, 48, Residency::IndexHbm),
+        (128, 2, 4096, 6, Residency::IndexHbm),
     ] {
         let cfg = CacheConfig {
             residency,
@@ -192,7 +195,7 @@ fn ragged_prefill_and_decode_equal_the_cpu_store_bit_for_bit() {
 #[test]
 fn forks_diverge_without_disturbing_each_other() {
     let Some(gpu) = gpu() else { return };
-    for residency in [Residency::Host, Residency::Hbm] {
+    for residency in [Residency::Host, Residency::Hbm, Residency::IndexHbm] {
         forks_diverge(&gpu, residency);
     }
 }
@@ -435,6 +438,8 @@ fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
         (256, 1, 1, 128, Residency::Hbm),
         (128, 8, 1, 64, Residency::Host),
         (128, 4, 2, 256, Residency::Hbm),
+        (64, 3, 3, 128, Residency::IndexHbm),
+        (128, 4, 2, 256, Residency::IndexHbm),
     ] {
         let mut cfg = config(2, hkv, d, page, 160);
         cfg.shape.group = g;
@@ -940,7 +945,7 @@ fn head_groups_and_scan_loads_change_no_bit() {
     let (hkv, d, g, layers) = (3, 128, 4, 2);
     let hq = hkv * g;
     let settings = [(1, 1), (2, 1), (3, 1), (1, 2), (3, 2)];
-    for residency in [Residency::Host, Residency::Hbm] {
+    for residency in [Residency::Host, Residency::Hbm, Residency::IndexHbm] {
         let mut caches = settings.map(|_| {
             let mut c = config(layers, hkv, d, 256, 200);
             c.residency = residency;
@@ -1134,7 +1139,7 @@ fn a_million_token_session_matches_the_cpu_reference() {
 fn read_rows_returns_each_sessions_last_records() {
     let Some(gpu) = gpu() else { return };
     let stream = gpu.stream().clone();
-    for residency in [Residency::Host, Residency::Hbm] {
+    for residency in [Residency::Host, Residency::Hbm, Residency::IndexHbm] {
         let mut rng = StdRng::seed_from_u64(21);
         let mut cfg = config(2, 2, 64, 128, 64);
         cfg.residency = residency;

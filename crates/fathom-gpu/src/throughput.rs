@@ -22,7 +22,8 @@ pub const SPLIT_STEPS: usize = 3;
 pub struct Measured {
     /// One per batch size and method, in that order.
     pub entries: Vec<DecodeBenchEntry>,
-    /// Bytes of pinned memory (or HBM) per resident token, over every layer.
+    /// Bytes per resident token, over every layer, of the memory that bounds B: the pinned
+    /// host memory of the pages (host residency) or of the records (index-hbm), or HBM (hbm).
     pub host_bytes_per_token: f64,
 }
 
@@ -107,8 +108,9 @@ pub fn measure(
     batches: &[usize],
     steps: usize,
     h2d_gbps: f64,
-    hbm: bool,
+    residency: fathom_cuda::Residency,
 ) -> Result<Measured> {
+    use fathom_cuda::Residency;
     let cfg = dec.config().clone();
     let d = cfg.head_dim;
     let dc = *dec.decoder_config();
@@ -121,8 +123,11 @@ pub fn measure(
         1,
     )
     .map_err(fathom_cuda::CudaError::from)?;
-    let host_bytes_per_token =
-        layout.page_bytes() as f64 / dc.page_tokens as f64 * cfg.n_layers as f64;
+    let bounded_page = match residency {
+        Residency::IndexHbm => layout.page_bytes() - layout.records_at(),
+        Residency::Host | Residency::Hbm => layout.page_bytes(),
+    };
+    let host_bytes_per_token = bounded_page as f64 / dc.page_tokens as f64 * cfg.n_layers as f64;
     let globals = cfg
         .layer_kinds
         .iter()
@@ -160,13 +165,15 @@ pub fn measure(
             };
             let rows = t.rows as f64 / n;
             let misses = (t.rows - t.hits) as f64 / n;
-            // With the pages in HBM nothing of the cache crosses the link.
-            let pcie = match (hbm, att.method) {
-                (true, _) => 0.0,
-                (false, AttendMethod::Dense) => t.keys / n * heads * record,
-                (false, AttendMethod::Scan(_)) => {
+            // With the pages in HBM nothing of the cache crosses the link; with the index in
+            // HBM only the records do.
+            let pcie = match (residency, att.method) {
+                (Residency::Hbm, _) => 0.0,
+                (_, AttendMethod::Dense) => t.keys / n * heads * record,
+                (Residency::Host, AttendMethod::Scan(_)) => {
                     t.keys / n * heads * plan_bits / 8.0 + misses * record
                 }
+                (Residency::IndexHbm, AttendMethod::Scan(_)) => misses * record,
             };
             let total_s: f64 = t.ms.iter().sum::<f64>() / 1e3;
             let mut sorted = t.ms.clone();

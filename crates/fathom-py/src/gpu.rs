@@ -334,7 +334,13 @@ impl GpuCache {
         let residency = match residency {
             "host" => Residency::Host,
             "hbm" => Residency::Hbm,
-            other => return Err(bad("residency", format!("{other:?} (want host or hbm)"))),
+            "index-hbm" => Residency::IndexHbm,
+            other => {
+                return Err(bad(
+                    "residency",
+                    format!("{other:?} (want host, hbm or index-hbm)"),
+                ))
+            }
         };
         let per = max_tokens.div_ceil(page_tokens.max(1));
         let cfg = CacheConfig {

@@ -128,6 +128,10 @@ impl Mem {
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<Self> {
         match residency {
+            Residency::IndexHbm => Err(CudaError::invalid(
+                "residency",
+                "index-hbm is the paged cache's split residency (PagedCache); the step engine takes host or hbm",
+            )),
             Residency::Host => {
                 let mut h = HostBuf::new(bytes, what)?;
                 fill(&mut h.as_mut_bytes()[..bytes]);
