@@ -649,6 +649,12 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         );
     }
     let (entries, host_bytes_per_token) = (m.entries, m.host_bytes_per_token);
+    println!(
+        "HBM: {:.1} GB in use, {:.1} GB of it the cache's page pools ({})",
+        dec.device_bytes_in_use()? as f64 / 1e9,
+        dec.cache_mut()?.pool_hbm_bytes() as f64 / 1e9,
+        a.residency
+    );
     // What bounds B: the memory the pages live in, at this run's bytes per token and contexts.
     let memory = if dcfg.residency == fathom_cuda::Residency::Hbm {
         Some(gpu.info().total_mem_bytes)
@@ -688,6 +694,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         h2d_gbps,
         host_bytes_per_token,
         device_bytes_in_use: dec.device_bytes_in_use()?,
+        pool_hbm_bytes: Some(dec.cache_mut()?.pool_hbm_bytes()),
         prefill_seconds,
         entries,
         capacity,

@@ -520,6 +520,19 @@ impl PagedCache {
         }
     }
 
+    /// Bytes of HBM the page pools take (every layer's): the whole pools in HBM residency,
+    /// the index in the split residency, 0 in host residency.
+    pub fn pool_hbm_bytes(&self) -> u64 {
+        self.pools
+            .iter()
+            .chain(&self.rec_pools)
+            .map(|m| match m {
+                Mem::Dev(d) => d.bytes as u64,
+                Mem::Host(_) => 0,
+            })
+            .sum()
+    }
+
     /// The byte layout of each layer's pool.
     pub fn layout(&self) -> &PagedLayout {
         &self.layout

@@ -399,6 +399,10 @@ impl PagedCache {
     pub fn scan_vector_words(&self) -> u32 {
         1
     }
+    /// Bytes of HBM the page pools take (none in this build).
+    pub fn pool_hbm_bytes(&self) -> u64 {
+        0
+    }
     /// Empties the HBM row cache of a session.
     ///
     /// # Errors

@@ -318,6 +318,7 @@ mod tests {
             h2d_gbps: 50.0,
             host_bytes_per_token: 1000.0,
             device_bytes_in_use: 1 << 30,
+            pool_hbm_bytes: None,
             prefill_seconds: 1.0,
             entries: vec![entry("dense", 1, 100.0), entry("fathom:48", 16, 900.0)],
         };

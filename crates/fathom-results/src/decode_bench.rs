@@ -82,6 +82,10 @@ pub struct DecodeBench {
     pub host_bytes_per_token: f64,
     /// Device memory in use at the end (weights, working memory, HBM pools), bytes.
     pub device_bytes_in_use: u64,
+    /// HBM of the cache's page pools alone, bytes: every page in `hbm`, the index in
+    /// `index-hbm`, none in `host` (absent in older runs).
+    #[serde(default)]
+    pub pool_hbm_bytes: Option<u64>,
     /// Seconds of the dense prefill of every session (real text), apart from decode.
     pub prefill_seconds: f64,
     /// One entry per method and batch.
