@@ -149,7 +149,7 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
     for d in &inp.decode {
         let v = &d.doc;
         s.push_str(&format!(
-            "`{}` ({}, weights: {}; {} on {}, pages in {}, {} timed steps, H2D {:.1} GB/s; {:.0} bytes of pinned memory per resident token; {:.1} GiB of device memory in use; prefill {:.1} s apart):\n\n",
+            "`{}` ({}, weights: {}; {} on {}, pages in {}, {} timed steps, H2D {:.1} GB/s; {:.0} bytes of pinned memory per resident token; {:.1} GiB of device memory in use{}; prefill {:.1} s apart):\n\n",
             inp.rel(&d.path),
             v.model,
             v.weights,
@@ -160,6 +160,10 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
             v.h2d_gbps,
             v.host_bytes_per_token,
             v.device_bytes_in_use as f64 / (1u64 << 30) as f64,
+            v.pool_hbm_bytes.map_or(String::new(), |b| format!(
+                ", {:.1} GiB of it the page pools",
+                b as f64 / (1u64 << 30) as f64
+            )),
             v.prefill_seconds
         ));
         if v.attend_groups > 1 || v.scan_vector_words > 1 {
