@@ -423,8 +423,9 @@ impl PagedCache {
             CudaError::invalid("pages", "pool larger than the address space".to_string())
         })?;
         let pages = layout.pages();
-        let key_pool = pages * layout.records_at() as usize;
-        let rec_pool = pages * (layout.page_bytes() - layout.records_at()) as usize;
+        let (index_page, record_page) = layout.split_page_bytes();
+        let key_pool = pages * index_page as usize;
+        let rec_pool = pages * record_page as usize;
         let pools = (0..s.layers)
             .map(|_| match cfg.residency {
                 Residency::Host => HostBuf::new(pool_bytes, "page pool").map(Mem::Host),
@@ -496,11 +497,10 @@ impl PagedCache {
     fn geom(&self, layer: usize) -> PoolGeom {
         let lay = self.layout;
         let (page_bytes, recs, rec_page_bytes) = match self.rec_pools.get(layer) {
-            Some(r) => (
-                lay.records_at(),
-                r.dptr(),
-                lay.page_bytes() - lay.records_at(),
-            ),
+            Some(r) => {
+                let (index, records) = lay.split_page_bytes();
+                (index, r.dptr(), records)
+            }
             None => (
                 lay.page_bytes(),
                 self.pools[layer].dptr() + lay.records_at(),
@@ -732,7 +732,7 @@ impl PagedCache {
                 copy_ranges(pool, &stream, src * stride, dst * stride, &ranges)?;
             }
         } else {
-            let rstride = (lay.page_bytes() - lay.records_at()) as usize;
+            let rstride = lay.split_page_bytes().1 as usize;
             let ranges: Vec<(usize, usize)> = records(0).collect();
             for (pool, recs) in self.pools.iter_mut().zip(self.rec_pools.iter_mut()) {
                 copy_ranges(
@@ -1763,11 +1763,8 @@ impl PagedCache {
             return read(pool);
         };
         let lay = self.layout;
-        let (stride, key, rec) = (
-            lay.page_bytes() as usize,
-            lay.records_at() as usize,
-            (lay.page_bytes() - lay.records_at()) as usize,
-        );
+        let (key, rec) = lay.split_page_bytes();
+        let (stride, key, rec) = (lay.page_bytes() as usize, key as usize, rec as usize);
         let (kb, rb) = (read(pool)?, read(recs)?);
         let mut out = vec![0u8; lay.pool_bytes() as usize];
         for (i, page) in out.chunks_exact_mut(stride).enumerate() {

@@ -164,6 +164,13 @@ impl PagedLayout {
     pub fn records_at(&self) -> u64 {
         self.records_at
     }
+    /// The page strides of the split residency (`Residency::IndexHbm`, docs/SPEC.md §6.1):
+    /// `(index, records)`, the key section with its alignment padding (the HBM pool's stride,
+    /// [`PagedLayout::records_at`]) and the rest of the page (the host pool's). They add up to
+    /// [`PagedLayout::page_bytes`], so the two pools hold exactly the bytes of one.
+    pub fn split_page_bytes(&self) -> (u64, u64) {
+        (self.records_at, self.page_bytes - self.records_at)
+    }
 
     /// Offset of `page`.
     pub fn page_offset(&self, page: PageId) -> Result<u64, PageError> {
@@ -363,6 +370,12 @@ mod tests {
             assert!(lay.page_bytes() - per_page < SECTION_ALIGN + PAGE_ALIGN);
             assert_eq!(lay.records_at() % SECTION_ALIGN, 0);
             assert!(lay.records_at() >= lay.key_section_bytes());
+            // The split residency's two strides: every byte once; the records keep the
+            // 16-byte alignment the row fetch's loads need.
+            let (index, records) = lay.split_page_bytes();
+            assert_eq!(index + records, lay.page_bytes());
+            assert!(records >= lay.record_section_bytes());
+            assert_eq!(records % 16, 0);
         }
     }
 

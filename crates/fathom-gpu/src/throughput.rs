@@ -124,7 +124,7 @@ pub fn measure(
     )
     .map_err(fathom_cuda::CudaError::from)?;
     let bounded_page = match residency {
-        Residency::IndexHbm => layout.page_bytes() - layout.records_at(),
+        Residency::IndexHbm => layout.split_page_bytes().1,
         Residency::Host | Residency::Hbm => layout.page_bytes(),
     };
     let host_bytes_per_token = bounded_page as f64 / dc.page_tokens as f64 * cfg.n_layers as f64;
