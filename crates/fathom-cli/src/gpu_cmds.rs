@@ -350,6 +350,7 @@ sessions, so every method starts from the same caches). Weights: the pinned GGUF
 llama3.1-8b random bf16 made on the device with synthetic K/V (labelled). Needs a build with `--features cuda` \
 and a GPU.\n\nExamples:\n  \
     fathom decode-bench --model qwen3-8b --context 128k,512k --batch 2,8 --methods dense,fathom:48,sparq:32\n  \
+    fathom decode-bench --model qwen3-8b --context 128k --batch 4 --residency index-hbm --methods fathom:48,sparq:32\n  \
     fathom decode-bench --model smollm2-135m --context 32k --batch 1,4,16 --json decode-bench-smollm2.json\n  \
     fathom decode-bench --model gemma3-270m --context 32k,128k --batch 2,8 --methods dense,fathom:48,sparq:32"
 )]

@@ -7,6 +7,9 @@ use anyhow::{bail, Result};
 
 /// Arguments of `fathom report`.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom report --dir results --out results/REPORT.md --stages results/full/stages.jsonl\n  \
+    fathom report --dir results --out results/REPORT.md --plots results/device/decode-bench")]
 pub struct ReportArgs {
     /// Results directory (searched recursively for *.json).
     #[arg(long)]
@@ -17,6 +20,10 @@ pub struct ReportArgs {
     /// Stage log (`stages.jsonl`, one `stage` record per line) written by `cargo xtask repro`.
     #[arg(long)]
     pub stages: Option<PathBuf>,
+    /// Also draw the decode-throughput plots against context into this folder (one PNG per
+    /// model and residency with one-session runs at two or more contexts).
+    #[arg(long)]
+    pub plots: Option<PathBuf>,
 }
 
 /// Renders the report.
@@ -30,7 +37,19 @@ pub fn run_report(a: ReportArgs) -> Result<()> {
         }
     }
     crate::check_writable(&a.out)?;
+    if let Some(p) = &a.plots {
+        if !p.is_dir() {
+            bail!("plot folder {} does not exist", p.display());
+        }
+    }
     fathom_report::write_report(&a.dir, a.stages.as_deref(), &a.out)?;
     eprintln!("wrote {}", a.out.display());
+    if let Some(p) = &a.plots {
+        let base = a.out.parent().unwrap_or(std::path::Path::new("."));
+        let inp = fathom_report::collect(&a.dir, a.stages.as_deref(), base)?;
+        for f in fathom_report::write_decode_plots(&inp, p)? {
+            eprintln!("wrote {}", f.display());
+        }
+    }
     Ok(())
 }

@@ -1173,6 +1173,21 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "nope.jsonl",
         Some(md.clone()),
     );
+    case(
+        "missing plot folder",
+        "report",
+        s([
+            "report",
+            "--dir",
+            &fx.p(""),
+            "--out",
+            &md,
+            "--plots",
+            &fx.p("no-such-plots"),
+        ]),
+        "no-such-plots",
+        Some(md.clone()),
+    );
     let uw = unwritable("REPORT.md");
     case(
         "unwritable output",

@@ -207,6 +207,62 @@ pub fn render(inp: &Inputs) -> String {
     s
 }
 
+/// A throughput curve's group: (model, residency, real weights).
+pub type CurveKey = (String, String, bool);
+/// A point of a throughput curve: (method, x, tokens/s).
+pub type CurvePoint = (String, usize, f64);
+
+/// The points of the decode-throughput plot against context: per (model, residency, weights
+/// kind), the one-session entries (B = 1) of every `decode-bench` run, as `(method, context,
+/// tokens_per_s)`; groups with fewer than two contexts are left out. Sorted by key.
+pub fn decode_context_points(inp: &Inputs) -> Vec<(CurveKey, Vec<CurvePoint>)> {
+    let mut groups: std::collections::BTreeMap<CurveKey, Vec<CurvePoint>> = Default::default();
+    for d in &inp.decode {
+        let v = &d.doc;
+        let key = (
+            v.model.clone(),
+            v.residency.clone(),
+            v.weights.starts_with("real"),
+        );
+        for e in v.entries.iter().filter(|e| e.batch == 1) {
+            if let Some(&n) = e.contexts.first() {
+                groups
+                    .entry(key.clone())
+                    .or_default()
+                    .push((e.method.clone(), n, e.tokens_per_s));
+            }
+        }
+    }
+    groups
+        .into_iter()
+        .filter(|(_, pts)| {
+            let mut c: Vec<usize> = pts.iter().map(|p| p.1).collect();
+            c.sort_unstable();
+            c.dedup();
+            c.len() >= 2
+        })
+        .collect()
+}
+
+/// Draws, into `dir`, one `decode-<model>-<residency>-tokens-vs-context.png` per group of
+/// [`decode_context_points`]; returns the files written.
+///
+/// # Errors
+/// A plot that cannot be drawn (no font) or written.
+pub fn write_decode_plots(inp: &Inputs, dir: &Path) -> Result<Vec<PathBuf>, ReportError> {
+    let mut out = Vec::new();
+    for ((model, residency, real), pts) in decode_context_points(inp) {
+        let path = dir.join(format!("decode-{model}-{residency}-tokens-vs-context.png"));
+        let title = format!(
+            "{model}: decode tokens/s of one session against its context (pages in {residency}; {})",
+            if real { "real weights" } else { "random weights, synthetic K/V" }
+        );
+        plot::tokens_vs_context(&pts, &title, &path)?;
+        out.push(path);
+    }
+    Ok(out)
+}
+
 /// [`collect`], [`render`] and an atomic write of the report to `out`.
 pub fn write_report(dir: &Path, stages: Option<&Path>, out: &Path) -> Result<(), ReportError> {
     let base = out

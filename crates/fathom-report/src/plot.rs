@@ -188,9 +188,54 @@ impl Drop for RemoveOnDrop<'_> {
     }
 }
 
-/// Writes aggregate decode tokens/s against the batch size (log₂ x) to `path` atomically, one
+/// Writes aggregate decode tokens/s against the batch size (log x) to `path` atomically, one
 /// line per method: `points` are `(method, batch, tokens_per_s)`.
 pub fn tokens_vs_batch(points: &[(String, usize, f64)], title: &str, path: &Path) -> Result<()> {
+    throughput_plot(
+        points,
+        (
+            "sessions decoding together (B)",
+            "aggregate tokens per second",
+        ),
+        &|x| format!("{x:.0}"),
+        SeriesLabelPosition::UpperLeft,
+        title,
+        path,
+    )
+}
+
+/// Writes per-session decode tokens/s against the context (log x, tokens) to `path`
+/// atomically, one line per method: `points` are `(method, context tokens, tokens_per_s)`.
+pub fn tokens_vs_context(points: &[(String, usize, f64)], title: &str, path: &Path) -> Result<()> {
+    throughput_plot(
+        points,
+        (
+            "context of each session (tokens)",
+            "tokens per second per session",
+        ),
+        &|x| {
+            if *x >= 1024.0 {
+                format!("{:.0}k", x / 1024.0)
+            } else {
+                format!("{x:.0}")
+            }
+        },
+        // The curves fall to the right.
+        SeriesLabelPosition::UpperRight,
+        title,
+        path,
+    )
+}
+
+/// One line per method of `(method, x, y)` points, x on a log₂ scale.
+fn throughput_plot(
+    points: &[(String, usize, f64)],
+    (x_desc, y_desc): (&str, &str),
+    x_fmt: &dyn Fn(&f64) -> String,
+    legend: SeriesLabelPosition,
+    title: &str,
+    path: &Path,
+) -> Result<()> {
     register_font()?;
     let pts: Vec<&(String, usize, f64)> = points
         .iter()
@@ -201,7 +246,27 @@ pub fn tokens_vs_batch(points: &[(String, usize, f64)], title: &str, path: &Path
             "nothing to plot: no positive throughput".into(),
         ));
     }
-    let xmax = pts.iter().map(|p| p.1).max().unwrap_or(1) as f64 * 1.5;
+    // x on a log₂ axis with a tick at every power of two (1, 2, 4 … or 64k, 128k …).
+    let l2 = |x: usize| (x as f64).log2();
+    let lo = pts
+        .iter()
+        .map(|p| l2(p.1))
+        .fold(f64::INFINITY, f64::min)
+        .floor();
+    let hi = pts
+        .iter()
+        .map(|p| l2(p.1))
+        .fold(f64::NEG_INFINITY, f64::max)
+        .ceil();
+    let (xmin, xmax) = (lo - 0.3, hi + 0.3);
+    let ticks = (hi - lo) as usize + 1;
+    let x_tick = |v: &f64| {
+        if (v - v.round()).abs() < 1e-6 {
+            x_fmt(&v.round().exp2())
+        } else {
+            String::new()
+        }
+    };
     let ymax = pts.iter().map(|p| p.2).fold(0.0, f64::max) * 1.1;
     let tmp = path.with_extension(format!("tmp-{}.png", std::process::id()));
     let _cleanup = RemoveOnDrop(&tmp);
@@ -213,13 +278,14 @@ pub fn tokens_vs_batch(points: &[(String, usize, f64)], title: &str, path: &Path
             .margin(15)
             .x_label_area_size(45)
             .y_label_area_size(80)
-            .build_cartesian_2d((0.75f64..xmax).log_scale(), 0f64..ymax)
+            .build_cartesian_2d(xmin..xmax, 0f64..ymax)
             .map_err(draw)?;
         chart
             .configure_mesh()
-            .x_desc("sessions decoding together (B)")
-            .y_desc("aggregate tokens per second")
-            .x_label_formatter(&|x| format!("{x:.0}"))
+            .x_desc(x_desc)
+            .y_desc(y_desc)
+            .x_labels(ticks + 1)
+            .x_label_formatter(&x_tick)
             .y_label_formatter(&|y| format!("{y:.0}"))
             .draw()
             .map_err(draw)?;
@@ -231,7 +297,7 @@ pub fn tokens_vs_batch(points: &[(String, usize, f64)], title: &str, path: &Path
             let mut series: Vec<(f64, f64)> = pts
                 .iter()
                 .filter(|p| p.0 == *m)
-                .map(|p| (p.1 as f64, p.2))
+                .map(|p| (l2(p.1), p.2))
                 .collect();
             series.sort_by(|a, b| a.0.total_cmp(&b.0));
             chart
@@ -253,7 +319,7 @@ pub fn tokens_vs_batch(points: &[(String, usize, f64)], title: &str, path: &Path
             .configure_series_labels()
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
+            .position(legend)
             .draw()
             .map_err(draw)?;
         root.present().map_err(|e| {
