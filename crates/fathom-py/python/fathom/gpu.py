@@ -50,7 +50,9 @@ def _stream(stream) -> int:
 class GpuCache:
     """The paged cache of one model shape (``layers``, ``kv_heads``, ``group`` query heads per
     KV head, head ``dim``) for up to ``max_sessions`` sessions of ``max_tokens`` tokens, its
-    pages in pinned host memory (``residency="host"``, read over PCIe) or in HBM."""
+    pages in pinned host memory (``residency="host"``, read over PCIe), in HBM (``"hbm"``), or
+    split (``"index-hbm"``: the bit planes and scales in HBM, the K|V records in host memory, so
+    only the fetched rows cross the link)."""
 
     def __init__(self, layers: int, kv_heads: int, group: int, dim: int, max_sessions: int,
                  max_tokens: int, pages: Optional[int] = None, page_tokens: int = 2048,
