@@ -382,6 +382,12 @@ pub struct DecodeBenchArgs {
     /// HBM row-cache slots per (session, layer, KV head).
     #[arg(long, default_value_t = 0)]
     pub row_cache: usize,
+    /// Also time every method and batch with the whole step (forward, appends, attention,
+    /// sampling) captured once as a CUDA graph and replayed (entries with `graph: true`; the
+    /// step's host work is then the reserve, two small uploads and one launch). Models with
+    /// sliding-window layers are refused.
+    #[arg(long)]
+    pub graph: bool,
     /// Head groups per attend (`PagedCache::set_attend_groups`: the scan of group i+1 overlaps
     /// group i's top-k, row fetch and attention on a second stream; the same outputs), 1 to
     /// the model's KV heads.
@@ -520,6 +526,17 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
             cfg.n_kv_heads
         );
     }
+    if a.graph
+        && cfg
+            .layer_kinds
+            .iter()
+            .any(|k| *k != fathom_model::LayerKind::Global)
+    {
+        bail!(
+            "--graph: {} has sliding-window layers, whose decode step is not captured as a graph",
+            a.model
+        );
+    }
     let d = cfg.head_dim;
     let atts = names
         .iter()
@@ -630,13 +647,15 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         a.steps,
         h2d_gbps,
         dcfg.residency,
+        a.graph,
     )?;
     for e in &m.entries {
         let sp = e.split.as_ref();
         println!(
-            "B={:<3} {:<12} {:>9.1} tok/s ({:.1} per session), step p50 {:.2} ms p99 {:.2} ms, link {:.1} MB/step = floor {:.2} ms; GPU split: weights {:.2}, attention {:.2}, appends {:.2}, sampling {:.2} ms",
+            "B={:<3} {:<12}{} {:>9.1} tok/s ({:.1} per session), step p50 {:.2} ms p99 {:.2} ms, link {:.1} MB/step = floor {:.2} ms; GPU split: weights {:.2}, attention {:.2}, appends {:.2}, sampling {:.2} ms",
             e.batch,
             e.method,
+            if e.graph { " graph" } else { "" },
             e.tokens_per_s,
             e.per_session_tokens_per_s,
             e.step_ms_p50,

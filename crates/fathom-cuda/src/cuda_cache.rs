@@ -274,6 +274,8 @@ pub struct PagedCache {
     plans_counted: u64,
     /// While capturing a graph: grids sized for the largest context, decode batches only.
     fixed_grids: bool,
+    /// While capturing: the plans counted before the capture began, and the batch's sessions.
+    capturing: Option<(u64, Vec<SessionId>)>,
     /// How attends select ([`PagedCache::set_select_path`]).
     select: crate::cache::SelectPath,
     /// Head groups per attend ([`PagedCache::set_attend_groups`]), the second stream that
@@ -473,6 +475,7 @@ impl PagedCache {
             calib,
             plans_counted: 0,
             fixed_grids: false,
+            capturing: None,
             select: crate::cache::SelectPath::Scores,
             groups: 1,
             scan_vec: 1,
@@ -1683,21 +1686,55 @@ impl PagedCache {
         batch: &AppendBatch,
         step: impl FnOnce(&mut PagedCache) -> Result<()>,
     ) -> Result<DecodeGraph> {
+        self.begin_capture(batch)?;
+        let ran = step(self);
+        let graph = self.end_capture();
+        ran?;
+        graph
+    }
+
+    /// [`PagedCache::capture`] in two calls, for a caller whose step is not a closure over
+    /// the cache (a model whose forward owns it): from here until [`PagedCache::end_capture`]
+    /// everything queued on [`PagedCache::stream`] is recorded, not run, and attends size
+    /// their grids for `max_tokens`. Nothing in between may wait for the stream.
+    ///
+    /// # Errors
+    /// A batch that is not the current decode batch; a capture already under way; a driver
+    /// failure (nothing is left capturing).
+    pub fn begin_capture(&mut self, batch: &AppendBatch) -> Result<()> {
         if batch.plans.iter().any(|p| p.tokens != 1) || batch.step != self.step {
             return Err(CudaError::invalid(
                 "capture",
                 "capture needs the current decode batch (one token per session)",
             ));
         }
+        if self.capturing.is_some() {
+            return Err(CudaError::invalid(
+                "capture",
+                "a capture is already under way",
+            ));
+        }
         self.sync()?;
-        let plans0 = self.plans_counted;
-        self.fixed_grids = true;
         self.stream
             .begin_capture(
                 cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             )
             .map_err(drv("begin_capture"))?;
-        let ran = step(self);
+        self.fixed_grids = true;
+        self.capturing = Some((self.plans_counted, batch.sessions()));
+        Ok(())
+    }
+
+    /// Ends the capture [`PagedCache::begin_capture`] started and instantiates the graph.
+    ///
+    /// # Errors
+    /// No capture under way; a failed capture (a launch that may not be captured, a wait for
+    /// the stream in between) or nothing captured.
+    pub fn end_capture(&mut self) -> Result<DecodeGraph> {
+        let (plans0, sessions) = self
+            .capturing
+            .take()
+            .ok_or_else(|| CudaError::invalid("capture", "no capture under way"))?;
         let graph = self
             .stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
@@ -1705,13 +1742,12 @@ impl PagedCache {
         // Nothing ran while capturing: the plans are counted when the graph is replayed.
         let plans = self.plans_counted - plans0;
         self.plans_counted = plans0;
-        ran?;
         let graph = graph
             .map_err(drv("end_capture"))?
             .ok_or_else(|| CudaError::invalid("capture", "the step launched nothing"))?;
         Ok(DecodeGraph {
             graph,
-            sessions: batch.sessions(),
+            sessions,
             plans,
         })
     }

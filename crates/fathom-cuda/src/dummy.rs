@@ -430,6 +430,20 @@ impl PagedCache {
     ) -> Result<DecodeGraph> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Starts capturing a decode step.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`].
+    pub fn begin_capture(&mut self, _batch: &crate::cache::AppendBatch) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Ends a capture.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`].
+    pub fn end_capture(&mut self) -> Result<DecodeGraph> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Replays a captured decode step.
     ///
     /// # Errors

@@ -173,6 +173,30 @@ pub struct GpuDecoder {
     /// Timing events of instrumented decode steps (`set_instrument`): per stage, the (start,
     /// end) pairs recorded since the last `take_stage_times`.
     timing: Option<Timing>,
+    /// cuBLAS's own workspace, set before the first capture ([`GpuDecoder::capture_greedy`]):
+    /// a captured GEMM may not allocate.
+    blas_workspace: Option<Mem>,
+}
+
+/// Bytes of the cuBLAS workspace a captured step uses (NVIDIA's recommendation for Hopper).
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A whole greedy decode step (every layer's forward, appends and attention, the LM head and
+/// the argmax) captured as one CUDA graph by [`GpuDecoder::capture_greedy`], for one batch of
+/// sessions and one attention; replayed by [`GpuDecoder::replay_greedy`].
+pub struct StepGraph {
+    graph: fathom_cuda::DecodeGraph,
+    sessions: Vec<SessionId>,
+    attention: Attention,
+}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepGraph")
+            .field("sessions", &self.sessions)
+            .field("attention", &self.attention)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Events of instrumented steps.
@@ -411,6 +435,7 @@ impl GpuDecoder {
             window,
             prepared: HashSet::new(),
             timing: None,
+            blas_workspace: None,
         })
     }
 
@@ -810,6 +835,17 @@ impl GpuDecoder {
 
     /// Checks a decode batch, reserves its rows and runs every layer (no logits yet).
     fn decode_layers(&mut self, batch: &[(SessionId, u32)], attention: &Attention) -> Result<()> {
+        let ab = self.decode_prologue(batch, attention)?;
+        self.layers(&ab, batch.len(), None, Some(attention))
+    }
+
+    /// The host part of a decode step: checks the batch and the method, reserves one row per
+    /// session and uploads the ids and positions.
+    fn decode_prologue(
+        &mut self,
+        batch: &[(SessionId, u32)],
+        attention: &Attention,
+    ) -> Result<AppendBatch> {
         let toks: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
         layout::check_tokens(&self.cfg, &toks)?;
         let mut pos = Vec::with_capacity(batch.len());
@@ -825,7 +861,7 @@ impl GpuDecoder {
         let sessions: Vec<(SessionId, usize)> = batch.iter().map(|&(s, _)| (s, 1)).collect();
         let ab = self.cache.reserve(&sessions)?;
         self.upload(&toks, &pos)?;
-        self.layers(&ab, batch.len(), None, Some(attention))
+        Ok(ab)
     }
 
     /// One decode step sampled greedily on the device: appends one token to each session of
@@ -841,8 +877,16 @@ impl GpuDecoder {
     ) -> Result<Vec<u32>> {
         let step = self.mark()?;
         self.decode_layers(batch, attention)?;
-        let rows = batch.len();
         let t = self.mark()?;
+        self.sample_greedy(batch.len())?;
+        Self::close(&self.stream, &mut self.timing, t, |tm| &mut tm.sampling)?;
+        Self::close(&self.stream, &mut self.timing, step, |tm| &mut tm.steps)?;
+        self.read_sampled(batch.len())
+    }
+
+    /// The LM head and the argmax of the first `rows` rows of the final hidden states, into
+    /// `work.sampled` (queued only).
+    fn sample_greedy(&self, rows: usize) -> Result<()> {
         self.lm_head_rows(0, rows)?;
         let w = &self.work;
         let v = self.cfg.vocab_size as u32;
@@ -851,12 +895,16 @@ impl GpuDecoder {
         // SAFETY: logits holds rows · vocab f32 and sampled max_batch ≥ rows u32.
         unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
             .map_err(drv("launch argmax_rows"))?;
-        Self::close(&self.stream, &mut self.timing, t, |tm| &mut tm.sampling)?;
-        Self::close(&self.stream, &mut self.timing, step, |tm| &mut tm.steps)?;
+        Ok(())
+    }
+
+    /// Waits for the stream, then the `rows` sampled ids (a row past the vocabulary had no
+    /// finite logit).
+    fn read_sampled(&self, rows: usize) -> Result<Vec<u32>> {
         self.stream.synchronize().map_err(drv("synchronize"))?;
         let mut out = vec![0u32; rows];
         // SAFETY: sampled holds at least `rows` u32; the stream is idle.
-        unsafe { result::memcpy_dtoh_sync(&mut out, w.sampled.ptr) }
+        unsafe { result::memcpy_dtoh_sync(&mut out, self.work.sampled.ptr) }
             .map_err(drv("memcpy_dtoh sampled tokens"))?;
         if let Some(i) = out.iter().position(|&t| t as usize >= self.cfg.vocab_size) {
             return Err(GpuError::invalid(
@@ -865,6 +913,98 @@ impl GpuDecoder {
             ));
         }
         Ok(out)
+    }
+
+    /// [`GpuDecoder::decode_greedy`] whose device work (every layer's forward, append and
+    /// attention, the LM head and the argmax) is captured as one CUDA graph, then run once by
+    /// replaying it: the step's tokens, and the graph for [`GpuDecoder::replay_greedy`] of the
+    /// same sessions with the same attention. The host work left per step is the reserve, the
+    /// upload of ids and positions, one graph launch and the copy of the sampled ids. The
+    /// cache sizes the attention grids for `max_tokens` while capturing (docs/SPEC.md §6.1),
+    /// so the graph stays valid as the sessions grow.
+    ///
+    /// # Errors
+    /// As [`GpuDecoder::decode_greedy`]; instrumentation on (events are not captured); a model
+    /// with sliding-window layers (their per-step row counts are uploaded from pageable
+    /// memory, which a graph may not capture); a failed capture.
+    pub fn capture_greedy(
+        &mut self,
+        batch: &[(SessionId, u32)],
+        attention: &Attention,
+    ) -> Result<(Vec<u32>, StepGraph)> {
+        if self.timing.is_some() {
+            return Err(GpuError::invalid(
+                "capture",
+                "instrumentation is on (set_instrument(false) first)",
+            ));
+        }
+        if self.cfg.layer_kinds.iter().any(|k| *k != LayerKind::Global) {
+            return Err(GpuError::invalid(
+                "capture",
+                format!(
+                    "{} has sliding-window layers: its decode step is not captured",
+                    self.cfg.name
+                ),
+            ));
+        }
+        if self.blas_workspace.is_none() {
+            let ws = Mem::new(BLAS_WORKSPACE_BYTES, "cuBLAS workspace")?;
+            // SAFETY: the workspace outlives the handle's use of it (both live in `self`; the
+            // handle is only used on this decoder's stream).
+            unsafe {
+                bsys::cublasSetWorkspace_v2(
+                    *self.blas.handle(),
+                    ws.ptr as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()
+            .map_err(blas_err("cublasSetWorkspace"))?;
+            self.blas_workspace = Some(ws);
+        }
+        let ab = self.decode_prologue(batch, attention)?;
+        let rows = batch.len();
+        self.cache.begin_capture(&ab)?;
+        let ran = self
+            .layers(&ab, rows, None, Some(attention))
+            .and_then(|()| self.sample_greedy(rows));
+        let graph = self.cache.end_capture();
+        ran?;
+        let graph = graph?;
+        self.cache.replay(&ab, &graph)?;
+        let out = self.read_sampled(rows)?;
+        Ok((
+            out,
+            StepGraph {
+                graph,
+                sessions: batch.iter().map(|b| b.0).collect(),
+                attention: *attention,
+            },
+        ))
+    }
+
+    /// One greedy decode step of the sessions `graph` was captured for (in its order, each
+    /// with the token it decodes), by replaying it.
+    ///
+    /// # Errors
+    /// Other sessions or another order than the captured ones; the checks of
+    /// [`GpuDecoder::decode_greedy`]; a device failure.
+    pub fn replay_greedy(
+        &mut self,
+        graph: &StepGraph,
+        batch: &[(SessionId, u32)],
+    ) -> Result<Vec<u32>> {
+        if batch.len() != graph.sessions.len()
+            || batch.iter().zip(&graph.sessions).any(|(b, s)| b.0 != *s)
+        {
+            return Err(GpuError::invalid(
+                "replay",
+                "the batch's sessions are not the ones the graph was captured for",
+            ));
+        }
+        let ab = self.decode_prologue(batch, &graph.attention)?;
+        self.cache.replay(&ab, &graph.graph)?;
+        self.read_sampled(batch.len())
     }
 
     /// Appends `tokens` **synthetic** K/V rows to `session` in every layer (keys uniform with

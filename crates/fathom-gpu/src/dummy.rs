@@ -62,6 +62,30 @@ impl GpuDecoder {
         Err(CudaError::NotCompiledWithCuda.into())
     }
 
+    /// A greedy decode step captured as a CUDA graph.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn capture_greedy(
+        &mut self,
+        _batch: &[(SessionId, u32)],
+        _attention: &Attention,
+    ) -> Result<(Vec<u32>, StepGraph)> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+
+    /// A replay of a captured step.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn replay_greedy(
+        &mut self,
+        _graph: &StepGraph,
+        _batch: &[(SessionId, u32)],
+    ) -> Result<Vec<u32>> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
+
     /// Turns per-stage timing on or off (nothing to time in this build).
     pub fn set_instrument(&mut self, _on: bool) {}
 
@@ -119,4 +143,10 @@ impl Decoder for GpuDecoder {
     fn decode(&mut self, _batch: &[(SessionId, u32)], _attention: &Attention) -> Result<Vec<f32>> {
         Err(CudaError::NotCompiledWithCuda.into())
     }
+}
+
+/// A captured decode step (never made in this build).
+#[derive(Debug)]
+pub struct StepGraph {
+    _never: (),
 }

@@ -70,12 +70,12 @@ pub mod throughput;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
-pub use cuda::GpuDecoder;
+pub use cuda::{GpuDecoder, StepGraph};
 
 #[cfg(not(feature = "cuda"))]
 mod dummy;
 #[cfg(not(feature = "cuda"))]
-pub use dummy::GpuDecoder;
+pub use dummy::{GpuDecoder, StepGraph};
 
 pub use decoder::{Attention, Decoder, StageTimes};
 pub use error::{GpuError, Result};

@@ -96,7 +96,9 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// Times `steps` decode steps per batch size in `batches` (each at most `roots.len()`) and
-/// method, from forks of `roots` (prefilled sessions with the token each decodes first).
+/// method, from forks of `roots` (prefilled sessions with the token each decodes first); with
+/// `graph`, each again with the whole step replayed as one CUDA graph
+/// ([`GpuDecoder::capture_greedy`]; entries with `graph: true`).
 ///
 /// # Errors
 /// Whatever the decoder refuses; a batch larger than the roots.
@@ -109,6 +111,7 @@ pub fn measure(
     steps: usize,
     h2d_gbps: f64,
     residency: fathom_cuda::Residency,
+    graph: bool,
 ) -> Result<Measured> {
     use fathom_cuda::Residency;
     let cfg = dec.config().clone();
@@ -143,12 +146,16 @@ pub fn measure(
                 format!("{b} sessions, {} prefilled", roots.len()),
             ));
         }
-        for (name, att) in methods {
+        let modes: &[bool] = if graph { &[false, true] } else { &[false] };
+        for ((name, att), &as_graph) in methods
+            .iter()
+            .flat_map(|m| modes.iter().map(move |g| (m, g)))
+        {
             let mut forks = Vec::with_capacity(b);
             for &(s, _) in &roots[..b] {
                 forks.push(dec.fork(s)?);
             }
-            let r = time_one(dec, &forks, &roots[..b], att, steps);
+            let r = time_one(dec, &forks, &roots[..b], att, steps, as_graph);
             for f in &forks {
                 dec.free(*f)?;
             }
@@ -199,6 +206,7 @@ pub fn measure(
                     0.0
                 },
                 split: Some(t.split),
+                graph: as_graph,
             });
         }
     }
@@ -227,14 +235,25 @@ fn time_one(
     roots: &[(SessionId, u32)],
     att: &Attention,
     steps: usize,
+    graph: bool,
 ) -> Result<Timed> {
     let mut toks: Vec<u32> = roots.iter().map(|r| r.1).collect();
+    let batch_of = |toks: &[u32]| -> Vec<(SessionId, u32)> {
+        forks.iter().copied().zip(toks.iter().copied()).collect()
+    };
     let step = |dec: &mut GpuDecoder, toks: &mut Vec<u32>| -> Result<()> {
-        let batch: Vec<_> = forks.iter().copied().zip(toks.iter().copied()).collect();
-        *toks = dec.decode_greedy(&batch, att)?;
+        *toks = dec.decode_greedy(&batch_of(toks), att)?;
         Ok(())
     };
     step(dec, &mut toks)?; // untimed: the method's first plans and the row cache
+                           // With `graph`, a second untimed step captures the whole step (and runs it once).
+    let captured = if graph {
+        let (t, g) = dec.capture_greedy(&batch_of(&toks), att)?;
+        toks = t;
+        Some(g)
+    } else {
+        None
+    };
     let (bits0, plans0) = dec.cache_mut()?.plan_bits()?;
     let rc0 = dec.cache_mut()?.row_counters()?;
     let mut ms = Vec::with_capacity(steps);
@@ -244,7 +263,10 @@ fn time_one(
             keys += (dec.len(f)? + 1) as f64;
         }
         let t = std::time::Instant::now();
-        step(dec, &mut toks)?;
+        match &captured {
+            Some(g) => toks = dec.replay_greedy(g, &batch_of(&toks))?,
+            None => step(dec, &mut toks)?,
+        }
         ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let (bits1, plans1) = dec.cache_mut()?.plan_bits()?;

@@ -299,6 +299,7 @@ mod tests {
                 appends_ms: 0.1,
                 sampling_ms: 0.2,
             }),
+            graph: false,
         };
         let doc = DecodeBench {
             capacity: None,

@@ -37,6 +37,10 @@ pub struct DecodeBenchEntry {
     /// Where the GPU time of a few instrumented steps went (CUDA events; not the timed steps).
     #[serde(default)]
     pub split: Option<StageSplit>,
+    /// Whether the timed steps replayed the whole step as one CUDA graph (`--graph`); the
+    /// split's steps are never graphs (absent in older runs: false).
+    #[serde(default)]
+    pub graph: bool,
 }
 
 /// Mean GPU milliseconds per instrumented step, by stage.
