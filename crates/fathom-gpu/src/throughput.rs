@@ -86,6 +86,28 @@ pub fn host_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// Bytes one step moves over the link (docs/SPEC.md §6's traffic model, the weights aside):
+/// `key_heads` (Σ over sessions of keys scanned, times global layers and KV heads) at
+/// `plan_bits` each, plus `row_misses` records of `record` bytes fetched past the row cache;
+/// dense reads every key's record. With the pages in HBM nothing crosses; with the index in
+/// HBM only the records do.
+pub fn link_bytes(
+    residency: fathom_cuda::Residency,
+    dense: bool,
+    key_heads: f64,
+    plan_bits: f64,
+    row_misses: f64,
+    record: f64,
+) -> f64 {
+    use fathom_cuda::Residency;
+    match (residency, dense) {
+        (Residency::Hbm, _) => 0.0,
+        (_, true) => key_heads * record,
+        (Residency::Host, false) => key_heads * plan_bits / 8.0 + row_misses * record,
+        (Residency::IndexHbm, false) => row_misses * record,
+    }
+}
+
 /// The value at quantile `p` of `sorted` (nearest rank).
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -172,16 +194,14 @@ pub fn measure(
             };
             let rows = t.rows as f64 / n;
             let misses = (t.rows - t.hits) as f64 / n;
-            // With the pages in HBM nothing of the cache crosses the link; with the index in
-            // HBM only the records do.
-            let pcie = match (residency, att.method) {
-                (Residency::Hbm, _) => 0.0,
-                (_, AttendMethod::Dense) => t.keys / n * heads * record,
-                (Residency::Host, AttendMethod::Scan(_)) => {
-                    t.keys / n * heads * plan_bits / 8.0 + misses * record
-                }
-                (Residency::IndexHbm, AttendMethod::Scan(_)) => misses * record,
-            };
+            let pcie = link_bytes(
+                residency,
+                matches!(att.method, AttendMethod::Dense),
+                t.keys / n * heads,
+                plan_bits,
+                misses,
+                record,
+            );
             let total_s: f64 = t.ms.iter().sum::<f64>() / 1e3;
             let mut sorted = t.ms.clone();
             sorted.sort_by(f64::total_cmp);
@@ -300,7 +320,24 @@ fn time_one(
 
 #[cfg(test)]
 mod tests {
-    use super::{capacity, host_memory_bytes, percentile, USABLE_FRACTION};
+    use super::{capacity, host_memory_bytes, link_bytes, percentile, USABLE_FRACTION};
+    use fathom_cuda::Residency;
+
+    #[test]
+    fn link_bytes_follow_the_residency() {
+        // 1000 keys × layers × heads at 48 bits, 10 row misses of 512 bytes.
+        let (k, b, m, r) = (1000.0, 48.0, 10.0, 512.0);
+        assert_eq!(
+            link_bytes(Residency::Host, false, k, b, m, r),
+            6000.0 + 5120.0
+        );
+        assert_eq!(link_bytes(Residency::IndexHbm, false, k, b, m, r), 5120.0);
+        assert_eq!(link_bytes(Residency::Hbm, false, k, b, m, r), 0.0);
+        for res in [Residency::Host, Residency::IndexHbm] {
+            assert_eq!(link_bytes(res, true, k, 0.0, 0.0, r), 512_000.0);
+        }
+        assert_eq!(link_bytes(Residency::Hbm, true, k, 0.0, 0.0, r), 0.0);
+    }
 
     #[test]
     fn capacity_fills_the_usable_memory_with_the_cycled_contexts() {
