@@ -606,19 +606,8 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         }
         None => {
             let mut dec = GpuDecoder::random(&gpu, cfg.clone(), 7, dcfg)?;
-            // The synthetic keys' exact channel variances, (0.1 + c/D)² / 3, as the calibration;
-            // DS keeps the widest channels.
-            let sigma2: Vec<f32> = (0..d)
-                .map(|c| (0.1 + c as f32 / d as f32).powi(2) / 3.0)
-                .collect();
-            let heads = vec![
-                fathom_plan::scanner::HeadCalib {
-                    sigma2,
-                    ds_channels: (0..d as u16).rev().collect(),
-                    ..Default::default()
-                };
-                cfg.n_kv_heads
-            ];
+            // The synthetic keys' exact channel variances as the calibration.
+            let heads = fathom_gpu::presets::synthetic_calibration(&cfg);
             for l in 0..cfg.n_layers {
                 dec.cache_mut()?.load_calibration(l, &heads)?;
             }

@@ -64,6 +64,25 @@ pub fn preset(name: &str) -> Option<Config> {
     }
 }
 
+/// The calibration of [`crate::GpuDecoder::fill_synthetic`]'s keys, for every KV head of a
+/// layer: their exact channel variances (channel `c` is uniform on `±(0.1 + c/D)`, so
+/// `σ²_c = (0.1 + c/D)² / 3`), and Double Sparsity's channels widest first. Labelled runs
+/// with random weights load it on every layer.
+pub fn synthetic_calibration(c: &Config) -> Vec<fathom_plan::scanner::HeadCalib> {
+    let d = c.head_dim;
+    let sigma2: Vec<f32> = (0..d)
+        .map(|ch| (0.1 + ch as f32 / d as f32).powi(2) / 3.0)
+        .collect();
+    vec![
+        fathom_plan::scanner::HeadCalib {
+            sigma2,
+            ds_channels: (0..d as u16).rev().collect(),
+            ..Default::default()
+        };
+        c.n_kv_heads
+    ]
+}
+
 /// The preset names.
 pub const PRESETS: [&str; 2] = ["qwen3-8b", "llama3.1-8b"];
 
@@ -97,5 +116,20 @@ mod tests {
             assert!(c.layer_kinds.iter().all(|k| *k == LayerKind::Global));
         }
         assert!(preset("gpt-2").is_none());
+    }
+
+    #[test]
+    fn the_synthetic_calibration_is_the_fill_distributions_variance() {
+        let c = preset("qwen3-8b").unwrap();
+        let heads = synthetic_calibration(&c);
+        assert_eq!(heads.len(), c.n_kv_heads);
+        let s = &heads[0].sigma2;
+        assert_eq!(s.len(), c.head_dim);
+        // Uniform on ±w has variance w²/3: w = 0.1 at channel 0, 0.1 + 127/128 at the last.
+        assert!((s[0] - 0.01 / 3.0).abs() < 1e-7);
+        let w = 0.1 + 127.0 / 128.0;
+        assert!((s[127] - w * w / 3.0).abs() < 1e-6);
+        assert!(s.windows(2).all(|p| p[1] > p[0]));
+        assert_eq!(heads[0].ds_channels[0], 127);
     }
 }

@@ -66,17 +66,7 @@ fn a_replayed_step_samples_what_plain_launches_sample() {
         dcfg.max_k = 64;
         dcfg.residency = residency;
         let mut dec = GpuDecoder::random(&gpu, cfg.clone(), 3, dcfg).unwrap();
-        let sigma2: Vec<f32> = (0..d)
-            .map(|c| (0.1 + c as f32 / d as f32).powi(2) / 3.0)
-            .collect();
-        let heads = vec![
-            fathom_plan::scanner::HeadCalib {
-                sigma2,
-                ds_channels: (0..d as u16).rev().collect(),
-                ..Default::default()
-            };
-            cfg.n_kv_heads
-        ];
+        let heads = fathom_gpu::presets::synthetic_calibration(&cfg);
         for l in 0..cfg.n_layers {
             dec.cache_mut()
                 .unwrap()
