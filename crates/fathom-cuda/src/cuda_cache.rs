@@ -552,6 +552,14 @@ impl PagedCache {
     }
 
     fn sync(&self) -> Result<()> {
+        // A wait for a stream being captured would end the capture with a driver error: a
+        // call that waits (reserve, fork, free, the readbacks) is refused by name instead.
+        if self.capturing.is_some() {
+            return Err(CudaError::invalid(
+                "capture",
+                "a capture is under way: nothing may wait for the stream until end_capture",
+            ));
+        }
         self.stream.synchronize().map_err(drv("stream synchronize"))
     }
 
