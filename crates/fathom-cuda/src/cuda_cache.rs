@@ -1806,16 +1806,8 @@ impl PagedCache {
         let Some(recs) = self.rec_pools.get(layer) else {
             return read(pool);
         };
-        let lay = self.layout;
-        let (key, rec) = lay.split_page_bytes();
-        let (stride, key, rec) = (lay.page_bytes() as usize, key as usize, rec as usize);
         let (kb, rb) = (read(pool)?, read(recs)?);
-        let mut out = vec![0u8; lay.pool_bytes() as usize];
-        for (i, page) in out.chunks_exact_mut(stride).enumerate() {
-            page[..key].copy_from_slice(&kb[i * key..(i + 1) * key]);
-            page[key..].copy_from_slice(&rb[i * rec..(i + 1) * rec]);
-        }
-        Ok(std::borrow::Cow::Owned(out))
+        Ok(std::borrow::Cow::Owned(self.layout.join_split(&kb, &rb)?))
     }
 
     /// Waits for the stream, then one layer's store of `session` in `fathom-store`'s layout

@@ -171,6 +171,33 @@ impl PagedLayout {
     pub fn split_page_bytes(&self) -> (u64, u64) {
         (self.records_at, self.page_bytes - self.records_at)
     }
+    /// The split residency's two pools (`index`: every page's key section at stride
+    /// `split_page_bytes().0`; `records`: the rest at stride `.1`) interleaved back into one pool
+    /// in this layout, page by page: what the CPU readers of a pool take.
+    ///
+    /// # Errors
+    /// A pool whose length is not [`PagedLayout::pages`] times its stride.
+    pub fn join_split(&self, index: &[u8], records: &[u8]) -> Result<Vec<u8>, PageError> {
+        let (key, rec) = self.split_page_bytes();
+        let (key, rec) = (key as usize, rec as usize);
+        for (what, got, stride) in [
+            ("index pool", index.len(), key),
+            ("records pool", records.len(), rec),
+        ] {
+            if got != self.pages * stride {
+                return Err(PageError::Config {
+                    what,
+                    detail: format!("{got} bytes, want {} pages × {stride}", self.pages),
+                });
+            }
+        }
+        let mut out = vec![0u8; self.pool_bytes() as usize];
+        for (i, page) in out.chunks_exact_mut(self.page_bytes as usize).enumerate() {
+            page[..key].copy_from_slice(&index[i * key..(i + 1) * key]);
+            page[key..].copy_from_slice(&records[i * rec..(i + 1) * rec]);
+        }
+        Ok(out)
+    }
 
     /// Offset of `page`.
     pub fn page_offset(&self, page: PageId) -> Result<u64, PageError> {
@@ -376,6 +403,15 @@ mod tests {
             assert_eq!(index + records, lay.page_bytes());
             assert!(records >= lay.record_section_bytes());
             assert_eq!(records % 16, 0);
+            // Joining the two pools gives back the one pool, byte for byte.
+            let pool: Vec<u8> = (0..lay.pool_bytes())
+                .map(|i| (i * 31 % 251) as u8)
+                .collect();
+            let (pb, ix) = (lay.page_bytes() as usize, index as usize);
+            let idx: Vec<u8> = pool.chunks(pb).flat_map(|p| p[..ix].to_vec()).collect();
+            let rec: Vec<u8> = pool.chunks(pb).flat_map(|p| p[ix..].to_vec()).collect();
+            assert_eq!(lay.join_split(&idx, &rec).unwrap(), pool);
+            assert!(lay.join_split(&idx[1..], &rec).is_err());
         }
     }
 
