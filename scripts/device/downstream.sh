@@ -2,7 +2,7 @@
 # The downstream runs of issue 15 on the GPU (`--device cuda`), every method the paged cache
 # runs (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, thumb2, and the r = D/4 baselines),
 # after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
-# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|probe|compare|throughput
+# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|probe|tune|eval|compare|throughput
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
 set -u
 B=.devbin
@@ -14,6 +14,9 @@ GM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,sparq:64,ds:32,d
 # Task shapes tried by `probe` (dense only, 5 samples per task): the counts RULER plants and the
 # needle's digits (issue 15 item 5: dense must reach 0.5 on at least 4 of the 6 tasks).
 SHAPES="small small,digits=4 small,keys=1,values=1,chain=1 small,digits=3,chain=1"
+# Shapes `tune` tries: RULER's counts for small models with its needle or the pass key, at 7 or
+# 4 digits, and vt's chain of 2 or 1 (every one keeps each task's RULER structure).
+TUNE_SHAPES=${TUNE_SHAPES:-"small small,digits=4,chain=1 small,needle=passkey small,needle=passkey,digits=4,chain=1"}
 run() {  # run NAME ARGS...
   name=$1; shift
   /usr/bin/time -f "wall %e s" timeout 560 $B/fathom "$@" --device cuda --offline --json $OUT/$name.json \
@@ -52,6 +55,31 @@ throughput)
       > $OUT/decode-bench-$1-$2.txt 2>&1
     echo "decode-bench $1 $2 rc=$?" | tee -a $OUT/summary.txt; tail -15 $OUT/decode-bench-$1-$2.txt
   done
+  ;;
+tune)
+  # tune MODEL CONTEXT K: issue 15 item 5. Dense-only probes (dense and exact, 5 samples per
+  # task, seed 1: not the evaluation's seed 0, so the choice is not fitted to the samples it
+  # is judged on) of each shape in $TUNE_SHAPES; scripts/device/pick_shape.py keeps the one on
+  # which dense reaches 0.5 on the most tasks and writes $OUT/tune-MODEL.md; the choice is
+  # saved on the device for `eval` (next call) as $FATHOM_CACHE/tune-MODEL.shape.
+  model=$2 ctx=$3 k=$4 pairs=""
+  for shape in $TUNE_SHAPES; do
+    tag=$(echo $shape | tr ',=' '-_')
+    run tune-$model-$tag ruler --model $model --context $ctx --k $k --prompt chat --shape $shape \
+      --samples ${TUNE_SAMPLES:-5} --seed 1 --methods dense
+    pairs="$pairs $shape@$OUT/tune-$model-$tag.json"
+  done
+  best=$(python3 scripts/device/pick_shape.py $OUT/tune-$model.md $pairs) || exit 1
+  echo "$best" > $FATHOM_CACHE/tune-$model.shape
+  echo "tune $model: kept $best" | tee -a $OUT/summary.txt; cat $OUT/tune-$model.md
+  ;;
+eval)
+  # eval MODEL CONTEXT K METHODS [SAMPLES]: the RULER run at the shape `tune` kept (seed 0).
+  model=$2 ctx=$3 k=$4 methods=$5 samples=${6:-20}
+  shape=$(cat $FATHOM_CACHE/tune-$model.shape) || { echo "no tune-$model.shape: run tune first"; exit 1; }
+  run ruler-$model-$((ctx / 1024))k ruler --model $model --context $ctx --k $k --prompt chat --shape $shape \
+    --samples $samples --methods $methods
+  grep -A12 "^| task" $OUT/ruler-$model-$((ctx / 1024))k.md | head -14
   ;;
 compare)
   # The same small ruler and agent-steps case on both paths (the CPU runtime with the GPU's

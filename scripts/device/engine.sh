@@ -80,12 +80,12 @@ decode)
 graph)
   # The whole decode step as one CUDA graph (issue 17 item 2): its device test (replays sample
   # what plain launches sample, host and split residency), then decode-bench with and without
-  # the graph at 8 x 64k and 1 x 64k: the host overhead per step is the difference of the
-  # step times of the two entries of each method.
+  # the graph at 8 x 64k (the target's B = 8): the host overhead per step is the difference of
+  # the step times of the two entries of each method.
   LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} timeout 200 $B/gpu_graph --test-threads 1 --nocapture > $OUT/gpu-graph-test.log 2>&1
   echo "gpu_graph rc=$? $(grep 'test result' $OUT/gpu-graph-test.log)" | tee -a $OUT/summary.txt
-  DECODE_TIMEOUT=250 bash $0 decode decode-bench-qwen3-8b-8x64k-graph --model qwen3-8b --context 64k --batch 1,8 --steps 16 \
-    --row-cache 8192 --graph --methods dense,fathom:48,sparq:32
+  DECODE_TIMEOUT=250 bash $0 decode decode-bench-qwen3-8b-8x64k-graph --model qwen3-8b --context 64k --batch 8 --steps 16 \
+    --row-cache 8192 --graph --methods fathom:48,sparq:32
   ;;
 rowsweep)
   # rowsweep SLOTS...: the row cache's size (issue 16), one offload-bench run per setting,

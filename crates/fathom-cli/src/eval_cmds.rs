@@ -108,8 +108,10 @@ pub struct RulerArgs {
     /// Tokens to generate (and to reserve when sizing); default RULER's per task (128, vt 30, fwe 50).
     #[arg(long)]
     pub max_new: Option<usize>,
-    /// Keep generating past the first completed line (by default a branch stops at the first
-    /// newline that follows alphanumeric output: the answer prefix asks for one line).
+    /// Keep generating past the end of the answer, to a stop token or `--max-new` (RULER's
+    /// rule). By default a branch stops at the answer's end: the first newline after
+    /// alphanumeric output for a task of one value, the first blank line after it for a task
+    /// of several (a list, one value per line).
     #[arg(long)]
     pub no_line_stop: bool,
     /// Prompt wording around RULER's structure: `ruler` (its templates verbatim) or `chat`
@@ -306,14 +308,10 @@ fn bar(total: u64) -> ProgressBar {
     pb
 }
 
-fn first_line_done(tok: &Tokenizer, ids: &[u32]) -> bool {
-    match tok.decode(ids) {
-        // A newline after some alphanumeric output ends the answer line (`:\n` does not).
-        Ok(t) => t
-            .find(|c: char| c.is_alphanumeric())
-            .is_some_and(|i| t[i..].contains('\n')),
-        Err(_) => false,
-    }
+/// [`fathom_eval::ruler::answer_ended`] on the decoded generation `ids`.
+fn answer_done(tok: &Tokenizer, ids: &[u32], several: bool) -> bool {
+    tok.decode(ids)
+        .is_ok_and(|t| fathom_eval::ruler::answer_ended(&t, several))
 }
 
 fn write_json(path: &Option<PathBuf>, doc: fathom_results::Document) -> Result<()> {
@@ -451,7 +449,8 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         let samples = (0..a.samples)
             .map(|i| generate(task, &tp, tok, &haystack, &words, i))
             .collect::<Result<Vec<_>, _>>()?;
-        let stop = |ids: &[u32]| !a.no_line_stop && first_line_done(tok, ids);
+        let several = samples.first().is_some_and(|x| x.gold.len() > 1);
+        let stop = |ids: &[u32]| !a.no_line_stop && answer_done(tok, ids, several);
         // On the GPU every sample's prefill first, then each method's branches of a group of
         // samples in one batch: `[sample][method]` = (branch, seconds), and each prefill's time.
         let on_gpu = match gpu.as_mut() {
@@ -615,6 +614,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         tasks: tasks.iter().map(|t| t.name().to_string()).collect(),
         samples_per_task: a.samples,
         line_stop: !a.no_line_stop,
+        stop: (!a.no_line_stop).then(|| "answer".to_string()),
         prompt: Some(a.prompt.clone()),
         shape: Some(shape.label()),
         haystack: haystack.source.clone(),

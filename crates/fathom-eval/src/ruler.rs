@@ -774,6 +774,20 @@ fn fwe(
     Ok((build(w), vocab[1..4].to_vec(), w))
 }
 
+/// Whether a generation's text has ended its answer: the end-of-answer rule of `fathom ruler`
+/// (a result records it as `stop: "answer"`), which saves generating RULER's full
+/// `tokens_to_generate` after the answer. A newline after some alphanumeric output ends an
+/// answer of one value (`":\n"` does not, so a reply that opens with a colon goes on); an
+/// answer of several values (`several`: multivalue, multiquery, `vt`, `fwe`) is often a list,
+/// one value per line, so only a blank line after alphanumeric output ends it. Score-wise the
+/// rule can only lower a score against generating on (RULER's scoring counts gold strings
+/// anywhere in the generation), never raise it.
+pub fn answer_ended(text: &str, several: bool) -> bool {
+    let end = if several { "\n\n" } else { "\n" };
+    text.find(char::is_alphanumeric)
+        .is_some_and(|i| text[i..].contains(end))
+}
+
 /// RULER's `string_match_all`: the fraction of `gold` found in `generation`, ignoring case.
 pub fn score(generation: &str, gold: &[String]) -> f64 {
     if gold.is_empty() {
@@ -841,5 +855,30 @@ mod needle_tests {
             let opening: String = t.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
             assert!(!a.trim().starts_with(&opening), "{a:?} vs {opening:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod stop_tests {
+    use super::*;
+
+    #[test]
+    fn one_value_ends_at_its_line_and_a_list_at_its_blank_line() {
+        // One value: the line ends the answer, but a reply that opens with a colon goes on.
+        assert!(!answer_ended(":\n\n", false));
+        assert!(!answer_ended(" 6032278", false));
+        assert!(answer_ended(":\n\n* 6032278\n", false));
+        // Several: the list's lines do not end it (the old rule cut the list here, after
+        // its first value), its blank line does.
+        assert!(!answer_ended(":\n\n* 9326360\n", true));
+        assert!(!answer_ended(":\n\n* 9326360\n* 4284637\n", true));
+        assert!(answer_ended(":\n\n* 9326360\n* 4284637\n\nThese are", true));
+        // What the list rule buys: the one-value rule would end this reply at its first
+        // value, scoring 0.5 of a 1.0 answer.
+        let g = [String::from("9326360"), String::from("4284637")];
+        let first = ":\n\n* 9326360\n";
+        assert!(answer_ended(first, false));
+        assert_eq!(score(first, &g), 0.5);
+        assert_eq!(score(":\n\n* 9326360\n* 4284637\n\n", &g), 1.0);
     }
 }

@@ -145,8 +145,15 @@ pub struct RulerDoc {
     pub tasks: Vec<String>,
     /// Samples per task.
     pub samples_per_task: usize,
-    /// Generation stops at the end of the first answer line.
+    /// Generation stops at the end of the answer (and not only at a stop token or after
+    /// `max_new` tokens, as RULER's does).
     pub line_stop: bool,
+    /// Which end-of-answer rule `line_stop` used: `answer` (the end of the first line for a
+    /// task of one gold value, the first blank line for a task of several, which models
+    /// answer as a list); absent in earlier files, whose rule was the end of the first line
+    /// for every task (it cut a list after its first value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<String>,
     /// The prompt format: `ruler` (RULER's templates verbatim) or `chat` (the model's chat
     /// turn, singular answer prefix for one value); absent in runs before the choice existed
     /// (RULER's).
