@@ -50,7 +50,7 @@ throughput)
   [ $# -eq 0 ] && set -- smollm2-135m gemma3-270m
   for model in "$@"; do
     set -- $model 32k
-    timeout 280 $B/fathom decode-bench --model $1 --context $2 --batch 1,4,16 --steps 32 --row-cache 8192 \
+    timeout ${DECODE_TIMEOUT:-170} $B/fathom decode-bench --model $1 --context $2 --batch 1,4,16 --steps 32 --row-cache 8192 \
       --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32 --offline --json $OUT/decode-bench-$1-$2.json --plot $OUT/decode-bench-$1-$2.png \
       > $OUT/decode-bench-$1-$2.txt 2>&1
     echo "decode-bench $1 $2 rc=$?" | tee -a $OUT/summary.txt; tail -15 $OUT/decode-bench-$1-$2.txt
@@ -77,9 +77,12 @@ eval)
   # eval MODEL CONTEXT K METHODS [SAMPLES]: the RULER run at the shape `tune` kept (seed 0).
   model=$2 ctx=$3 k=$4 methods=$5 samples=${6:-20}
   shape=$(cat $FATHOM_CACHE/tune-$model.shape) || { echo "no tune-$model.shape: run tune first"; exit 1; }
-  run ruler-$model-$((ctx / 1024))k ruler --model $model --context $ctx --k $k --prompt chat --shape $shape \
-    --samples $samples --methods $methods
-  grep -A12 "^| task" $OUT/ruler-$model-$((ctx / 1024))k.md | head -14
+  # TASKS=a,b (optional): only these tasks, in a file named after them (a run split over two
+  # calls to fit the device's 10-minute limit; scripts/device/merge_ruler.py joins them).
+  name=ruler-$model-$((ctx / 1024))k${TASKS:+-$(echo $TASKS | tr ',' '-')}
+  run $name ruler --model $model --context $ctx --k $k --prompt chat --shape $shape \
+    --samples $samples --methods $methods ${TASKS:+--tasks $TASKS}
+  grep -A12 "^| task" $OUT/$name.md | head -14
   ;;
 compare)
   # The same small ruler and agent-steps case on both paths (the CPU runtime with the GPU's

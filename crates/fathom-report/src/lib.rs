@@ -148,6 +148,13 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                     Document::Fidelity(d) => push!(fidelity, d),
                     Document::CalibrationSummary(d) => push!(calibration, d),
                     Document::OffloadBench(d) => push!(offload, d),
+                    // A run of dense and exact alone (a task-shape probe) has no sparse
+                    // method to judge: listed with its dense scores, not read as a claim.
+                    Document::Ruler(d)
+                        if d.header.methods.iter().all(|m| m == "dense" || m == "exact") =>
+                    {
+                        inp.others.push((path.clone(), dense_probe_line(&d)))
+                    }
                     Document::Ruler(d) => push!(ruler, d),
                     Document::AgentSteps(d) => push!(agent, d),
                     Document::ModelSpeed(d) => push!(speed, d),
@@ -182,6 +189,32 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
         inp.stages = fathom_results::stages::read_stage_log(st)?;
     }
     Ok(inp)
+}
+
+/// The line that lists a dense-only RULER run (a task-shape probe): its model, context,
+/// shape, seed and dense score per task.
+fn dense_probe_line(d: &RulerDoc) -> String {
+    let scores: Vec<String> = d
+        .tasks
+        .iter()
+        .map(|t| {
+            let dense = d
+                .summary
+                .get(t)
+                .and_then(|s| s.methods.get("dense"))
+                .map_or("—".to_string(), |m| format!("{:.2}", m.score));
+            format!("{t} {dense}")
+        })
+        .collect();
+    format!(
+        "a dense-only task probe of {} at {} tokens (shape: {}; seed {}; {} samples per task), no sparse method to judge: dense {}",
+        d.header.model,
+        d.header.context,
+        d.shape.as_deref().unwrap_or("ruler"),
+        d.header.seed,
+        d.samples_per_task,
+        scores.join(", ")
+    )
 }
 
 /// Renders the whole report: the header, every claim of [`claims::CLAIMS`] in order, then

@@ -144,6 +144,30 @@ fn json_that_is_no_result_is_listed_not_read() {
     assert!(md.contains("- `table.json`: no `kind` field"), "{md}");
 }
 
+/// A committed task-shape probe (a RULER run of dense and exact only) is listed with its dense
+/// scores, and gets no claim section: there is no sparse method in it to judge. The same
+/// file with a sparse method added is read as a claim again.
+#[test]
+fn a_dense_only_ruler_probe_is_listed_not_judged() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let probe = root.join("results/downstream/gpu/tune/tune-gemma3-270m-small.json");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(&probe, dir.path().join("probe.json")).unwrap();
+    let md = render(dir.path(), None);
+    assert!(
+        md.contains("- `probe.json`: a dense-only task probe of gemma3-270m at 32768 tokens"),
+        "{md}"
+    );
+    assert!(md.contains("seed 1; 5 samples per task"), "{md}");
+    assert!(!md.contains("`probe.json` (gemma3-270m"), "{md}");
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&probe).unwrap()).unwrap();
+    doc["methods"] = serde_json::json!(["dense", "exact", "fathom:48"]);
+    std::fs::write(dir.path().join("probe.json"), doc.to_string()).unwrap();
+    let md = render(dir.path(), None);
+    assert!(md.contains("`probe.json` (gemma3-270m"), "{md}");
+}
+
 /// `results/REPORT.md` is what `fathom report` renders from the committed results today: a
 /// result changed without re-rendering the report fails here.
 #[test]
