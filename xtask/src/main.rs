@@ -307,7 +307,10 @@ struct Matrix {
     speed: Vec<(&'static str, &'static str)>,
 }
 
-const RULER_FULL: &str = "ruler --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples 20 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
+/// The full run's RULER wording and task shape: the one `scripts/device/downstream.sh tune`
+/// kept on the GPU for both models (dense-only probes on a held-out seed,
+/// `results/downstream/gpu/tune/`), i.e. the committed 20-sample GPU runs' setting.
+const RULER_FULL: &str = "ruler --prompt chat --shape small,needle=passkey --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples 20 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
 const RULER_QUICK: &str =
     "ruler --tasks niah_single,niah_multikey,vt --samples 1 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32";
 const AGENT_FULL: &str = "agent-steps --sessions 4 --steps 64 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
