@@ -2,7 +2,7 @@
 # The downstream runs of issue 15 on the GPU (`--device cuda`), every method the paged cache
 # runs (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, thumb2, and the r = D/4 baselines),
 # after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
-# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|probe|tune|eval|compare|throughput
+# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|tune|eval|compare|throughput
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
 set -u
 B=.devbin
@@ -11,9 +11,6 @@ export FATHOM_CACHE=$HOME/.cache/fathom
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 SM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:16,ds:32,thumb2"
 GM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,sparq:64,ds:32,ds:64,thumb2"
-# Task shapes tried by `probe` (dense only, 5 samples per task): the counts RULER plants and the
-# needle's digits (issue 15 item 5: dense must reach 0.5 on at least 4 of the 6 tasks).
-SHAPES="small small,digits=4 small,keys=1,values=1,chain=1 small,digits=3,chain=1"
 # Shapes `tune` tries: RULER's counts for small models with its needle or the pass key, at 7 or
 # 4 digits, and vt's chain of 2 or 1 (every one keeps each task's RULER structure).
 TUNE_SHAPES=${TUNE_SHAPES:-"small small,digits=4,chain=1 small,needle=passkey small,needle=passkey,digits=4,chain=1"}
@@ -25,6 +22,9 @@ run() {  # run NAME ARGS...
 }
 case $1 in
 ruler)
+  # The first GPU runs (results/downstream/gpu/ruler-*-8k.json, ...-32k.json.partial): shape
+  # `small`. The committed runs at the tuned shape are `tune` then `eval` (a Gemma 3 32k run
+  # of every method takes two calls: TASKS=... eval, then merge_ruler.py).
   samples=${2:-20}
   run ruler-smollm2-135m-8k ruler --model smollm2-135m --context 8192 --k 256 --prompt chat --shape small --samples $samples --methods $SM
   run ruler-gemma3-270m-32k ruler --model gemma3-270m --context 32768 --k 512 --prompt chat --shape small --samples $samples --methods $GM
@@ -32,14 +32,6 @@ ruler)
 agent)
   run agent-smollm2-135m-8k agent-steps --model smollm2-135m --context 8192 --k 256 --sessions 16 --steps 64 --methods $SM
   run agent-gemma3-270m-32k agent-steps --model gemma3-270m --context 32768 --k 512 --sessions 16 --steps 64 --methods $GM
-  ;;
-probe)
-  for shape in $SHAPES; do
-    tag=$(echo $shape | tr ',=' '-_')
-    run probe-smollm2-8k-$tag ruler --model smollm2-135m --context 8192 --k 256 --prompt chat --shape $shape --samples 5 --methods dense,exact
-    run probe-gemma3-32k-$tag ruler --model gemma3-270m --context 32768 --k 512 --prompt chat --shape $shape --samples 5 --methods dense,exact
-  done
-  grep -h "^| \*\*mean\|^| [a-z_]* |" $OUT/probe-*.md | head -80
   ;;
 throughput)
   # issue 17 with real weights (the random-weight Qwen3-8B runs are in results/device/decode-bench/):
@@ -59,28 +51,33 @@ throughput)
 tune)
   # tune MODEL CONTEXT K: issue 15 item 5. Dense-only probes (dense and exact, 5 samples per
   # task, seed 1: not the evaluation's seed 0, so the choice is not fitted to the samples it
-  # is judged on) of each shape in $TUNE_SHAPES; scripts/device/pick_shape.py keeps the one on
-  # which dense reaches 0.5 on the most tasks and writes $OUT/tune-MODEL.md; the choice is
-  # saved on the device for `eval` (next call) as $FATHOM_CACHE/tune-MODEL.shape.
+  # is judged on) of each shape in $TUNE_SHAPES on each haystack in $TUNE_HAYSTACKS (default
+  # docs); scripts/device/pick_shape.py keeps the SHAPE/HAYSTACK on which dense reaches 0.5 on
+  # the most tasks and writes $OUT/tune-MODEL.md; the choice is saved on the device for `eval`
+  # (next call) as $FATHOM_CACHE/tune-MODEL.shape.
   model=$2 ctx=$3 k=$4 pairs=""
-  for shape in $TUNE_SHAPES; do
-    tag=$(echo $shape | tr ',=' '-_')
-    run tune-$model-$tag ruler --model $model --context $ctx --k $k --prompt chat --shape $shape \
-      --samples ${TUNE_SAMPLES:-5} --seed 1 --methods dense
-    pairs="$pairs $shape@$OUT/tune-$model-$tag.json"
+  for hay in ${TUNE_HAYSTACKS:-docs}; do
+    for shape in $TUNE_SHAPES; do
+      tag=$(echo $shape | tr ',=' '-_')$([ $hay = docs ] || echo -$hay)
+      run tune-$model-$tag ruler --model $model --context $ctx --k $k --prompt chat --shape $shape \
+        --haystack $hay --samples ${TUNE_SAMPLES:-5} --seed 1 --methods dense
+      pairs="$pairs $shape/$hay@$OUT/tune-$model-$tag.json"
+    done
   done
   best=$(python3 scripts/device/pick_shape.py $OUT/tune-$model.md $pairs) || exit 1
   echo "$best" > $FATHOM_CACHE/tune-$model.shape
   echo "tune $model: kept $best" | tee -a $OUT/summary.txt; cat $OUT/tune-$model.md
   ;;
 eval)
-  # eval MODEL CONTEXT K METHODS [SAMPLES]: the RULER run at the shape `tune` kept (seed 0).
+  # eval MODEL CONTEXT K METHODS [SAMPLES]: the RULER run at the shape and haystack `tune` kept
+  # (seed 0).
   model=$2 ctx=$3 k=$4 methods=$5 samples=${6:-20}
-  shape=$(cat $FATHOM_CACHE/tune-$model.shape) || { echo "no tune-$model.shape: run tune first"; exit 1; }
+  kept=$(cat $FATHOM_CACHE/tune-$model.shape) || { echo "no tune-$model.shape: run tune first"; exit 1; }
+  case $kept in */*) shape=${kept%/*} hay=${kept##*/} ;; *) shape=$kept hay=docs ;; esac
   # TASKS=a,b (optional): only these tasks, in a file named after them (a run split over two
   # calls to fit the device's 10-minute limit; scripts/device/merge_ruler.py joins them).
   name=ruler-$model-$((ctx / 1024))k${TASKS:+-$(echo $TASKS | tr ',' '-')}
-  run $name ruler --model $model --context $ctx --k $k --prompt chat --shape $shape \
+  run $name ruler --model $model --context $ctx --k $k --prompt chat --shape $shape --haystack $hay \
     --samples $samples --methods $methods ${TASKS:+--tasks $TASKS}
   grep -A12 "^| task" $OUT/$name.md | head -14
   ;;

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Picks a RULER task shape from dense-only probe runs (issue 15 item 5).
 
-Usage: pick_shape.py OUT.md SHAPE@PROBE.json [SHAPE@PROBE.json ...]
+Usage: pick_shape.py OUT.md LABEL@PROBE.json [LABEL@PROBE.json ...]
 
-Each PROBE.json is a `fathom ruler --methods dense` run (dense and exact) with one `--shape`,
+Each PROBE.json is a `fathom ruler --methods dense` run (dense and exact) of one candidate
+(LABEL: `SHAPE/HAYSTACK` as downstream.sh tune writes it, any text without `@`),
 on a probe seed that the evaluation does not use, so the choice is not fitted to the samples
 it is judged on. The shape kept is the one on which dense scores at least 0.5 on the most
 tasks, ties broken by the higher mean dense score over tasks; it is printed on stdout, and a
