@@ -33,6 +33,9 @@ if [ -z "${NO_WHEEL:-}" ]; then
   (cd crates/fathom-py && CARGO_TARGET_DIR=${PY_TARGET_DIR:-/tmp/tgt-py} maturin build --release -o "$wheels")
   cp "$wheels"/fathom-*.whl .devbin/
   rm -rf "$wheels"
+  # The GGUF parity test's one package the device's Python lacks (torch, transformers,
+  # accelerate, numpy, pyyaml, requests and tqdm are there): pinned, pure Python.
+  python3 -m pip download --quiet --no-deps --only-binary=:all: -d .devbin gguf==0.19.0
 fi
 du -sh .devbin
 ls -la .devbin

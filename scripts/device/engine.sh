@@ -106,9 +106,13 @@ py)
   # needs torch may skip (FATHOM_REQUIRE_GPU=1 above).
   # python3 there is itself a virtual environment (/opt/torch/.venv) that holds torch, so a
   # venv made from it would not see torch: the wheel goes to a folder on PYTHONPATH instead.
+  # The GGUF parity test (the CPU runtime against transformers on the real weights) needs the
+  # models and corpus staged first (stage_model.sh, then `model` or a join) and gguf (carried
+  # by build.sh): FATHOM_REQUIRE_DATA=1 makes a missing one a failure, not a skip.
   lib=$(mktemp -d)
-  python3 -m pip install --no-index --no-deps --quiet --target $lib $B/fathom-*.whl
-  (cd crates/fathom-py/tests && PYTHONPATH=$lib python3 -m pytest -v -rs -s -p no:cacheprovider .) > $OUT/pytest-device.log 2>&1
+  python3 -m pip install --no-index --no-deps --quiet --target $lib $B/fathom-*.whl $B/gguf-*.whl
+  (cd crates/fathom-py/tests && FATHOM_REQUIRE_DATA=1 FATHOM_CACHE=$HOME/.cache/fathom FATHOM_BIN=$PWD/../../../$B/fathom \
+    PYTHONPATH=$lib python3 -m pytest -v -rs -s -p no:cacheprovider .) > $OUT/pytest-device.log 2>&1
   echo "pytest rc=$? $(tail -1 $OUT/pytest-device.log)" | tee -a $OUT/summary.txt
   # The README's generation example (a random Qwen3-style model) next to HF's own generate.
   PYTHONPATH=$lib python3 crates/fathom-py/examples/generate_example.py --device cuda \
