@@ -447,6 +447,17 @@ fn command_tail(cmd: &str) -> String {
 /// (docs/SPEC.md §7).
 pub const DENSE_CAN_DO: f64 = 0.5;
 
+/// How a run's branches ended, in words: the end of the answer (a list's blank line for a
+/// task of several values), the first line for every task (files before `stop`), or only a
+/// stop token and `tokens_to_generate` (RULER's).
+fn stop_rule(v: &fathom_results::downstream::RulerDoc) -> &'static str {
+    match (v.line_stop, v.stop.as_deref()) {
+        (false, _) => "stop token or tokens_to_generate (RULER's)",
+        (true, Some("answer")) => "end of the answer (first line; a list's first blank line)",
+        (true, _) => "first line (earlier rule: cuts a list after its first value)",
+    }
+}
+
 /// Claim 5: every task's score per method, and every departure from exact top-k.
 pub fn ruler_parity(inp: &Inputs, s: &mut String) {
     if inp.ruler.is_empty() {
@@ -457,13 +468,14 @@ pub fn ruler_parity(inp: &Inputs, s: &mut String) {
         let v = &r.doc;
         let methods = &v.header.methods;
         s.push_str(&format!(
-            "`{}` ({}, context {}, {} sample(s) per task; prompt: {}; task shape: {}; haystack: {}; keys: {}):\n\n",
+            "`{}` ({}, context {}, {} sample(s) per task; prompt: {}; task shape: {}; stop: {}; haystack: {}; keys: {}):\n\n",
             inp.rel(&r.path),
             v.header.model,
             v.header.context,
             v.samples_per_task,
             v.prompt.as_deref().unwrap_or("ruler"),
             v.shape.as_deref().unwrap_or("ruler"),
+            stop_rule(v),
             crate::sections::text_source(
                 Some(&v.haystack),
                 v.words
