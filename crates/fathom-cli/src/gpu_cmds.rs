@@ -158,7 +158,7 @@ pub fn run_gpu_parity(a: GpuParityArgs) -> Result<()> {
     Ok(())
 }
 
-/// Refuses the methods the paged cache does not run yet (Loki, landmark, Quest), naming them:
+/// Refuses the methods the paged cache does not run yet (landmark, Quest), naming them:
 /// checked before the model loads.
 pub fn check_gpu_methods(methods: &[String]) -> Result<()> {
     // The cache's own rule (`Method::paged`); a name that does not parse is reported later,
@@ -189,7 +189,8 @@ pub struct GpuEval {
 impl GpuEval {
     /// Opens the GPU, uploads the model and loads the calibration of every global layer.
     /// `methods` are the run's method names in order; a method the paged cache does not run
-    /// yet (Loki, landmark, Quest) is refused here, before any work.
+    /// yet (landmark, Quest) is refused here, before any work. With a Loki method the cache
+    /// keeps the PCA index, whose basis the calibration loads before any session.
     pub fn new(
         model_path: &std::path::Path,
         head_dim: usize,
@@ -217,6 +218,9 @@ impl GpuEval {
         dcfg.max_k = params.k.max(1).min(max_tokens);
         let per = max_tokens.div_ceil(dcfg.page_tokens);
         dcfg.pages = Some(g * (per + 1) + g + 8);
+        dcfg.pca_index = atts
+            .iter()
+            .any(|a| matches!(a.method, AttendMethod::Scan(fathom_cuda::Method::Loki(_))));
         let mut dec = GpuDecoder::new(&gpu, &weights, dcfg)?;
         if let Some(c) = calib {
             for (l, heads) in c.heads.iter().enumerate() {

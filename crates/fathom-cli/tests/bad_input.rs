@@ -965,11 +965,11 @@ fn cases(fx: &Fx) -> Vec<Case> {
                 "--device",
                 "cuda",
                 "--methods",
-                "exact,loki:16",
+                "exact,quest",
                 "--json",
                 &out,
             ])),
-            "loki:16",
+            "quest",
             Some(out.clone()),
         );
     }

@@ -43,6 +43,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_k: 128,
         row_cache: 0,
         residency: fathom_cuda::Residency::Host,
+        pca_index: false,
     };
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let (a, b) = (cache.create()?, cache.create()?);

@@ -72,6 +72,15 @@ __device__ __forceinline__ float key_bf16(const void* k, u64 i, u32 dtype, u16* 
 // records and tail entries, so append_records is not launched: the tail positions written
 // (>= n0 % 64) are not the ones read (< n0 % 64), and each is one thread's. Every load is
 // issued before any store and unconditionally (clamped to a valid address).
+//
+// With `rot` (the PCA index of docs/SPEC.md §6.1: `[Hkv][D][D]` f32, row-major, column j the
+// j-th basis vector) the block's bf16 keys are rotated before they are quantized: channel j
+// of a token is the f32 rounding of sum_i u[i][j] x_i accumulated in f64 in order of i, as
+// fathom_store::Basis::rotate (each product of two f32 is exact in f64, so a contraction to
+// FMA changes no bit), and that f32 is quantized as it is (fathom_store::KeyStore of the bf16
+// keys with the basis, bit for bit). The tail keeps the raw bf16 keys, so a later append
+// re-rotates them; such a pass is launched with `fused` = 0 (the primary pass writes the
+// records and the tail).
 extern "C" __global__ void append_quant(
     const AppendDesc* __restrict__ descs,
     const u32* __restrict__ tables,
@@ -83,11 +92,15 @@ extern "C" __global__ void append_quant(
     u32 dtype,
     u32 layer,
     u32 fused,
-    u32* faults)
+    u32* faults,
+    const float* __restrict__ rot)
 {
     __shared__ float smax[QS][DIM];
-    __shared__ int sbad[QS][DIM];
+    __shared__ unsigned char sbad[QS][DIM];
     __shared__ u16 spart[QS][4][DIM];
+    // The block's bf16 keys, [token][channel], for the rotation (DIM = 256: 32 KiB; with the
+    // arrays above 46 KiB, under the 48 KiB of static shared memory).
+    __shared__ u16 sx[BLOCK][DIM];
     const AppendDesc d = descs[blockIdx.z];
     const u32 h = blockIdx.y, c = threadIdx.x % DIM, qi = threadIdx.x / DIM;
     const u32 b = d.n0 / BLOCK + blockIdx.x;
@@ -134,6 +147,26 @@ extern "C" __global__ void append_quant(
                 tail[j * DIM + c] = bits;
             }
         }
+    }
+    if (rot != nullptr) {
+        // vals are bf16 values here (tail entries, or new keys rounded above; 0 past the end).
+#pragma unroll
+        for (u32 jj = 0; jj < QT; ++jj) sx[j0 + jj][c] = f32_to_bf16_bits(vals[jj]);
+        __syncthreads();
+        const float* __restrict__ u = rot + (u64)h * DIM * DIM;
+        double acc[QT];
+#pragma unroll
+        for (u32 jj = 0; jj < QT; ++jj) acc[jj] = 0.0;
+        for (u32 i = 0; i < DIM; ++i) {
+            const double ui = (double)u[(u64)i * DIM + c];
+#pragma unroll
+            for (u32 jj = 0; jj < QT; ++jj) acc[jj] += ui * (double)bf16_to_f32(sx[j0 + jj][i]);
+        }
+#pragma unroll
+        for (u32 jj = 0; jj < QT; ++jj) vals[jj] = t0 + j0 + jj < end ? (float)acc[jj] : 0.0f;
+    }
+#pragma unroll
+    for (u32 jj = 0; jj < QT; ++jj) {
         if (!isfinite(vals[jj])) bad = true;
         mx = fmaxf(mx, fabsf(vals[jj]));
     }

@@ -102,6 +102,24 @@ extern "C" __global__ void attend_queries(const void* __restrict__ q, u32 dtype,
     qf[i] = load_elem(q, i, dtype);
 }
 
+// The query rows in the PCA index's basis (docs/SPEC.md §6.1), for a scan of that index:
+// qr[row][j] = the f32 of sum_i u_h[i][j] qf[row][i] accumulated in f64 in order of i, h the
+// row's KV head (fathom_store::StoreView::rotate_query, bit for bit: each product of two f32
+// is exact in f64). rot: [Hkv][D][D] f32; hq: query heads per session.
+// grid = batch * Hq, block = DIM.
+extern "C" __global__ void attend_rotate_queries(const float* __restrict__ qf, const float* __restrict__ rot,
+                                                 u32 hq, float* __restrict__ qr) {
+    __shared__ float x[DIM];
+    const u32 row = blockIdx.x, j = threadIdx.x;
+    const u32 h = (row % hq) / GQ;
+    x[j] = qf[(u64)row * DIM + j];
+    __syncthreads();
+    const float* __restrict__ u = rot + (u64)h * DIM * DIM;
+    double acc = 0.0;
+    for (u32 i = 0; i < DIM; ++i) acc += (double)u[(u64)i * DIM + j] * (double)x[i];
+    qr[(u64)row * DIM + j] = (float)acc;
+}
+
 // Warp-aggregated append of the lanes with `flag` set to `list` (one atomic per warp; the
 // count goes on past cap, so a caller sees an overflow). Every lane must call it.
 template <class T>

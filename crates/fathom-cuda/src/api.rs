@@ -168,6 +168,13 @@ pub trait KvCache: Sized {
         session: crate::pages::SessionId,
         layer: usize,
     ) -> Result<crate::paged_ref::PagedExport>;
+    /// One layer's PCA index of a session ([`crate::cache::CacheConfig::pca_index`]), in
+    /// `fathom-store`'s layout.
+    fn export_pca(
+        &self,
+        session: crate::pages::SessionId,
+        layer: usize,
+    ) -> Result<crate::paged_ref::PagedExport>;
     /// Union rows fetched and row-cache hits since the cache was made.
     fn row_counters(&self) -> Result<crate::cache::RowCounters>;
     /// How attends take each query head's top-k (docs/SPEC.md §5).
@@ -291,5 +298,12 @@ impl KvCache for crate::PagedCache {
         layer: usize,
     ) -> Result<crate::paged_ref::PagedExport> {
         crate::PagedCache::export(self, session, layer)
+    }
+    fn export_pca(
+        &self,
+        session: crate::pages::SessionId,
+        layer: usize,
+    ) -> Result<crate::paged_ref::PagedExport> {
+        crate::PagedCache::export_pca(self, session, layer)
     }
 }

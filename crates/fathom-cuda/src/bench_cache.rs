@@ -128,6 +128,7 @@ pub(crate) fn run(
             max_k: k,
             row_cache: c.cache_rows,
             residency,
+            pca_index: false,
         };
         progress(&format!(
             "{run_label}: {layers} layers, pools {:.1} GiB, prefilling",

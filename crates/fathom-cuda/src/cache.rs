@@ -99,6 +99,12 @@ pub struct CacheConfig {
     /// Where the page pools live: pinned, mapped host memory (the offloaded cache, read over
     /// the link) or HBM (the in-GPU comparison point).
     pub residency: crate::config::Residency,
+    /// Whether the cache keeps a second index of every session's keys in the calibration PCA
+    /// basis (docs/SPEC.md §6.1, "The PCA index"), which `loki:R` scans (Loki in its own basis,
+    /// §4): each page's planes and scales once more, `PagedLayout::split_page_bytes().0` bytes
+    /// per page and layer, where the first index lives; the K|V records are shared. A layer's
+    /// basis ([`fathom_plan::scanner::HeadCalib::loki`]) is loaded before its first append.
+    pub pca_index: bool,
 }
 
 impl CacheConfig {
@@ -564,6 +570,7 @@ mod tests {
             max_k: 64,
             row_cache: 0,
             residency: crate::config::Residency::Host,
+            pca_index: false,
         }
     }
 

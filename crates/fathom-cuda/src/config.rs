@@ -189,10 +189,11 @@ impl Method {
         }
     }
 
-    /// Whether the paged cache ([`crate::PagedCache`]) runs the method: all but Loki (its
-    /// own basis), landmark and Quest (their tables), which only the benchmark step runs.
+    /// Whether the paged cache ([`crate::PagedCache`]) runs the method: all but landmark and
+    /// Quest (their tables), which only the benchmark step runs. Loki needs a cache with the
+    /// PCA index ([`crate::cache::CacheConfig::pca_index`]).
     pub fn paged(&self) -> bool {
-        !matches!(self, Method::Loki(_) | Method::Landmark | Method::Quest)
+        !matches!(self, Method::Landmark | Method::Quest)
     }
 
     /// Whether the method scans the bit-plane store (all but the table methods).

@@ -133,6 +133,7 @@ struct AttendKernels {
     fetch: CudaFunction,
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
+    rotate_queries: CudaFunction,
     fathom_plan: CudaFunction,
     sparq_plan: CudaFunction,
 }
@@ -142,6 +143,8 @@ struct AttendKernels {
 struct Work {
     /// Queries as f32, `[max_batch][Hq][D]`.
     qf: DevBuf,
+    /// The queries in the PCA index's basis, `[max_batch][Hq][D]` f32 (with the PCA index).
+    qr: Option<DevBuf>,
     /// Planned depths, `[max_batch][Hkv][D]`.
     depths: DevBuf,
     /// Plan bits, `[max_batch][Hkv]` f32.
@@ -203,6 +206,12 @@ struct Calib {
     ds_channels: Vec<Option<Vec<Vec<u16>>>>,
     /// Static plans, `[L][Hkv][D]` depths, keyed by method label.
     statics: std::collections::HashMap<String, DevBuf>,
+    /// The PCA index's basis per layer, `[Hkv][D][D]` f32 (`HeadCalib::loki`), on the host (to
+    /// compare a reload with) and in HBM; `None`: not loaded (the layer's PCA index is not
+    /// written, and `loki:R` refuses it).
+    pca: Vec<Option<(Vec<f32>, DevBuf)>>,
+    /// Whether the layer has had an append: its basis may not change after.
+    appended: Vec<bool>,
 }
 
 struct AppendKernels {
@@ -225,6 +234,7 @@ struct AppendKernels {
 ///     max_k: 512,
 ///     row_cache: 0,
 ///     residency: fathom_cuda::Residency::Host,
+///     pca_index: false,
 /// };
 /// let mut cache = PagedCache::new(&gpu, cfg)?;
 /// let (a, b) = (cache.create()?, cache.create()?);
@@ -246,6 +256,9 @@ pub struct PagedCache {
     /// The split residency's K|V records, one pinned, mapped host pool per layer (stride
     /// `page_bytes − records_at`); empty otherwise.
     rec_pools: Vec<Mem>,
+    /// The PCA index ([`CacheConfig::pca_index`]), one pool per layer of each page's planes and
+    /// scales (stride `split_page_bytes().0`), in HBM except in host residency; empty without.
+    pca_pools: Vec<Mem>,
     /// Page tables, `u32 [max_sessions][max_pages]`, and the append descriptors of the
     /// current batch, `[max_batch]`: written on the host (pinned), copied to HBM on the
     /// stream by every [`PagedCache::reserve`] (which waits for the stream first, so a copy
@@ -375,6 +388,7 @@ impl PagedCache {
             fetch: fa("paged_fetch")?,
             attn_partial: fa("paged_attn_partial")?,
             attn_combine: fa("paged_attn_combine")?,
+            rotate_queries: fa("attend_rotate_queries")?,
             fathom_plan: fp("fathom_plan")?,
             sparq_plan: fp("sparq_plan")?,
         };
@@ -384,6 +398,11 @@ impl PagedCache {
         let max_pages = cfg.pages.pages_for(cfg.pages.max_tokens);
         let work = Work {
             qf: DevBuf::new(mb * hq * d * 4, "attend queries")?,
+            qr: if cfg.pca_index {
+                Some(DevBuf::new(mb * hq * d * 4, "attend queries (PCA basis)")?)
+            } else {
+                None
+            },
             depths: DevBuf::zeroed(mb * hkv * d, "attend depths")?,
             bits: DevBuf::zeroed(mb * hkv * 4, "attend bits")?,
             runs: DevBuf::new(mb * hkv * 2 * d * 16, "attend runs")?,
@@ -420,6 +439,8 @@ impl PagedCache {
             sigma2: (0..s.layers).map(|_| None).collect(),
             ds_channels: vec![None; s.layers],
             statics: std::collections::HashMap::new(),
+            pca: (0..s.layers).map(|_| None).collect(),
+            appended: vec![false; s.layers],
         };
         let pool_bytes = usize::try_from(layout.pool_bytes()).map_err(|_| {
             CudaError::invalid("pages", "pool larger than the address space".to_string())
@@ -442,6 +463,18 @@ impl PagedCache {
                 .collect::<Result<Vec<_>>>()?,
             Residency::Host | Residency::Hbm => Vec::new(),
         };
+        let pca_pools = if cfg.pca_index {
+            (0..s.layers)
+                .map(|_| match cfg.residency {
+                    Residency::Host => HostBuf::new(key_pool, "PCA index pool").map(Mem::Host),
+                    Residency::Hbm | Residency::IndexHbm => {
+                        DevBuf::zeroed(key_pool, "PCA index pool").map(Mem::Dev)
+                    }
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
         let mut tables = HostBuf::new(cfg.pages.max_sessions * max_pages * 4, "page tables")?;
         tables.as_mut_bytes().fill(0);
         let descs = HostBuf::new(cfg.max_batch * 16, "append descriptors")?;
@@ -458,6 +491,7 @@ impl PagedCache {
             kernels,
             pools,
             rec_pools,
+            pca_pools,
             tables,
             descs,
             tables_dev,
@@ -523,12 +557,23 @@ impl PagedCache {
         }
     }
 
+    /// The PCA index's geometry at `layer`: its own key sections (stride
+    /// `split_page_bytes().0`), the first index's records.
+    fn pca_geom(&self, layer: usize) -> PoolGeom {
+        PoolGeom {
+            page_bytes: self.layout.split_page_bytes().0,
+            ..self.geom(layer)
+        }
+    }
+
     /// Bytes of HBM the page pools take (every layer's): the whole pools in HBM residency,
-    /// the index in the split residency, 0 in host residency.
+    /// the index in the split residency, 0 in host residency; the PCA index's where it is in
+    /// HBM.
     pub fn pool_hbm_bytes(&self) -> u64 {
         self.pools
             .iter()
             .chain(&self.rec_pools)
+            .chain(&self.pca_pools)
             .map(|m| match m {
                 Mem::Dev(d) => d.bytes as u64,
                 Mem::Host(_) => 0,
@@ -756,6 +801,15 @@ impl PagedCache {
                 copy_ranges(recs, &stream, src * rstride, dst * rstride, &ranges)?;
             }
         }
+        for pool in &mut self.pca_pools {
+            copy_ranges(
+                pool,
+                &stream,
+                src * head_bytes,
+                dst * head_bytes,
+                &[(0, head_bytes)],
+            )?;
+        }
         Ok(())
     }
 
@@ -788,25 +842,37 @@ impl PagedCache {
         // Every session's new tokens in one block (a decode batch): one kernel writes the
         // planes, the records and the tail.
         let fused = u32::from(self.batch_max_blocks <= 1);
-        let mut b = self.stream.launch_builder(&self.kernels.quant);
-        b.arg(&descs)
-            .arg(&tables)
-            .arg(&pool)
-            .arg(&geom)
-            .arg(&tails)
-            .arg(&kv.k)
-            .arg(&kv.v)
-            .arg(&dtype)
-            .arg(&layer_u)
-            .arg(&fused)
-            .arg(&faults);
         let grid = (self.batch_max_blocks as u32, s.kv_heads as u32, nb);
-        // SAFETY: descriptors, tables, pool, tails and faults are allocated at the sizes the
-        // kernel indexes (batch ≤ max_batch, slots < max_sessions, pages < pool pages, layer <
-        // L); `kv` holds `batch.rows` rows of [Hkv][D] (checked count; the caller owns the
-        // pointers' validity).
-        unsafe { b.launch(cfg(grid, (s.dim * APPEND_QUARTERS) as u32)) }
-            .map_err(drv("launch append_quant"))?;
+        let quant = |pool: u64, geom: &PoolGeom, fused: u32, rot: u64| -> Result<()> {
+            let mut b = self.stream.launch_builder(&self.kernels.quant);
+            b.arg(&descs)
+                .arg(&tables)
+                .arg(&pool)
+                .arg(geom)
+                .arg(&tails)
+                .arg(&kv.k)
+                .arg(&kv.v)
+                .arg(&dtype)
+                .arg(&layer_u)
+                .arg(&fused)
+                .arg(&faults)
+                .arg(&rot);
+            // SAFETY: descriptors, tables, pool, tails and faults are allocated at the sizes
+            // the kernel indexes (batch ≤ max_batch, slots < max_sessions, pages < pool pages,
+            // layer < L); `kv` holds `batch.rows` rows of [Hkv][D] (checked count; the caller
+            // owns the pointers' validity); `rot` is null or the layer's [Hkv][D][D] basis.
+            unsafe { b.launch(cfg(grid, (s.dim * APPEND_QUARTERS) as u32)) }
+                .map_err(drv("launch append_quant"))?;
+            Ok(())
+        };
+        quant(pool, &geom, fused, 0)?;
+        // The PCA index, where the layer's basis is loaded: the same blocks from the same raw
+        // keys (new rows and the tail, which the pass above left as it read it), rotated; no
+        // records or tail written.
+        if let (Some(pca), Some((_, rot))) = (self.pca_pools.get(layer), &self.calib.pca[layer]) {
+            quant(pca.dptr(), &self.pca_geom(layer), 0, rot.ptr)?;
+        }
+        self.calib.appended[layer] = true;
         if fused == 1 {
             return Ok(());
         }
@@ -946,11 +1012,15 @@ impl PagedCache {
     }
 
     /// Loads one layer's calibration: per KV head σ² (Fathom's importance) and Double
-    /// Sparsity's channels (`fathom_plan::calib::head_calib`'s `sigma2` and `ds_channels`).
+    /// Sparsity's channels (`fathom_plan::calib::head_calib`'s `sigma2` and `ds_channels`),
+    /// and, in a cache with the PCA index, the basis `loki` of every head (`[D][D]`, column j
+    /// the j-th coordinate): from then on the layer's appends write the PCA index too.
     ///
     /// # Errors
     /// A layer out of range, a head count or σ² length that differs from the shape, a σ² that
-    /// is negative or not finite.
+    /// is negative or not finite; with the PCA index, a basis of the wrong size or not finite,
+    /// or one that differs from the loaded one after the layer's first append (the index of the
+    /// tokens already there would be in the old basis). Nothing is changed then.
     pub fn load_calibration(
         &mut self,
         layer: usize,
@@ -984,10 +1054,53 @@ impl PagedCache {
                 ));
             }
         }
+        let pca = if self.cfg.pca_index {
+            let mut u = Vec::with_capacity(s.kv_heads * s.dim * s.dim);
+            for (h, hc) in heads.iter().enumerate() {
+                if hc.loki.len() != s.dim * s.dim {
+                    return Err(CudaError::invalid(
+                        "calibration",
+                        format!(
+                            "head {h}: a PCA basis of {} entries for D = {} (the cache has the PCA index: D² wanted)",
+                            hc.loki.len(),
+                            s.dim
+                        ),
+                    ));
+                }
+                if let Some(x) = hc.loki.iter().find(|x| !x.is_finite()) {
+                    return Err(CudaError::invalid(
+                        "calibration",
+                        format!("head {h}: PCA basis entry {x} is not finite"),
+                    ));
+                }
+                u.extend_from_slice(&hc.loki);
+            }
+            let same = self.calib.pca[layer]
+                .as_ref()
+                .is_some_and(|(old, _)| old == &u);
+            if same {
+                None
+            } else if self.calib.appended[layer] {
+                return Err(CudaError::invalid(
+                    "calibration",
+                    format!(
+                        "layer {layer} already holds appended tokens: its PCA basis is loaded before the layer's first append (the index of those tokens would be in another basis)"
+                    ),
+                ));
+            } else {
+                let dev = DevBuf::from_slice(&u, "PCA basis")?;
+                Some((u, dev))
+            }
+        } else {
+            None
+        };
         for _ in 0..self.cfg.max_batch {
             for hc in heads {
                 tiled.extend_from_slice(&hc.sigma2);
             }
+        }
+        if let Some(p) = pca {
+            self.calib.pca[layer] = Some(p);
         }
         self.calib.sigma2[layer] = Some(DevBuf::from_slice(&tiled, "calibration σ²")?);
         self.calib.ds_channels[layer] = Some(heads.iter().map(|h| h.ds_channels.clone()).collect());
@@ -996,18 +1109,19 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Makes the static depth table of `method` (Double Sparsity, thumb2, exact) for every
-    /// layer; Fathom and SparQ plan on the GPU per query and need nothing.
+    /// Makes the static depth table of `method` (Double Sparsity, Loki, thumb2, exact) for
+    /// every layer; Fathom and SparQ plan on the GPU per query and need nothing.
     ///
     /// # Errors
-    /// A method the paged cache does not run yet (Loki in its own basis, landmark, Quest), or
-    /// Double Sparsity before every layer's calibration is loaded.
+    /// A method the paged cache does not run yet (landmark, Quest); Double Sparsity before any
+    /// layer's calibration is loaded; Loki in a cache without the PCA index, or with `r` of 0
+    /// or past D.
     pub fn prepare(&mut self, method: crate::config::Method) -> Result<()> {
         if !method.paged() {
             return Err(CudaError::invalid(
                 "method",
                 format!(
-                    "{} is not run by the paged cache yet (it reads its own basis or table); use fathom, sparq, ds, thumb2, exact or dense",
+                    "{} is not run by the paged cache yet (it reads its own table); use fathom, sparq, ds, loki, thumb2, exact or dense",
                     method.label()
                 ),
             ));
@@ -1041,7 +1155,28 @@ impl PagedCache {
                 }
                 out
             }
-            M::Loki(_) | M::Landmark | M::Quest => {
+            M::Loki(r) => {
+                if !self.cfg.pca_index {
+                    return Err(CudaError::invalid(
+                        "method",
+                        format!(
+                            "{} scans the PCA index, which this cache does not keep (CacheConfig::pca_index)",
+                            method.label()
+                        ),
+                    ));
+                }
+                if r == 0 || r > d {
+                    return Err(CudaError::invalid(
+                        "method",
+                        format!("{}: r must be 1..={d}", method.label()),
+                    ));
+                }
+                // The first r coordinates of the PCA basis, at 4 planes (docs/SPEC.md §4).
+                (0..s.layers * hkv * d)
+                    .map(|i| if i % d < r { 4 } else { 0 })
+                    .collect()
+            }
+            M::Landmark | M::Quest => {
                 return Err(CudaError::invalid(
                     "method",
                     format!("{} has no static plan", method.label()),
@@ -1086,6 +1221,17 @@ impl PagedCache {
                     "method",
                     format!(
                         "{} needs layer {layer}'s calibration (load_calibration)",
+                        m.label()
+                    ),
+                ));
+            }
+        }
+        if let AttendMethod::Scan(m @ M::Loki(_)) = method {
+            if self.calib.pca[layer].is_none() {
+                return Err(CudaError::invalid(
+                    "method",
+                    format!(
+                        "{} needs layer {layer}'s PCA basis, loaded before its first append (load_calibration)",
                         m.label()
                     ),
                 ));
@@ -1147,7 +1293,14 @@ impl PagedCache {
         let nb = self.batch_len;
         let (static_depths, sigma) = self.method_inputs(method, layer)?;
         let lay = self.layout;
-        let geom = self.geom(layer);
+        // Loki scans the PCA index (its own key sections, the same records) with the queries
+        // rotated into its basis; every other method the first index with the raw queries.
+        let loki = matches!(method, AttendMethod::Scan(M::Loki(_)));
+        let geom = if loki {
+            self.pca_geom(layer)
+        } else {
+            self.geom(layer)
+        };
         let dense = matches!(method, AttendMethod::Dense);
         let ag = AttendGeom {
             sink: params.sink as u32,
@@ -1196,8 +1349,23 @@ impl PagedCache {
         let (descs, tables, pool) = (
             self.descs_dev.ptr,
             self.tables_dev.ptr,
-            self.pools[layer].dptr(),
+            if loki {
+                self.pca_pools[layer].dptr()
+            } else {
+                self.pools[layer].dptr()
+            },
         );
+        // The queries the plan and the scan read (attention reads `qf`).
+        let (qs, rot) = match (loki, &w.qr, &self.calib.pca[layer]) {
+            (true, Some(qr), Some((_, rot))) => (qr.ptr, Some(rot.ptr)),
+            (true, ..) => {
+                return Err(CudaError::invalid(
+                    "method",
+                    format!("loki at layer {layer}: the cache has no PCA index or basis there"),
+                ))
+            }
+            (false, ..) => (w.qf.ptr, None),
+        };
         // The row cache (null when absent).
         let ptr = |x: &Option<DevBuf>| x.as_ref().map_or(0, |b| b.ptr);
         let (tags, data, claim) = (ptr(&w.row_tags), ptr(&w.row_data), ptr(&w.row_claim));
@@ -1244,6 +1412,14 @@ impl PagedCache {
         // SAFETY: q holds batch·Hq·D elements (the caller's contract), qf max_batch·Hq·D.
         unsafe { b.launch(cfg(((nb * hq) as u32, 1, 1), d as u32)) }
             .map_err(drv("launch attend_queries"))?;
+        if let Some(rot) = rot {
+            let hq_u = hq as u32;
+            let mut b = st.launch_builder(&k.rotate_queries);
+            b.arg(&w.qf.ptr).arg(&rot).arg(&hq_u).arg(&qs);
+            // SAFETY: qf and qr hold max_batch·Hq·D f32, rot Hkv·D·D.
+            unsafe { b.launch(cfg(((nb * hq) as u32, 1, 1), d as u32)) }
+                .map_err(drv("launch attend_rotate_queries"))?;
+        }
         if !dense {
             // 2. Plan.
             let heads = (nb * hkv) as i32;
@@ -1312,7 +1488,7 @@ impl PagedCache {
                     .arg(&pool)
                     .arg(&geom)
                     .arg(ag)
-                    .arg(&w.qf.ptr)
+                    .arg(&qs)
                     .arg(&depths)
                     .arg(&w.scores.ptr)
                     .arg(&w.hist.ptr)
@@ -1353,7 +1529,7 @@ impl PagedCache {
                     b.arg(&descs)
                         .arg(&geom)
                         .arg(ag)
-                        .arg(&w.qf.ptr)
+                        .arg(&qs)
                         .arg(&depths)
                         .arg(&w.est.ptr)
                         .arg(&w.mode.ptr)
@@ -1418,7 +1594,7 @@ impl PagedCache {
                     .arg(&w.cand.ptr)
                     .arg(&w.ccount.ptr)
                     .arg(&w.mode.ptr)
-                    .arg(&w.qf.ptr)
+                    .arg(&qs)
                     .arg(&depths)
                     .arg(&w.est.ptr);
                 // SAFETY: as above.
@@ -1815,6 +1991,29 @@ impl PagedCache {
     pub fn export(&self, session: SessionId, layer: usize) -> Result<PagedExport> {
         self.sync()?;
         let pool = self.pool_bytes(layer)?;
+        let n = self.sessions.len(session)?;
+        export_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
+    }
+
+    /// Waits for the stream, then one layer's PCA index of `session` in `fathom-store`'s
+    /// layout (what the tests compare with a `KeyStore` in the basis bit for bit).
+    ///
+    /// # Errors
+    /// A cache without the PCA index, a layer or session that does not exist.
+    pub fn export_pca(&self, session: SessionId, layer: usize) -> Result<PagedExport> {
+        let pca = self.pca_pools.get(layer).ok_or_else(|| {
+            CudaError::invalid(
+                "export_pca",
+                format!("layer {layer}: the cache keeps no PCA index there"),
+            )
+        })?;
+        self.sync()?;
+        let keys: std::borrow::Cow<'_, [u8]> = match pca {
+            Mem::Host(h) => std::borrow::Cow::Borrowed(h.as_bytes()),
+            Mem::Dev(d) => std::borrow::Cow::Owned(d.read::<u8>(d.bytes)?),
+        };
+        let records = vec![0u8; self.layout.pages() * self.layout.split_page_bytes().1 as usize];
+        let pool = self.layout.join_split(&keys, &records)?;
         let n = self.sessions.len(session)?;
         export_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }

@@ -234,6 +234,17 @@ impl PagedCache {
     ) -> Result<crate::paged_ref::PagedExport> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// One layer's PCA index of `session`.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn export_pca(
+        &self,
+        _session: crate::pages::SessionId,
+        _layer: usize,
+    ) -> Result<crate::paged_ref::PagedExport> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Orders the cache's stream after a caller's stream.
     ///
     /// # Safety

@@ -36,6 +36,7 @@ fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize)
         max_k: 256,
         row_cache: 0,
         residency: fathom_cuda::Residency::Host,
+        pca_index: false,
     }
 }
 
@@ -1259,4 +1260,213 @@ fn double_sparsity_runs_on_the_calibrated_layers_only() {
     cache.load_calibration(0, &calib).unwrap();
     cache.prepare(ds).unwrap();
     assert!(cache.attend_host(&batch, 0, am, &params, &q).is_ok());
+}
+
+/// Calibrations of `hkv` heads from 512 keys drawn as `step` draws them and random queries:
+/// σ², Double Sparsity's channels and the PCA basis Loki reads (`HeadCalib::loki`).
+fn drawn_calibration(
+    rng: &mut StdRng,
+    hkv: usize,
+    g: usize,
+    d: usize,
+) -> Vec<fathom_plan::scanner::HeadCalib> {
+    let n = 512;
+    let keys: Vec<f32> = (0..n * hkv * d)
+        .map(|i| bf(rng.gen_range(-1.0..1.0) * (0.1 + (i % d) as f32 / d as f32)))
+        .collect();
+    let qs: Vec<f32> = (0..16 * g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    (0..hkv)
+        .map(|h| fathom_plan::calib::head_calib(&fathom_plan::KvView::head(&keys, hkv, d, h), &qs))
+        .collect()
+}
+
+/// The PCA index (docs/SPEC.md §6.1) and Loki in its own basis (§4): a cache made with
+/// `pca_index` keeps, beside the raw store, each session's store in the calibration PCA basis,
+/// bit for bit `KeyStore::from_keys` of the same bf16 keys with that basis (ragged prefill
+/// chunks, decode tokens, partial blocks, a fork that diverges from its parent); `loki:R`
+/// scans it with the queries rotated into the basis, takes each query head's top-k and
+/// attends exactly over the raw records, as the per-head CPU protocol does. A basis that
+/// changes after a layer's first append, Loki on a layer without a basis and Loki on a cache
+/// without the index are typed errors.
+#[test]
+fn the_pca_index_runs_loki_in_its_own_basis() {
+    use fathom_cuda::cache::AttendMethod;
+    use fathom_plan::{KvView, SelectParams};
+    use fathom_store::{Basis, BasisKind};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(29);
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 48,
+    };
+    // (D, G, Hkv, tokens per page, residency)
+    for (d, g, hkv, page, residency) in [
+        (64, 3, 3, 128, Residency::Host),
+        (128, 4, 2, 256, Residency::Hbm),
+        (256, 1, 2, 128, Residency::IndexHbm),
+        (128, 8, 1, 64, Residency::Host),
+    ] {
+        let mut cfg = config(3, hkv, d, page, 200);
+        cfg.shape.group = g;
+        cfg.residency = residency;
+        cfg.pca_index = true;
+        let hq = hkv * g;
+        let dims = Dims {
+            heads: hkv,
+            channels: d,
+        };
+        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+        let r = d / 4;
+        let loki = fathom_cuda::Method::Loki(r);
+        // Layers 0 and 1 calibrated before any append; layer 2 never.
+        let calibs: Vec<_> = (0..2)
+            .map(|_| drawn_calibration(&mut rng, hkv, g, d))
+            .collect();
+        for (l, c) in calibs.iter().enumerate() {
+            cache.load_calibration(l, c).unwrap();
+        }
+        cache.prepare(loki).unwrap();
+        let basis: Vec<Basis> = calibs
+            .iter()
+            .map(|c| {
+                let mats: Vec<f32> = c.iter().flat_map(|h| h.loki.iter().copied()).collect();
+                Basis::new(BasisKind::Custom, hkv, d, mats).unwrap()
+            })
+            .collect();
+        let what = format!("D={d} G={g} {residency:?}");
+        let check_pca = |cache: &PagedCache, s: SessionId, sh: &[Shadow], tag: &str| {
+            for l in 0..2 {
+                let kb: Vec<f32> = sh[l].k.iter().map(|&x| bf(x)).collect();
+                let store = KeyStore::from_keys(dims, &kb, Some(basis[l].clone())).unwrap();
+                let got = cache.export_pca(s, l).unwrap();
+                if let Err(e) = got.compare(&store.view()) {
+                    panic!(
+                        "{what} {tag} layer {l}, {} tokens: PCA index {e}",
+                        store.tokens()
+                    );
+                }
+            }
+        };
+        let ids: Vec<SessionId> = (0..2).map(|_| cache.create().unwrap()).collect();
+        let mut shadows = vec![vec![Shadow::default(); 3]; 8];
+        let slot = |s: SessionId| s.slot();
+        // A ragged prefill, 700 and 1300 tokens (the second in two chunks), then a fork of
+        // session 0 mid-block that diverges from it.
+        step(
+            &mut cache,
+            &mut rng,
+            &[(ids[0], 700), (ids[1], 900)],
+            &mut shadows,
+            &slot,
+        );
+        step(&mut cache, &mut rng, &[(ids[1], 400)], &mut shadows, &slot);
+        let fork = cache.fork(ids[0]).unwrap();
+        shadows[fork.slot()] = shadows[ids[0].slot()].clone();
+        let all = [ids[0], ids[1], fork];
+        for s in all {
+            check_pca(&cache, s, &shadows[s.slot()], "after the prefill");
+        }
+        // The same basis may be loaded again; another one may not, once the layer holds tokens.
+        cache.load_calibration(0, &calibs[0]).unwrap();
+        let other = drawn_calibration(&mut rng, hkv, g, d);
+        let e = cache.load_calibration(0, &other).unwrap_err();
+        assert!(e.to_string().contains("first append"), "{e}");
+        for t in 0..4 {
+            let dec: Vec<(SessionId, usize)> = all.iter().map(|&s| (s, 1 + t % 2)).collect();
+            let batch = step(&mut cache, &mut rng, &dec, &mut shadows, &slot);
+            let q: Vec<f32> = (0..3 * hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let am = AttendMethod::Scan(loki);
+            let e = cache.attend_host(&batch, 2, am, &params, &q).unwrap_err();
+            assert!(e.to_string().contains("PCA basis"), "{e}");
+            for l in 0..2 {
+                let out = cache.attend_host(&batch, l, am, &params, &q).unwrap();
+                for (b, &s) in all.iter().enumerate() {
+                    let dbg = cache.debug_readback(&batch, b).unwrap();
+                    let sh = &shadows[s.slot()][l];
+                    let n = sh.k.len() / dims.row();
+                    let kb: Vec<f32> = sh.k.iter().map(|&x| bf(x)).collect();
+                    let vb: Vec<f32> = sh.v.iter().map(|&x| bf(x)).collect();
+                    let store = KeyStore::from_keys(dims, &kb, Some(basis[l].clone())).unwrap();
+                    let view = store.view();
+                    let depths: Vec<u8> = (0..d).map(|c| if c < r { 4 } else { 0 }).collect();
+                    for h in 0..hkv {
+                        let tag =
+                            format!("{what} loki:{r} step {t} layer {l} session {b} head {h}");
+                        let qh = &q[(b * hq + h * g) * d..(b * hq + (h + 1) * g) * d];
+                        let mut qr = vec![0f32; g * d];
+                        for gg in 0..g {
+                            view.rotate_query(
+                                h,
+                                &qh[gg * d..(gg + 1) * d],
+                                &mut qr[gg * d..(gg + 1) * d],
+                            );
+                        }
+                        let (refs, mag) =
+                            fathom_plan::scan::reference_scores(&view, h, &qr, g, &depths).unwrap();
+                        for gg in 0..g {
+                            let row = &dbg.scores[(h * g + gg) * n..(h * g + gg + 1) * n];
+                            for i in 0..n {
+                                let (got, want) = (row[i] as f64, refs[gg * n + i]);
+                                assert!(
+                                    (got - want).abs() <= SCORE_TOL * mag[gg * n + i] + 1e-30,
+                                    "{tag} q {gg} token {i}: gpu {got} cpu {want}"
+                                );
+                            }
+                            let mut sel = Vec::new();
+                            fathom_plan::select_per_head(n - 1, row, &params, &mut sel).unwrap();
+                            let mid = params.middle(n - 1);
+                            let cpu_mid: Vec<u32> = sel
+                                .iter()
+                                .copied()
+                                .filter(|&i| mid.contains(&(i as usize)))
+                                .collect();
+                            assert_eq!(dbg.winners[h * g + gg], cpu_mid, "{tag} q {gg}: top-k");
+                            // Attention over the raw records with the raw query.
+                            let mut want = vec![0f32; d];
+                            fathom_plan::attend(
+                                &qh[gg * d..(gg + 1) * d],
+                                KvView::head(&kb, hkv, d, h),
+                                KvView::head(&vb, hkv, d, h),
+                                &sel,
+                                1.0 / (d as f32).sqrt(),
+                                None,
+                                &mut want,
+                            )
+                            .unwrap();
+                            let o = (b * hq + h * g + gg) * d;
+                            let err = fathom_plan::relative_error(&out[o..o + d], &want);
+                            assert!(
+                                err <= ATTN_TOL,
+                                "{tag} q {gg}: attention relative error {err}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        for s in all {
+            check_pca(&cache, s, &shadows[s.slot()], "after decoding");
+            // The first index is untouched by the second.
+            check(
+                &cache,
+                s,
+                &shadows[s.slot()][..2],
+                "raw store beside the PCA index",
+            );
+        }
+        cache.free(ids[0]).unwrap();
+        check_pca(
+            &cache,
+            fork,
+            &shadows[fork.slot()],
+            "fork after its parent is freed",
+        );
+    }
+    // Loki on a cache without the index.
+    let mut plain = PagedCache::new(&gpu, config(1, 1, 64, 128, 8)).unwrap();
+    let e = plain.prepare(fathom_cuda::Method::Loki(16)).unwrap_err();
+    assert!(e.to_string().contains("PCA index"), "{e}");
+    let s = plain.create().unwrap();
+    assert!(plain.export_pca(s, 0).is_err());
 }

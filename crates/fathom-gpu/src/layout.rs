@@ -137,6 +137,9 @@ pub struct DecoderConfig {
     pub row_cache: usize,
     /// Where the pages live.
     pub residency: Residency,
+    /// Whether the cache keeps the PCA index that `loki:R` scans
+    /// (`fathom_cuda::cache::CacheConfig::pca_index`).
+    pub pca_index: bool,
 }
 
 impl DecoderConfig {
@@ -154,6 +157,7 @@ impl DecoderConfig {
             pages: None,
             row_cache: 0,
             residency: Residency::Host,
+            pca_index: false,
         }
     }
 
@@ -195,6 +199,7 @@ impl DecoderConfig {
             max_k: self.max_k,
             row_cache: self.row_cache,
             residency: self.residency,
+            pca_index: self.pca_index,
         };
         Ok(cfg.validate()?)
     }

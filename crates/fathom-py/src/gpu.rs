@@ -360,6 +360,7 @@ impl GpuCache {
             max_k,
             row_cache,
             residency,
+            pca_index: false,
         };
         // Limits first: a bad one is a ValueError before the device is opened.
         let cfg = cfg.validate().map_err(lib_err)?;

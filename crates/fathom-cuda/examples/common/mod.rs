@@ -58,5 +58,6 @@ pub fn timing_config(
         max_k: 512,
         row_cache: 0,
         residency: fathom_cuda::Residency::Host,
+        pca_index: false,
     }
 }
