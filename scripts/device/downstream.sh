@@ -2,7 +2,7 @@
 # The downstream runs of issue 15 on the GPU (`--device cuda`), every method the paged cache
 # runs (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, thumb2, and the r = D/4 baselines),
 # after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
-# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|tune|eval|compare|throughput|loki
+# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|tune|eval|compare|throughput|own
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
 set -u
 B=.devbin
@@ -99,24 +99,26 @@ compare)
   python3 scripts/device/compare_devices.py $OUT/compare-ruler-cpu.json $OUT/compare-ruler-cuda.json \
     $OUT/compare-agent-cpu.json $OUT/compare-agent-cuda.json | tee $OUT/compare.md
   ;;
-loki)
-  # loki [ruler-gemma]: Loki in its own PCA basis through the cache's PCA index (issue 14 item
-  # 4; issue 15 item 6): dense, exact, loki:32 and the r = D/4 baseline (SmolLM2 D 64: loki:16;
-  # Gemma 3 D 256: loki:64) at the committed runs' settings (shape small,needle=passkey, seed 0,
-  # 20 samples; agent steps 16 sessions x 64 steps), so each Loki entry pairs with the exact
+own)
+  # own [ruler-gemma]: the methods that read their own basis or tables (issue 14 item 4; issue
+  # 15 item 6): Loki in its PCA basis through the cache's PCA index (loki:32 and the r = D/4
+  # baseline: SmolLM2 D 64 loki:16, Gemma 3 D 256 loki:64), landmark and Quest through its block
+  # tables, beside dense and exact, at the committed runs' settings (shape small,needle=passkey,
+  # seed 0, 20 samples; agent steps 16 sessions x 64 steps), so each entry pairs with the exact
   # top-k of its own run. Without an argument: SmolLM2's RULER and agent steps and Gemma's agent
-  # steps; `ruler-gemma`: Gemma's RULER at 32k (its own call: about 4 minutes).
+  # steps; `ruler-gemma`: Gemma's RULER at 32k, TASKS=a,b,c for part of the tasks (two calls,
+  # joined by merge_ruler.py).
   shape=small,needle=passkey
   if [ "${2:-}" = ruler-gemma ]; then
-    run ruler-gemma3-270m-32k-passkey-loki ruler --model gemma3-270m --context 32768 --k 512 --prompt chat \
-      --shape $shape --samples 20 --methods dense,exact,loki:32,loki:64
+    run ruler-gemma3-270m-32k-passkey-own${TASKS:+-$(echo $TASKS | tr ',' '-')} ruler --model gemma3-270m --context 32768 \
+      --k 512 --prompt chat --shape $shape --samples 20 --methods dense,exact,loki:32,loki:64,landmark,quest ${TASKS:+--tasks $TASKS}
   else
-    run ruler-smollm2-135m-8k-passkey-loki ruler --model smollm2-135m --context 8192 --k 256 --prompt chat \
-      --shape $shape --samples 20 --methods dense,exact,loki:16,loki:32
-    run agent-smollm2-135m-8k-loki agent-steps --model smollm2-135m --context 8192 --k 256 --sessions 16 --steps 64 \
-      --methods dense,exact,loki:16,loki:32
-    run agent-gemma3-270m-32k-loki agent-steps --model gemma3-270m --context 32768 --k 512 --sessions 16 --steps 64 \
-      --methods dense,exact,loki:32,loki:64
+    run ruler-smollm2-135m-8k-passkey-own ruler --model smollm2-135m --context 8192 --k 256 --prompt chat \
+      --shape $shape --samples 20 --methods dense,exact,loki:16,loki:32,landmark,quest
+    run agent-smollm2-135m-8k-own agent-steps --model smollm2-135m --context 8192 --k 256 --sessions 16 --steps 64 \
+      --methods dense,exact,loki:16,loki:32,landmark,quest
+    run agent-gemma3-270m-32k-own agent-steps --model gemma3-270m --context 32768 --k 512 --sessions 16 --steps 64 \
+      --methods dense,exact,loki:32,loki:64,landmark,quest
   fi
   ;;
 parity-pedantic)

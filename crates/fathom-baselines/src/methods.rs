@@ -376,11 +376,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         .sum::<f64>() as f32
 }
 
-/// Rounds to fp16 and back.
-fn f16r(x: f64) -> f32 {
-    f16::from_f64(x).to_f32()
-}
-
 /// The block landmark (ShadowKV-style, docs/SPEC.md §4): the fp16 mean key of each 8-token block;
 /// a token's score is its block's.
 #[derive(Debug, Clone, Default)]
@@ -477,11 +472,14 @@ impl Scanner for Quest {
     }
 }
 
-/// One channel of one landmark block: the mean of its keys (summed in f64), rounded to fp16.
-/// The one rule for the CPU scanner and the GPU tables.
+/// One channel of one landmark block: the mean of its keys (summed in f64 in order), rounded
+/// to f32 and then to fp16 (each to nearest, ties to even). The one rule for the CPU scanner
+/// and the GPU tables: the two roundings are spelled out because `half`'s own f64 → fp16
+/// conversion differs by platform (through f32 with F16C, a direct rounding that ignores the
+/// low 32 mantissa bits without it).
 pub fn landmark_mean(xs: impl Iterator<Item = f32>) -> f32 {
     let (s, n) = xs.fold((0f64, 0usize), |(s, n), x| (s + x as f64, n + 1));
-    f16r(s / n.max(1) as f64)
+    f16::from_f32((s / n.max(1) as f64) as f32).to_f32()
 }
 
 /// One channel of one Quest page: its keys' min and max in fp16, rounded outward so that the

@@ -17,6 +17,7 @@ use fathom_gpu::{parity, Attention, Decoder, DecoderConfig, GpuDecoder};
 use fathom_model::corpus::{context_tokens, load_split, CorpusKind, Split};
 use fathom_model::fetch::{fetch_model, ModelId};
 use fathom_model::{DenseWeights, LoadOptions, Model, WeightMode};
+use fathom_plan::method::MethodSpec;
 use fathom_plan::SelectParams;
 
 use crate::model_cmds::CacheArgs;
@@ -158,18 +159,22 @@ pub fn run_gpu_parity(a: GpuParityArgs) -> Result<()> {
     Ok(())
 }
 
-/// Refuses the methods the paged cache does not run yet (landmark, Quest), naming them:
-/// checked before the model loads.
+/// Refuses, naming them, the methods the GPU path does not run (the CPU runtime's variants and
+/// ablations, such as `fathom-klt:B` or `loki-f16:R`; every method of the GPU step grammar,
+/// `fathom_cuda::Method`, runs): checked before the model loads.
 pub fn check_gpu_methods(methods: &[String]) -> Result<()> {
-    // The cache's own rule (`Method::paged`); a name that does not parse is reported later,
-    // with the model's head dimension.
     let refused: Vec<&String> = methods
         .iter()
-        .filter(|m| fathom_cuda::Method::parse(m.trim(), 256).is_ok_and(|x| !x.paged()))
+        .filter(|m| {
+            // A name that does not parse at all is reported later, with the model's D.
+            let m = m.trim();
+            fathom_plan::method::MethodSpec::parse(m, 256).is_ok_and(|s| s != MethodSpec::Dense)
+                && fathom_cuda::Method::parse(m, 256).is_err()
+        })
         .collect();
     if !refused.is_empty() {
         bail!(
-            "--device cuda: the paged cache does not run {} yet; remove them from --methods (or run them with --device cpu)",
+            "--device cuda: the GPU path does not run {}; remove them from --methods (or run them with --device cpu)",
             refused.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(", ")
         );
     }
@@ -188,9 +193,10 @@ pub struct GpuEval {
 
 impl GpuEval {
     /// Opens the GPU, uploads the model and loads the calibration of every global layer.
-    /// `methods` are the run's method names in order; a method the paged cache does not run
-    /// yet (landmark, Quest) is refused here, before any work. With a Loki method the cache
-    /// keeps the PCA index, whose basis the calibration loads before any session.
+    /// `methods` are the run's method names in order; a method the GPU path does not run is
+    /// refused here, before any work. With a Loki method the cache keeps the PCA index, whose
+    /// basis the calibration loads before any session; with landmark or Quest, the block
+    /// tables.
     pub fn new(
         model_path: &std::path::Path,
         head_dim: usize,
@@ -221,6 +227,12 @@ impl GpuEval {
         dcfg.pca_index = atts
             .iter()
             .any(|a| matches!(a.method, AttendMethod::Scan(fathom_cuda::Method::Loki(_))));
+        dcfg.block_tables = atts.iter().any(|a| {
+            matches!(
+                a.method,
+                AttendMethod::Scan(fathom_cuda::Method::Landmark | fathom_cuda::Method::Quest)
+            )
+        });
         let mut dec = GpuDecoder::new(&gpu, &weights, dcfg)?;
         if let Some(c) = calib {
             for (l, heads) in c.heads.iter().enumerate() {

@@ -965,11 +965,11 @@ fn cases(fx: &Fx) -> Vec<Case> {
                 "--device",
                 "cuda",
                 "--methods",
-                "exact,quest",
+                "exact,loki-f16:16",
                 "--json",
                 &out,
             ])),
-            "quest",
+            "loki-f16:16",
             Some(out.clone()),
         );
     }

@@ -44,6 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         row_cache: 0,
         residency: fathom_cuda::Residency::Host,
         pca_index: false,
+        block_tables: false,
     };
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let (a, b) = (cache.create()?, cache.create()?);

@@ -59,6 +59,22 @@ __device__ __forceinline__ float key_bf16(const void* k, u64 i, u32 dtype, u16* 
     return bf16_to_f32(b);
 }
 
+// fp16 bits of x rounded toward -inf (fathom_baselines' round_down_f16: to nearest, then one
+// step down where that went above x).
+__device__ __forceinline__ u16 f16_down_bits(float x) {
+    const u16 h = f32_to_f16_bits(x);
+    if (f16_to_f32(h) > x) return x > 0.0f ? (u16)(h - 1) : (u16)(h + 1);
+    return h;
+}
+
+// Block tables of the paged cache (docs/SPEC.md §6.1, "Block tables"): per page and KV head,
+// landmark [P/8][DIM] and Quest [P/16][2][DIM] fp16; both pools have the same page stride.
+struct TableGeom {
+    u64 page_bytes;  // stride of pages in each table pool
+    u64 landmark;    // device address of page 0's landmark table (0: none)
+    u64 quest;       // device address of page 0's Quest table (0: none)
+};
+
 #define QS 4             // token quarters of a block: threads per channel
 #define QT (BLOCK / QS)  // tokens per thread
 
@@ -93,7 +109,8 @@ extern "C" __global__ void append_quant(
     u32 layer,
     u32 fused,
     u32* faults,
-    const float* __restrict__ rot)
+    const float* __restrict__ rot,
+    TableGeom tg)
 {
     __shared__ float smax[QS][DIM];
     __shared__ unsigned char sbad[QS][DIM];
@@ -145,6 +162,41 @@ extern "C" __global__ void append_quant(
                 recs[(u64)j * 2 * DIM + c] = bits;
                 recs[(u64)j * 2 * DIM + DIM + c] = f32_to_bf16_bits(load_elem(v, src, dtype));
                 tail[j * DIM + c] = bits;
+            }
+        }
+    }
+    // The block tables from the raw bf16 keys (tg is empty in a PCA-index pass): this thread's
+    // 16 tokens are one Quest page and two landmark groups (fathom_baselines::quest_bounds and
+    // landmark_mean over the tokens < end, in token order; a group with none is not written).
+    if (tg.landmark != 0 || tg.quest != 0) {
+        const u32 s0 = t0 % g.page_tokens + j0;  // the thread's first token slot in the page
+        const u32 i0 = t0 + j0;
+        if (tg.quest != 0 && i0 < end) {
+            float mn = INFINITY, mx = -INFINITY;
+#pragma unroll
+            for (u32 jj = 0; jj < QT; ++jj)
+                if (i0 + jj < end) {
+                    mn = fminf(mn, vals[jj]);
+                    mx = fmaxf(mx, vals[jj]);
+                }
+            u16* row = (u16*)(tg.quest + (u64)page * tg.page_bytes) + ((u64)h * (g.page_tokens / 16) + s0 / 16) * 2 * DIM;
+            row[c] = f16_down_bits(mn);
+            row[DIM + c] = (u16)(f16_down_bits(-mx) ^ 0x8000u);
+        }
+        if (tg.landmark != 0) {
+#pragma unroll
+            for (u32 k2 = 0; k2 < 2; ++k2) {
+                if (i0 + 8 * k2 >= end) continue;
+                double sum = 0.0;
+                u32 cnt = 0;
+#pragma unroll
+                for (u32 jj = 8 * k2; jj < 8 * k2 + 8; ++jj)
+                    if (i0 + jj < end) {
+                        sum += (double)vals[jj];
+                        ++cnt;
+                    }
+                u16* row = (u16*)(tg.landmark + (u64)page * tg.page_bytes) + ((u64)h * (g.page_tokens / 8) + (s0 + 8 * k2) / 8) * DIM;
+                row[c] = f32_to_f16_bits((float)(sum / (double)cnt));
             }
         }
     }

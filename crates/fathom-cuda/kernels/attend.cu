@@ -400,6 +400,77 @@ extern "C" __global__ void paged_scan_v2(const AppendDesc* __restrict__ descs, c
 
 #define TK 1024
 
+// Block tables (append.cu's TableGeom): page stride and page 0's landmark / Quest tables.
+struct TableGeom {
+    u64 page_bytes;
+    u64 landmark;
+    u64 quest;
+};
+
+#define TS_NT 128  // threads (groups) per CTA of paged_table_scan
+
+// Scores of landmark (quest = 0: a token's score is q . mean of its 8-token group) or Quest
+// (quest = 1: q's upper bound over its 16-token page, sum_c max(q_c min_c, q_c max_c)) from the
+// block tables read in place from the session's pages, per query head; each product of an f32
+// and an fp16 is exact in f64 and the sum runs over c in order, so the score is
+// fathom_baselines' PageHead score bit for bit. Writes every token's score and the level-1
+// histogram of the middle tokens, as paged_scan does. grid = (ceil(groups / TS_NT), Hkv,
+// batch), block = TS_NT; thread = one group of the session.
+extern "C" __global__ void paged_table_scan(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+                                            PoolGeom g, AttendGeom a, TableGeom tg, u32 quest,
+                                            const float* __restrict__ qf, float* __restrict__ scores,
+                                            u32* __restrict__ hist) {
+    __shared__ float qa[GQ][DIM];
+    __shared__ u32 sh[GQ][HBINS];
+    const u32 b = blockIdx.z, h = a.h0 + blockIdx.y, tid = threadIdx.x;
+    const AppendDesc d = descs[b];
+    const u32 n = d.n0 + d.m;
+    const u32 gs = quest ? 16u : 8u;
+    const u32 ngroups = (n + gs - 1) / gs;
+    if (blockIdx.x * TS_NT >= ngroups) return;  // uniform over the CTA
+    const u32 heads_q = g.heads * GQ;
+    for (u32 i = tid; i < GQ * DIM; i += TS_NT)
+        qa[i / DIM][i % DIM] = qf[((u64)b * heads_q + h * GQ) * DIM + i];
+    for (u32 i = tid; i < GQ * HBINS; i += TS_NT) sh[i / HBINS][i % HBINS] = 0;
+    __syncthreads();
+    u32 lo, hi;
+    middle(n, a, &lo, &hi);
+    const u32 grp = blockIdx.x * TS_NT + tid;
+    if (grp < ngroups) {
+        const u32 tok0 = grp * gs;
+        const u32 page = tables[(u64)d.slot * g.max_pages + tok0 / g.page_tokens];
+        const u32 per_page = g.page_tokens / gs;
+        const u32 gi = (tok0 % g.page_tokens) / gs;
+        const u64 base = (quest ? tg.quest : tg.landmark) + (u64)page * tg.page_bytes;
+        const u16* row = (const u16*)base + ((u64)h * per_page + gi) * (quest ? 2 : 1) * DIM;
+        for (u32 q = 0; q < GQ; ++q) {
+            double acc = 0.0;
+            if (quest) {
+                for (u32 c = 0; c < DIM; ++c) {
+                    const double qc = (double)qa[q][c];
+                    acc += fmax(qc * (double)f16_to_f32(row[c]), qc * (double)f16_to_f32(row[DIM + c]));
+                }
+            } else {
+                for (u32 c = 0; c < DIM; ++c) acc += (double)qa[q][c] * (double)f16_to_f32(row[c]);
+            }
+            const float sc = (float)acc;
+            float* out = scores + ((u64)b * heads_q + h * GQ + q) * a.max_tokens;
+            const u32 bin = f32_key(sc) >> 22;
+            u32 mid = 0;
+            for (u32 t = tok0; t < min(tok0 + gs, n); ++t) {
+                out[t] = sc;
+                if (t >= lo && t < hi) ++mid;
+            }
+            if (mid) atomicAdd(&sh[q][bin], mid);
+        }
+    }
+    __syncthreads();
+    for (u32 i = tid; i < GQ * HBINS; i += TS_NT) {
+        const u32 v = sh[i / HBINS][i % HBINS];
+        if (v) atomicAdd(hist + ((u64)b * heads_q + h * GQ + i / HBINS) * HBINS + i % HBINS, v);
+    }
+}
+
 // Block-wide exclusive prefix sum of a 0/1 flag in index order; returns this thread's rank,
 // writes the block total to *total.
 __device__ __forceinline__ u32 block_rank(bool flag, u32* warp_counts, u32* total) {

@@ -129,6 +129,7 @@ pub(crate) fn run(
             row_cache: c.cache_rows,
             residency,
             pca_index: false,
+            block_tables: false,
         };
         progress(&format!(
             "{run_label}: {layers} layers, pools {:.1} GiB, prefilling",

@@ -105,6 +105,10 @@ pub struct CacheConfig {
     /// per page and layer, where the first index lives; the K|V records are shared. A layer's
     /// basis ([`fathom_plan::scanner::HeadCalib::loki`]) is loaded before its first append.
     pub pca_index: bool,
+    /// Whether the cache keeps the block tables that `landmark` and `quest` read (docs/SPEC.md
+    /// §6.1, "Block tables"): per page and KV head the fp16 mean key of every 8 tokens and the
+    /// fp16 channel bounds of every 16, `P·D/4` bytes each, where the index lives.
+    pub block_tables: bool,
 }
 
 impl CacheConfig {
@@ -571,6 +575,7 @@ mod tests {
             row_cache: 0,
             residency: crate::config::Residency::Host,
             pca_index: false,
+            block_tables: false,
         }
     }
 

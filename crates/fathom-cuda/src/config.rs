@@ -189,13 +189,6 @@ impl Method {
         }
     }
 
-    /// Whether the paged cache ([`crate::PagedCache`]) runs the method: all but landmark and
-    /// Quest (their tables), which only the benchmark step runs. Loki needs a cache with the
-    /// PCA index ([`crate::cache::CacheConfig::pca_index`]).
-    pub fn paged(&self) -> bool {
-        !matches!(self, Method::Landmark | Method::Quest)
-    }
-
     /// Whether the method scans the bit-plane store (all but the table methods).
     pub fn uses_planes(&self) -> bool {
         !matches!(self, Method::Landmark | Method::Quest)

@@ -93,6 +93,23 @@ const _: () = assert!(std::mem::size_of::<PoolGeom>() == 48);
 // SAFETY: plain `#[repr(C)]` data of integers, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for PoolGeom {}
 
+/// `struct TableGeom` of append.cu and attend.cu: the block tables' page stride and the
+/// device addresses of page 0's landmark and Quest tables (0: none).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct TableGeom {
+    page_bytes: u64,
+    landmark: u64,
+    quest: u64,
+}
+const _: () = assert!(std::mem::size_of::<TableGeom>() == 24);
+
+// SAFETY: plain `#[repr(C)]` data of integers, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for TableGeom {}
+
+/// Threads (groups) per CTA of `paged_table_scan` (`TS_NT` in attend.cu).
+const TABLE_SCAN_THREADS: u32 = 128;
+
 /// `struct AttendGeom` of attend.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -134,6 +151,7 @@ struct AttendKernels {
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
     rotate_queries: CudaFunction,
+    table_scan: CudaFunction,
     fathom_plan: CudaFunction,
     sparq_plan: CudaFunction,
 }
@@ -235,6 +253,7 @@ struct AppendKernels {
 ///     row_cache: 0,
 ///     residency: fathom_cuda::Residency::Host,
 ///     pca_index: false,
+///     block_tables: false,
 /// };
 /// let mut cache = PagedCache::new(&gpu, cfg)?;
 /// let (a, b) = (cache.create()?, cache.create()?);
@@ -259,6 +278,10 @@ pub struct PagedCache {
     /// The PCA index ([`CacheConfig::pca_index`]), one pool per layer of each page's planes and
     /// scales (stride `split_page_bytes().0`), in HBM except in host residency; empty without.
     pca_pools: Vec<Mem>,
+    /// The block tables ([`CacheConfig::block_tables`]): per layer a landmark and a Quest pool
+    /// of [`PagedCache::table_page_bytes`] per page, where the index lives; empty without.
+    landmark_pools: Vec<Mem>,
+    quest_pools: Vec<Mem>,
     /// Page tables, `u32 [max_sessions][max_pages]`, and the append descriptors of the
     /// current batch, `[max_batch]`: written on the host (pinned), copied to HBM on the
     /// stream by every [`PagedCache::reserve`] (which waits for the stream first, so a copy
@@ -325,6 +348,13 @@ fn row_cache_buf(cfg: &CacheConfig, elem: usize, what: &'static str) -> Result<O
     Ok(Some(DevBuf::zeroed(slots * elem, what)?))
 }
 
+/// Bytes per page of each block table: `Hkv · P/8 · D` fp16 (landmark), the same for Quest's
+/// `Hkv · P/16 · 2D`.
+fn table_page_bytes(cfg: &CacheConfig) -> u64 {
+    let s = cfg.shape;
+    (s.kv_heads * cfg.pages.page_tokens / 8 * s.dim * 2) as u64
+}
+
 fn tail_elems(cfg: &CacheConfig) -> usize {
     let s = cfg.shape;
     s.layers * s.kv_heads * BLOCK_TOKENS * s.dim
@@ -389,6 +419,7 @@ impl PagedCache {
             attn_partial: fa("paged_attn_partial")?,
             attn_combine: fa("paged_attn_combine")?,
             rotate_queries: fa("attend_rotate_queries")?,
+            table_scan: fa("paged_table_scan")?,
             fathom_plan: fp("fathom_plan")?,
             sparq_plan: fp("sparq_plan")?,
         };
@@ -475,6 +506,22 @@ impl PagedCache {
         } else {
             Vec::new()
         };
+        let table_pool = pages * table_page_bytes(&cfg) as usize;
+        let table_pools = |what: &'static str| -> Result<Vec<Mem>> {
+            if !cfg.block_tables {
+                return Ok(Vec::new());
+            }
+            (0..s.layers)
+                .map(|_| match cfg.residency {
+                    Residency::Host => HostBuf::new(table_pool, what).map(Mem::Host),
+                    Residency::Hbm | Residency::IndexHbm => {
+                        DevBuf::zeroed(table_pool, what).map(Mem::Dev)
+                    }
+                })
+                .collect()
+        };
+        let landmark_pools = table_pools("landmark table pool")?;
+        let quest_pools = table_pools("Quest table pool")?;
         let mut tables = HostBuf::new(cfg.pages.max_sessions * max_pages * 4, "page tables")?;
         tables.as_mut_bytes().fill(0);
         let descs = HostBuf::new(cfg.max_batch * 16, "append descriptors")?;
@@ -492,6 +539,8 @@ impl PagedCache {
             pools,
             rec_pools,
             pca_pools,
+            landmark_pools,
+            quest_pools,
             tables,
             descs,
             tables_dev,
@@ -566,14 +615,28 @@ impl PagedCache {
         }
     }
 
+    /// The block tables' geometry at `layer` (every address 0 without them).
+    fn table_geom(&self, layer: usize) -> TableGeom {
+        match (self.landmark_pools.get(layer), self.quest_pools.get(layer)) {
+            (Some(l), Some(q)) => TableGeom {
+                page_bytes: table_page_bytes(&self.cfg),
+                landmark: l.dptr(),
+                quest: q.dptr(),
+            },
+            _ => TableGeom::default(),
+        }
+    }
+
     /// Bytes of HBM the page pools take (every layer's): the whole pools in HBM residency,
-    /// the index in the split residency, 0 in host residency; the PCA index's where it is in
-    /// HBM.
+    /// the index in the split residency, 0 in host residency; the PCA index's and the block
+    /// tables' where they are in HBM.
     pub fn pool_hbm_bytes(&self) -> u64 {
         self.pools
             .iter()
             .chain(&self.rec_pools)
             .chain(&self.pca_pools)
+            .chain(&self.landmark_pools)
+            .chain(&self.quest_pools)
             .map(|m| match m {
                 Mem::Dev(d) => d.bytes as u64,
                 Mem::Host(_) => 0,
@@ -810,6 +873,10 @@ impl PagedCache {
                 &[(0, head_bytes)],
             )?;
         }
+        let tb = table_page_bytes(&self.cfg) as usize;
+        for pool in self.landmark_pools.iter_mut().chain(&mut self.quest_pools) {
+            copy_ranges(pool, &stream, src * tb, dst * tb, &[(0, tb)])?;
+        }
         Ok(())
     }
 
@@ -843,34 +910,43 @@ impl PagedCache {
         // planes, the records and the tail.
         let fused = u32::from(self.batch_max_blocks <= 1);
         let grid = (self.batch_max_blocks as u32, s.kv_heads as u32, nb);
-        let quant = |pool: u64, geom: &PoolGeom, fused: u32, rot: u64| -> Result<()> {
-            let mut b = self.stream.launch_builder(&self.kernels.quant);
-            b.arg(&descs)
-                .arg(&tables)
-                .arg(&pool)
-                .arg(geom)
-                .arg(&tails)
-                .arg(&kv.k)
-                .arg(&kv.v)
-                .arg(&dtype)
-                .arg(&layer_u)
-                .arg(&fused)
-                .arg(&faults)
-                .arg(&rot);
-            // SAFETY: descriptors, tables, pool, tails and faults are allocated at the sizes
-            // the kernel indexes (batch ≤ max_batch, slots < max_sessions, pages < pool pages,
-            // layer < L); `kv` holds `batch.rows` rows of [Hkv][D] (checked count; the caller
-            // owns the pointers' validity); `rot` is null or the layer's [Hkv][D][D] basis.
-            unsafe { b.launch(cfg(grid, (s.dim * APPEND_QUARTERS) as u32)) }
-                .map_err(drv("launch append_quant"))?;
-            Ok(())
-        };
-        quant(pool, &geom, fused, 0)?;
+        let quant =
+            |pool: u64, geom: &PoolGeom, fused: u32, rot: u64, tg: TableGeom| -> Result<()> {
+                let mut b = self.stream.launch_builder(&self.kernels.quant);
+                b.arg(&descs)
+                    .arg(&tables)
+                    .arg(&pool)
+                    .arg(geom)
+                    .arg(&tails)
+                    .arg(&kv.k)
+                    .arg(&kv.v)
+                    .arg(&dtype)
+                    .arg(&layer_u)
+                    .arg(&fused)
+                    .arg(&faults)
+                    .arg(&rot)
+                    .arg(&tg);
+                // SAFETY: descriptors, tables, pool, tails and faults are allocated at the sizes
+                // the kernel indexes (batch ≤ max_batch, slots < max_sessions, pages < pool pages,
+                // layer < L); `kv` holds `batch.rows` rows of [Hkv][D] (checked count; the caller
+                // owns the pointers' validity); `rot` is null or the layer's [Hkv][D][D] basis;
+                // the tables (when present) hold every pool page.
+                unsafe { b.launch(cfg(grid, (s.dim * APPEND_QUARTERS) as u32)) }
+                    .map_err(drv("launch append_quant"))?;
+                Ok(())
+            };
+        quant(pool, &geom, fused, 0, self.table_geom(layer))?;
         // The PCA index, where the layer's basis is loaded: the same blocks from the same raw
         // keys (new rows and the tail, which the pass above left as it read it), rotated; no
         // records or tail written.
         if let (Some(pca), Some((_, rot))) = (self.pca_pools.get(layer), &self.calib.pca[layer]) {
-            quant(pca.dptr(), &self.pca_geom(layer), 0, rot.ptr)?;
+            quant(
+                pca.dptr(),
+                &self.pca_geom(layer),
+                0,
+                rot.ptr,
+                TableGeom::default(),
+            )?;
         }
         self.calib.appended[layer] = true;
         if fused == 1 {
@@ -1110,27 +1186,20 @@ impl PagedCache {
     }
 
     /// Makes the static depth table of `method` (Double Sparsity, Loki, thumb2, exact) for
-    /// every layer; Fathom and SparQ plan on the GPU per query and need nothing.
+    /// every layer; Fathom and SparQ plan on the GPU per query, landmark and Quest read their
+    /// block tables, and need nothing.
     ///
     /// # Errors
-    /// A method the paged cache does not run yet (landmark, Quest); Double Sparsity before any
-    /// layer's calibration is loaded; Loki in a cache without the PCA index, or with `r` of 0
-    /// or past D.
+    /// Double Sparsity before any layer's calibration is loaded; Loki in a cache without the
+    /// PCA index, or with `r` of 0 or past D; landmark or Quest in a cache without the block
+    /// tables.
     pub fn prepare(&mut self, method: crate::config::Method) -> Result<()> {
-        if !method.paged() {
-            return Err(CudaError::invalid(
-                "method",
-                format!(
-                    "{} is not run by the paged cache yet (it reads its own table); use fathom, sparq, ds, loki, thumb2, exact or dense",
-                    method.label()
-                ),
-            ));
-        }
         use crate::config::Method as M;
+        self.check_tables(method)?;
         let s = self.cfg.shape;
         let (hkv, d) = (s.kv_heads, s.dim);
         let depths: Vec<u8> = match method {
-            M::Fathom(_) | M::SparQ(_) => return Ok(()),
+            M::Fathom(_) | M::SparQ(_) | M::Landmark | M::Quest => return Ok(()),
             M::Thumb2 => vec![2; s.layers * hkv * d],
             M::Exact => vec![4; s.layers * hkv * d],
             M::DoubleSparsity(r) => {
@@ -1176,12 +1245,6 @@ impl PagedCache {
                     .map(|i| if i % d < r { 4 } else { 0 })
                     .collect()
             }
-            M::Landmark | M::Quest => {
-                return Err(CudaError::invalid(
-                    "method",
-                    format!("{} has no static plan", method.label()),
-                ))
-            }
         };
         let buf = DevBuf::from_slice(&depths, "static plan")?;
         self.calib.statics.insert(method.label(), buf);
@@ -1202,6 +1265,21 @@ impl PagedCache {
             ));
         }
         self.method_inputs(method, layer).map(|_| ())
+    }
+
+    /// Landmark and Quest read the block tables: refused by name in a cache without them.
+    fn check_tables(&self, method: crate::config::Method) -> Result<()> {
+        use crate::config::Method as M;
+        if matches!(method, M::Landmark | M::Quest) && !self.cfg.block_tables {
+            return Err(CudaError::invalid(
+                "method",
+                format!(
+                    "{} reads the block tables, which this cache does not keep (CacheConfig::block_tables)",
+                    method.label()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The static depth table and the σ² a method reads at `layer` (device pointers).
@@ -1237,8 +1315,12 @@ impl PagedCache {
                 ));
             }
         }
+        if let AttendMethod::Scan(m) = method {
+            self.check_tables(m)?;
+        }
         let static_depths = match method {
-            AttendMethod::Dense | AttendMethod::Scan(M::Fathom(_) | M::SparQ(_)) => None,
+            AttendMethod::Dense
+            | AttendMethod::Scan(M::Fathom(_) | M::SparQ(_) | M::Landmark | M::Quest) => None,
             AttendMethod::Scan(m) => {
                 let buf = self.calib.statics.get(&m.label()).ok_or_else(|| {
                     CudaError::invalid(
@@ -1302,6 +1384,12 @@ impl PagedCache {
             self.geom(layer)
         };
         let dense = matches!(method, AttendMethod::Dense);
+        // Landmark (0) and Quest (1) score from the block tables, and take the score path.
+        let table = match method {
+            AttendMethod::Scan(M::Landmark) => Some(0u32),
+            AttendMethod::Scan(M::Quest) => Some(1u32),
+            _ => None,
+        };
         let ag = AttendGeom {
             sink: params.sink as u32,
             local: params.local as u32,
@@ -1324,6 +1412,7 @@ impl PagedCache {
                 self.work.umax.div_ceil(ATTN_GRAN).min(SPARSE_SPLITS)
             } as u32,
             fuse_min: match self.select {
+                _ if table.is_some() => 0,
                 crate::cache::SelectPath::Filtered {
                     min_middle_tokens, ..
                 } => min_middle_tokens.min(u32::MAX as usize) as u32,
@@ -1519,7 +1608,36 @@ impl PagedCache {
                     hn * s.group as u32,
                 );
                 let ag = &ag;
-                scan(0, ag, hn)?;
+                match table {
+                    Some(quest) => {
+                        let tg = self.table_geom(layer);
+                        let gs = if quest == 1 { 16 } else { 8 };
+                        let grid = (
+                            longest
+                                .div_ceil(gs)
+                                .div_ceil(TABLE_SCAN_THREADS as usize)
+                                .max(1) as u32,
+                            hn,
+                            nb32,
+                        );
+                        let mut b = st.launch_builder(&k.table_scan);
+                        b.arg(&descs)
+                            .arg(&tables)
+                            .arg(&geom)
+                            .arg(ag)
+                            .arg(&tg)
+                            .arg(&quest)
+                            .arg(&qs)
+                            .arg(&w.scores.ptr)
+                            .arg(&w.hist.ptr);
+                        // SAFETY: the tables hold every pool page (checked: the cache keeps
+                        // them); groups past each session's length are skipped; scores and the
+                        // histogram hold max_batch·Hq rows.
+                        unsafe { b.launch(cfg(grid, TABLE_SCAN_THREADS)) }
+                            .map_err(drv("launch paged_table_scan"))?;
+                    }
+                    None => scan(0, ag, hn)?,
+                }
                 // 4. The filtered rows' selection (or their fallback), then each other row's
                 // top-k: the boundary bucket, one streaming pass, the exact boundary among the
                 // bucket's candidates (ties to the lower index). With the filtered select off,

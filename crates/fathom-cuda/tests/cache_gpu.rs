@@ -37,6 +37,7 @@ fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize)
         row_cache: 0,
         residency: fathom_cuda::Residency::Host,
         pca_index: false,
+        block_tables: false,
     }
 }
 
@@ -1469,4 +1470,157 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
     assert!(e.to_string().contains("PCA index"), "{e}");
     let s = plain.create().unwrap();
     assert!(plain.export_pca(s, 0).is_err());
+}
+
+/// Block tables (docs/SPEC.md §6.1) and the two table methods of §4 through the cache:
+/// appends keep, per page, the fp16 mean key of every 8 tokens and the fp16 channel bounds of
+/// every 16 from the bf16 keys (ragged prefill chunks, decode tokens, partial groups, a fork
+/// that diverges from its parent); `landmark` and `quest` score every token from them, and the
+/// scores are `fathom_baselines`' CPU scanners' over the same bf16 keys **bit for bit** (exact
+/// products in f64, summed in channel order); each query head's top-k and exact attention
+/// follow the per-head CPU protocol. Either method on a cache without the tables is a typed
+/// error.
+#[test]
+fn block_tables_run_landmark_and_quest() {
+    use fathom_baselines::{Landmark, Quest};
+    use fathom_cuda::cache::AttendMethod;
+    use fathom_plan::scanner::{HeadInput, Scanner};
+    use fathom_plan::{KvView, SelectParams};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(31);
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 40,
+    };
+    for (d, g, hkv, page, residency) in [
+        (64, 3, 3, 128, Residency::Host),
+        (128, 4, 2, 256, Residency::Hbm),
+        (256, 1, 2, 128, Residency::IndexHbm),
+        (128, 8, 1, 64, Residency::Host),
+    ] {
+        let mut cfg = config(2, hkv, d, page, 200);
+        cfg.shape.group = g;
+        cfg.residency = residency;
+        cfg.block_tables = true;
+        let hq = hkv * g;
+        let dims = Dims {
+            heads: hkv,
+            channels: d,
+        };
+        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+        for m in [fathom_cuda::Method::Landmark, fathom_cuda::Method::Quest] {
+            cache.prepare(m).unwrap();
+        }
+        let ids: Vec<SessionId> = (0..2).map(|_| cache.create().unwrap()).collect();
+        let mut shadows = vec![vec![Shadow::default(); 2]; 8];
+        let slot = |s: SessionId| s.slot();
+        // A ragged prefill (the second session in two chunks, neither a multiple of 16), then
+        // a fork of session 0 mid-group.
+        step(
+            &mut cache,
+            &mut rng,
+            &[(ids[0], 699), (ids[1], 901)],
+            &mut shadows,
+            &slot,
+        );
+        step(&mut cache, &mut rng, &[(ids[1], 403)], &mut shadows, &slot);
+        let fork = cache.fork(ids[0]).unwrap();
+        shadows[fork.slot()] = shadows[ids[0].slot()].clone();
+        let all = [ids[0], ids[1], fork];
+        for t in 0..5 {
+            let dec: Vec<(SessionId, usize)> = all.iter().map(|&s| (s, 1 + t % 3)).collect();
+            let batch = step(&mut cache, &mut rng, &dec, &mut shadows, &slot);
+            let q: Vec<f32> = (0..3 * hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            for (label, am) in [
+                (
+                    "landmark",
+                    AttendMethod::Scan(fathom_cuda::Method::Landmark),
+                ),
+                ("quest", AttendMethod::Scan(fathom_cuda::Method::Quest)),
+            ] {
+                for l in 0..2 {
+                    let out = cache.attend_host(&batch, l, am, &params, &q).unwrap();
+                    for (b, &s) in all.iter().enumerate() {
+                        let dbg = cache.debug_readback(&batch, b).unwrap();
+                        let sh = &shadows[s.slot()][l];
+                        let n = sh.k.len() / dims.row();
+                        let kb: Vec<f32> = sh.k.iter().map(|&x| bf(x)).collect();
+                        let vb: Vec<f32> = sh.v.iter().map(|&x| bf(x)).collect();
+                        let store = KeyStore::from_keys(dims, &kb, None).unwrap();
+                        for h in 0..hkv {
+                            let tag = format!(
+                                "D={d} G={g} {residency:?} {label} step {t} layer {l} session {b} head {h}"
+                            );
+                            let qh = &q[(b * hq + h * g) * d..(b * hq + (h + 1) * g) * d];
+                            let input = HeadInput {
+                                layer: l,
+                                keys: KvView::head(&kb, hkv, d, h),
+                                store: store.view(),
+                                calib: None,
+                                klt_store: None,
+                            };
+                            let scanner = match label {
+                                "landmark" => Landmark.prepare(&input).unwrap(),
+                                _ => Quest.prepare(&input).unwrap(),
+                            };
+                            let mut want = vec![0f32; g * n];
+                            scanner.score(qh, g, &mut want).unwrap();
+                            for gg in 0..g {
+                                let row = &dbg.scores[(h * g + gg) * n..(h * g + gg + 1) * n];
+                                if let Some(i) = (0..n).find(|&i| row[i] != want[gg * n + i]) {
+                                    panic!(
+                                        "{tag} q {gg} token {i} of {n}: gpu {} cpu {}",
+                                        row[i],
+                                        want[gg * n + i]
+                                    );
+                                }
+                                let mut sel = Vec::new();
+                                fathom_plan::select_per_head(n - 1, row, &params, &mut sel)
+                                    .unwrap();
+                                let mid = params.middle(n - 1);
+                                let cpu_mid: Vec<u32> = sel
+                                    .iter()
+                                    .copied()
+                                    .filter(|&i| mid.contains(&(i as usize)))
+                                    .collect();
+                                assert_eq!(dbg.winners[h * g + gg], cpu_mid, "{tag} q {gg}: top-k");
+                                let mut att = vec![0f32; d];
+                                fathom_plan::attend(
+                                    &qh[gg * d..(gg + 1) * d],
+                                    KvView::head(&kb, hkv, d, h),
+                                    KvView::head(&vb, hkv, d, h),
+                                    &sel,
+                                    1.0 / (d as f32).sqrt(),
+                                    None,
+                                    &mut att,
+                                )
+                                .unwrap();
+                                let o = (b * hq + h * g + gg) * d;
+                                let err = fathom_plan::relative_error(&out[o..o + d], &att);
+                                assert!(
+                                    err <= ATTN_TOL,
+                                    "{tag} q {gg}: attention relative error {err}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        cache.free(ids[0]).unwrap();
+        for s in [ids[1], fork] {
+            check(
+                &cache,
+                s,
+                &shadows[s.slot()],
+                "store beside the block tables",
+            );
+        }
+    }
+    let mut plain = PagedCache::new(&gpu, config(1, 1, 64, 128, 8)).unwrap();
+    for m in [fathom_cuda::Method::Landmark, fathom_cuda::Method::Quest] {
+        let e = plain.prepare(m).unwrap_err();
+        assert!(e.to_string().contains("block tables"), "{e}");
+    }
 }

@@ -140,6 +140,9 @@ pub struct DecoderConfig {
     /// Whether the cache keeps the PCA index that `loki:R` scans
     /// (`fathom_cuda::cache::CacheConfig::pca_index`).
     pub pca_index: bool,
+    /// Whether the cache keeps the block tables that `landmark` and `quest` read
+    /// (`fathom_cuda::cache::CacheConfig::block_tables`).
+    pub block_tables: bool,
 }
 
 impl DecoderConfig {
@@ -158,6 +161,7 @@ impl DecoderConfig {
             row_cache: 0,
             residency: Residency::Host,
             pca_index: false,
+            block_tables: false,
         }
     }
 
@@ -200,6 +204,7 @@ impl DecoderConfig {
             row_cache: self.row_cache,
             residency: self.residency,
             pca_index: self.pca_index,
+            block_tables: self.block_tables,
         };
         Ok(cfg.validate()?)
     }

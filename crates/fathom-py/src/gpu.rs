@@ -361,6 +361,7 @@ impl GpuCache {
             row_cache,
             residency,
             pca_index: false,
+            block_tables: false,
         };
         // Limits first: a bad one is a ValueError before the device is opened.
         let cfg = cfg.validate().map_err(lib_err)?;

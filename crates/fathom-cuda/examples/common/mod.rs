@@ -59,5 +59,6 @@ pub fn timing_config(
         row_cache: 0,
         residency: fathom_cuda::Residency::Host,
         pca_index: false,
+        block_tables: false,
     }
 }
