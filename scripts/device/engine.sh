@@ -19,7 +19,7 @@ tests)
   echo "# FATHOM_REQUIRE_GPU=1, $(date), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${COMMIT:-?}" > $log
   for t in unit api gpu cache_gpu; do
     echo "## $t" >> $log
-    timeout 240 $B/$t --test-threads 1 2>&1 | grep -E "^test |test result|panicked|FAILED|failures|skip" >> $log
+    timeout 420 $B/$t --test-threads 1 2>&1 | grep -E "^test |test result|panicked|FAILED|failures|skip" >> $log
     echo "$t rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
   done
   echo "## example paged_decode" >> $log
