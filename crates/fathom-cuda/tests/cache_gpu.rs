@@ -1480,6 +1480,8 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
 /// products in f64, summed in channel order); each query head's top-k and exact attention
 /// follow the per-head CPU protocol. Either method on a cache without the tables is a typed
 /// error.
+// `l` names the layer attended and indexes `shadows[slot][layer]`.
+#[allow(clippy::needless_range_loop)]
 #[test]
 fn block_tables_run_landmark_and_quest() {
     use fathom_baselines::{Landmark, Quest};
