@@ -181,6 +181,19 @@ pub fn check_gpu_methods(methods: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The PCA index and the block tables that `atts`' methods read (`Method::reads_pca_index`,
+/// `Method::reads_block_tables`).
+fn serve_methods(dcfg: &mut DecoderConfig, atts: &[Attention]) {
+    let scans = || {
+        atts.iter().filter_map(|a| match a.method {
+            AttendMethod::Scan(m) => Some(m),
+            AttendMethod::Dense => None,
+        })
+    };
+    dcfg.pca_index = scans().any(|m| m.reads_pca_index());
+    dcfg.block_tables = scans().any(|m| m.reads_block_tables());
+}
+
 /// The downstream tasks' branches on the GPU (`fathom ruler|agent-steps --device cuda`): the
 /// sample's dense prefill on the GPU forward, then one fork per method (fathom_gpu::branch).
 pub struct GpuEval {
@@ -224,15 +237,7 @@ impl GpuEval {
         dcfg.max_k = params.k.max(1).min(max_tokens);
         let per = max_tokens.div_ceil(dcfg.page_tokens);
         dcfg.pages = Some(g * (per + 1) + g + 8);
-        dcfg.pca_index = atts
-            .iter()
-            .any(|a| matches!(a.method, AttendMethod::Scan(fathom_cuda::Method::Loki(_))));
-        dcfg.block_tables = atts.iter().any(|a| {
-            matches!(
-                a.method,
-                AttendMethod::Scan(fathom_cuda::Method::Landmark | fathom_cuda::Method::Quest)
-            )
-        });
+        serve_methods(&mut dcfg, &atts);
         let mut dec = GpuDecoder::new(&gpu, &weights, dcfg)?;
         if let Some(c) = calib {
             for (l, heads) in c.heads.iter().enumerate() {
@@ -581,11 +586,14 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         .map(|n| (n + a.steps + 8).div_ceil(dcfg.page_tokens))
         .sum();
     dcfg.pages = Some(per + 2 * bmax + 8);
+    serve_methods(&mut dcfg, &atts);
     let needs_calib = atts.iter().any(|t| {
         matches!(
             t.method,
             AttendMethod::Scan(
-                fathom_cuda::Method::Fathom(_) | fathom_cuda::Method::DoubleSparsity(_)
+                fathom_cuda::Method::Fathom(_)
+                    | fathom_cuda::Method::DoubleSparsity(_)
+                    | fathom_cuda::Method::Loki(_)
             )
         )
     });

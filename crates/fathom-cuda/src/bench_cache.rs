@@ -17,13 +17,11 @@ use crate::bench::{add_speedups, stage_bytes, BenchConfig, BenchResult, OffloadB
 use crate::cache::{AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS};
 use crate::config::{Method, ModelShape, Residency};
 use crate::error::{CudaError, Result};
-use crate::paged_layout::PagedLayout;
 use crate::pages::{PageConfig, SessionId};
 use crate::synth::LayerSource;
 use crate::{Gpu, PagedCache};
 use fathom_plan::scanner::HeadCalib;
 use fathom_plan::SelectParams;
-use fathom_store::Dims;
 
 /// Tokens per prefill append (per session).
 const PREFILL_CHUNK: usize = 8192;
@@ -40,20 +38,33 @@ struct DeviceSource {
 }
 
 /// Layers whose pools fit `budget` bytes (at least 1, at most `layers`), and one pool's bytes.
-fn layers_that_fit(shape: ModelShape, pages: usize, budget: u64) -> Result<(usize, u64)> {
-    let lay = PagedLayout::new(
-        Dims {
-            heads: shape.kv_heads,
-            channels: shape.dim,
-        },
-        DEFAULT_PAGE_TOKENS,
-        pages,
-    )?;
-    let per_layer = lay.pool_bytes();
+fn layers_that_fit(cfg: &CacheConfig, budget: u64) -> Result<(usize, u64)> {
+    let shape = cfg.shape;
+    let per_layer = cfg.layer_pool_bytes()?;
     Ok((
         ((budget / per_layer.max(1)) as usize).clamp(1, shape.layers),
         per_layer,
     ))
+}
+
+/// Keys of a source layer the PCA basis is computed from (the first ones: enough for a
+/// covariance of D ≤ 256 channels, and seconds, not minutes, of Jacobi per head).
+const PCA_KEYS: usize = 4096;
+
+/// Loki's PCA basis of KV head `h` of a source layer (`fathom_plan::calib::head_calib` over its
+/// first [`PCA_KEYS`] keys and 64 of its queries).
+fn pca_basis(src: &LayerSource, h: usize) -> Vec<f32> {
+    let (hkv, d) = (src.store.dims().heads, src.store.dims().channels);
+    let n = (src.keys.len() / (hkv * d)).min(PCA_KEYS);
+    let g = src.queries(0).len() / (hkv * d);
+    let qs: Vec<f32> = (0..64)
+        .flat_map(|p| src.queries(p)[h * g * d..(h + 1) * g * d].to_vec())
+        .collect();
+    fathom_plan::calib::head_calib(
+        &fathom_plan::KvView::head(&src.keys[..n * hkv * d], hkv, d, h),
+        &qs,
+    )
+    .loki
 }
 
 /// Times every method of `c` through [`PagedCache`] for each run of session lengths
@@ -100,8 +111,25 @@ pub(crate) fn run(
             .map(|&n| (n + grow).div_ceil(page))
             .sum::<usize>()
             + b;
-        let (layers, pool_bytes) = layers_that_fit(shape, pages, c.pool_budget)?;
         let k = c.k.unwrap_or(512).min(longest.saturating_sub(36).max(1));
+        // The PCA index and the block tables where a method reads them.
+        let cfg = CacheConfig {
+            shape,
+            pages: PageConfig {
+                page_tokens: page,
+                pages,
+                max_sessions: b,
+                max_tokens: longest + grow,
+            },
+            max_batch: b,
+            max_k: k,
+            row_cache: c.cache_rows,
+            residency,
+            pca_index: false,
+            block_tables: false,
+        }
+        .serving(&c.methods);
+        let (layers, pool_bytes) = layers_that_fit(&cfg, c.pool_budget)?;
         let run_label = if lens.iter().all(|&n| n == longest) {
             format!("{b} × {longest}, {}", residency.label())
         } else {
@@ -118,18 +146,7 @@ pub(crate) fn run(
         let cshape = ModelShape { layers, ..shape };
         let cfg = CacheConfig {
             shape: cshape,
-            pages: PageConfig {
-                page_tokens: page,
-                pages,
-                max_sessions: b,
-                max_tokens: longest + grow,
-            },
-            max_batch: b,
-            max_k: k,
-            row_cache: c.cache_rows,
-            residency,
-            pca_index: false,
-            block_tables: false,
+            ..cfg
         };
         progress(&format!(
             "{run_label}: {layers} layers, pools {:.1} GiB, prefilling",
@@ -138,6 +155,32 @@ pub(crate) fn run(
         let t0 = std::time::Instant::now();
         let mut cache = PagedCache::new(gpu, cfg)?;
         let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_>>()?;
+        // Calibration first: σ², DS channels and, for Loki, the PCA basis.
+        for l in 0..layers {
+            let src = &sources[l % sources.len()];
+            let heads: Vec<HeadCalib> = (0..hkv)
+                .map(|h| HeadCalib {
+                    sigma2: src.sigma2[h * d..(h + 1) * d].to_vec(),
+                    ds_channels: fathom_plan::calib::ds_order(
+                        &src.ds_score[h * d..(h + 1) * d]
+                            .iter()
+                            .map(|&x| x as f64)
+                            .collect::<Vec<_>>(),
+                    )
+                    .into_iter()
+                    .map(|c| c as u16)
+                    .collect(),
+                    // Loki's basis, before the first append (the PCA index is written from it).
+                    loki: if cfg.pca_index {
+                        pca_basis(src, h)
+                    } else {
+                        Vec::new()
+                    },
+                    ..Default::default()
+                })
+                .collect();
+            cache.load_calibration(l, &heads)?;
+        }
         // Prefill: each session appends its tiled source tokens, a chunk at a time (keys
         // through a staging buffer: tiles after the first are made distinct on the host).
         let mut kstage: CudaSlice<f32> = stream
@@ -170,25 +213,6 @@ pub(crate) fn run(
                 }
                 done += m;
             }
-        }
-        for l in 0..layers {
-            let src = &sources[l % sources.len()];
-            let heads: Vec<HeadCalib> = (0..hkv)
-                .map(|h| HeadCalib {
-                    sigma2: src.sigma2[h * d..(h + 1) * d].to_vec(),
-                    ds_channels: fathom_plan::calib::ds_order(
-                        &src.ds_score[h * d..(h + 1) * d]
-                            .iter()
-                            .map(|&x| x as f64)
-                            .collect::<Vec<_>>(),
-                    )
-                    .into_iter()
-                    .map(|c| c as u16)
-                    .collect(),
-                    ..Default::default()
-                })
-                .collect();
-            cache.load_calibration(l, &heads)?;
         }
         // Every step's queries (the same sequence for every method), `[step][layer][b][Hq][D]`.
         let hq = hkv * g;

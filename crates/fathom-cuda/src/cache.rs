@@ -112,6 +112,77 @@ pub struct CacheConfig {
 }
 
 impl CacheConfig {
+    /// This configuration with the PCA index and the block tables that `methods` read, and
+    /// without those they do not ([`crate::Method::reads_pca_index`],
+    /// [`crate::Method::reads_block_tables`]).
+    ///
+    /// ```
+    /// use fathom_cuda::cache::{CacheConfig, DEFAULT_PAGE_TOKENS};
+    /// use fathom_cuda::pages::PageConfig;
+    /// use fathom_cuda::{Method, ModelShape, Residency};
+    /// let cfg = CacheConfig {
+    ///     shape: ModelShape { layers: 2, kv_heads: 2, group: 4, dim: 128 },
+    ///     pages: PageConfig { page_tokens: DEFAULT_PAGE_TOKENS, pages: 16, max_sessions: 2, max_tokens: 8192 },
+    ///     max_batch: 2,
+    ///     max_k: 256,
+    ///     row_cache: 0,
+    ///     residency: Residency::Host,
+    ///     pca_index: false,
+    ///     block_tables: false,
+    /// };
+    /// let m = [Method::parse("fathom:48", 128)?, Method::parse("loki:32", 128)?];
+    /// let served = cfg.serving(&m);
+    /// assert!(served.pca_index && !served.block_tables);
+    /// assert!(served.layer_pool_bytes()? > cfg.layer_pool_bytes()?);
+    /// # Ok::<(), fathom_cuda::CudaError>(())
+    /// ```
+    pub fn serving<'a>(mut self, methods: impl IntoIterator<Item = &'a crate::Method>) -> Self {
+        let (mut pca, mut tables) = (false, false);
+        for m in methods {
+            pca |= m.reads_pca_index();
+            tables |= m.reads_block_tables();
+        }
+        self.pca_index = pca;
+        self.block_tables = tables;
+        self
+    }
+
+    /// Bytes of one layer's pools: the pages (index and records), the PCA index's key
+    /// sections and the two block tables where the configuration keeps them.
+    ///
+    /// # Errors
+    /// A page layout [`crate::paged_layout::PagedLayout::new`] refuses.
+    pub fn layer_pool_bytes(&self) -> Result<u64> {
+        let s = self.shape;
+        let lay = crate::paged_layout::PagedLayout::new(
+            fathom_store::Dims {
+                heads: s.kv_heads,
+                channels: s.dim,
+            },
+            self.pages.page_tokens,
+            self.pages.pages,
+        )?;
+        let pages = self.pages.pages as u64;
+        let pca = if self.pca_index {
+            pages * lay.split_page_bytes().0
+        } else {
+            0
+        };
+        let tables = if self.block_tables {
+            2 * pages * self.table_page_bytes()
+        } else {
+            0
+        };
+        Ok(lay.pool_bytes() + pca + tables)
+    }
+
+    /// Bytes per page of each block table: `Hkv · P/8 · D` fp16 (landmark), the same as
+    /// Quest's `Hkv · P/16 · 2D`.
+    pub fn table_page_bytes(&self) -> u64 {
+        let s = self.shape;
+        (s.kv_heads * self.pages.page_tokens / 8 * s.dim * 2) as u64
+    }
+
     /// Checks the shape, the page settings and the batch limit.
     pub fn validate(self) -> Result<Self> {
         let s = self.shape;

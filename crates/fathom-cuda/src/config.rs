@@ -189,6 +189,18 @@ impl Method {
         }
     }
 
+    /// Whether the method scans the paged cache's PCA index
+    /// ([`crate::cache::CacheConfig::pca_index`]): Loki.
+    pub fn reads_pca_index(&self) -> bool {
+        matches!(self, Method::Loki(_))
+    }
+
+    /// Whether the method reads the paged cache's block tables
+    /// ([`crate::cache::CacheConfig::block_tables`]): landmark and Quest.
+    pub fn reads_block_tables(&self) -> bool {
+        matches!(self, Method::Landmark | Method::Quest)
+    }
+
     /// Whether the method scans the bit-plane store (all but the table methods).
     pub fn uses_planes(&self) -> bool {
         !matches!(self, Method::Landmark | Method::Quest)

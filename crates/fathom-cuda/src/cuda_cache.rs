@@ -279,7 +279,7 @@ pub struct PagedCache {
     /// scales (stride `split_page_bytes().0`), in HBM except in host residency; empty without.
     pca_pools: Vec<Mem>,
     /// The block tables ([`CacheConfig::block_tables`]): per layer a landmark and a Quest pool
-    /// of [`PagedCache::table_page_bytes`] per page, where the index lives; empty without.
+    /// of [`CacheConfig::table_page_bytes`] per page, where the index lives; empty without.
     landmark_pools: Vec<Mem>,
     quest_pools: Vec<Mem>,
     /// Page tables, `u32 [max_sessions][max_pages]`, and the append descriptors of the
@@ -346,13 +346,6 @@ fn row_cache_buf(cfg: &CacheConfig, elem: usize, what: &'static str) -> Result<O
     let s = cfg.shape;
     let slots = cfg.pages.max_sessions * s.layers * s.kv_heads * cfg.row_cache;
     Ok(Some(DevBuf::zeroed(slots * elem, what)?))
-}
-
-/// Bytes per page of each block table: `Hkv · P/8 · D` fp16 (landmark), the same for Quest's
-/// `Hkv · P/16 · 2D`.
-fn table_page_bytes(cfg: &CacheConfig) -> u64 {
-    let s = cfg.shape;
-    (s.kv_heads * cfg.pages.page_tokens / 8 * s.dim * 2) as u64
 }
 
 fn tail_elems(cfg: &CacheConfig) -> usize {
@@ -506,7 +499,7 @@ impl PagedCache {
         } else {
             Vec::new()
         };
-        let table_pool = pages * table_page_bytes(&cfg) as usize;
+        let table_pool = pages * cfg.table_page_bytes() as usize;
         let table_pools = |what: &'static str| -> Result<Vec<Mem>> {
             if !cfg.block_tables {
                 return Ok(Vec::new());
@@ -619,7 +612,7 @@ impl PagedCache {
     fn table_geom(&self, layer: usize) -> TableGeom {
         match (self.landmark_pools.get(layer), self.quest_pools.get(layer)) {
             (Some(l), Some(q)) => TableGeom {
-                page_bytes: table_page_bytes(&self.cfg),
+                page_bytes: self.cfg.table_page_bytes(),
                 landmark: l.dptr(),
                 quest: q.dptr(),
             },
@@ -873,7 +866,7 @@ impl PagedCache {
                 &[(0, head_bytes)],
             )?;
         }
-        let tb = table_page_bytes(&self.cfg) as usize;
+        let tb = self.cfg.table_page_bytes() as usize;
         for pool in self.landmark_pools.iter_mut().chain(&mut self.quest_pools) {
             copy_ranges(pool, &stream, src * tb, dst * tb, &[(0, tb)])?;
         }

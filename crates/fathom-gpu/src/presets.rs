@@ -66,17 +66,26 @@ pub fn preset(name: &str) -> Option<Config> {
 
 /// The calibration of [`crate::GpuDecoder::fill_synthetic`]'s keys, for every KV head of a
 /// layer: their exact channel variances (channel `c` is uniform on `±(0.1 + c/D)`, so
-/// `σ²_c = (0.1 + c/D)² / 3`), and Double Sparsity's channels widest first. Labelled runs
-/// with random weights load it on every layer.
+/// `σ²_c = (0.1 + c/D)² / 3`), Double Sparsity's channels widest first, and the PCA basis of
+/// independent channels, the channel axes widest first (column j is channel `D − 1 − j`; it is
+/// also the KLT, with the variances in that order). Labelled runs with random weights load it
+/// on every layer.
 pub fn synthetic_calibration(c: &Config) -> Vec<fathom_plan::scanner::HeadCalib> {
     let d = c.head_dim;
     let sigma2: Vec<f32> = (0..d)
         .map(|ch| (0.1 + ch as f32 / d as f32).powi(2) / 3.0)
         .collect();
+    let mut axes = vec![0f32; d * d];
+    for j in 0..d {
+        axes[(d - 1 - j) * d + j] = 1.0;
+    }
     vec![
         fathom_plan::scanner::HeadCalib {
+            klt_sigma2: sigma2.iter().rev().copied().collect(),
             sigma2,
             ds_channels: (0..d as u16).rev().collect(),
+            klt: axes.clone(),
+            loki: axes,
             ..Default::default()
         };
         c.n_kv_heads
@@ -131,5 +140,14 @@ mod tests {
         assert!((s[127] - w * w / 3.0).abs() < 1e-6);
         assert!(s.windows(2).all(|p| p[1] > p[0]));
         assert_eq!(heads[0].ds_channels[0], 127);
+        // The PCA basis: coordinate j is channel D − 1 − j (its variance the j-th largest).
+        let (u, d) = (&heads[0].loki, c.head_dim);
+        assert_eq!(u.len(), d * d);
+        for j in 0..d {
+            let col: Vec<f32> = (0..d).map(|i| u[i * d + j]).collect();
+            assert_eq!(col.iter().sum::<f32>(), 1.0);
+            assert_eq!(col[d - 1 - j], 1.0);
+            assert_eq!(heads[0].klt_sigma2[j], s[d - 1 - j]);
+        }
     }
 }

@@ -314,7 +314,7 @@ fn gpu_err(e: fathom_cuda::CudaError) -> PyErr {
 #[pymethods]
 impl GpuCache {
     #[new]
-    #[pyo3(signature = (layers, kv_heads, group, dim, max_sessions, max_tokens, pages=None, page_tokens=2048, max_batch=None, max_k=512, row_cache=0, residency="host", device=0))]
+    #[pyo3(signature = (layers, kv_heads, group, dim, max_sessions, max_tokens, pages=None, page_tokens=2048, max_batch=None, max_k=512, row_cache=0, residency="host", device=0, pca_index=false, block_tables=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -330,6 +330,8 @@ impl GpuCache {
         row_cache: usize,
         residency: &str,
         device: i32,
+        pca_index: bool,
+        block_tables: bool,
     ) -> PyResult<Self> {
         let residency = match residency {
             "host" => Residency::Host,
@@ -360,8 +362,8 @@ impl GpuCache {
             max_k,
             row_cache,
             residency,
-            pca_index: false,
-            block_tables: false,
+            pca_index,
+            block_tables,
         };
         // Limits first: a bad one is a ValueError before the device is opened.
         let cfg = cfg.validate().map_err(lib_err)?;

@@ -52,15 +52,18 @@ class GpuCache:
     KV head, head ``dim``) for up to ``max_sessions`` sessions of ``max_tokens`` tokens, its
     pages in pinned host memory (``residency="host"``, read over PCIe), in HBM (``"hbm"``), or
     split (``"index-hbm"``: the bit planes and scales in HBM, the K|V records in host memory, so
-    only the fetched rows cross the link)."""
+    only the fetched rows cross the link). ``pca_index=True`` keeps the second index that
+    ``loki:R`` scans (its basis, the calibration's ``loki``, is loaded before a layer's first
+    append); ``block_tables=True`` keeps the tables ``landmark`` and ``quest`` read."""
 
     def __init__(self, layers: int, kv_heads: int, group: int, dim: int, max_sessions: int,
                  max_tokens: int, pages: Optional[int] = None, page_tokens: int = 2048,
                  max_batch: Optional[int] = None, max_k: int = 512, row_cache: int = 0,
-                 residency: str = "host", device: int = 0):
+                 residency: str = "host", device: int = 0, pca_index: bool = False,
+                 block_tables: bool = False):
         self._c = _fathom.GpuCache(layers, kv_heads, group, dim, max_sessions, max_tokens,
                                    pages, page_tokens, max_batch, max_k, row_cache, residency,
-                                   device)
+                                   device, pca_index, block_tables)
 
     def create(self) -> Session:
         """A new, empty session."""
