@@ -310,33 +310,17 @@ struct Matrix {
 /// The full run's RULER wording and task shape: the one `scripts/device/downstream.sh tune`
 /// kept on the GPU for both models (dense-only probes on a held-out seed,
 /// `results/downstream/gpu/tune/`), i.e. the committed 20-sample GPU runs' setting.
-const RULER_FULL: &str = "ruler --prompt chat --shape small,needle=passkey --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples 20 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
+const RULER_FULL: &str = "ruler --prompt chat --shape small,needle=passkey --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,fwe --samples 20 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark,quest";
 const RULER_QUICK: &str =
     "ruler --tasks niah_single,niah_multikey,vt --samples 1 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32";
-const AGENT_FULL: &str = "agent-steps --sessions 4 --steps 64 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark";
+const AGENT_FULL: &str = "agent-steps --sessions 4 --steps 64 --methods dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:32,loki:32,thumb2,landmark,quest";
 const AGENT_QUICK: &str =
     "agent-steps --sessions 1 --steps 16 --methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32";
-/// Methods the paged cache does not run yet (mirrors `fathom_cuda::Method::paged`; xtask does
-/// not link fathom-cuda): `--device cuda` drops them from the downstream
-/// stages (and says so).
-const NOT_ON_GPU: [&str; 3] = ["loki:", "landmark", "quest"];
-
-/// A downstream command for `--device cuda`: the methods the paged cache runs, the flag.
+/// A downstream command for `--device cuda`: the same methods (the paged cache runs every one
+/// of the full lists: Loki through its PCA index, landmark and Quest through its block
+/// tables), on the GPU.
 fn on_gpu(cmd: &str) -> String {
-    let words: Vec<String> = cmd
-        .split(' ')
-        .map(|w| {
-            if w.contains(',') && w.contains("exact") {
-                w.split(',')
-                    .filter(|m| !NOT_ON_GPU.iter().any(|x| m.starts_with(x)))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            } else {
-                w.to_string()
-            }
-        })
-        .collect();
-    format!("{} --device cuda", words.join(" "))
+    format!("{cmd} --device cuda")
 }
 
 /// Whether this machine shows an NVIDIA GPU (`nvidia-smi -L` lists one), with the reason when not.
@@ -656,7 +640,7 @@ fn repro(args: &[String]) -> Result<bool> {
         .context("running fathom --help")?;
     let mut m = matrix(a.full, &String::from_utf8_lossy(&help.stdout));
     if cuda {
-        eprintln!("xtask: --device cuda: downstream stages on the GPU, without {NOT_ON_GPU:?} (the paged cache does not run them yet)");
+        eprintln!("xtask: --device cuda: downstream stages on the GPU");
         m.downstream = m.downstream.iter().map(|d| on_gpu(d)).collect();
     }
     for s in &m.settings {
@@ -989,14 +973,17 @@ mod tests {
     }
 
     #[test]
-    fn gpu_downstream_commands_drop_what_the_cache_does_not_run() {
+    fn gpu_downstream_commands_keep_every_method() {
         let c = on_gpu(RULER_FULL);
         assert!(c.ends_with(" --device cuda"), "{c}");
         assert!(
             c.contains("dense,exact,fathom:48") && c.contains("thumb2"),
             "{c}"
         );
-        assert!(!c.contains("loki") && !c.contains("landmark"), "{c}");
+        assert!(
+            c.contains("loki:32") && c.contains("landmark") && c.contains("quest"),
+            "{c}"
+        );
         assert!(on_gpu(AGENT_QUICK)
             .contains("--methods dense,exact,fathom:48,fathom:92,sparq:32,ds:32 --device cuda"));
     }
