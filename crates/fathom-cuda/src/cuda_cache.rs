@@ -857,18 +857,16 @@ impl PagedCache {
                 copy_ranges(recs, &stream, src * rstride, dst * rstride, &ranges)?;
             }
         }
-        for pool in &mut self.pca_pools {
-            copy_ranges(
-                pool,
-                &stream,
-                src * head_bytes,
-                dst * head_bytes,
-                &[(0, head_bytes)],
-            )?;
-        }
+        // The PCA index's key sections and the block tables, whole.
         let tb = self.cfg.table_page_bytes() as usize;
-        for pool in self.landmark_pools.iter_mut().chain(&mut self.quest_pools) {
-            copy_ranges(pool, &stream, src * tb, dst * tb, &[(0, tb)])?;
+        for (pools, stride) in [
+            (&mut self.pca_pools, head_bytes),
+            (&mut self.landmark_pools, tb),
+            (&mut self.quest_pools, tb),
+        ] {
+            for pool in pools.iter_mut() {
+                copy_ranges(pool, &stream, src * stride, dst * stride, &[(0, stride)])?;
+            }
         }
         Ok(())
     }

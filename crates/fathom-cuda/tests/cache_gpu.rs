@@ -1281,6 +1281,55 @@ fn drawn_calibration(
         .collect()
 }
 
+/// The (D, G, Hkv, tokens per page, residency) settings of the PCA-index and block-table tests.
+const OWN_SHAPES: [(usize, usize, usize, usize, Residency); 4] = [
+    (64, 3, 3, 128, Residency::Host),
+    (128, 4, 2, 256, Residency::Hbm),
+    (256, 1, 2, 128, Residency::IndexHbm),
+    (128, 8, 1, 64, Residency::Host),
+];
+
+/// One query head's share of an attend against the per-head CPU protocol: the CPU selection
+/// over the GPU's scores `row` (ties to the lower index, as on the GPU) equals the GPU's
+/// winners of the middle, and the GPU's output `out` is exact attention of the raw query `q`
+/// over the raw bf16 keys and values of KV head `h` on that set, within [`ATTN_TOL`].
+#[allow(clippy::too_many_arguments)]
+fn check_head(
+    tag: &str,
+    row: &[f32],
+    winners: &[u32],
+    params: &fathom_plan::SelectParams,
+    q: &[f32],
+    (kb, vb): (&[f32], &[f32]),
+    (hkv, d, h): (usize, usize, usize),
+    out: &[f32],
+) {
+    use fathom_plan::KvView;
+    let n = row.len();
+    let mut sel = Vec::new();
+    fathom_plan::select_per_head(n - 1, row, params, &mut sel).unwrap();
+    let mid = params.middle(n - 1);
+    let cpu_mid: Vec<u32> = sel
+        .iter()
+        .copied()
+        .filter(|&i| mid.contains(&(i as usize)))
+        .collect();
+    assert_eq!(winners, &cpu_mid[..], "{tag}: top-k");
+    let mut want = vec![0f32; d];
+    fathom_plan::attend(
+        q,
+        KvView::head(kb, hkv, d, h),
+        KvView::head(vb, hkv, d, h),
+        &sel,
+        1.0 / (d as f32).sqrt(),
+        None,
+        &mut want,
+    )
+    .unwrap();
+    let err = fathom_plan::relative_error(out, &want);
+    assert!(err <= ATTN_TOL, "{tag}: attention relative error {err}");
+}
+
 /// The PCA index (docs/SPEC.md §6.1) and Loki in its own basis (§4): a cache made with
 /// `pca_index` keeps, beside the raw store, each session's store in the calibration PCA basis,
 /// bit for bit `KeyStore::from_keys` of the same bf16 keys with that basis (ragged prefill
@@ -1292,7 +1341,7 @@ fn drawn_calibration(
 #[test]
 fn the_pca_index_runs_loki_in_its_own_basis() {
     use fathom_cuda::cache::AttendMethod;
-    use fathom_plan::{KvView, SelectParams};
+    use fathom_plan::SelectParams;
     use fathom_store::{Basis, BasisKind};
     let Some(gpu) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(29);
@@ -1301,13 +1350,7 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
         local: 32,
         k: 48,
     };
-    // (D, G, Hkv, tokens per page, residency)
-    for (d, g, hkv, page, residency) in [
-        (64, 3, 3, 128, Residency::Host),
-        (128, 4, 2, 256, Residency::Hbm),
-        (256, 1, 2, 128, Residency::IndexHbm),
-        (128, 8, 1, 64, Residency::Host),
-    ] {
+    for (d, g, hkv, page, residency) in OWN_SHAPES {
         let mut cfg = config(3, hkv, d, page, 200);
         cfg.shape.group = g;
         cfg.residency = residency;
@@ -1414,32 +1457,17 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
                                     "{tag} q {gg} token {i}: gpu {got} cpu {want}"
                                 );
                             }
-                            let mut sel = Vec::new();
-                            fathom_plan::select_per_head(n - 1, row, &params, &mut sel).unwrap();
-                            let mid = params.middle(n - 1);
-                            let cpu_mid: Vec<u32> = sel
-                                .iter()
-                                .copied()
-                                .filter(|&i| mid.contains(&(i as usize)))
-                                .collect();
-                            assert_eq!(dbg.winners[h * g + gg], cpu_mid, "{tag} q {gg}: top-k");
                             // Attention over the raw records with the raw query.
-                            let mut want = vec![0f32; d];
-                            fathom_plan::attend(
-                                &qh[gg * d..(gg + 1) * d],
-                                KvView::head(&kb, hkv, d, h),
-                                KvView::head(&vb, hkv, d, h),
-                                &sel,
-                                1.0 / (d as f32).sqrt(),
-                                None,
-                                &mut want,
-                            )
-                            .unwrap();
                             let o = (b * hq + h * g + gg) * d;
-                            let err = fathom_plan::relative_error(&out[o..o + d], &want);
-                            assert!(
-                                err <= ATTN_TOL,
-                                "{tag} q {gg}: attention relative error {err}"
+                            check_head(
+                                &format!("{tag} q {gg}"),
+                                row,
+                                &dbg.winners[h * g + gg],
+                                &params,
+                                &qh[gg * d..(gg + 1) * d],
+                                (&kb, &vb),
+                                (hkv, d, h),
+                                &out[o..o + d],
                             );
                         }
                     }
@@ -1495,12 +1523,7 @@ fn block_tables_run_landmark_and_quest() {
         local: 32,
         k: 40,
     };
-    for (d, g, hkv, page, residency) in [
-        (64, 3, 3, 128, Residency::Host),
-        (128, 4, 2, 256, Residency::Hbm),
-        (256, 1, 2, 128, Residency::IndexHbm),
-        (128, 8, 1, 64, Residency::Host),
-    ] {
+    for (d, g, hkv, page, residency) in OWN_SHAPES {
         let mut cfg = config(2, hkv, d, page, 200);
         cfg.shape.group = g;
         cfg.residency = residency;
@@ -1577,32 +1600,16 @@ fn block_tables_run_landmark_and_quest() {
                                         want[gg * n + i]
                                     );
                                 }
-                                let mut sel = Vec::new();
-                                fathom_plan::select_per_head(n - 1, row, &params, &mut sel)
-                                    .unwrap();
-                                let mid = params.middle(n - 1);
-                                let cpu_mid: Vec<u32> = sel
-                                    .iter()
-                                    .copied()
-                                    .filter(|&i| mid.contains(&(i as usize)))
-                                    .collect();
-                                assert_eq!(dbg.winners[h * g + gg], cpu_mid, "{tag} q {gg}: top-k");
-                                let mut att = vec![0f32; d];
-                                fathom_plan::attend(
-                                    &qh[gg * d..(gg + 1) * d],
-                                    KvView::head(&kb, hkv, d, h),
-                                    KvView::head(&vb, hkv, d, h),
-                                    &sel,
-                                    1.0 / (d as f32).sqrt(),
-                                    None,
-                                    &mut att,
-                                )
-                                .unwrap();
                                 let o = (b * hq + h * g + gg) * d;
-                                let err = fathom_plan::relative_error(&out[o..o + d], &att);
-                                assert!(
-                                    err <= ATTN_TOL,
-                                    "{tag} q {gg}: attention relative error {err}"
+                                check_head(
+                                    &format!("{tag} q {gg}"),
+                                    row,
+                                    &dbg.winners[h * g + gg],
+                                    &params,
+                                    &qh[gg * d..(gg + 1) * d],
+                                    (&kb, &vb),
+                                    (hkv, d, h),
+                                    &out[o..o + d],
                                 );
                             }
                         }
