@@ -1055,11 +1055,11 @@ fn cases(fx: &Fx) -> Vec<Case> {
         off(s([
             "decode-bench",
             "--methods",
-            "dense,landmark",
+            "dense,fathom-klt:92",
             "--json",
             &out_db,
         ])),
-        "landmark",
+        "fathom-klt:92",
         Some(out_db.clone()),
     );
     case(
