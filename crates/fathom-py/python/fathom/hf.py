@@ -83,9 +83,13 @@ class FathomAttention:
             hq = int(text.num_attention_heads)
             if getattr(text, "attn_logit_softcapping", None):
                 raise ValueError("device='cuda': the paged cache has no attention softcap")
+            # Loki scans the cache's PCA index, landmark and Quest its block tables.
+            name = str(self.method).strip().lower()
             self.gpu = fg.GpuCache(layers=int(text.num_hidden_layers), kv_heads=hkv, group=hq // hkv,
                                    dim=d, max_sessions=1, max_tokens=self.capacity,
-                                   max_k=min(self.k, self.capacity))
+                                   max_k=min(self.k, self.capacity),
+                                   pca_index=name.startswith("loki:"),
+                                   block_tables=name in ("landmark", "quest"))
             if self.calib is not None:
                 self.gpu.load_calibration(self.calib)
             self._session = self.gpu.create()
