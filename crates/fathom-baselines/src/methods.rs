@@ -300,7 +300,8 @@ impl Scanner for LokiF16 {
             let k = input.keys.row(i).expect("i < rows");
             for j in 0..self.r {
                 let x: f64 = (0..d).map(|c| u[c * d + j] as f64 * k[c] as f64).sum();
-                coords[i * self.r + j] = f16::from_f64(x).to_f32();
+                // Through f32, as landmark_mean: `half`'s f64 → fp16 differs by platform.
+                coords[i * self.r + j] = f16::from_f32(x as f32).to_f32();
             }
         }
         Ok(Box::new(LokiF16Head {
