@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The downstream runs of issue 15 on the GPU (`--device cuda`), every method the paged cache
-# runs (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, thumb2, and the r = D/4 baselines),
+# The downstream runs of issue 15 on the GPU (`--device cuda`), every method of the issue
+# (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, loki:32, thumb2, landmark, quest, and the
+# r = D/4 baselines),
 # after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
 # Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|tune|eval|compare|throughput|own
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
@@ -9,8 +10,8 @@ B=.devbin
 [ -f $B/font.ttf ] && export FATHOM_FONT=$PWD/$B/font.ttf
 export FATHOM_CACHE=$HOME/.cache/fathom
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-SM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:16,ds:32,thumb2"
-GM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,sparq:64,ds:32,ds:64,thumb2"
+SM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:16,ds:32,loki:16,loki:32,thumb2,landmark,quest"
+GM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,sparq:64,ds:32,ds:64,loki:32,loki:64,thumb2,landmark,quest"
 # Shapes `tune` tries: RULER's counts for small models with its needle or the pass key, at 7 or
 # 4 digits, and vt's chain of 2 or 1 (every one keeps each task's RULER structure).
 TUNE_SHAPES=${TUNE_SHAPES:-"small small,digits=4,chain=1 small,needle=passkey small,needle=passkey,digits=4,chain=1"}

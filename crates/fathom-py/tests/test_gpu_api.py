@@ -49,6 +49,15 @@ def test_the_cache_needs_a_gpu_and_says_so():
     with pytest.raises(fathom.FathomError, match="CUDA|cuda"):
         fg.GpuCache(layers=1, kv_heads=1, group=1, dim=64, max_sessions=1, max_tokens=64,
                     page_tokens=64, max_k=32, device=99 if gpu else 0)
+    # The PCA index and the block tables (Loki, landmark and Quest) are options of the same
+    # constructor, checked the same way.
+    with pytest.raises(ValueError, match="D = 100"):
+        fg.GpuCache(layers=1, kv_heads=1, group=1, dim=100, max_sessions=1, max_tokens=64,
+                    page_tokens=64, pca_index=True, block_tables=True)
+    with pytest.raises(fathom.FathomError, match="CUDA|cuda"):
+        fg.GpuCache(layers=1, kv_heads=1, group=1, dim=64, max_sessions=1, max_tokens=64,
+                    page_tokens=64, max_k=32, device=99 if gpu else 0, pca_index=True,
+                    block_tables=True)
 
 
 def test_torch_tensors_are_read_through_dlpack():
