@@ -1289,6 +1289,43 @@ const OWN_SHAPES: [(usize, usize, usize, usize, Residency); 4] = [
     (128, 8, 1, 64, Residency::Host),
 ];
 
+/// A cache of `layers` layers at one of [`OWN_SHAPES`], with `with` applied to its
+/// configuration; also its shape as `Dims`.
+fn own_cache(
+    gpu: &fathom_cuda::Gpu,
+    layers: usize,
+    (d, g, hkv, page, residency): (usize, usize, usize, usize, Residency),
+    with: impl FnOnce(&mut CacheConfig),
+) -> (PagedCache, Dims) {
+    let mut cfg = config(layers, hkv, d, page, 200);
+    cfg.shape.group = g;
+    cfg.residency = residency;
+    with(&mut cfg);
+    let dims = Dims {
+        heads: hkv,
+        channels: d,
+    };
+    (PagedCache::new(gpu, cfg).unwrap(), dims)
+}
+
+/// A ragged prefill of two new sessions, `a` tokens and `b.0 + b.1` (in two chunks), then a
+/// fork of the first: the parent, the other session and the fork, mirrored in `shadows`.
+fn prefill_and_fork(
+    cache: &mut PagedCache,
+    rng: &mut StdRng,
+    shadows: &mut [Vec<Shadow>],
+    a: usize,
+    b: (usize, usize),
+) -> [SessionId; 3] {
+    let ids: Vec<SessionId> = (0..2).map(|_| cache.create().unwrap()).collect();
+    let slot = |s: SessionId| s.slot();
+    step(cache, rng, &[(ids[0], a), (ids[1], b.0)], shadows, &slot);
+    step(cache, rng, &[(ids[1], b.1)], shadows, &slot);
+    let fork = cache.fork(ids[0]).unwrap();
+    shadows[fork.slot()] = shadows[ids[0].slot()].clone();
+    [ids[0], ids[1], fork]
+}
+
 /// One query head's share of an attend against the per-head CPU protocol: the CPU selection
 /// over the GPU's scores `row` (ties to the lower index, as on the GPU) equals the GPU's
 /// winners of the middle, and the GPU's output `out` is exact attention of the raw query `q`
@@ -1350,17 +1387,9 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
         local: 32,
         k: 48,
     };
-    for (d, g, hkv, page, residency) in OWN_SHAPES {
-        let mut cfg = config(3, hkv, d, page, 200);
-        cfg.shape.group = g;
-        cfg.residency = residency;
-        cfg.pca_index = true;
+    for shape @ (d, g, hkv, _, residency) in OWN_SHAPES {
+        let (mut cache, dims) = own_cache(&gpu, 3, shape, |c| c.pca_index = true);
         let hq = hkv * g;
-        let dims = Dims {
-            heads: hkv,
-            channels: d,
-        };
-        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
         let r = d / 4;
         let loki = fathom_cuda::Method::Loki(r);
         // Layers 0 and 1 calibrated before any append; layer 2 never.
@@ -1392,22 +1421,12 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
                 }
             }
         };
-        let ids: Vec<SessionId> = (0..2).map(|_| cache.create().unwrap()).collect();
         let mut shadows = vec![vec![Shadow::default(); 3]; 8];
         let slot = |s: SessionId| s.slot();
         // A ragged prefill, 700 and 1300 tokens (the second in two chunks), then a fork of
         // session 0 mid-block that diverges from it.
-        step(
-            &mut cache,
-            &mut rng,
-            &[(ids[0], 700), (ids[1], 900)],
-            &mut shadows,
-            &slot,
-        );
-        step(&mut cache, &mut rng, &[(ids[1], 400)], &mut shadows, &slot);
-        let fork = cache.fork(ids[0]).unwrap();
-        shadows[fork.slot()] = shadows[ids[0].slot()].clone();
-        let all = [ids[0], ids[1], fork];
+        let all = prefill_and_fork(&mut cache, &mut rng, &mut shadows, 700, (900, 400));
+        let [parent, _, fork] = all;
         for s in all {
             check_pca(&cache, s, &shadows[s.slot()], "after the prefill");
         }
@@ -1484,7 +1503,7 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
                 "raw store beside the PCA index",
             );
         }
-        cache.free(ids[0]).unwrap();
+        cache.free(parent).unwrap();
         check_pca(
             &cache,
             fork,
@@ -1523,36 +1542,18 @@ fn block_tables_run_landmark_and_quest() {
         local: 32,
         k: 40,
     };
-    for (d, g, hkv, page, residency) in OWN_SHAPES {
-        let mut cfg = config(2, hkv, d, page, 200);
-        cfg.shape.group = g;
-        cfg.residency = residency;
-        cfg.block_tables = true;
+    for shape @ (d, g, hkv, _, residency) in OWN_SHAPES {
+        let (mut cache, dims) = own_cache(&gpu, 2, shape, |c| c.block_tables = true);
         let hq = hkv * g;
-        let dims = Dims {
-            heads: hkv,
-            channels: d,
-        };
-        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
         for m in [fathom_cuda::Method::Landmark, fathom_cuda::Method::Quest] {
             cache.prepare(m).unwrap();
         }
-        let ids: Vec<SessionId> = (0..2).map(|_| cache.create().unwrap()).collect();
         let mut shadows = vec![vec![Shadow::default(); 2]; 8];
         let slot = |s: SessionId| s.slot();
         // A ragged prefill (the second session in two chunks, neither a multiple of 16), then
         // a fork of session 0 mid-group.
-        step(
-            &mut cache,
-            &mut rng,
-            &[(ids[0], 699), (ids[1], 901)],
-            &mut shadows,
-            &slot,
-        );
-        step(&mut cache, &mut rng, &[(ids[1], 403)], &mut shadows, &slot);
-        let fork = cache.fork(ids[0]).unwrap();
-        shadows[fork.slot()] = shadows[ids[0].slot()].clone();
-        let all = [ids[0], ids[1], fork];
+        let all = prefill_and_fork(&mut cache, &mut rng, &mut shadows, 699, (901, 403));
+        let [parent, other, fork] = all;
         for t in 0..5 {
             let dec: Vec<(SessionId, usize)> = all.iter().map(|&s| (s, 1 + t % 3)).collect();
             let batch = step(&mut cache, &mut rng, &dec, &mut shadows, &slot);
@@ -1617,8 +1618,8 @@ fn block_tables_run_landmark_and_quest() {
                 }
             }
         }
-        cache.free(ids[0]).unwrap();
-        for s in [ids[1], fork] {
+        cache.free(parent).unwrap();
+        for s in [other, fork] {
             check(
                 &cache,
                 s,
