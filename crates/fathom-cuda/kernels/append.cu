@@ -97,7 +97,9 @@ struct TableGeom {
 // keys with the basis, bit for bit). The tail keeps the raw bf16 keys, so a later append
 // re-rotates them; such a pass is launched with `fused` = 0 (the primary pass writes the
 // records and the tail).
-extern "C" __global__ void append_quant(
+// DIM * QS threads (1024 at DIM = 256): the bound keeps the f64 rotation's registers within
+// what a launch of that size may use.
+extern "C" __global__ void __launch_bounds__(DIM * QS) append_quant(
     const AppendDesc* __restrict__ descs,
     const u32* __restrict__ tables,
     u8* pool,

@@ -95,6 +95,16 @@ pub(crate) fn run(
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    // Loki's PCA basis per source layer and KV head, once (a D × D Jacobi each), when a method
+    // reads the PCA index.
+    let bases: Vec<Vec<Vec<f32>>> = if c.methods.iter().any(Method::reads_pca_index) {
+        sources
+            .iter()
+            .map(|src| (0..hkv).map(|h| pca_basis(src, h)).collect())
+            .collect()
+    } else {
+        Vec::new()
+    };
     for lens in runs {
         let b = lens.len();
         let longest = *lens.iter().max().unwrap_or(&0);
@@ -171,11 +181,9 @@ pub(crate) fn run(
                     .map(|c| c as u16)
                     .collect(),
                     // Loki's basis, before the first append (the PCA index is written from it).
-                    loki: if cfg.pca_index {
-                        pca_basis(src, h)
-                    } else {
-                        Vec::new()
-                    },
+                    loki: bases
+                        .get(l % sources.len())
+                        .map_or_else(Vec::new, |b| b[h].clone()),
                     ..Default::default()
                 })
                 .collect();

@@ -1166,10 +1166,12 @@ impl PagedCache {
                 tiled.extend_from_slice(&hc.sigma2);
             }
         }
+        // Every allocation before any change.
+        let sigma2 = DevBuf::from_slice(&tiled, "calibration σ²")?;
         if let Some(p) = pca {
             self.calib.pca[layer] = Some(p);
         }
-        self.calib.sigma2[layer] = Some(DevBuf::from_slice(&tiled, "calibration σ²")?);
+        self.calib.sigma2[layer] = Some(sigma2);
         self.calib.ds_channels[layer] = Some(heads.iter().map(|h| h.ds_channels.clone()).collect());
         // A static plan made before this calibration is stale.
         self.calib.statics.retain(|k, _| !k.starts_with("ds:"));
@@ -1549,6 +1551,14 @@ impl PagedCache {
             }
             .map_err(drv("memset top-k histogram"))?;
             let fused = ag.fuse_min > 0;
+            if table.is_some() {
+                // The table methods take the score path: no scan of theirs writes the rows'
+                // select modes, so a filtered attend before must not leave its modes (1:
+                // filtered) for the top-k kernels to skip these rows by.
+                // SAFETY: the modes hold max_batch·Hq u32.
+                unsafe { result::memset_d8_async(w.mode.ptr, 0, nb * hq * 4, st.cu_stream()) }
+                    .map_err(drv("memset select modes"))?;
+            }
             if fused {
                 // SAFETY: the counts hold max_batch·Hq u32.
                 unsafe { result::memset_d8_async(w.fcount.ptr, 0, nb * hq * 4, st.cu_stream()) }
@@ -2116,6 +2126,12 @@ impl PagedCache {
                 format!("layer {layer}: the cache keeps no PCA index there"),
             )
         })?;
+        if self.calib.pca[layer].is_none() {
+            return Err(CudaError::invalid(
+                "export_pca",
+                format!("layer {layer}: no PCA basis was loaded, so its index was never written"),
+            ));
+        }
         self.sync()?;
         let keys: std::borrow::Cow<'_, [u8]> = match pca {
             Mem::Host(h) => std::borrow::Cow::Borrowed(h.as_bytes()),

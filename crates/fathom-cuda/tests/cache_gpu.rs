@@ -1618,6 +1618,37 @@ fn block_tables_run_landmark_and_quest() {
                 }
             }
         }
+        // A filtered attend of another method must not leave its rows' select modes for a
+        // table method (which takes the score path): landmark after two filtered sparq:16
+        // attends (the first sets the estimates, the second filters) equals landmark alone.
+        use fathom_cuda::cache::SelectPath;
+        let dec: Vec<(SessionId, usize)> = all.iter().map(|&s| (s, 1)).collect();
+        let batch = step(&mut cache, &mut rng, &dec, &mut shadows, &slot);
+        let q: Vec<f32> = (0..3 * hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let lm = AttendMethod::Scan(fathom_cuda::Method::Landmark);
+        let alone = cache.attend_host(&batch, 0, lm, &params, &q).unwrap();
+        cache
+            .set_select_path(SelectPath::Filtered {
+                min_middle_tokens: 64,
+                keep_scores: false,
+            })
+            .unwrap();
+        let sq = AttendMethod::Scan(fathom_cuda::Method::SparQ(16));
+        let before = cache.select_counters().unwrap();
+        for _ in 0..2 {
+            cache.attend_host(&batch, 0, sq, &params, &q).unwrap();
+        }
+        let filtered = cache.select_counters().unwrap().filtered - before.filtered;
+        assert!(
+            filtered > 0,
+            "D={d} {residency:?}: no row took the filtered select"
+        );
+        let after = cache.attend_host(&batch, 0, lm, &params, &q).unwrap();
+        assert_eq!(
+            after, alone,
+            "D={d} {residency:?}: landmark after a filtered attend"
+        );
+        cache.set_select_path(SelectPath::Scores).unwrap();
         cache.free(parent).unwrap();
         for s in [other, fork] {
             check(
