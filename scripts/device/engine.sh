@@ -145,14 +145,22 @@ model)
   done
   ;;
 sanitize)
-  # memcheck: every cache test (appends, forks, attend of every method, bad calls); racecheck:
-  # the attend of every method and the ragged prefill + decode appends.
-  timeout 200 compute-sanitizer --tool memcheck $B/cache_gpu --test-threads 1 > $OUT/cache-memcheck.log 2>&1
-  echo "memcheck rc=$? $(grep -h 'ERROR SUMMARY' $OUT/cache-memcheck.log | tail -1)" | tee -a $OUT/summary.txt
-  for t in attend_matches_the_per_head_cpu_protocol_for_every_method ragged_prefill_and_decode_equal_the_cpu_store_bit_for_bit; do
-    timeout 200 compute-sanitizer --tool racecheck $B/cache_gpu --test-threads 1 $t > $OUT/racecheck-$t.log 2>&1
-    echo "racecheck $t rc=$? $(grep -h 'RACECHECK SUMMARY' $OUT/racecheck-$t.log | tail -1)" | tee -a $OUT/summary.txt
-  done
+  # compute-sanitizer (memcheck, racecheck, initcheck) on one append and two attends of every
+  # method on both select paths (the every_method example: dense, exact, fathom, sparq, ds,
+  # loki through the PCA index, thumb2, landmark and quest through the block tables), with the
+  # pages in host memory and split (index in HBM). `sanitize cache` also runs memcheck over the
+  # whole cache_gpu suite (long: its own call).
+  if [ "${1:-}" = cache ]; then
+    timeout 560 compute-sanitizer --tool memcheck $B/cache_gpu --test-threads 1 > $OUT/cache-memcheck.log 2>&1
+    echo "memcheck cache_gpu rc=$? $(grep -h 'ERROR SUMMARY' $OUT/cache-memcheck.log | tail -1)" | tee -a $OUT/summary.txt
+  else
+    for res in host index-hbm; do
+      for tool in memcheck racecheck initcheck; do
+        timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 $B/every_method $res > $OUT/sanitize-$tool-$res.log 2>&1
+        echo "$tool $res rc=$? $(grep -h 'SUMMARY' $OUT/sanitize-$tool-$res.log | tail -1)" | tee -a $OUT/summary.txt
+      done
+    done
+  fi
   ;;
 esac
 # ncu BIN NAME: the attend kernels of three layers of the third step at 256k, fathom:48, and
