@@ -1493,6 +1493,31 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
                 }
             }
         }
+        // The filtered select over the PCA index (its estimates from the rotated queries)
+        // picks the score path's winners: loki's outputs on both paths are the same bits.
+        {
+            use fathom_cuda::cache::SelectPath;
+            let dec: Vec<(SessionId, usize)> = all.iter().map(|&s| (s, 1)).collect();
+            let batch = step(&mut cache, &mut rng, &dec, &mut shadows, &slot);
+            let q: Vec<f32> = (0..3 * hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let am = AttendMethod::Scan(loki);
+            let plain = cache.attend_host(&batch, 0, am, &params, &q).unwrap();
+            cache
+                .set_select_path(SelectPath::Filtered {
+                    min_middle_tokens: 64,
+                    keep_scores: false,
+                })
+                .unwrap();
+            let before = cache.select_counters().unwrap().filtered;
+            let mut last = Vec::new();
+            for _ in 0..2 {
+                last = cache.attend_host(&batch, 0, am, &params, &q).unwrap();
+            }
+            let filtered = cache.select_counters().unwrap().filtered - before;
+            assert!(filtered > 0, "{what}: no row took the filtered select");
+            assert_eq!(last, plain, "{what}: loki, filtered against the score path");
+            cache.set_select_path(SelectPath::Scores).unwrap();
+        }
         for s in all {
             check_pca(&cache, s, &shadows[s.slot()], "after decoding");
             // The first index is untouched by the second.
