@@ -443,17 +443,31 @@ extern "C" __global__ void paged_table_scan(const AppendDesc* __restrict__ descs
         const u32 gi = (tok0 % g.page_tokens) / gs;
         const u64 base = (quest ? tg.quest : tg.landmark) + (u64)page * tg.page_bytes;
         const u16* row = (const u16*)base + ((u64)h * per_page + gi) * (quest ? 2 : 1) * DIM;
-        for (u32 q = 0; q < GQ; ++q) {
-            double acc = 0.0;
-            if (quest) {
-                for (u32 c = 0; c < DIM; ++c) {
+        // The row in 16-byte loads (8 fp16 each, rows are 16-byte aligned: D * 2 bytes apart
+        // from a page start), every query head's sum still in channel order.
+        const uint4* r4 = (const uint4*)row;
+        double acc[GQ];
+#pragma unroll
+        for (u32 q = 0; q < GQ; ++q) acc[q] = 0.0;
+        for (u32 c8 = 0; c8 < DIM / 8; ++c8) {
+            const uint4 l4 = r4[c8];                          // landmark mean, or Quest's min
+            const uint4 h4 = quest ? r4[DIM / 8 + c8] : l4;   // Quest's max
+            const u32 lw[4] = {l4.x, l4.y, l4.z, l4.w};
+            const u32 hw[4] = {h4.x, h4.y, h4.z, h4.w};
+#pragma unroll
+            for (u32 j = 0; j < 8; ++j) {
+                const u32 c = c8 * 8 + j;
+                const double lv = (double)f16_to_f32((u16)(lw[j / 2] >> ((j & 1u) * 16)));
+                const double hv = (double)f16_to_f32((u16)(hw[j / 2] >> ((j & 1u) * 16)));
+#pragma unroll
+                for (u32 q = 0; q < GQ; ++q) {
                     const double qc = (double)qa[q][c];
-                    acc += fmax(qc * (double)f16_to_f32(row[c]), qc * (double)f16_to_f32(row[DIM + c]));
+                    acc[q] += quest ? fmax(qc * lv, qc * hv) : qc * lv;
                 }
-            } else {
-                for (u32 c = 0; c < DIM; ++c) acc += (double)qa[q][c] * (double)f16_to_f32(row[c]);
             }
-            const float sc = (float)acc;
+        }
+        for (u32 q = 0; q < GQ; ++q) {
+            const float sc = (float)acc[q];
             float* out = scores + ((u64)b * heads_q + h * GQ + q) * a.max_tokens;
             const u32 bin = f32_key(sc) >> 22;
             u32 mid = 0;
