@@ -1326,6 +1326,35 @@ fn prefill_and_fork(
     [ids[0], ids[1], fork]
 }
 
+/// On the filtered select (from 64 middle tokens, failed rows rescanned): two attends of
+/// `first` (the first sets the rows' estimates, the second filters; some row must) and then
+/// one of `then`; returns the second `first` output and the `then` output, and leaves the cache
+/// on the score path.
+fn filtered_then(
+    cache: &mut PagedCache,
+    batch: &fathom_cuda::cache::AppendBatch,
+    params: &fathom_plan::SelectParams,
+    q: &[f32],
+    first: fathom_cuda::cache::AttendMethod,
+    then: fathom_cuda::cache::AttendMethod,
+) -> (Vec<f32>, Vec<f32>) {
+    use fathom_cuda::cache::SelectPath;
+    cache
+        .set_select_path(SelectPath::Filtered {
+            min_middle_tokens: 64,
+            keep_scores: false,
+        })
+        .unwrap();
+    let before = cache.select_counters().unwrap().filtered;
+    cache.attend_host(batch, 0, first, params, q).unwrap();
+    let filtered_out = cache.attend_host(batch, 0, first, params, q).unwrap();
+    let rows = cache.select_counters().unwrap().filtered - before;
+    assert!(rows > 0, "{first:?}: no row took the filtered select");
+    let then_out = cache.attend_host(batch, 0, then, params, q).unwrap();
+    cache.set_select_path(SelectPath::Scores).unwrap();
+    (filtered_out, then_out)
+}
+
 /// One query head's share of an attend against the per-head CPU protocol: the CPU selection
 /// over the GPU's scores `row` (ties to the lower index, as on the GPU) equals the GPU's
 /// winners of the middle, and the GPU's output `out` is exact attention of the raw query `q`
@@ -1496,27 +1525,16 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
         // The filtered select over the PCA index (its estimates from the rotated queries)
         // picks the score path's winners: loki's outputs on both paths are the same bits.
         {
-            use fathom_cuda::cache::SelectPath;
             let dec: Vec<(SessionId, usize)> = all.iter().map(|&s| (s, 1)).collect();
             let batch = step(&mut cache, &mut rng, &dec, &mut shadows, &slot);
             let q: Vec<f32> = (0..3 * hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let am = AttendMethod::Scan(loki);
             let plain = cache.attend_host(&batch, 0, am, &params, &q).unwrap();
-            cache
-                .set_select_path(SelectPath::Filtered {
-                    min_middle_tokens: 64,
-                    keep_scores: false,
-                })
-                .unwrap();
-            let before = cache.select_counters().unwrap().filtered;
-            let mut last = Vec::new();
-            for _ in 0..2 {
-                last = cache.attend_host(&batch, 0, am, &params, &q).unwrap();
-            }
-            let filtered = cache.select_counters().unwrap().filtered - before;
-            assert!(filtered > 0, "{what}: no row took the filtered select");
-            assert_eq!(last, plain, "{what}: loki, filtered against the score path");
-            cache.set_select_path(SelectPath::Scores).unwrap();
+            let (filtered, _) = filtered_then(&mut cache, &batch, &params, &q, am, am);
+            assert_eq!(
+                filtered, plain,
+                "{what}: loki, filtered against the score path"
+            );
         }
         for s in all {
             check_pca(&cache, s, &shadows[s.slot()], "after decoding");
@@ -1646,34 +1664,17 @@ fn block_tables_run_landmark_and_quest() {
         // A filtered attend of another method must not leave its rows' select modes for a
         // table method (which takes the score path): landmark after two filtered sparq:16
         // attends (the first sets the estimates, the second filters) equals landmark alone.
-        use fathom_cuda::cache::SelectPath;
         let dec: Vec<(SessionId, usize)> = all.iter().map(|&s| (s, 1)).collect();
         let batch = step(&mut cache, &mut rng, &dec, &mut shadows, &slot);
         let q: Vec<f32> = (0..3 * hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let lm = AttendMethod::Scan(fathom_cuda::Method::Landmark);
         let alone = cache.attend_host(&batch, 0, lm, &params, &q).unwrap();
-        cache
-            .set_select_path(SelectPath::Filtered {
-                min_middle_tokens: 64,
-                keep_scores: false,
-            })
-            .unwrap();
         let sq = AttendMethod::Scan(fathom_cuda::Method::SparQ(16));
-        let before = cache.select_counters().unwrap();
-        for _ in 0..2 {
-            cache.attend_host(&batch, 0, sq, &params, &q).unwrap();
-        }
-        let filtered = cache.select_counters().unwrap().filtered - before.filtered;
-        assert!(
-            filtered > 0,
-            "D={d} {residency:?}: no row took the filtered select"
-        );
-        let after = cache.attend_host(&batch, 0, lm, &params, &q).unwrap();
+        let (_, after) = filtered_then(&mut cache, &batch, &params, &q, sq, lm);
         assert_eq!(
             after, alone,
             "D={d} {residency:?}: landmark after a filtered attend"
         );
-        cache.set_select_path(SelectPath::Scores).unwrap();
         cache.free(parent).unwrap();
         for s in [other, fork] {
             check(
