@@ -6,7 +6,7 @@
 #   ... cargo build --release -p fathom-cli --features cuda
 # and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
 # graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
-#   bash scripts/device/engine.sh tests|bench|ncu|sanitize|filtered|py ...
+#   bash scripts/device/engine.sh tests|bench|ncu|sanitize|filtered|pages|py ...
 # Every output goes under $OUT.
 set -u
 B=.devbin
@@ -144,6 +144,22 @@ model)
     head -3 $OUT/gpu-parity-$m.txt
   done
   ;;
+pages)
+  # Host pages (docs/SPEC.md §6.1, "Host pages"): the random-row sweep (512-byte rows drawn at
+  # random from 0.25, 4 and 32 GiB of pinned host memory, beside back-to-back rows, driver
+  # pages against 2 MiB transparent huge pages), then the library path at 256k and 1M in host
+  # residency with the pools on each kind of page, every method of the grammar the cache runs.
+  timeout 150 $B/row_sweep $OUT/row-sweep.json 32 > $OUT/row-sweep.txt 2>&1
+  echo "row_sweep rc=$?" | tee -a $OUT/summary.txt
+  cat $OUT/row-sweep.txt
+  for pages in ${PAGES:-driver huge}; do
+    timeout 280 $B/fathom offload-bench --engine cache --context 256k,1m \
+      --methods ${METHODS:-fathom:48,fathom:64,sparq:32,ds:32,exact,loki:32,landmark,quest} --steps 20 \
+      --host-pages $pages --json $OUT/offload-qwen3-8b-cache-host-$pages.json > $OUT/offload-qwen3-8b-cache-host-$pages.txt 2>&1
+    echo "bench $pages rc=$?" | tee -a $OUT/summary.txt
+    grep -E "^[0-9]|huge pages|H2D" $OUT/offload-qwen3-8b-cache-host-$pages.txt | head -30
+  done
+  ;;
 sanitize)
   # compute-sanitizer (memcheck, racecheck, initcheck) on one append and two attends of every
   # method on both select paths (the every_method example: dense, exact, fathom, sparq, ds,
@@ -176,6 +192,13 @@ ncu)
     --launch-skip 2340 --launch-count 12 --metrics gpu__time_duration.sum \
     $B/$bin offload-bench --engine cache --context 256k --methods fathom:48 --steps 2 --probe-mib 64 > $OUT/ncu-append-$name.txt 2>&1
   echo "ncu append $name rc=$?" | tee -a $OUT/summary.txt
+  ;;
+ncuappend)
+  # Where the decode append's time goes: the full Nsight Compute set (warp stalls, source
+  # counters) of one decode append_quant (32k context: the append's work does not depend on it).
+  timeout 200 ncu --set full --import-source yes -k regex:'append_quant' --launch-skip 120 --launch-count 1 \
+    $B/fathom offload-bench --engine cache --context 32k --methods fathom:48 --steps 4 --probe-mib 64 > $OUT/ncu-append-full.txt 2>&1
+  echo "ncu append full rc=$?" | tee -a $OUT/summary.txt
   ;;
 ncu1m)
   # One 1M layer's kernels (fathom:48, host residency, 15 layers timed, the third step), the

@@ -159,6 +159,10 @@ pub struct OffloadBenchArgs {
     /// times each over every method, e.g. `--scan-vec 1,2`.
     #[arg(long = "scan-vec", value_delimiter = ',', default_value = "1")]
     pub scan_vec: Vec<u32>,
+    /// Cache engine: what backs the pools in host memory, `driver` (`cuMemHostAlloc`, the
+    /// default) or `huge` (2 MiB transparent huge pages registered with the driver; Linux).
+    #[arg(long = "host-pages", default_value = "driver")]
+    pub host_pages: String,
 }
 
 /// Runs `fathom offload-bench`.
@@ -245,6 +249,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             .iter()
             .map(|&w| fathom_cuda::cache::check_scan_vector_words(w).map(|()| w))
             .collect::<Result<Vec<_>, _>>()?,
+        host_pages: fathom_cuda::HostPages::parse(&a.host_pages)?,
     };
     let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;

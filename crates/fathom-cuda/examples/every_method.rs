@@ -74,6 +74,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         residency,
         pca_index: false,
         block_tables: false,
+        host_pages: fathom_cuda::HostPages::Driver,
     }
     .serving(&scans);
     let mut cache = PagedCache::new(&gpu, cfg)?;

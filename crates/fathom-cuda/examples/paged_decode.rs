@@ -45,6 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         residency: fathom_cuda::Residency::Host,
         pca_index: false,
         block_tables: false,
+        host_pages: fathom_cuda::HostPages::Driver,
     };
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let (a, b) = (cache.create()?, cache.create()?);

@@ -83,6 +83,9 @@ pub struct BenchConfig {
     /// method ([`crate::PagedCache::set_scan_vector_words`]; empty: 1).
     #[serde(default)]
     pub scan_vector_words: Vec<u32>,
+    /// Cache engine only: what backs the pools in host memory ([`crate::HostPages`]).
+    #[serde(default)]
+    pub host_pages: crate::HostPages,
 }
 
 fn default_pool_budget() -> u64 {

@@ -137,6 +137,7 @@ pub(crate) fn run(
             residency,
             pca_index: false,
             block_tables: false,
+            host_pages: c.host_pages,
         }
         .serving(&c.methods);
         let (layers, pool_bytes) = layers_that_fit(&cfg, c.pool_budget)?;
@@ -153,6 +154,15 @@ pub(crate) fn run(
                 c.pool_budget as f64 / (1u64 << 30) as f64
             ));
         }
+        if c.host_pages != crate::HostPages::Driver {
+            let note = format!(
+                "cache engine: the host pools are on {} pages (docs/SPEC.md §6.1, \"Host pages\")",
+                c.host_pages.label()
+            );
+            if !rep.notes.contains(&note) {
+                rep.notes.push(note);
+            }
+        }
         let cshape = ModelShape { layers, ..shape };
         let cfg = CacheConfig {
             shape: cshape,
@@ -163,7 +173,18 @@ pub(crate) fn run(
             layers as f64 * pool_bytes as f64 / (1u64 << 30) as f64
         ));
         let t0 = std::time::Instant::now();
+        let huge_before = crate::cuda::anon_huge_bytes();
         let mut cache = PagedCache::new(gpu, cfg)?;
+        if let (crate::HostPages::Huge, Some(a), Some(z)) =
+            (c.host_pages, huge_before, crate::cuda::anon_huge_bytes())
+        {
+            let msg = format!(
+                "cache engine, {run_label}: {:.1} GiB of the host pools on huge pages (AnonHugePages growth)",
+                z.saturating_sub(a) as f64 / (1u64 << 30) as f64
+            );
+            progress(&format!("  {msg}"));
+            rep.notes.push(msg);
+        }
         let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_>>()?;
         // Calibration first: σ², DS channels and, for Loki, the PCA basis.
         for l in 0..layers {

@@ -109,6 +109,11 @@ pub struct CacheConfig {
     /// §6.1, "Block tables"): per page and KV head the fp16 mean key of every 8 tokens and the
     /// fp16 channel bounds of every 16, `P·D/4` bytes each, where the index lives.
     pub block_tables: bool,
+    /// What backs the pools in pinned host memory ([`crate::HostPages`]; docs/SPEC.md §6.1,
+    /// "Host pages"): the driver's pages, or 2 MiB transparent huge pages registered with the
+    /// driver, which the union fetch's random record reads translate with one GPU page-table
+    /// entry per 4096 records.
+    pub host_pages: crate::HostPages,
 }
 
 impl CacheConfig {
@@ -129,6 +134,7 @@ impl CacheConfig {
     ///     residency: Residency::Host,
     ///     pca_index: false,
     ///     block_tables: false,
+    ///     host_pages: fathom_cuda::HostPages::Driver,
     /// };
     /// let m = [Method::parse("fathom:48", 128)?, Method::parse("loki:32", 128)?];
     /// let served = cfg.serving(&m);
@@ -647,6 +653,7 @@ mod tests {
             residency: crate::config::Residency::Host,
             pca_index: false,
             block_tables: false,
+            host_pages: crate::HostPages::Driver,
         }
     }
 

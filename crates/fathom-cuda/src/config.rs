@@ -277,6 +277,46 @@ impl Residency {
     }
 }
 
+/// What backs pinned, mapped host memory (docs/SPEC.md §6.1, "Host pages").
+///
+/// The GPU translates every zero-copy address through its own page tables; random reads of
+/// 512-byte records spread over tens of GiB (the union fetch) touch a new host page per row.
+/// `Huge` asks the kernel for 2 MiB transparent huge pages and registers them with the driver,
+/// so that one translation covers 4096 records instead of 8; whether that is faster is a
+/// measurement (`examples/row_sweep.rs`), not an assumption.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HostPages {
+    /// `cuMemHostAlloc(DEVICEMAP | PORTABLE)`: the driver's pages.
+    #[default]
+    Driver,
+    /// Anonymous memory aligned to 2 MiB and advised `MADV_HUGEPAGE`, touched, then pinned and
+    /// mapped by `cuMemHostRegister(DEVICEMAP | PORTABLE)`. Linux only (elsewhere a typed
+    /// error); where the kernel has no huge page to give, the pages are ordinary ones (the
+    /// sweep reports how many bytes huge pages back).
+    Huge,
+}
+
+impl HostPages {
+    /// Parses `driver` or `huge`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "driver" => Ok(HostPages::Driver),
+            "huge" => Ok(HostPages::Huge),
+            _ => Err(CudaError::invalid(
+                "host pages",
+                format!("`{s}` (want driver or huge)"),
+            )),
+        }
+    }
+    /// `driver` or `huge`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            HostPages::Driver => "driver",
+            HostPages::Huge => "huge",
+        }
+    }
+}
+
 /// Settings of one decode session on the device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionConfig {

@@ -254,6 +254,7 @@ struct AppendKernels {
 ///     residency: fathom_cuda::Residency::Host,
 ///     pca_index: false,
 ///     block_tables: false,
+///     host_pages: fathom_cuda::HostPages::Driver,
 /// };
 /// let mut cache = PagedCache::new(&gpu, cfg)?;
 /// let (a, b) = (cache.create()?, cache.create()?);
@@ -473,9 +474,14 @@ impl PagedCache {
         let (index_page, record_page) = layout.split_page_bytes();
         let key_pool = pages * index_page as usize;
         let rec_pool = pages * record_page as usize;
+        // The pools in host memory, on the pages the configuration names (the driver's pages
+        // come zeroed from the OS; huge pages are anonymous memory, zero too).
+        let host_pool = |bytes: usize, what: &'static str| {
+            HostBuf::with_pages(bytes, what, cfg.host_pages, |_| {}).map(Mem::Host)
+        };
         let pools = (0..s.layers)
             .map(|_| match cfg.residency {
-                Residency::Host => HostBuf::new(pool_bytes, "page pool").map(Mem::Host),
+                Residency::Host => host_pool(pool_bytes, "page pool"),
                 Residency::Hbm => DevBuf::zeroed(pool_bytes, "page pool").map(Mem::Dev),
                 Residency::IndexHbm => DevBuf::zeroed(key_pool, "page index pool").map(Mem::Dev),
             })
@@ -483,14 +489,14 @@ impl PagedCache {
         // After the HBM (a typed out-of-memory before any host pinning).
         let rec_pools = match cfg.residency {
             Residency::IndexHbm => (0..s.layers)
-                .map(|_| HostBuf::new(rec_pool, "page records pool").map(Mem::Host))
+                .map(|_| host_pool(rec_pool, "page records pool"))
                 .collect::<Result<Vec<_>>>()?,
             Residency::Host | Residency::Hbm => Vec::new(),
         };
         let pca_pools = if cfg.pca_index {
             (0..s.layers)
                 .map(|_| match cfg.residency {
-                    Residency::Host => HostBuf::new(key_pool, "PCA index pool").map(Mem::Host),
+                    Residency::Host => host_pool(key_pool, "PCA index pool"),
                     Residency::Hbm | Residency::IndexHbm => {
                         DevBuf::zeroed(key_pool, "PCA index pool").map(Mem::Dev)
                     }
@@ -506,7 +512,7 @@ impl PagedCache {
             }
             (0..s.layers)
                 .map(|_| match cfg.residency {
-                    Residency::Host => HostBuf::new(table_pool, what).map(Mem::Host),
+                    Residency::Host => host_pool(table_pool, what),
                     Residency::Hbm | Residency::IndexHbm => {
                         DevBuf::zeroed(table_pool, what).map(Mem::Dev)
                     }

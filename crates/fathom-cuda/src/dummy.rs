@@ -57,6 +57,20 @@ impl Gpu {
     pub fn gather_run_bandwidth(&self, _run_bytes: usize, _total_bytes: usize) -> Result<f64> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// The zero-copy gather over random and back-to-back rows of host memory.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn row_gather_sweep(
+        &self,
+        _pages: crate::HostPages,
+        _row_bytes: usize,
+        _spans: &[usize],
+        _rows: &[usize],
+        _seed: u64,
+    ) -> Result<crate::RowSweep> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
 }
 
 /// A decode session on the device (stub).

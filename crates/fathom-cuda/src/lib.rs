@@ -94,8 +94,8 @@ mod dummy;
 pub use dummy::{DecodeGraph, Gpu, PagedCache, Session};
 
 pub use config::{
-    Method, ModelShape, Residency, SessionConfig, AUTO_GATHER_CTAS, AUTO_PIPELINE_GROUPS,
-    AUTO_PIPELINE_MIN_CONTEXT,
+    HostPages, Method, ModelShape, Residency, SessionConfig, AUTO_GATHER_CTAS,
+    AUTO_PIPELINE_GROUPS, AUTO_PIPELINE_MIN_CONTEXT,
 };
 pub use error::{CudaError, Result};
 pub use paged_layout::PagedLayout;
@@ -105,4 +105,4 @@ pub use pages::{
     SessionId,
 };
 pub use synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
-pub use types::{DeviceInfo, LayerDebug, SessionLayout, StepStats, STAGES};
+pub use types::{DeviceInfo, LayerDebug, RowRate, RowSweep, SessionLayout, StepStats, STAGES};

@@ -38,6 +38,7 @@ fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize)
         residency: fathom_cuda::Residency::Host,
         pca_index: false,
         block_tables: false,
+        host_pages: fathom_cuda::HostPages::Driver,
     }
 }
 

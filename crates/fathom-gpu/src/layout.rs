@@ -205,6 +205,7 @@ impl DecoderConfig {
             residency: self.residency,
             pca_index: self.pca_index,
             block_tables: self.block_tables,
+            host_pages: fathom_cuda::HostPages::Driver,
         };
         Ok(cfg.validate()?)
     }

@@ -332,6 +332,7 @@ impl GpuCache {
         device: i32,
         pca_index: bool,
         block_tables: bool,
+        host_pages: fathom_cuda::HostPages::Driver,
     ) -> PyResult<Self> {
         let residency = match residency {
             "host" => Residency::Host,

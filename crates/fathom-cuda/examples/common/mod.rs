@@ -60,5 +60,6 @@ pub fn timing_config(
         residency: fathom_cuda::Residency::Host,
         pca_index: false,
         block_tables: false,
+        host_pages: fathom_cuda::HostPages::Driver,
     }
 }

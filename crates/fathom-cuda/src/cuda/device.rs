@@ -9,11 +9,12 @@ use cudarc::driver::{result, CudaContext, CudaModule, CudaStream, LaunchConfig, 
 use rayon::prelude::*;
 
 use super::drv;
-use super::memory::{DevBuf, HostBuf};
+use super::memory::{anon_huge_bytes, DevBuf, HostBuf};
 use super::module::{compile_all, Kernels};
+use crate::config::HostPages;
 use crate::error::{CudaError, Result};
 use crate::step_layout::Run;
-use crate::types::DeviceInfo;
+use crate::types::{DeviceInfo, RowRate, RowSweep};
 
 /// Bytes per CTA of the gather kernel.
 pub(crate) const GATHER_CHUNK: u64 = 128 << 10;
@@ -297,6 +298,109 @@ impl Gpu {
             best = best.min(a.elapsed_ms(&b)?);
         }
         Ok((nruns * run_bytes) as f64 / (best * 1e-3) / 1e9)
+    }
+
+    /// The zero-copy gather over rows of `row_bytes` drawn at random (and back to back, as a
+    /// control) from each span of `spans` bytes of host memory backed as `pages` says, with
+    /// `rows` rows per launch: whether the union fetch's random record reads are bound by the
+    /// link or by address translation (docs/SPEC.md §6.1, "Host pages"). One allocation of the
+    /// largest span; best of three launches per point, each with a fresh draw of `seed`'s
+    /// stream.
+    ///
+    /// # Errors
+    /// [`CudaError::InvalidInput`] for a row size that is not a positive multiple of 16, an
+    /// empty list or a span shorter than a row; allocation, compile or driver failures.
+    pub fn row_gather_sweep(
+        &self,
+        pages: HostPages,
+        row_bytes: usize,
+        spans: &[usize],
+        rows: &[usize],
+        seed: u64,
+    ) -> Result<RowSweep> {
+        use rand::{Rng, SeedableRng};
+        if row_bytes == 0 || row_bytes % 16 != 0 {
+            return Err(CudaError::invalid(
+                "row_bytes",
+                format!("{row_bytes} (want a positive multiple of 16)"),
+            ));
+        }
+        let (Some(&max_span), Some(&max_rows)) = (spans.iter().max(), rows.iter().max()) else {
+            return Err(CudaError::invalid(
+                "spans, rows",
+                "both lists must be non-empty",
+            ));
+        };
+        if spans.iter().any(|&s| s < row_bytes) || rows.contains(&0) {
+            return Err(CudaError::invalid(
+                "spans, rows",
+                format!("every span must hold a row of {row_bytes} bytes and every row count be positive"),
+            ));
+        }
+        let k = self.kernels(1, 128)?;
+        let before = anon_huge_bytes();
+        let t0 = std::time::Instant::now();
+        let h = HostBuf::with_pages(max_span, "row sweep source", pages, |b| {
+            b.par_chunks_mut(1 << 20)
+                .enumerate()
+                .for_each(|(i, c)| c.fill(i as u8))
+        })?;
+        let alloc_seconds = t0.elapsed().as_secs_f64();
+        let huge_bytes = match (before, anon_huge_bytes()) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            _ => None,
+        };
+        let d = DevBuf::new(max_span, "row sweep destination")?;
+        let runs = DevBuf::new(max_rows * std::mem::size_of::<Run>(), "row sweep runs")?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut rates = Vec::new();
+        for &span in spans {
+            let slots = (span / row_bytes) as u64;
+            for &n in rows {
+                for pattern in ["sequential", "random"] {
+                    let mut best = f64::INFINITY;
+                    for _ in 0..3 {
+                        let start = rng.gen_range(0..slots);
+                        let list: Vec<Run> = (0..n as u64)
+                            .map(|i| {
+                                let slot = if pattern == "random" {
+                                    rng.gen_range(0..slots)
+                                } else {
+                                    (start + i) % slots
+                                };
+                                Run {
+                                    off: slot * row_bytes as u64,
+                                    len: row_bytes as u64,
+                                }
+                            })
+                            .collect();
+                        // SAFETY: `runs` holds `max_rows >= n` runs; the copy is synchronous.
+                        unsafe { result::memcpy_htod_sync(runs.ptr, &list) }
+                            .map_err(drv("memcpy_htod"))?;
+                        let (a, b) = (self.event()?, self.event()?);
+                        a.record(&self.stream)?;
+                        self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, n, row_bytes as u64)?;
+                        b.record(&self.stream)?;
+                        self.stream.synchronize().map_err(drv("synchronize"))?;
+                        best = best.min(a.elapsed_ms(&b)?);
+                    }
+                    rates.push(RowRate {
+                        pattern: pattern.into(),
+                        span_bytes: span as u64,
+                        rows: n as u64,
+                        row_bytes: row_bytes as u64,
+                        gbps: (n * row_bytes) as f64 / (best * 1e-3) / 1e9,
+                    });
+                }
+            }
+        }
+        Ok(RowSweep {
+            pages: pages.label().into(),
+            alloc_bytes: max_span as u64,
+            huge_bytes,
+            alloc_seconds,
+            rates,
+        })
     }
 
     fn launch_gather(

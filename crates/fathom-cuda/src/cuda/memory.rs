@@ -4,9 +4,10 @@ use std::ffi::c_void;
 
 use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdeviceptr};
+use rayon::prelude::*;
 
 use super::drv;
-use crate::config::Residency;
+use crate::config::{HostPages, Residency};
 use crate::error::{CudaError, Result};
 
 /// Device memory (`cuMemAlloc`), freed on drop.
@@ -56,13 +57,19 @@ impl Drop for DevBuf {
     }
 }
 
-/// Pinned, mapped host memory (`cuMemHostAlloc` with `DEVICEMAP | PORTABLE`).
+/// Pinned, mapped host memory: `cuMemHostAlloc` with `DEVICEMAP | PORTABLE`, or registered
+/// anonymous memory on 2 MiB transparent huge pages ([`HostPages`]).
 #[derive(Debug)]
 pub(crate) struct HostBuf {
     pub(crate) ptr: *mut u8,
     pub(crate) bytes: usize,
     pub(crate) dptr: CUdeviceptr,
+    /// `Some((base, len))`: the mapping made by `mmap` (registered at `ptr`), unmapped on drop.
+    mapping: Option<(*mut u8, usize)>,
 }
+
+/// Huge pages are 2 MiB on x86-64 and on aarch64 with 4 KiB base pages.
+const HUGE_PAGE: usize = 2 << 20;
 
 // SAFETY: the buffer is plain memory owned by this value; access is through &/&mut self.
 unsafe impl Send for HostBuf {}
@@ -85,7 +92,106 @@ impl HostBuf {
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr as *mut c_void, 0) }
             .result()
             .map_err(drv("cuMemHostGetDevicePointer"))?;
-        Ok(HostBuf { ptr, bytes, dptr })
+        Ok(HostBuf {
+            ptr,
+            bytes,
+            dptr,
+            mapping: None,
+        })
+    }
+
+    /// `bytes` of pinned, mapped host memory backed as `pages` says, filled by `fill` before
+    /// the driver pins them (so that the pages are touched by all cores at once).
+    pub(crate) fn with_pages(
+        bytes: usize,
+        what: &'static str,
+        pages: HostPages,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<Self> {
+        match pages {
+            HostPages::Driver => {
+                let mut h = Self::new(bytes, what)?;
+                fill(&mut h.as_mut_bytes()[..bytes]);
+                Ok(h)
+            }
+            HostPages::Huge => Self::huge(bytes, what, fill),
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    fn huge(bytes: usize, what: &'static str, fill: impl FnOnce(&mut [u8])) -> Result<Self> {
+        let len = bytes.max(16).div_ceil(HUGE_PAGE) * HUGE_PAGE;
+        let map_len = len + HUGE_PAGE;
+        let fail = |message: String| CudaError::PinnedAlloc {
+            what,
+            bytes: bytes as u64,
+            message,
+        };
+        // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(fail(format!("mmap: {}", std::io::Error::last_os_error())));
+        }
+        let base = base as *mut u8;
+        let ptr = base.wrapping_add(base.align_offset(HUGE_PAGE));
+        let unmap = || {
+            // SAFETY: `base` is the mapping of `map_len` bytes made above, unmapped once.
+            unsafe { libc::munmap(base as *mut c_void, map_len) };
+        };
+        // SAFETY: [ptr, ptr + len) lies inside the mapping (ptr is at most HUGE_PAGE past base).
+        if unsafe { libc::madvise(ptr as *mut c_void, len, libc::MADV_HUGEPAGE) } != 0 {
+            let e = std::io::Error::last_os_error();
+            unmap();
+            return Err(fail(format!("madvise(MADV_HUGEPAGE): {e}")));
+        }
+        // SAFETY: the `len` bytes at `ptr` are mapped read-write and owned here; an anonymous
+        // mapping reads as zeros, so the slice is initialised.
+        let mem = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+        // Fault every huge page in from all cores (the driver's pinning would do it on one).
+        // SAFETY: `c` is a live, non-empty chunk of the mapping.
+        mem.par_chunks_mut(HUGE_PAGE)
+            .for_each(|c| unsafe { std::ptr::write_volatile(c.as_mut_ptr(), 0) });
+        fill(mem);
+        let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: registers the live, page-aligned range [ptr, ptr + len), unregistered in Drop
+        // before the unmap.
+        if let Err(e) =
+            unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) }.result()
+        {
+            unmap();
+            return Err(fail(format!("cuMemHostRegister: {e}")));
+        }
+        let mut h = HostBuf {
+            ptr,
+            bytes,
+            dptr: 0,
+            mapping: Some((base, map_len)),
+        };
+        // SAFETY: `ptr` is registered with DEVICEMAP; the driver writes one pointer.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut h.dptr, ptr as *mut c_void, 0) }
+            .result()
+            .map_err(drv("cuMemHostGetDevicePointer"))?;
+        Ok(h)
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn huge(bytes: usize, what: &'static str, _fill: impl FnOnce(&mut [u8])) -> Result<Self> {
+        Err(CudaError::PinnedAlloc {
+            what,
+            bytes: bytes as u64,
+            message:
+                "huge host pages (madvise + cuMemHostRegister) are Linux only; use driver pages"
+                    .into(),
+        })
     }
     pub(crate) fn as_bytes(&self) -> &[u8] {
         // SAFETY: `ptr` points to `bytes` bytes owned by `self`; the caller has synchronised
@@ -100,9 +206,31 @@ impl HostBuf {
 
 impl Drop for HostBuf {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `malloc_host` and is freed exactly once.
-        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+        match self.mapping {
+            // SAFETY: `ptr` came from `malloc_host` and is freed exactly once.
+            None => drop(unsafe { result::free_host(self.ptr as *mut c_void) }),
+            #[cfg(target_os = "linux")]
+            Some((base, len)) => {
+                // SAFETY: `ptr` was registered by `huge`; it is unregistered once, then the
+                // mapping it lies in is unmapped once.
+                unsafe {
+                    let _ = sys::cuMemHostUnregister(self.ptr as *mut c_void).result();
+                    libc::munmap(base as *mut c_void, len);
+                }
+            }
+            #[cfg(not(target_os = "linux"))]
+            Some(_) => {}
+        }
     }
+}
+
+/// Bytes of this process's memory that transparent huge pages back (`AnonHugePages` of
+/// `/proc/self/smaps_rollup`); `None` where the file is absent (not Linux, old kernels).
+pub(crate) fn anon_huge_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = s.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// A session buffer in host (mapped) or device memory.

@@ -1,6 +1,9 @@
 //! NVRTC: every kernel source compiled at run time for the device's architecture, and the
 //! benchmark step's kernel table.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
 use cudarc::driver::CudaFunction;
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
@@ -50,21 +53,36 @@ pub(crate) fn compile_one(
     defines: Vec<String>,
 ) -> Result<cudarc::nvrtc::Ptx> {
     let src = src.replace("#include \"common.cuh\"", COMMON);
+    // One compile per (arch, source, options) in a process: every cache of one shape loads the
+    // same PTX, and NVRTC takes seconds per source.
+    let key = (arch, src.clone(), defines.clone());
+    static MEMO: OnceLock<Mutex<HashMap<PtxKey, String>>> = OnceLock::new();
+    let memo = MEMO.get_or_init(Default::default);
+    if let Some(ptx) = memo.lock().ok().and_then(|m| m.get(&key).cloned()) {
+        return Ok(cudarc::nvrtc::Ptx::from_src(ptx));
+    }
     let opts = CompileOptions {
         arch: Some(arch),
         options: defines,
         name: Some(name.to_string()),
         ..Default::default()
     };
-    std::panic::catch_unwind(|| compile_ptx_with_opts(&src, opts))
+    let ptx = std::panic::catch_unwind(|| compile_ptx_with_opts(&src, opts))
         .map_err(|_| CudaError::NoDevice {
             message: "NVRTC library (libnvrtc) not found".into(),
         })?
         .map_err(|e| CudaError::Compile {
             kernel: name,
             log: format!("{e:?}"),
-        })
+        })?;
+    if let Ok(mut m) = memo.lock() {
+        m.insert(key, ptx.to_src());
+    }
+    Ok(ptx)
 }
+
+/// Architecture, source with `common.cuh` inlined, and compile options.
+type PtxKey = (&'static str, String, Vec<String>);
 
 pub(crate) fn compile_all(
     arch: &'static str,

@@ -1,0 +1,78 @@
+//! Random record reads from host memory against address translation: the zero-copy gather
+//! over rows of 512 bytes (one bf16 K|V record at D = 128) drawn at random from spans of pinned
+//! host memory, beside the same rows back to back and a pinned memcpy, for the driver's pages
+//! and for 2 MiB transparent huge pages (docs/SPEC.md §6.1, "Host pages"). The union fetch's
+//! misses are such reads, spread over a 41 GiB pool at 256k tokens.
+//!
+//! ```text
+//! cargo run --release --features cuda -p fathom-cuda --example row_sweep -- OUT.json [GiB]
+//! ```
+
+use fathom_cuda::{Gpu, HostPages};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let out = args.next();
+    let max_gib: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(32);
+    let gpu = Gpu::open(0)?;
+    let memcpy = gpu.h2d_bandwidth(1 << 30)?;
+    let thp = |f: &str| {
+        std::fs::read_to_string(format!("/sys/kernel/mm/transparent_hugepage/{f}"))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "absent".into())
+    };
+    let (enabled, defrag) = (thp("enabled"), thp("defrag"));
+    println!(
+        "{} — pinned H2D memcpy of 1 GiB: {memcpy:.1} GB/s; THP enabled: {enabled}; defrag: {defrag}",
+        gpu.info().name
+    );
+    let spans: Vec<usize> = [1usize << 28, 4 << 30, max_gib << 30]
+        .into_iter()
+        .filter(|&s| s <= max_gib << 30)
+        .collect();
+    let rows = [16384usize, 262144];
+    let mut sweeps = Vec::new();
+    for pages in [HostPages::Driver, HostPages::Huge] {
+        let s = match gpu.row_gather_sweep(pages, 512, &spans, &rows, 7) {
+            Ok(s) => s,
+            Err(e) => {
+                println!("{}: {e}", pages.label());
+                continue;
+            }
+        };
+        println!(
+            "## {} pages: {:.1} GiB in {:.1} s, huge pages back {}",
+            s.pages,
+            s.alloc_bytes as f64 / (1u64 << 30) as f64,
+            s.alloc_seconds,
+            s.huge_bytes
+                .map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64))
+                .unwrap_or_else(|| "(unknown)".into())
+        );
+        println!("| span GiB | rows | pattern | GB/s | / memcpy |");
+        println!("|---:|---:|---|---:|---:|");
+        for r in &s.rates {
+            println!(
+                "| {:.2} | {} | {} | {:.1} | {:.2} |",
+                r.span_bytes as f64 / (1u64 << 30) as f64,
+                r.rows,
+                r.pattern,
+                r.gbps,
+                r.gbps / memcpy
+            );
+        }
+        sweeps.push(s);
+    }
+    if let Some(p) = out {
+        let doc = serde_json::json!({
+            "what": "zero-copy gather of 512-byte rows drawn at random (and back to back) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister; best of 3 launches per point, a fresh draw each",
+            "device": gpu.info().name,
+            "memcpy_gbps": memcpy,
+            "thp_enabled": enabled,
+            "thp_defrag": defrag,
+            "sweeps": sweeps,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")?;
+    }
+    Ok(())
+}
