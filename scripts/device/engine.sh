@@ -153,7 +153,7 @@ pages)
   echo "row_sweep rc=$?" | tee -a $OUT/summary.txt
   cat $OUT/row-sweep.txt
   for pages in ${PAGES:-driver huge}; do
-    timeout 280 $B/fathom offload-bench --engine cache --context 256k,1m \
+    timeout ${BENCH_TIMEOUT:-240} $B/fathom offload-bench --engine cache --context 256k,1m \
       --methods ${METHODS:-fathom:48,fathom:64,sparq:32,ds:32,exact,loki:32,landmark,quest} --steps 20 \
       --host-pages $pages --json $OUT/offload-qwen3-8b-cache-host-$pages.json > $OUT/offload-qwen3-8b-cache-host-$pages.txt 2>&1
     echo "bench $pages rc=$?" | tee -a $OUT/summary.txt
