@@ -193,6 +193,17 @@ impl Gpu {
         Event::new()
     }
 
+    /// GPU time of the work `enqueue` puts on the stream (an event pair around it, then a
+    /// synchronisation), ms.
+    fn timed_ms(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<f64> {
+        let (a, b) = (self.event()?, self.event()?);
+        a.record(&self.stream)?;
+        enqueue()?;
+        b.record(&self.stream)?;
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        a.elapsed_ms(&b)
+    }
+
     /// Host-to-device bandwidth of one pinned `cuMemcpyHtoDAsync` of `bytes` (best of 3), GB/s.
     ///
     /// # Errors
@@ -206,22 +217,20 @@ impl Gpu {
         let d = DevBuf::new(bytes, "H2D bandwidth destination")?;
         let mut best = f64::INFINITY;
         for _ in 0..3 {
-            let (a, b) = (self.event()?, self.event()?);
-            a.record(&self.stream)?;
-            // SAFETY: both buffers hold `bytes` bytes and outlive the synchronisation below.
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    d.ptr,
-                    h.ptr as *const c_void,
-                    bytes,
-                    self.stream.cu_stream(),
-                )
-            }
-            .result()
-            .map_err(drv("cuMemcpyHtoDAsync"))?;
-            b.record(&self.stream)?;
-            self.stream.synchronize().map_err(drv("synchronize"))?;
-            best = best.min(a.elapsed_ms(&b)?);
+            best = best.min(self.timed_ms(|| {
+                // SAFETY: both buffers hold `bytes` bytes and outlive the synchronisation in
+                // `timed_ms`.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        d.ptr,
+                        h.ptr as *const c_void,
+                        bytes,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(drv("cuMemcpyHtoDAsync"))
+            })?);
         }
         Ok(bytes as f64 / (best * 1e-3) / 1e9)
     }
@@ -248,12 +257,10 @@ impl Gpu {
         )?;
         let mut best = f64::INFINITY;
         for _ in 0..3 {
-            let (a, b) = (self.event()?, self.event()?);
-            a.record(&self.stream)?;
-            self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, 1, bytes as u64)?;
-            b.record(&self.stream)?;
-            self.stream.synchronize().map_err(drv("synchronize"))?;
-            best = best.min(a.elapsed_ms(&b)?);
+            best =
+                best.min(self.timed_ms(|| {
+                    self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, 1, bytes as u64)
+                })?);
         }
         Ok(bytes as f64 / (best * 1e-3) / 1e9)
     }
@@ -290,12 +297,9 @@ impl Gpu {
         let runs = DevBuf::from_slice(&list, "runs")?;
         let mut best = f64::INFINITY;
         for _ in 0..3 {
-            let (a, b) = (self.event()?, self.event()?);
-            a.record(&self.stream)?;
-            self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, nruns, run_bytes as u64)?;
-            b.record(&self.stream)?;
-            self.stream.synchronize().map_err(drv("synchronize"))?;
-            best = best.min(a.elapsed_ms(&b)?);
+            best = best.min(self.timed_ms(|| {
+                self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, nruns, run_bytes as u64)
+            })?);
         }
         Ok((nruns * run_bytes) as f64 / (best * 1e-3) / 1e9)
     }
@@ -377,12 +381,9 @@ impl Gpu {
                         // SAFETY: `runs` holds `max_rows >= n` runs; the copy is synchronous.
                         unsafe { result::memcpy_htod_sync(runs.ptr, &list) }
                             .map_err(drv("memcpy_htod"))?;
-                        let (a, b) = (self.event()?, self.event()?);
-                        a.record(&self.stream)?;
-                        self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, n, row_bytes as u64)?;
-                        b.record(&self.stream)?;
-                        self.stream.synchronize().map_err(drv("synchronize"))?;
-                        best = best.min(a.elapsed_ms(&b)?);
+                        best = best.min(self.timed_ms(|| {
+                            self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, n, row_bytes as u64)
+                        })?);
                     }
                     rates.push(RowRate {
                         pattern: pattern.into(),

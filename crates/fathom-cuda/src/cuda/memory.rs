@@ -160,13 +160,12 @@ impl HostBuf {
         // SAFETY: `c` is a live, non-empty chunk of the mapping.
         mem.par_chunks_mut(HUGE_PAGE)
             .for_each(|c| unsafe { std::ptr::write_volatile(c.as_mut_ptr(), 0) });
-        fill(mem);
+        fill(&mut mem[..bytes]);
         let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
         // SAFETY: registers the live, page-aligned range [ptr, ptr + len), unregistered in Drop
         // before the unmap.
-        if let Err(e) =
-            unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) }.result()
-        {
+        let registered = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) };
+        if let Err(e) = registered.result() {
             unmap();
             return Err(fail(format!("cuMemHostRegister: {e}")));
         }
