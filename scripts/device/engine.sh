@@ -19,7 +19,8 @@ tests)
   echo "# FATHOM_REQUIRE_GPU=1, $(date), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${COMMIT:-?}" > $log
   for t in unit api gpu cache_gpu; do
     echo "## $t" >> $log
-    timeout 420 $B/$t --test-threads 1 2>&1 | grep -E "^test |test result|panicked|FAILED|failures|skip" >> $log
+    # The harness's whole output (test lines, and a failure's message under `failures:`).
+    timeout 420 $B/$t --test-threads 1 2>&1 | grep -v -E "^(running [0-9]+ tests?|)$" >> $log
     echo "$t rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
   done
   echo "## example paged_decode" >> $log
@@ -159,6 +160,15 @@ pages)
     echo "bench $pages rc=$?" | tee -a $OUT/summary.txt
     grep -E "^[0-9]|huge pages|H2D" $OUT/offload-qwen3-8b-cache-host-$pages.txt | head -30
   done
+  ;;
+repeat)
+  # repeat N FILTER: one cache_gpu test N times (a flaky failure's rate), full output.
+  n=$1 filter=$2
+  for i in $(seq $n); do
+    timeout 100 $B/cache_gpu --test-threads 1 $filter > $OUT/repeat-$i.log 2>&1
+    echo "repeat $i rc=$?" | tee -a $OUT/summary.txt
+  done
+  cat $OUT/repeat-*.log | grep -A3 panicked | head -20
   ;;
 sanitize)
   # compute-sanitizer (memcheck, racecheck, initcheck) on one append and two attends of every

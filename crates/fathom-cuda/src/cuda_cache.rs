@@ -18,7 +18,7 @@ use crate::cache::{
     check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows, RowCounters, SelectCounters,
 };
 use crate::config::Residency;
-use crate::cuda::{cast_mut, cfg, compile_one, drv, DevBuf, HostBuf, Mem};
+use crate::cuda::{cast_mut, cfg, compile_one, drv, stream_upload, DevBuf, HostBuf, Mem};
 use crate::error::{CudaError, Result};
 use crate::paged_layout::PagedLayout;
 use crate::paged_ref::{export_pool, records_pool, PagedExport};
@@ -1070,10 +1070,12 @@ impl PagedCache {
         }
         let base = self.staging.as_ref().map_or(0, |(b, _)| b.ptr);
         self.sync()?;
-        // SAFETY: the staging buffer holds 2·bytes; the copies are synchronous.
+        // SAFETY: the staging buffer holds 2·bytes, only this stream uses it, and the stream is
+        // idle (synchronised above); the copies are ordered before the append's kernels.
         unsafe {
-            result::memcpy_htod_sync(base, k).map_err(drv("memcpy_htod keys"))?;
-            result::memcpy_htod_sync(base + bytes as u64, v).map_err(drv("memcpy_htod values"))?;
+            let st = self.stream.cu_stream();
+            stream_upload(base, k, st, "memcpy_htod keys")?;
+            stream_upload(base + bytes as u64, v, st, "memcpy_htod values")?;
         }
         let kv = KvRows {
             k: base,
@@ -1822,8 +1824,9 @@ impl PagedCache {
         }
         let base = self.staging.as_ref().map_or(0, |(b, _)| b.ptr);
         self.sync()?;
-        // SAFETY: the staging buffer holds 2·bytes; the copy is synchronous.
-        unsafe { result::memcpy_htod_sync(base, q) }.map_err(drv("memcpy_htod queries"))?;
+        // SAFETY: the staging buffer holds 2·bytes, only this stream uses it, and the stream is
+        // idle (synchronised above); the copy is ordered before the attend's kernels.
+        unsafe { stream_upload(base, q, self.stream.cu_stream(), "memcpy_htod queries") }?;
         let qr = crate::cache::QueryRows {
             q: base,
             dtype: crate::cache::KvDtype::F32,

@@ -72,8 +72,11 @@ impl Mem {
 
     fn from_slice<T: Copy>(data: &[T], what: &'static str) -> Result<Mem> {
         let m = Mem::new(std::mem::size_of_val(data), what)?;
-        // SAFETY: the allocation holds size_of_val(data) bytes; the copy is synchronous.
+        // SAFETY: the allocation holds size_of_val(data) bytes.
         unsafe { result::memcpy_htod_sync(m.ptr, data) }.map_err(drv("memcpy_htod weights"))?;
+        // A synchronous copy from pageable memory may return before its DMA lands, ordered
+        // only with the legacy stream, not with the forward's non-blocking stream: wait for it.
+        result::ctx::synchronize().map_err(drv("synchronize after memcpy_htod"))?;
         Ok(m)
     }
 }

@@ -9,7 +9,7 @@ use cudarc::driver::{result, CudaContext, CudaModule, CudaStream, LaunchConfig, 
 use rayon::prelude::*;
 
 use super::drv;
-use super::memory::{anon_huge_bytes, DevBuf, HostBuf};
+use super::memory::{anon_huge_bytes, stream_upload, DevBuf, HostBuf};
 use super::module::{compile_all, Kernels};
 use crate::config::HostPages;
 use crate::error::{CudaError, Result};
@@ -378,9 +378,11 @@ impl Gpu {
                                 }
                             })
                             .collect();
-                        // SAFETY: `runs` holds `max_rows >= n` runs; the copy is synchronous.
-                        unsafe { result::memcpy_htod_sync(runs.ptr, &list) }
-                            .map_err(drv("memcpy_htod"))?;
+                        // SAFETY: `runs` holds `max_rows >= n` runs; the last launch that
+                        // read it has finished (`timed_ms` synchronises).
+                        unsafe {
+                            stream_upload(runs.ptr, &list, self.stream.cu_stream(), "upload runs")
+                        }?;
                         best = best.min(self.timed_ms(|| {
                             self.launch_gather(&k, h.dptr, d.ptr, runs.ptr, n, row_bytes as u64)
                         })?);

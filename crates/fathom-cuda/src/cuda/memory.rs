@@ -35,10 +35,11 @@ impl DevBuf {
         unsafe { result::memset_d8_sync(b.ptr, 0, bytes.max(16)) }.map_err(drv("memset"))?;
         Ok(b)
     }
+    /// A device copy of `data`, complete when this returns (see [`sync_upload`]).
     pub(crate) fn from_slice<T: Copy>(data: &[T], what: &'static str) -> Result<Self> {
         let b = Self::new(std::mem::size_of_val(data), what)?;
-        // SAFETY: the allocation holds `size_of_val(data)` bytes; the copy is synchronous.
-        unsafe { result::memcpy_htod_sync(b.ptr, data) }.map_err(drv("memcpy_htod"))?;
+        // SAFETY: the allocation holds `size_of_val(data)` bytes.
+        unsafe { sync_upload(b.ptr, data) }?;
         Ok(b)
     }
     pub(crate) fn read<T: Copy + Default>(&self, len: usize) -> Result<Vec<T>> {
@@ -279,10 +280,43 @@ impl Mem {
                 // SAFETY: reinterpreting initialised u64s as bytes (no padding, align 1).
                 let b = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, bytes) };
                 fill(b);
-                // SAFETY: `dev` holds `bytes` bytes; the copy is synchronous.
-                unsafe { result::memcpy_htod_sync(dev.ptr, &b[..]) }.map_err(drv("memcpy_htod"))?;
+                // SAFETY: `dev` holds `bytes` bytes.
+                unsafe { sync_upload(dev.ptr, &b[..]) }?;
                 Ok(Mem::Dev(dev))
             }
         }
     }
+}
+
+/// Copies `src` to device memory at `dst` and waits until the copy has landed.
+///
+/// A synchronous `cuMemcpyHtoD` from pageable memory returns once the data is staged, before
+/// its DMA reaches the destination, and it is ordered only with the legacy default stream,
+/// not with the non-blocking streams every kernel of this crate runs on: a kernel launched
+/// right after it may read the old bytes. The context synchronisation after it closes that
+/// window (setup-time uploads only; per-call uploads go through [`stream_upload`]).
+///
+/// # Safety
+/// `dst` must be device memory of at least `size_of_val(src)` bytes.
+pub(crate) unsafe fn sync_upload<T>(dst: CUdeviceptr, src: &[T]) -> Result<()> {
+    // SAFETY: the caller guarantees the destination's size.
+    unsafe { result::memcpy_htod_sync(dst, src) }.map_err(drv("memcpy_htod"))?;
+    result::ctx::synchronize().map_err(drv("synchronize after memcpy_htod"))
+}
+
+/// Copies `src` to device memory at `dst` in order on `stream`: every kernel launched on that
+/// stream after this call sees the data, and `src` may be reused when this returns (the driver
+/// stages pageable memory before it returns).
+///
+/// # Safety
+/// `dst` must be device memory of at least `size_of_val(src)` bytes that no other stream
+/// writes or reads meanwhile.
+pub(crate) unsafe fn stream_upload<T>(
+    dst: CUdeviceptr,
+    src: &[T],
+    stream: sys::CUstream,
+    what: &'static str,
+) -> Result<()> {
+    // SAFETY: the caller guarantees the destination.
+    unsafe { result::memcpy_htod_async(dst, src, stream) }.map_err(drv(what))
 }

@@ -15,7 +15,7 @@ mod step;
 
 pub use device::Gpu;
 pub(crate) use device::{cfg, Event};
-pub(crate) use memory::{anon_huge_bytes, DevBuf, HostBuf, Mem};
+pub(crate) use memory::{anon_huge_bytes, stream_upload, DevBuf, HostBuf, Mem};
 pub use module::compile_kernels;
 pub(crate) use module::{compile_one, Kernels};
 pub use step::Session;
