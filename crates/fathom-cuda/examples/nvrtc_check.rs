@@ -11,6 +11,7 @@ fn main() {
         (8, 128),
         (3, 64),
         (1, 256),
+        (4, 256),
     ] {
         match fathom_cuda::compile_kernels("sm_90", g, d) {
             Ok(n) => println!("G={g} D={d}: {n} modules compiled"),
