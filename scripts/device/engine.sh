@@ -205,8 +205,10 @@ ncu)
   ;;
 ncuappend)
   # Where the decode append's time goes: the full Nsight Compute set (warp stalls, source
-  # counters) of one decode append_quant (32k context: the append's work does not depend on it).
-  timeout 200 ncu --set full --import-source yes -k regex:'append_quant' --launch-skip 120 --launch-count 1 \
+  # counters) of one decode append_quant (32k context: the append's work does not depend on it;
+  # the prefill is 4 chunks of 8192 tokens x 36 layers = 144 launches, so 200 skips land in the
+  # second decode step; 120 caught a prefill chunk's, 832 us, at 2133e9d).
+  timeout 200 ncu --set full --import-source yes -k regex:'append_quant' --launch-skip 200 --launch-count 1 \
     $B/fathom offload-bench --engine cache --context 32k --methods fathom:48 --steps 4 --probe-mib 64 > $OUT/ncu-append-full.txt 2>&1
   echo "ncu append full rc=$?" | tee -a $OUT/summary.txt
   ;;
