@@ -85,6 +85,7 @@ pub struct KvRows {
 /// most, a power of two and at most 64, whose staged rows (Quest's `2·D` fp16 and one 16-byte
 /// pad each) fit the 48 KiB of static shared memory beside the queries `[G][D + 1]` f32 and
 /// the histogram `[G][1024]` u32.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the kernels' compile options only
 pub(crate) fn table_scan_groups(dim: usize, group: usize) -> usize {
     const STATIC_SMEM: usize = 48 << 10;
     let fixed = group * (dim + 1) * 4 + group * 1024 * 4 + 64;
