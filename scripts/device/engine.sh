@@ -19,8 +19,9 @@ tests)
   echo "# FATHOM_REQUIRE_GPU=1, $(date), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${COMMIT:-?}" > $log
   for t in unit api gpu cache_gpu; do
     echo "## $t" >> $log
-    # The harness's whole output (test lines, and a failure's message under `failures:`).
-    timeout 420 $B/$t --test-threads 1 2>&1 | grep -v -E "^(running [0-9]+ tests?|)$" >> $log
+    # The harness's whole output (test lines, and a failure's message under `failures:`);
+    # THREADS=N runs N tests at once (they share the GPU; outputs, not timings, are compared).
+    timeout 420 $B/$t --test-threads ${THREADS:-1} 2>&1 | grep -v -E "^(running [0-9]+ tests?|)$" >> $log
     echo "$t rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
   done
   echo "## example paged_decode" >> $log
