@@ -17,7 +17,7 @@ case $mode in
 tests)
   log=$OUT/engine-tests.log
   echo "# FATHOM_REQUIRE_GPU=1, $(date), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${COMMIT:-?}" > $log
-  for t in unit api gpu cache_gpu; do
+  for t in ${TESTS:-unit api gpu cache_gpu}; do
     echo "## $t" >> $log
     # The harness's whole output (test lines, and a failure's message under `failures:`);
     # THREADS=N runs N tests at once (they share the GPU; outputs, not timings, are compared).
