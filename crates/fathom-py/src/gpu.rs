@@ -332,7 +332,6 @@ impl GpuCache {
         device: i32,
         pca_index: bool,
         block_tables: bool,
-        host_pages: fathom_cuda::HostPages::Driver,
     ) -> PyResult<Self> {
         let residency = match residency {
             "host" => Residency::Host,
@@ -365,6 +364,7 @@ impl GpuCache {
             residency,
             pca_index,
             block_tables,
+            host_pages: fathom_cuda::HostPages::Driver,
         };
         // Limits first: a bad one is a ValueError before the device is opened.
         let cfg = cfg.validate().map_err(lib_err)?;
