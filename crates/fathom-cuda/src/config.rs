@@ -420,6 +420,17 @@ mod tests {
     }
 
     #[test]
+    fn host_pages_parse_and_label_each_other() {
+        for p in [HostPages::Driver, HostPages::Huge] {
+            assert_eq!(HostPages::parse(p.label()).unwrap(), p);
+        }
+        assert_eq!(HostPages::parse("HUGE").unwrap(), HostPages::Huge);
+        assert_eq!(HostPages::default(), HostPages::Driver);
+        let e = HostPages::parse("2m").unwrap_err().to_string();
+        assert!(e.contains("driver or huge"), "{e}");
+    }
+
+    #[test]
     fn auto_pipeline_rule() {
         // Below the threshold: sequential and uncapped.
         let c = cfg(AUTO_PIPELINE_MIN_CONTEXT - 1, 0, 0);
