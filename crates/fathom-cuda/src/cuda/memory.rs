@@ -101,8 +101,8 @@ impl HostBuf {
         })
     }
 
-    /// `bytes` of pinned, mapped host memory backed as `pages` says, filled by `fill` before
-    /// the driver pins them (so that the pages are touched by all cores at once).
+    /// `bytes` of pinned, mapped host memory backed as `pages` says, filled by `fill` (huge
+    /// pages: after all cores have faulted them in and before the driver pins them).
     pub(crate) fn with_pages(
         bytes: usize,
         what: &'static str,
