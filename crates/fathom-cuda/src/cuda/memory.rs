@@ -291,7 +291,8 @@ impl Mem {
 /// Copies `src` to device memory at `dst` and waits until the copy has landed.
 ///
 /// A synchronous `cuMemcpyHtoD` from pageable memory returns once the data is staged, before
-/// its DMA reaches the destination, and it is ordered only with the legacy default stream,
+/// its DMA reaches the destination (the CUDA Driver API's "API synchronization behavior"
+/// section), and it is ordered only with the legacy default stream,
 /// not with the non-blocking streams every kernel of this crate runs on: a kernel launched
 /// right after it may read the old bytes. The context synchronisation after it closes that
 /// window (setup-time uploads only; per-call uploads go through [`stream_upload`]).
