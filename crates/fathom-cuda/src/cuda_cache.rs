@@ -1353,7 +1353,7 @@ impl PagedCache {
     /// cache's stream with no host synchronisation: queries `q` `[batch][Hq][D]` give outputs
     /// `out` `[batch][Hq][D]` f32 (device pointers). Each query head attends exactly over its
     /// own sink + local + top-k set (docs/SPEC.md §5), or over every token for
-    /// [`AttendMethod::Dense`]. Launch parameters are fixed-size structs; working memory was
+    /// [`AttendMethod::Dense`](crate::cache::AttendMethod::Dense). Launch parameters are fixed-size structs; working memory was
     /// sized when the cache was made.
     ///
     /// # Errors

@@ -312,7 +312,7 @@ impl Gpu {
     /// stream.
     ///
     /// # Errors
-    /// [`CudaError::InvalidInput`] for a row size that is not a positive multiple of 16, an
+    /// [`CudaError::Invalid`] for a row size that is not a positive multiple of 16, an
     /// empty list or a span shorter than a row; allocation, compile or driver failures.
     pub fn row_gather_sweep(
         &self,
