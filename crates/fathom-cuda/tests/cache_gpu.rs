@@ -414,6 +414,22 @@ fn cpu_depths(
     }
 }
 
+/// A cache of `layers` layers at (D, G, Hkv, tokens per page, residency) with `pages` pages per
+/// layer, and three new sessions in it.
+fn three_sessions(
+    gpu: &fathom_cuda::Gpu,
+    layers: usize,
+    (d, g, hkv, page, residency): (usize, usize, usize, usize, Residency),
+    pages: usize,
+) -> (PagedCache, Vec<SessionId>) {
+    let mut cfg = config(layers, hkv, d, page, pages);
+    cfg.shape.group = g;
+    cfg.residency = residency;
+    let mut cache = PagedCache::new(gpu, cfg).unwrap();
+    let ids = (0..3).map(|_| cache.create().unwrap()).collect();
+    (cache, ids)
+}
+
 #[test]
 fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
     use fathom_cuda::cache::AttendMethod;
@@ -444,12 +460,8 @@ fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
         (64, 3, 3, 128, Residency::IndexHbm),
         (128, 4, 2, 256, Residency::IndexHbm),
     ] {
-        let mut cfg = config(2, hkv, d, page, 160);
-        cfg.shape.group = g;
-        cfg.residency = residency;
         let hq = hkv * g;
-        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
-        let ids: Vec<SessionId> = (0..3).map(|_| cache.create().unwrap()).collect();
+        let (mut cache, ids) = three_sessions(&gpu, 2, (d, g, hkv, page, residency), 160);
         let mut shadows = vec![vec![Shadow::default(); 2]; 8];
         let slot = |s: SessionId| s.slot();
         // A ragged prefill: 300, 1000 and 2100 tokens (the last two in two chunks).
@@ -1705,12 +1717,8 @@ fn host_slice_uploads_are_ordered_before_the_kernels() {
     let Some(gpu) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(17);
     let (hkv, g, d) = (3, 3, 64);
-    let mut cfg = config(1, hkv, d, 128, 64);
-    cfg.shape.group = g;
-    cfg.residency = Residency::IndexHbm;
     let hq = hkv * g;
-    let mut cache = PagedCache::new(&gpu, cfg).unwrap();
-    let ids: Vec<SessionId> = (0..3).map(|_| cache.create().unwrap()).collect();
+    let (mut cache, ids) = three_sessions(&gpu, 1, (d, g, hkv, 128, Residency::IndexHbm), 64);
     let mut shadows = vec![vec![Shadow::default(); 1]; 8];
     let slot = |s: SessionId| s.slot();
     step(
