@@ -407,76 +407,85 @@ struct TableGeom {
     u64 quest;
 };
 
-#define TS_NT 128  // threads (groups) per CTA of paged_table_scan
+#define TS_NT 128  // threads per CTA of paged_table_scan
+#ifndef TS_G
+#error "paged_table_scan needs -DTS_G (groups per CTA, chosen by the host: cache.rs table_scan_groups)"
+#endif
+#define TS_W4 (2 * DIM / 8)  // 16-byte words of a staged row (Quest's min | max; landmark: half)
+#define TS_ROW4 (TS_W4 + 1)  // staged row stride: one word of pad, so rows at one offset spread over the banks
 
 // Scores of landmark (quest = 0: a token's score is q . mean of its 8-token group) or Quest
 // (quest = 1: q's upper bound over its 16-token page, sum_c max(q_c min_c, q_c max_c)) from the
 // block tables read in place from the session's pages, per query head; each product of an f32
 // and an fp16 is exact in f64 and the sum runs over c in order, so the score is
 // fathom_baselines' PageHead score bit for bit. Writes every token's score and the level-1
-// histogram of the middle tokens, as paged_scan does. grid = (ceil(groups / TS_NT), Hkv,
-// batch), block = TS_NT; thread = one group of the session.
+// histogram of the middle tokens, as paged_scan does. grid = (ceil(groups / TS_G), Hkv,
+// batch), block = TS_NT. The CTA's TS_G table rows are first staged in shared memory by
+// coalesced 16-byte loads (consecutive threads, consecutive words of a row; a page's rows are
+// contiguous), then thread p sums (group p / GQ, query head p % GQ) from there.
 extern "C" __global__ void paged_table_scan(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                             PoolGeom g, AttendGeom a, TableGeom tg, u32 quest,
                                             const float* __restrict__ qf, float* __restrict__ scores,
                                             u32* __restrict__ hist) {
-    __shared__ float qa[GQ][DIM];
+    __shared__ float qa[GQ][DIM + 1];  // + 1: the GQ heads' values at one channel in distinct banks
     __shared__ u32 sh[GQ][HBINS];
+    __shared__ uint4 srow[TS_G * TS_ROW4];
     const u32 b = blockIdx.z, h = a.h0 + blockIdx.y, tid = threadIdx.x;
     const AppendDesc d = descs[b];
     const u32 n = d.n0 + d.m;
     const u32 gs = quest ? 16u : 8u;
     const u32 ngroups = (n + gs - 1) / gs;
-    if (blockIdx.x * TS_NT >= ngroups) return;  // uniform over the CTA
+    const u32 g0 = blockIdx.x * TS_G;
+    if (g0 >= ngroups) return;  // uniform over the CTA
     const u32 heads_q = g.heads * GQ;
     for (u32 i = tid; i < GQ * DIM; i += TS_NT)
         qa[i / DIM][i % DIM] = qf[((u64)b * heads_q + h * GQ) * DIM + i];
     for (u32 i = tid; i < GQ * HBINS; i += TS_NT) sh[i / HBINS][i % HBINS] = 0;
+    const u32 w4 = quest ? TS_W4 : TS_W4 / 2;  // words per row
+    const u32 per_page = g.page_tokens / gs;
+    for (u32 i = tid; i < TS_G * w4; i += TS_NT) {
+        const u32 gl = i / w4, j = i % w4;
+        const u32 grp = min(g0 + gl, ngroups - 1);  // clamped: an unconditional load
+        const u32 tok0 = grp * gs;
+        const u32 page = tables[(u64)d.slot * g.max_pages + tok0 / g.page_tokens];
+        const u32 gi = (tok0 % g.page_tokens) / gs;
+        const u64 base = (quest ? tg.quest : tg.landmark) + (u64)page * tg.page_bytes;
+        // Rows are 16-byte aligned: D * 2 (or 4) bytes apart from a page start.
+        const uint4* row = (const uint4*)((const u16*)base + ((u64)h * per_page + gi) * (quest ? 2 : 1) * DIM);
+        srow[gl * TS_ROW4 + j] = row[j];
+    }
     __syncthreads();
     u32 lo, hi;
     middle(n, a, &lo, &hi);
-    const u32 grp = blockIdx.x * TS_NT + tid;
-    if (grp < ngroups) {
-        const u32 tok0 = grp * gs;
-        const u32 page = tables[(u64)d.slot * g.max_pages + tok0 / g.page_tokens];
-        const u32 per_page = g.page_tokens / gs;
-        const u32 gi = (tok0 % g.page_tokens) / gs;
-        const u64 base = (quest ? tg.quest : tg.landmark) + (u64)page * tg.page_bytes;
-        const u16* row = (const u16*)base + ((u64)h * per_page + gi) * (quest ? 2 : 1) * DIM;
-        // The row in 16-byte loads (8 fp16 each, rows are 16-byte aligned: D * 2 bytes apart
-        // from a page start), every query head's sum still in channel order.
-        const uint4* r4 = (const uint4*)row;
-        double acc[GQ];
-#pragma unroll
-        for (u32 q = 0; q < GQ; ++q) acc[q] = 0.0;
+    for (u32 p = tid; p < TS_G * GQ; p += TS_NT) {
+        const u32 gl = p / GQ, q = p % GQ;
+        const u32 grp = g0 + gl;
+        if (grp >= ngroups) continue;
+        const uint4* r4 = srow + gl * TS_ROW4;
+        double acc = 0.0;
         for (u32 c8 = 0; c8 < DIM / 8; ++c8) {
-            const uint4 l4 = r4[c8];                          // landmark mean, or Quest's min
-            const uint4 h4 = quest ? r4[DIM / 8 + c8] : l4;   // Quest's max
+            const uint4 l4 = r4[c8];                         // landmark mean, or Quest's min
+            const uint4 h4 = quest ? r4[DIM / 8 + c8] : l4;  // Quest's max
             const u32 lw[4] = {l4.x, l4.y, l4.z, l4.w};
             const u32 hw[4] = {h4.x, h4.y, h4.z, h4.w};
 #pragma unroll
             for (u32 j = 0; j < 8; ++j) {
-                const u32 c = c8 * 8 + j;
+                const double qc = (double)qa[q][c8 * 8 + j];
                 const double lv = (double)f16_to_f32((u16)(lw[j / 2] >> ((j & 1u) * 16)));
                 const double hv = (double)f16_to_f32((u16)(hw[j / 2] >> ((j & 1u) * 16)));
-#pragma unroll
-                for (u32 q = 0; q < GQ; ++q) {
-                    const double qc = (double)qa[q][c];
-                    acc[q] += quest ? fmax(qc * lv, qc * hv) : qc * lv;
-                }
+                acc += quest ? fmax(qc * lv, qc * hv) : qc * lv;
             }
         }
-        for (u32 q = 0; q < GQ; ++q) {
-            const float sc = (float)acc[q];
-            float* out = scores + ((u64)b * heads_q + h * GQ + q) * a.max_tokens;
-            const u32 bin = f32_key(sc) >> 22;
-            u32 mid = 0;
-            for (u32 t = tok0; t < min(tok0 + gs, n); ++t) {
-                out[t] = sc;
-                if (t >= lo && t < hi) ++mid;
-            }
-            if (mid) atomicAdd(&sh[q][bin], mid);
+        const float sc = (float)acc;
+        const u32 tok0 = grp * gs;
+        float* out = scores + ((u64)b * heads_q + h * GQ + q) * a.max_tokens;
+        const u32 bin = f32_key(sc) >> 22;
+        u32 mid = 0;
+        for (u32 t = tok0; t < min(tok0 + gs, n); ++t) {
+            out[t] = sc;
+            if (t >= lo && t < hi) ++mid;
         }
+        if (mid) atomicAdd(&sh[q][bin], mid);
     }
     __syncthreads();
     for (u32 i = tid; i < GQ * HBINS; i += TS_NT) {

@@ -81,6 +81,22 @@ pub struct KvRows {
     pub rows: usize,
 }
 
+/// Groups per CTA of the block-table scan (`-DTS_G` of attend.cu's `paged_table_scan`): the
+/// most, a power of two and at most 64, whose staged rows (Quest's `2·D` fp16 and one 16-byte
+/// pad each) fit the 48 KiB of static shared memory beside the queries `[G][D + 1]` f32 and
+/// the histogram `[G][1024]` u32.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the kernels' compile options only
+pub(crate) fn table_scan_groups(dim: usize, group: usize) -> usize {
+    const STATIC_SMEM: usize = 48 << 10;
+    let fixed = group * (dim + 1) * 4 + group * 1024 * 4 + 64;
+    let row = (2 * dim / 8 + 1) * 16;
+    let mut t = 64;
+    while t > 1 && fixed + t * row > STATIC_SMEM {
+        t /= 2;
+    }
+    t
+}
+
 /// The shape and capacity of a cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheConfig {
@@ -631,6 +647,26 @@ pub struct AttendDebug {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn table_scan_groups_fit_shared_memory_at_every_shape() {
+        for dim in [64, 128, 256] {
+            for g in 1..=8 {
+                let t = super::table_scan_groups(dim, g);
+                assert!(t.is_power_of_two() && t <= 64, "D {dim} G {g}: {t}");
+                let bytes = g * (dim + 1) * 4 + g * 1024 * 4 + 64 + t * (2 * dim / 8 + 1) * 16;
+                assert!(bytes <= 48 << 10, "D {dim} G {g}: {bytes} bytes");
+                // The next power of two would not fit (or the cap holds).
+                let more = g * (dim + 1) * 4 + g * 1024 * 4 + 64 + 2 * t * (2 * dim / 8 + 1) * 16;
+                assert!(
+                    t == 64 || more > 48 << 10,
+                    "D {dim} G {g}: {t} is not the most"
+                );
+            }
+        }
+        assert_eq!(super::table_scan_groups(128, 4), 32);
+        assert_eq!(super::table_scan_groups(256, 8), 4);
+    }
+
     use super::*;
 
     fn cfg() -> CacheConfig {

@@ -107,7 +107,8 @@ const _: () = assert!(std::mem::size_of::<TableGeom>() == 24);
 // SAFETY: plain `#[repr(C)]` data of integers, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for TableGeom {}
 
-/// Threads (groups) per CTA of `paged_table_scan` (`TS_NT` in attend.cu).
+/// Threads per CTA of `paged_table_scan` (`TS_NT` in attend.cu); its groups per CTA are
+/// [`crate::cache::table_scan_groups`] (`-DTS_G`).
 const TABLE_SCAN_THREADS: u32 = 128;
 
 /// `struct AttendGeom` of attend.cu.
@@ -385,14 +386,14 @@ impl PagedCache {
             read_rows: f("read_rows")?,
         };
         let gd = vec![format!("-DGQ={}", s.group), format!("-DDIM={}", s.dim)];
+        let mut ad = gd.clone();
+        ad.push(format!(
+            "-DTS_G={}",
+            crate::cache::table_scan_groups(s.dim, s.group)
+        ));
         let attend_mod = gpu
             .ctx()
-            .load_module(compile_one(
-                gpu.arch(),
-                "attend.cu",
-                ATTEND_SRC,
-                gd.clone(),
-            )?)
+            .load_module(compile_one(gpu.arch(), "attend.cu", ATTEND_SRC, ad)?)
             .map_err(drv("load_module"))?;
         let plan_mod = gpu
             .ctx()
@@ -1624,7 +1625,7 @@ impl PagedCache {
                         let grid = (
                             longest
                                 .div_ceil(gs)
-                                .div_ceil(TABLE_SCAN_THREADS as usize)
+                                .div_ceil(crate::cache::table_scan_groups(s.dim, s.group))
                                 .max(1) as u32,
                             hn,
                             nb32,

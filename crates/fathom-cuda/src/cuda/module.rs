@@ -111,7 +111,11 @@ pub(crate) fn compile_all(
     )?;
     out.push(("append.cu", append));
     if g <= 8 {
-        let gd = vec![format!("-DGQ={g}"), format!("-DDIM={d}")];
+        let gd = vec![
+            format!("-DGQ={g}"),
+            format!("-DDIM={d}"),
+            format!("-DTS_G={}", crate::cache::table_scan_groups(d, g)),
+        ];
         out.push((
             "attend.cu",
             compile_one(arch, "attend.cu", crate::cuda_cache::ATTEND_SRC, gd)?,
