@@ -160,7 +160,8 @@ pub struct OffloadBenchArgs {
     #[arg(long = "scan-vec", value_delimiter = ',', default_value = "1")]
     pub scan_vec: Vec<u32>,
     /// Cache engine: what backs the pools in host memory, `driver` (`cuMemHostAlloc`, the
-    /// default) or `huge` (2 MiB transparent huge pages registered with the driver; Linux).
+    /// default), `huge` (2 MiB transparent huge pages registered with the driver; Linux) or
+    /// `vmm` (host-NUMA memory of the virtual memory API, mapped at 2 MiB or more).
     #[arg(long = "host-pages", default_value = "driver")]
     pub host_pages: String,
 }

@@ -1,7 +1,7 @@
 //! Random record reads from host memory against address translation: the zero-copy gather
 //! over rows of 512 bytes (one bf16 K|V record at D = 128) drawn at random from spans of pinned
 //! host memory, beside the same rows back to back and a pinned memcpy, for the driver's pages
-//! and for 2 MiB transparent huge pages (docs/SPEC.md §6.1, "Host pages"). The union fetch's
+//! for 2 MiB transparent huge pages and for the virtual memory API's host allocations (docs/SPEC.md §6.1, "Host pages"). The union fetch's
 //! misses are such reads, spread over a 41 GiB pool at 256k tokens.
 //!
 //! ```text
@@ -32,7 +32,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let rows = [16384usize, 262144];
     let mut sweeps = Vec::new();
-    for pages in [HostPages::Driver, HostPages::Huge] {
+    for pages in HostPages::ALL {
         let s = match gpu.row_gather_sweep(pages, 512, &spans, &rows, 7) {
             Ok(s) => s,
             Err(e) => {
@@ -65,7 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(p) = out {
         let doc = serde_json::json!({
-            "what": "zero-copy gather of 512-byte rows drawn at random (and back to back) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister; best of 3 launches per point, a fresh draw each",
+            "what": "zero-copy gather of 512-byte rows drawn at random (and back to back) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister and against host-NUMA memory of the virtual memory API (cuMemCreate + cuMemMap); best of 3 launches per point, a fresh draw each",
             "device": gpu.info().name,
             "memcpy_gbps": memcpy,
             "thp_enabled": enabled,

@@ -294,25 +294,32 @@ pub enum HostPages {
     /// error); where the kernel has no huge page to give, the pages are ordinary ones (the
     /// sweep reports how many bytes huge pages back).
     Huge,
+    /// The virtual memory API: `cuMemCreate` on the GPU's host NUMA node, mapped by
+    /// `cuMemMap` at the driver's recommended granularity (at least 2 MiB) and opened to the
+    /// device and the host by `cuMemSetAccess`, so the GPU's own mapping of the memory uses
+    /// large pages whatever the kernel's pages are. Needs a driver and OS that support host
+    /// NUMA allocations (CUDA 12.2+ on Linux; elsewhere a typed error).
+    Vmm,
 }
 
 impl HostPages {
-    /// Parses `driver` or `huge`.
+    /// Every kind, in the order the sweeps report them.
+    pub const ALL: [HostPages; 3] = [HostPages::Driver, HostPages::Huge, HostPages::Vmm];
+    /// Parses `driver`, `huge` or `vmm`.
     pub fn parse(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "driver" => Ok(HostPages::Driver),
-            "huge" => Ok(HostPages::Huge),
-            _ => Err(CudaError::invalid(
-                "host pages",
-                format!("`{s}` (want driver or huge)"),
-            )),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|p| p.label().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                CudaError::invalid("host pages", format!("`{s}` (want driver, huge or vmm)"))
+            })
     }
-    /// `driver` or `huge`.
+    /// `driver`, `huge` or `vmm`.
     pub fn label(&self) -> &'static str {
         match self {
             HostPages::Driver => "driver",
             HostPages::Huge => "huge",
+            HostPages::Vmm => "vmm",
         }
     }
 }
@@ -421,13 +428,13 @@ mod tests {
 
     #[test]
     fn host_pages_parse_and_label_each_other() {
-        for p in [HostPages::Driver, HostPages::Huge] {
+        for p in HostPages::ALL {
             assert_eq!(HostPages::parse(p.label()).unwrap(), p);
         }
         assert_eq!(HostPages::parse("HUGE").unwrap(), HostPages::Huge);
         assert_eq!(HostPages::default(), HostPages::Driver);
         let e = HostPages::parse("2m").unwrap_err().to_string();
-        assert!(e.contains("driver or huge"), "{e}");
+        assert!(e.contains("driver, huge or vmm"), "{e}");
     }
 
     #[test]

@@ -61,7 +61,7 @@ pub struct RowRate {
 /// The row-gather sweep of one kind of host pages.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RowSweep {
-    /// `driver` or `huge` ([`crate::HostPages`]).
+    /// `driver`, `huge` or `vmm` ([`crate::HostPages`]).
     pub pages: String,
     /// Bytes allocated (the largest span).
     pub alloc_bytes: u64,

@@ -58,15 +58,32 @@ impl Drop for DevBuf {
     }
 }
 
-/// Pinned, mapped host memory: `cuMemHostAlloc` with `DEVICEMAP | PORTABLE`, or registered
-/// anonymous memory on 2 MiB transparent huge pages ([`HostPages`]).
+/// Pinned, mapped host memory: `cuMemHostAlloc` with `DEVICEMAP | PORTABLE`, registered
+/// anonymous memory on 2 MiB transparent huge pages, or a host-NUMA allocation of the virtual
+/// memory API mapped at one address for the CPU and the GPU ([`HostPages`]).
 #[derive(Debug)]
 pub(crate) struct HostBuf {
     pub(crate) ptr: *mut u8,
     pub(crate) bytes: usize,
     pub(crate) dptr: CUdeviceptr,
-    /// `Some((base, len))`: the mapping made by `mmap` (registered at `ptr`), unmapped on drop.
-    mapping: Option<(*mut u8, usize)>,
+    /// Who owns the memory, and so how it is released.
+    mapping: Mapping,
+}
+
+/// The owner of a [`HostBuf`]'s memory.
+#[derive(Debug)]
+enum Mapping {
+    /// `cuMemHostAlloc`: freed by `cuMemFreeHost`.
+    Driver,
+    /// `mmap` of `(base, len)` registered at `ptr`: unregistered, then unmapped.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    Mmap(*mut u8, usize),
+    /// `cuMemCreate` (host NUMA) of `len` bytes mapped at the reserved range `ptr`: unmapped,
+    /// released, then the range freed.
+    Vmm {
+        handle: sys::CUmemGenericAllocationHandle,
+        len: usize,
+    },
 }
 
 /// Huge pages are 2 MiB on x86-64 and on aarch64 with 4 KiB base pages.
@@ -97,7 +114,7 @@ impl HostBuf {
             ptr,
             bytes,
             dptr,
-            mapping: None,
+            mapping: Mapping::Driver,
         })
     }
 
@@ -116,7 +133,108 @@ impl HostBuf {
                 Ok(h)
             }
             HostPages::Huge => Self::huge(bytes, what, fill),
+            HostPages::Vmm => {
+                let mut h = Self::vmm(bytes, what)?;
+                fill(&mut h.as_mut_bytes()[..bytes]);
+                Ok(h)
+            }
         }
+    }
+
+    /// Host memory of the virtual memory API: a physical allocation on the GPU's host NUMA
+    /// node (`cuMemCreate`, `CU_MEM_LOCATION_TYPE_HOST_NUMA`, rounded up to the recommended
+    /// granularity), mapped into a reserved range (`cuMemAddressReserve`, `cuMemMap`) that
+    /// `cuMemSetAccess` opens read-write to this device and to the host, so the CPU and the
+    /// kernels use one address. The GPU maps such a range at the allocation's granularity
+    /// (2 MiB where the driver recommends it), which is the point of the experiment.
+    fn vmm(bytes: usize, what: &'static str) -> Result<Self> {
+        let fail = |step: &str, e: sys::CUresult| CudaError::PinnedAlloc {
+            what,
+            bytes: bytes as u64,
+            message: format!("{step}: {e:?}"),
+        };
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: writes the current context's device.
+        let r = unsafe { sys::cuCtxGetDevice(&mut dev) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(fail("cuCtxGetDevice", r));
+        }
+        let mut numa: std::ffi::c_int = -1;
+        // SAFETY: writes one attribute of a valid device.
+        let r = unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut numa,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+                dev,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(fail("cuDeviceGetAttribute(HOST_NUMA_ID)", r));
+        }
+        // SAFETY: the property struct is plain data; zero is "unset" for every field.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+        prop.location.id = numa.max(0);
+        let mut gran = 0usize;
+        // SAFETY: reads `prop`, writes one size.
+        let r = unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut gran,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(fail("cuMemGetAllocationGranularity", r));
+        }
+        let gran = gran.max(HUGE_PAGE);
+        let len = bytes.max(16).div_ceil(gran) * gran;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: creates one physical allocation of `len` bytes, released once below or in Drop.
+        let r = unsafe { sys::cuMemCreate(&mut handle, len, &prop, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(fail("cuMemCreate(host NUMA)", r));
+        }
+        let mut va: CUdeviceptr = 0;
+        // SAFETY: reserves `len` bytes of address space, freed once below or in Drop.
+        let r = unsafe { sys::cuMemAddressReserve(&mut va, len, gran, 0, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: the handle created above, released once.
+            unsafe { sys::cuMemRelease(handle) };
+            return Err(fail("cuMemAddressReserve", r));
+        }
+        // SAFETY: maps the whole allocation at the reserved range.
+        let r = unsafe { sys::cuMemMap(va, len, 0, handle, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: the range and handle made above, each released once.
+            unsafe {
+                sys::cuMemAddressFree(va, len);
+                sys::cuMemRelease(handle);
+            }
+            return Err(fail("cuMemMap", r));
+        }
+        let h = HostBuf {
+            ptr: va as *mut u8,
+            bytes,
+            dptr: va,
+            mapping: Mapping::Vmm { handle, len },
+        };
+        // SAFETY: zeroed descriptors; the fields set below are the ones the driver reads.
+        let mut access: [sys::CUmemAccessDesc; 2] = unsafe { std::mem::zeroed() };
+        access[0].location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        access[0].location.id = dev;
+        access[0].flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        access[1].location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+        access[1].location.id = numa.max(0);
+        access[1].flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the range is fully mapped by one allocation; two descriptors are passed.
+        let r = unsafe { sys::cuMemSetAccess(va, len, access.as_ptr(), 2) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // `h` is dropped here: unmap, release, free.
+            return Err(fail("cuMemSetAccess(device, host NUMA)", r));
+        }
+        Ok(h)
     }
 
     #[cfg(target_os = "linux")]
@@ -174,7 +292,7 @@ impl HostBuf {
             ptr,
             bytes,
             dptr: 0,
-            mapping: Some((base, map_len)),
+            mapping: Mapping::Mmap(base, map_len),
         };
         // SAFETY: `ptr` is registered with DEVICEMAP; the driver writes one pointer.
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut h.dptr, ptr as *mut c_void, 0) }
@@ -208,9 +326,9 @@ impl Drop for HostBuf {
     fn drop(&mut self) {
         match self.mapping {
             // SAFETY: `ptr` came from `malloc_host` and is freed exactly once.
-            None => drop(unsafe { result::free_host(self.ptr as *mut c_void) }),
+            Mapping::Driver => drop(unsafe { result::free_host(self.ptr as *mut c_void) }),
             #[cfg(target_os = "linux")]
-            Some((base, len)) => {
+            Mapping::Mmap(base, len) => {
                 // SAFETY: `ptr` was registered by `huge`; it is unregistered once, then the
                 // mapping it lies in is unmapped once.
                 unsafe {
@@ -219,7 +337,16 @@ impl Drop for HostBuf {
                 }
             }
             #[cfg(not(target_os = "linux"))]
-            Some(_) => {}
+            Mapping::Mmap(..) => {}
+            Mapping::Vmm { handle, len } => {
+                // SAFETY: the range `dptr..+len` maps `handle` (made by `vmm`); each is undone
+                // once, in the reverse order of `vmm`.
+                unsafe {
+                    sys::cuMemUnmap(self.dptr, len);
+                    sys::cuMemRelease(handle);
+                    sys::cuMemAddressFree(self.dptr, len);
+                }
+            }
         }
     }
 }
