@@ -209,9 +209,14 @@ ncuappend)
   # counters) of one decode append_quant (32k context: the append's work does not depend on it;
   # the prefill is 4 chunks of 8192 tokens x 36 layers = 144 launches, so 200 skips land in the
   # second decode step; 120 caught a prefill chunk's, 832 us, at 2133e9d).
-  timeout 200 ncu --set full --import-source yes -k regex:'append_quant' --launch-skip 200 --launch-count 1 \
-    $B/fathom offload-bench --engine cache --context 32k --methods fathom:48 --steps 4 --probe-mib 64 > $OUT/ncu-append-full.txt 2>&1
-  echo "ncu append full rc=$?" | tee -a $OUT/summary.txt
+  # `ncuappend [RESIDENCY...]` (default host): one profile per residency (hbm: the pools'
+  # plane words are written to HBM instead of across the link).
+  for res in ${@:-host}; do
+    timeout 200 ncu --set full --import-source yes -k regex:'append_quant' --launch-skip 200 --launch-count 1 \
+      $B/fathom offload-bench --engine cache --context 32k --methods fathom:48 --steps 4 --probe-mib 64 \
+      --residency $res > $OUT/ncu-append-full-$res.txt 2>&1
+    echo "ncu append full $res rc=$? $(grep -E '^ +Duration' $OUT/ncu-append-full-$res.txt | head -1)" | tee -a $OUT/summary.txt
+  done
   ;;
 ncu1m)
   # One 1M layer's kernels (fathom:48, host residency, 15 layers timed, the third step), the

@@ -89,6 +89,16 @@ struct TableGeom {
 // (>= n0 % 64) are not the ones read (< n0 % 64), and each is one thread's. Every load is
 // issued before any store and unconditionally (clamped to a valid address).
 //
+// Writes that would not change a byte are skipped (the host pools' writes are small PCIe
+// transactions, one per word): the pool already holds the quantization of the block's tokens
+// before n0 (the previous append wrote it; a fork copies the partial page whole; a page's
+// first block starts at n0 % 64 = 0 and is written whole), so where the block's fp16 maximum
+// m16 equals that of its old tokens, their codes are unchanged, the scale is not written and a
+// plane word is written only where a new token sets one of its bits (the old word is 0 at
+// positions >= n0). The maximum of the old tokens is taken over their f16 roundings (rounding
+// is monotone, so the largest rounding is the rounding of the largest value). A table row
+// whose tokens all lie before n0 is unchanged too and not written.
+//
 // With `rot` (the PCA index of docs/SPEC.md §6.1: `[Hkv][D][D]` f32, row-major, column j the
 // j-th basis vector) the block's bf16 keys are rotated before they are quantized: channel j
 // of a token is the f32 rounding of sum_i u[i][j] x_i accumulated in f64 in order of i, as
@@ -116,6 +126,7 @@ extern "C" __global__ void __launch_bounds__(DIM * QS) append_quant(
 {
     __shared__ float smax[QS][DIM];
     __shared__ unsigned char sbad[QS][DIM];
+    __shared__ u16 sold[QS][DIM];  // f16 bits of the largest |key| of the old tokens
     __shared__ u16 spart[QS][4][DIM];
     // The block's bf16 keys, [token][channel], for the rotation (DIM = 256: 32 KiB; with the
     // arrays above 46 KiB, under the 48 KiB of static shared memory).
@@ -173,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(DIM * QS) append_quant(
     if (tg.landmark != 0 || tg.quest != 0) {
         const u32 s0 = t0 % g.page_tokens + j0;  // the thread's first token slot in the page
         const u32 i0 = t0 + j0;
-        if (tg.quest != 0 && i0 < end) {
+        if (tg.quest != 0 && i0 < end && i0 + QT > d.n0) {
             float mn = INFINITY, mx = -INFINITY;
 #pragma unroll
             for (u32 jj = 0; jj < QT; ++jj)
@@ -188,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(DIM * QS) append_quant(
         if (tg.landmark != 0) {
 #pragma unroll
             for (u32 k2 = 0; k2 < 2; ++k2) {
-                if (i0 + 8 * k2 >= end) continue;
+                if (i0 + 8 * k2 >= end || i0 + 8 * k2 + 8 <= d.n0) continue;
                 double sum = 0.0;
                 u32 cnt = 0;
 #pragma unroll
@@ -219,18 +230,24 @@ extern "C" __global__ void __launch_bounds__(DIM * QS) append_quant(
 #pragma unroll
         for (u32 jj = 0; jj < QT; ++jj) vals[jj] = t0 + j0 + jj < end ? (float)acc[jj] : 0.0f;
     }
+    float mx_old = 0.0f;
 #pragma unroll
     for (u32 jj = 0; jj < QT; ++jj) {
         if (!isfinite(vals[jj])) bad = true;
         mx = fmaxf(mx, fabsf(vals[jj]));
+        if (t0 + j0 + jj < d.n0) mx_old = fmaxf(mx_old, fabsf(vals[jj]));
     }
     smax[qi][c] = mx;
     sbad[qi][c] = bad ? 1 : 0;
+    // Non-negative f16 bit patterns order as their values.
+    u16 old16 = f32_to_f16_bits(mx_old);
+    sold[qi][c] = old16;
     __syncthreads();
 #pragma unroll
     for (u32 q = 0; q < QS; ++q) {
         mx = fmaxf(mx, smax[q][c]);
         bad = bad || sbad[q][c] != 0;
+        old16 = max(old16, sold[q][c]);
     }
     const u16 m16 = f32_to_f16_bits(mx);
     const float m = f16_to_f32(m16);
@@ -268,14 +285,18 @@ extern "C" __global__ void __launch_bounds__(DIM * QS) append_quant(
     const u32 bb = (t0 % g.page_tokens) / BLOCK;
     u8* run = base + (u64)(h * DIM + c) * g.run_bytes;
     u64* words = (u64*)(run + g.scale_pad) + bb;
+    // The pool holds the old tokens' codes where the scale is unchanged (see above).
+    const bool same = t0 < d.n0 && old16 == m16;
+    const u32 lo = d.n0 > t0 ? d.n0 - t0 : 0u;  // first new position in the block (< 64)
+    const u64 fresh = ~0ull << lo;                 // positions of new tokens (and past the end: 0)
 #pragma unroll
     for (u32 p = 0; p < 4; ++p) {
         u64 w = 0;
 #pragma unroll
         for (u32 q = 0; q < QS; ++q) w |= (u64)spart[q][p][c] << (QT * q);
-        words[p * (u64)bp] = w;
+        if (!same || (w & fresh) != 0) words[p * (u64)bp] = w;
     }
-    ((u16*)run)[bb] = m16;
+    if (!same) ((u16*)run)[bb] = m16;
 }
 
 // grid (most new tokens of one session, Hkv, batch), DIM threads. Writes token n0 + x's bf16
