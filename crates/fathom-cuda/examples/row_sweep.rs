@@ -4,8 +4,13 @@
 //! for 2 MiB transparent huge pages and for the virtual memory API's host allocations (docs/SPEC.md §6.1, "Host pages"). The union fetch's
 //! misses are such reads, spread over a 41 GiB pool at 256k tokens.
 //!
+//! A third argument sweeps the row size (a list of bytes, default 512) and a fourth narrows the
+//! kinds of pages (default every kind): whether the random rate is bound per access (it then
+//! grows with the row) or per byte.
+//!
 //! ```text
-//! cargo run --release --features cuda -p fathom-cuda --example row_sweep -- OUT.json [GiB]
+//! cargo run --release --features cuda -p fathom-cuda --example row_sweep -- OUT.json [GiB] [ROW_BYTES,...] [PAGES,...]
+//! cargo run --release --features cuda -p fathom-cuda --example row_sweep -- rows.json 32 512,2048,8192 huge
 //! ```
 
 use fathom_cuda::{Gpu, HostPages};
@@ -14,6 +19,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let out = args.next();
     let max_gib: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(32);
+    let row_sizes: Vec<usize> = match args.next() {
+        Some(s) => s.split(',').map(|x| x.parse()).collect::<Result<_, _>>()?,
+        None => vec![512],
+    };
+    let kinds: Vec<HostPages> = match args.next() {
+        Some(s) => s
+            .split(',')
+            .map(HostPages::parse)
+            .collect::<Result<_, _>>()?,
+        None => HostPages::ALL.to_vec(),
+    };
     let gpu = Gpu::open(0)?;
     let memcpy = gpu.h2d_bandwidth(1 << 30)?;
     let thp = |f: &str| {
@@ -32,8 +48,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let rows = [16384usize, 262144];
     let mut sweeps = Vec::new();
-    for pages in HostPages::ALL {
-        let s = match gpu.row_gather_sweep(pages, 512, &spans, &rows, 7) {
+    for (pages, row_bytes) in kinds
+        .iter()
+        .flat_map(|&p| row_sizes.iter().map(move |&r| (p, r)))
+    {
+        let s = match gpu.row_gather_sweep(pages, row_bytes, &spans, &rows, 7) {
             Ok(s) => s,
             Err(e) => {
                 println!("{}: {e}", pages.label());
@@ -41,7 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         };
         println!(
-            "## {} pages: {:.1} GiB in {:.1} s, huge pages back {}",
+            "## {} pages, rows of {row_bytes} bytes: {:.1} GiB in {:.1} s, huge pages back {}",
             s.pages,
             s.alloc_bytes as f64 / (1u64 << 30) as f64,
             s.alloc_seconds,
@@ -65,7 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(p) = out {
         let doc = serde_json::json!({
-            "what": "zero-copy gather of 512-byte rows drawn at random (and back to back) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister and against host-NUMA memory of the virtual memory API (cuMemCreate + cuMemMap); best of 3 launches per point, a fresh draw each",
+            "what": "zero-copy gather of rows (each rate names its row_bytes) drawn at random (and back to back) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister and against host-NUMA memory of the virtual memory API (cuMemCreate + cuMemMap); best of 3 launches per point, a fresh draw each",
             "device": gpu.info().name,
             "memcpy_gbps": memcpy,
             "thp_enabled": enabled,
