@@ -1011,6 +1011,84 @@ fn head_groups_and_scan_loads_change_no_bit() {
     }
 }
 
+/// Every kind of host pages (docs/SPEC.md §6.1, "Host pages": the driver's, 2 MiB huge pages
+/// registered with the driver, the virtual memory API's host-NUMA memory) holds the same bytes
+/// and serves the same step: three caches that differ only in `host_pages`, fed the same
+/// appends (a ragged prefill, then decode steps), have the same store and records as the CPU
+/// (`check`) and give the same winners, outputs and row-cache counters for four methods, in
+/// host and split residency. A kind this machine cannot give (huge pages off Linux, no host
+/// NUMA allocations) is a typed allocation error, printed and skipped; the driver's never is.
+#[test]
+fn every_kind_of_host_pages_serves_the_same_bits() {
+    use fathom_cuda::HostPages;
+    use fathom_plan::SelectParams;
+    let Some(gpu) = gpu() else { return };
+    let params = SelectParams {
+        sink: 4,
+        local: 32,
+        k: 64,
+    };
+    let (hkv, d, g, layers) = (2, 128, 4, 2);
+    let hq = hkv * g;
+    for residency in [Residency::Host, Residency::IndexHbm] {
+        let mut caches = Vec::new();
+        let mut kinds = Vec::new();
+        for pages in HostPages::ALL {
+            let mut c = config(layers, hkv, d, 256, 120);
+            c.residency = residency;
+            c.row_cache = 64;
+            c.host_pages = pages;
+            match PagedCache::new(&gpu, c) {
+                Ok(cache) => {
+                    caches.push(cache);
+                    kinds.push(pages);
+                }
+                Err(e @ fathom_cuda::CudaError::PinnedAlloc { .. })
+                    if pages != HostPages::Driver =>
+                {
+                    println!(
+                        "{residency:?}: {} pages unavailable here: {e}",
+                        pages.label()
+                    );
+                }
+                Err(e) => panic!("{residency:?} {}: {e}", pages.label()),
+            }
+        }
+        let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
+        let (mut rngs, ids) = prefill_alike(&mut caches, 51, [700, 2500, 4100], &sigma2);
+        let mut qrng = StdRng::seed_from_u64(52);
+        for t in 0..3 {
+            let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+            for m in ["fathom:48", "sparq:16", "exact", "dense"] {
+                let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
+                for i in 1..kinds.len() {
+                    let what = format!(
+                        "{residency:?} step {t} {m}: {} pages against driver pages",
+                        kinds[i].label()
+                    );
+                    assert_eq!(seen[0].1, seen[i].1, "{what}: winners");
+                    assert_eq!(seen[0].0, seen[i].0, "{what}: outputs");
+                    assert_eq!(seen[0].2, seen[i].2, "{what}: row-cache counters");
+                }
+            }
+        }
+        for (i, c) in caches.iter().enumerate().skip(1) {
+            for (s0, si) in ids[0].iter().zip(&ids[i]) {
+                for l in 0..layers {
+                    let what = format!("{residency:?} {} pages, layer {l}", kinds[i].label());
+                    assert_eq!(
+                        caches[0].records(*s0, l).unwrap(),
+                        c.records(*si, l).unwrap(),
+                        "{what}: records"
+                    );
+                    let (a, b) = (caches[0].export(*s0, l).unwrap(), c.export(*si, l).unwrap());
+                    assert!(a == b, "{what}: store");
+                }
+            }
+        }
+    }
+}
+
 /// A session of 2^20 + 37 tokens, the length the benchmark's 1M rows time: every score of
 /// the scan, the top-k and the attention equal the CPU reference, on the score path and on the
 /// filtered select (scores kept), for exact, Fathom and SparQ. The tests above stay below
