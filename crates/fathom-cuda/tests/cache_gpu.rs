@@ -42,6 +42,15 @@ fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize)
     }
 }
 
+/// Sink 4, local 32, k = 64: the selection of the tests that compare caches with each other.
+fn small_select() -> fathom_plan::SelectParams {
+    fathom_plan::SelectParams {
+        sink: 4,
+        local: 32,
+        k: 64,
+    }
+}
+
 /// The CPU side of one (session, layer): every key and value appended so far, `[n][Hkv][D]`.
 #[derive(Default, Clone)]
 struct Shadow {
@@ -433,14 +442,10 @@ fn three_sessions(
 #[test]
 fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
     use fathom_cuda::cache::AttendMethod;
-    use fathom_plan::{KvView, SelectParams};
+    use fathom_plan::KvView;
     let Some(gpu) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(5);
-    let params = SelectParams {
-        sink: 4,
-        local: 32,
-        k: 64,
-    };
+    let params = small_select();
     let methods = [
         "dense",
         "exact",
@@ -693,13 +698,8 @@ fn bf16_and_f16_rows_from_device_memory_are_stored_as_their_bf16_rounding() {
 #[test]
 fn a_row_cache_serves_the_same_rows_as_the_link() {
     use fathom_cuda::cache::AttendMethod;
-    use fathom_plan::SelectParams;
     let Some(gpu) = gpu() else { return };
-    let params = SelectParams {
-        sink: 4,
-        local: 32,
-        k: 64,
-    };
+    let params = small_select();
     let (hkv, d, g) = (2, 128, 4);
     let hq = hkv * g;
     let mut with = config(2, hkv, d, 256, 200);
@@ -862,13 +862,8 @@ fn attend_alike(
 #[test]
 fn the_filtered_select_picks_the_score_paths_winners() {
     use fathom_cuda::cache::SelectPath;
-    use fathom_plan::SelectParams;
     let Some(gpu) = gpu() else { return };
-    let params = SelectParams {
-        sink: 4,
-        local: 32,
-        k: 64,
-    };
+    let params = small_select();
     let (hkv, d, g, layers) = (2, 128, 4, 2);
     let hq = hkv * g;
     // The score path, the filtered select whose failed rows rescan, and the one that keeps
@@ -950,13 +945,8 @@ fn the_filtered_select_picks_the_score_paths_winners() {
 #[test]
 fn head_groups_and_scan_loads_change_no_bit() {
     use fathom_cuda::cache::SelectPath;
-    use fathom_plan::SelectParams;
     let Some(gpu) = gpu() else { return };
-    let params = SelectParams {
-        sink: 4,
-        local: 32,
-        k: 64,
-    };
+    let params = small_select();
     let (hkv, d, g, layers) = (3, 128, 4, 2);
     let hq = hkv * g;
     let settings = [(1, 1), (2, 1), (3, 1), (1, 2), (3, 2)];
@@ -1014,20 +1004,15 @@ fn head_groups_and_scan_loads_change_no_bit() {
 /// Every kind of host pages (docs/SPEC.md §6.1, "Host pages": the driver's, 2 MiB huge pages
 /// registered with the driver, the virtual memory API's host-NUMA memory) holds the same bytes
 /// and serves the same step: three caches that differ only in `host_pages`, fed the same
-/// appends (a ragged prefill, then decode steps), have the same store and records as the CPU
-/// (`check`) and give the same winners, outputs and row-cache counters for four methods, in
-/// host and split residency. A kind this machine cannot give (huge pages off Linux, no host
+/// appends (a ragged prefill, then decode steps), have the same store and records as the cache
+/// on the driver's pages and give the same winners, outputs and row-cache counters for four
+/// methods, in host and split residency. A kind this machine cannot give (huge pages off Linux, no host
 /// NUMA allocations) is a typed allocation error, printed and skipped; the driver's never is.
 #[test]
 fn every_kind_of_host_pages_serves_the_same_bits() {
     use fathom_cuda::HostPages;
-    use fathom_plan::SelectParams;
     let Some(gpu) = gpu() else { return };
-    let params = SelectParams {
-        sink: 4,
-        local: 32,
-        k: 64,
-    };
+    let params = small_select();
     let (hkv, d, g, layers) = (2, 128, 4, 2);
     let hq = hkv * g;
     for residency in [Residency::Host, Residency::IndexHbm] {
@@ -1311,7 +1296,6 @@ fn read_rows_returns_each_sessions_last_records() {
 #[test]
 fn double_sparsity_runs_on_the_calibrated_layers_only() {
     use fathom_cuda::cache::AttendMethod;
-    use fathom_plan::SelectParams;
     let Some(gpu) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(31);
     let (hkv, d) = (2, 64);
@@ -1333,11 +1317,7 @@ fn double_sparsity_runs_on_the_calibrated_layers_only() {
     assert!(cache.prepare(ds).is_err(), "no calibration at all");
     cache.load_calibration(1, &calib).unwrap();
     cache.prepare(ds).unwrap();
-    let params = SelectParams {
-        sink: 4,
-        local: 32,
-        k: 64,
-    };
+    let params = small_select();
     let batch = step(&mut cache, &mut rng, &[(s, 1)], &mut shadows, &slot);
     let q: Vec<f32> = (0..hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
     let am = AttendMethod::Scan(ds);
@@ -1791,7 +1771,7 @@ fn block_tables_run_landmark_and_quest() {
 #[test]
 fn host_slice_uploads_are_ordered_before_the_kernels() {
     use fathom_cuda::cache::AttendMethod;
-    use fathom_plan::{KvView, SelectParams};
+    use fathom_plan::KvView;
     let Some(gpu) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(17);
     let (hkv, g, d) = (3, 3, 64);
@@ -1806,11 +1786,7 @@ fn host_slice_uploads_are_ordered_before_the_kernels() {
         &mut shadows,
         &slot,
     );
-    let params = SelectParams {
-        sink: 4,
-        local: 32,
-        k: 64,
-    };
+    let params = small_select();
     for t in 0..48 {
         // A decode token (appended through append_host), then fresh queries.
         let all: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
