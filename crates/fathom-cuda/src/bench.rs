@@ -546,5 +546,6 @@ fn summarize(
         fallback_rate: None,
         filtered_share: None,
         scan_vector_words: 0,
+        append_ms: None,
     }
 }

@@ -3,8 +3,9 @@
 //! model drives: sessions are built by appending (prefilling) the source keys and values, and
 //! every timed step reserves one token per session, then per layer appends that token's K/V
 //! from device memory and attends the step's queries (device to device). GPU time is the CUDA
-//! event pair around the step's appends and attends; the host-side `reserve` (one stream
-//! synchronisation) is in the wall time only.
+//! event pair around the step's appends and attends; then as many steps again time each append
+//! by its own event pair (`append_ms`, beside steps timed without them). The host-side
+//! `reserve` (one stream synchronisation) is in the wall time only.
 //!
 //! The pools are pinned, mapped host memory (host residency) or HBM (hbm). When every layer's
 //! pool of a run does not fit `pool_budget` bytes, fewer layers are timed (recorded in the
@@ -82,7 +83,8 @@ pub(crate) fn run(
     let shape = c.shape.validate()?;
     let (hkv, g, d) = (shape.kv_heads, shape.group, shape.dim);
     let stream = gpu.stream().clone();
-    let steps_per_method = c.warmup + c.steps;
+    // Warm-up, timed steps, then as many steps again with the appends timed one by one.
+    let steps_per_method = c.warmup + 2 * c.steps;
     let dev = sources
         .iter()
         .map(|s| {
@@ -326,8 +328,12 @@ pub(crate) fn run(
             let (bits0, plans0) = cache.plan_bits()?;
             let rows0 = cache.row_counters()?;
             let mut sel0 = cache.select_counters()?;
-            let (mut gpu_ms, mut wall_ms) = (Vec::new(), Vec::new());
+            let mut sel1 = sel0;
+            let (mut gpu_ms, mut wall_ms, mut append_ms) = (Vec::new(), Vec::new(), Vec::new());
+            let timed_end = c.warmup + c.steps;
             for step in 0..steps_per_method {
+                // After the timed steps: an event pair around each append, summed per step.
+                let time_appends = step >= timed_end;
                 let w0 = std::time::Instant::now();
                 let batch = cache.reserve(&decode)?;
                 // This step's new token of each session: its source's next row, per layer
@@ -365,8 +371,12 @@ pub(crate) fn run(
                         .map_err(drv("record event"))
                 };
                 let e0 = ev(&stream)?;
+                let mut append_events = Vec::new();
                 for l in 0..layers {
                     let kv_off = ((l * b) * hkv * d * 4) as u64;
+                    if time_appends {
+                        append_events.push(ev(&stream)?);
+                    }
                     cache.append(
                         &batch,
                         l,
@@ -377,6 +387,9 @@ pub(crate) fn run(
                             rows: b,
                         },
                     )?;
+                    if time_appends {
+                        append_events.push(ev(&stream)?);
+                    }
                     let q_off = (((step * layers + l) * row) * 4) as u64;
                     cache.attend(
                         &batch,
@@ -397,14 +410,22 @@ pub(crate) fn run(
                     // first attend after the reset is on the score path by design).
                     sel0 = cache.select_counters()?;
                 }
-                if step >= c.warmup {
+                if step + 1 == timed_end {
+                    sel1 = cache.select_counters()?;
+                }
+                if time_appends {
+                    let mut ms = 0.0;
+                    for p in append_events.chunks_exact(2) {
+                        ms += p[0].elapsed_ms(&p[1]).map_err(drv("elapsed"))? as f64;
+                    }
+                    append_ms.push(ms);
+                } else if step >= c.warmup {
                     gpu_ms.push(e0.elapsed_ms(&e1).map_err(drv("elapsed"))? as f64);
                     wall_ms.push(w0.elapsed().as_secs_f64() * 1e3);
                 }
             }
             let (bits1, plans1) = cache.plan_bits()?;
             let rows1 = cache.row_counters()?;
-            let sel1 = cache.select_counters()?;
             let bits = if plans1 > plans0 {
                 (bits1 * plans1 as f64 - bits0 * plans0 as f64) / (plans1 - plans0) as f64
             } else {
@@ -416,6 +437,7 @@ pub(crate) fn run(
             let mut r = result(
                 rep, cshape, lens, residency, k, m, bits, union, hits, gpu_ms, wall_ms,
             );
+            r.append_ms = (!append_ms.is_empty()).then(|| median(&append_ms));
             r.select = select;
             r.groups = groups;
             r.scan_vector_words = vec;
@@ -431,7 +453,7 @@ pub(crate) fn run(
                 });
             }
             progress(&format!(
-                "  {:<10} {:<15} groups {} loads {}×8 B  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}",
+                "  {:<10} {:<15} groups {} loads {}×8 B  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}  appends {}",
                 r.method,
                 r.select,
                 r.groups,
@@ -444,7 +466,11 @@ pub(crate) fn run(
                 match (r.filtered_share, r.fallback_rate) {
                     (Some(f), Some(b)) => format!("{:.1}% (fallbacks {:.1}%)", 100.0 * f, 100.0 * b),
                     _ => "-".into(),
-                }
+                },
+                r.append_ms.map_or("-".into(), |a| format!(
+                    "{a:.3} ms ({:.2}% of the step)",
+                    100.0 * a / r.gpu_ms
+                ))
             ));
             rep.results.push(r);
         }
@@ -509,5 +535,6 @@ fn result(
         fallback_rate: None,
         filtered_share: None,
         scan_vector_words: 0,
+        append_ms: None,
     }
 }
