@@ -1,12 +1,14 @@
 //! Random record reads from host memory against address translation: the zero-copy gather
 //! over rows of 512 bytes (one bf16 K|V record at D = 128) drawn at random from spans of pinned
-//! host memory, beside the same rows back to back and a pinned memcpy, for the driver's pages
-//! for 2 MiB transparent huge pages and for the virtual memory API's host allocations (docs/SPEC.md §6.1, "Host pages"). The union fetch's
-//! misses are such reads, spread over a 41 GiB pool at 256k tokens.
+//! host memory, beside the same rows back to back, random pairs of rows, and a pinned memcpy,
+//! for the driver's pages, for 2 MiB transparent huge pages and for the virtual memory API's
+//! host allocations (docs/SPEC.md §6.1, "Host pages"). The union fetch's misses are such
+//! reads, spread over a 41 GiB pool at 256k tokens.
 //!
 //! A third argument sweeps the row size (a list of bytes, default 512) and a fourth narrows the
 //! kinds of pages (default every kind): whether the random rate is bound per access (it then
-//! grows with the row) or per byte.
+//! grows with the row) or per byte; the pair patterns say how far apart two reads may lie and
+//! still cost one access.
 //!
 //! ```text
 //! cargo run --release --features cuda -p fathom-cuda --example row_sweep -- OUT.json [GiB] [ROW_BYTES,...] [PAGES,...]
@@ -84,7 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(p) = out {
         let doc = serde_json::json!({
-            "what": "zero-copy gather of rows (each rate names its row_bytes) drawn at random (and back to back) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister and against host-NUMA memory of the virtual memory API (cuMemCreate + cuMemMap); best of 3 launches per point, a fresh draw each",
+            "what": "zero-copy gather of rows (each rate names its row_bytes) drawn at random (and back to back, and in random pairs 2 KiB, 4 KiB or 64 KiB apart: patterns pairs+2k, pairs+4k, pairs+64k) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister and against host-NUMA memory of the virtual memory API (cuMemCreate + cuMemMap); best of 3 launches per point, a fresh draw each",
             "device": gpu.info().name,
             "memcpy_gbps": memcpy,
             "thp_enabled": enabled,

@@ -31,6 +31,19 @@ pub struct Gpu {
     modules: Mutex<HashMap<(usize, usize), Arc<Kernels>>>,
 }
 
+/// The row sweep's access patterns and, for pairs, the distance of a pair's second row from its
+/// first (a random 4 KiB-aligned offset): back to back, independent random rows, and random
+/// pairs 2 KiB apart (one 4 KiB page), 4 KiB apart (the next page) and 64 KiB apart (a
+/// control). Where the second row of a pair costs no access of its own, the bound of random
+/// reads is as coarse as that distance (a 4 KiB translation, or a larger DRAM row).
+const ROW_PATTERNS: [(&str, u64); 5] = [
+    ("sequential", 0),
+    ("random", 0),
+    ("pairs+2k", 2048),
+    ("pairs+4k", 4096),
+    ("pairs+64k", 65536),
+];
+
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Gpu")
@@ -305,7 +318,8 @@ impl Gpu {
     }
 
     /// The zero-copy gather over rows of `row_bytes` drawn at random (and back to back, as a
-    /// control) from each span of `spans` bytes of host memory backed as `pages` says, with
+    /// control; and in random pairs 2 KiB, 4 KiB and 64 KiB apart) from each span of `spans` bytes of host memory
+    /// backed as `pages` says, with
     /// `rows` rows per launch: whether the union fetch's random record reads are bound by the
     /// link or by address translation (docs/SPEC.md §6.1, "Host pages"). One allocation of the
     /// largest span; best of three launches per point, each with a fresh draw of `seed`'s
@@ -361,19 +375,29 @@ impl Gpu {
         for &span in spans {
             let slots = (span / row_bytes) as u64;
             for &n in rows {
-                for pattern in ["sequential", "random"] {
+                for (pattern, gap) in ROW_PATTERNS {
+                    // A pair pattern needs room for its second row after a 4 KiB-aligned first.
+                    if gap > 0 && (span as u64) < gap + row_bytes as u64 + 4096 {
+                        continue;
+                    }
                     let mut best = f64::INFINITY;
                     for _ in 0..3 {
                         let start = rng.gen_range(0..slots);
+                        let mut first = 0u64;
                         let list: Vec<Run> = (0..n as u64)
                             .map(|i| {
-                                let slot = if pattern == "random" {
-                                    rng.gen_range(0..slots)
-                                } else {
-                                    (start + i) % slots
+                                let off = match (pattern, i % 2) {
+                                    ("sequential", _) => ((start + i) % slots) * row_bytes as u64,
+                                    ("random", _) => rng.gen_range(0..slots) * row_bytes as u64,
+                                    (_, 0) => {
+                                        let pages = (span as u64 - gap - row_bytes as u64) / 4096;
+                                        first = rng.gen_range(0..pages) * 4096;
+                                        first
+                                    }
+                                    _ => first + gap,
                                 };
                                 Run {
-                                    off: slot * row_bytes as u64,
+                                    off,
                                     len: row_bytes as u64,
                                 }
                             })
