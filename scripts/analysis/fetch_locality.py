@@ -5,13 +5,19 @@ Random reads from host memory are bound per access up to 2 KiB (results/device/e
 row-sweep-sizes-3c8d194.txt: about 27 million reads a second whether a read is 512 B or 2 KiB),
 so a fetch of aligned runs of 4 records (2 KiB at D = 128) costs what a fetch of one record
 costs, and saves accesses exactly where selected tokens cluster. This measures the clustering
-on the real capture embedded in the CLI (SmolLM2-135M, layers 4/14/24, 2,048 tokens of the
-Python 3.11 docs, 16 positions): exact top-k per query head over the middle (sink 4, local 32),
-the union per KV head (what the fetch reads), and the distinct aligned runs of B = 2, 4, 8
-tokens it touches, beside the same counts for uniformly random sets of the same size (the
-clustering a selection would show by density alone). Needs numpy.
+on a real capture (`fathom capture … --dtype f16`; by default the one embedded in the CLI:
+SmolLM2-135M, layers 4/14/24, 2,048 tokens of the Python 3.11 docs, 16 positions): exact top-k
+per query head over the middle (sink 4, local 32) at each of the capture's
+positions, the union per KV head (what the fetch reads), and the distinct aligned runs of
+B = 2, 4, 8 tokens it touches, beside the same counts for uniformly random sets of the same
+size (the clustering a selection would show by density alone). A bf16 K|V record is 4·D bytes,
+so 2 KiB is 4 tokens at D = 128 (8 at D = 64, 2 at D = 256). Sliding-window layers are skipped
+(their attention is dense). Needs numpy.
 
-    python3 scripts/analysis/fetch_locality.py [--json OUT]
+    python3 scripts/analysis/fetch_locality.py [--capture CAP.safetensors] [--k 64,128,256] [--json OUT]
+    fathom capture --model gemma3-270m --corpus prose --split eval --context 32768 --positions 16 \
+        --layers 5,11,17 --dtype f16 --out g32k.safetensors
+    python3 scripts/analysis/fetch_locality.py --capture g32k.safetensors --k 128,256,512
 """
 import argparse
 import json
@@ -43,16 +49,22 @@ def load(path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--capture", type=Path, default=CAPTURE, help="an f16 capture (default: the embedded one)")
+    ap.add_argument("--k", default="64,128,256", help="top-k per query head, a comma-separated list")
     ap.add_argument("--json", help="write the table as JSON here")
     args = ap.parse_args()
-    meta, tensor = load(CAPTURE)
+    ks = [int(x) for x in args.k.split(",")]
+    meta, tensor = load(args.capture)
     positions = json.loads(meta["positions"])
-    layers = json.loads(meta["layers"])
+    kinds = json.loads(meta.get("layer_kinds", "[]"))
+    layers = [l for l in json.loads(meta["layers"]) if not kinds or kinds[l] == "global"]
+    if not layers:
+        sys.exit(f"{args.capture}: no global layer captured")
     hkv, hq = int(meta["n_kv_heads"]), int(meta["n_heads"])
     g = hq // hkv
     rng = np.random.default_rng(0)
     rows = []
-    for k in (64, 128, 256):
+    for k in ks:
         real = {b: 0 for b in (1,) + RUNS}
         rand = {b: 0 for b in (1,) + RUNS}
         cases = 0
@@ -76,7 +88,8 @@ def main():
             row[f"rows_per_run_{b}"] = real[1] / real[b]
             row[f"random_rows_per_run_{b}"] = rand[1] / rand[b]
         rows.append(row)
-    print(f"{CAPTURE.name}: {len(layers)} layers x {len(positions)} positions x {hkv} KV heads (G = {g}), sink {SINK}, local {LOCAL}")
+    d = int(meta["head_dim"])
+    print(f"{args.capture.name} ({meta.get('model')}, {meta.get('n_tokens')} tokens, D = {d}: a 2 KiB run is {2048 // (4 * d)} tokens): layers {layers} x {len(positions)} positions x {hkv} KV heads (G = {g}), sink {SINK}, local {LOCAL}")
     print("| k | union rows per KV head | rows per aligned run of 2 / 4 / 8 tokens | same for random sets of the union's size |")
     print("|---:|---:|---|---|")
     for r in rows:
@@ -84,7 +97,7 @@ def main():
         rand = " / ".join(f"{r[f'random_rows_per_run_{b}']:.2f}" for b in RUNS)
         print(f"| {r['k']} | {r['union_rows']:.0f} | {real} | {rand} |")
     if args.json:
-        doc = {"what": "union-fetch locality on the embedded real capture (scripts/analysis/fetch_locality.py)", "capture": CAPTURE.name, "sink": SINK, "local": LOCAL, "rows": rows}
+        doc = {"what": "union-fetch locality on the embedded real capture (scripts/analysis/fetch_locality.py)", "capture": args.capture.name, "model": meta.get("model"), "n_tokens": meta.get("n_tokens"), "layers": layers, "sink": SINK, "local": LOCAL, "rows": rows}
         tmp = Path(args.json + ".tmp")
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
         tmp.replace(args.json)
