@@ -86,7 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(p) = out {
         let doc = serde_json::json!({
-            "what": "zero-copy gather of rows (each rate names its row_bytes) drawn at random (and back to back, and in random pairs 2 KiB, 4 KiB or 64 KiB apart: patterns pairs+2k, pairs+4k, pairs+64k) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister and against host-NUMA memory of the virtual memory API (cuMemCreate + cuMemMap); best of 3 launches per point, a fresh draw each",
+            "what": "zero-copy gather of rows (each rate names its row_bytes) drawn at random (and back to back, and in random pairs 1, 2, 4 or 64 KiB apart: patterns pairs+1k, pairs+2k, pairs+4k, pairs+64k) from spans of pinned host memory, driver pages against 2 MiB transparent huge pages registered with cuMemHostRegister and against host-NUMA memory of the virtual memory API (cuMemCreate + cuMemMap); best of 3 launches per point, a fresh draw each",
             "device": gpu.info().name,
             "memcpy_gbps": memcpy,
             "thp_enabled": enabled,

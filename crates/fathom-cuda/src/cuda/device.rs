@@ -33,12 +33,14 @@ pub struct Gpu {
 
 /// The row sweep's access patterns and, for pairs, the distance of a pair's second row from its
 /// first (a random 4 KiB-aligned offset): back to back, independent random rows, and random
-/// pairs 2 KiB apart (one 4 KiB page), 4 KiB apart (the next page) and 64 KiB apart (a
-/// control). Where the second row of a pair costs no access of its own, the bound of random
-/// reads is as coarse as that distance (a 4 KiB translation, or a larger DRAM row).
-const ROW_PATTERNS: [(&str, u64); 5] = [
+/// pairs 1 KiB and 2 KiB apart (one 4 KiB page; 1 KiB is two tokens' records at D = 128),
+/// 4 KiB apart (the next page) and 64 KiB apart (a control). Where the second row of a pair
+/// costs no access of its own, the bound of random reads is as coarse as that distance (a 4 KiB
+/// translation, or a larger DRAM row). A pair closer than a row would overlap: not run.
+const ROW_PATTERNS: [(&str, u64); 6] = [
     ("sequential", 0),
     ("random", 0),
+    ("pairs+1k", 1024),
     ("pairs+2k", 2048),
     ("pairs+4k", 4096),
     ("pairs+64k", 65536),
@@ -318,7 +320,7 @@ impl Gpu {
     }
 
     /// The zero-copy gather over rows of `row_bytes` drawn at random (and back to back, as a
-    /// control; and in random pairs 2 KiB, 4 KiB and 64 KiB apart) from each span of `spans` bytes of host memory
+    /// control; and in random pairs 1, 2, 4 and 64 KiB apart) from each span of `spans` bytes of host memory
     /// backed as `pages` says, with
     /// `rows` rows per launch: whether the union fetch's random record reads are bound by the
     /// link or by address translation (docs/SPEC.md §6.1, "Host pages"). One allocation of the
@@ -377,7 +379,9 @@ impl Gpu {
             for &n in rows {
                 for (pattern, gap) in ROW_PATTERNS {
                     // A pair pattern needs room for its second row after a 4 KiB-aligned first.
-                    if gap > 0 && (span as u64) < gap + row_bytes as u64 + 4096 {
+                    if gap > 0
+                        && (gap < row_bytes as u64 || (span as u64) < gap + row_bytes as u64 + 4096)
+                    {
                         continue;
                     }
                     let mut best = f64::INFINITY;
