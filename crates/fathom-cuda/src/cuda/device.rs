@@ -320,8 +320,8 @@ impl Gpu {
     }
 
     /// The zero-copy gather over rows of `row_bytes` drawn at random (and back to back, as a
-    /// control; and in random pairs 1, 2, 4 and 64 KiB apart) from each span of `spans` bytes of host memory
-    /// backed as `pages` says, with
+    /// control; and in random pairs 1, 2, 4 and 64 KiB apart) from each span of `spans` bytes
+    /// of host memory backed as `pages` says, with
     /// `rows` rows per launch: whether the union fetch's random record reads are bound by the
     /// link or by address translation (docs/SPEC.md §6.1, "Host pages"). One allocation of the
     /// largest span; best of three launches per point, each with a fresh draw of `seed`'s

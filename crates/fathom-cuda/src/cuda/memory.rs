@@ -146,31 +146,28 @@ impl HostBuf {
     /// granularity), mapped into a reserved range (`cuMemAddressReserve`, `cuMemMap`) that
     /// `cuMemSetAccess` opens read-write to this device and to the host, so the CPU and the
     /// kernels use one address. The GPU maps such a range at the allocation's granularity
-    /// (2 MiB where the driver recommends it), which is the point of the experiment.
+    /// (2 MiB where the driver recommends it); random reads from it measured no faster than
+    /// from driver pages (docs/SPEC.md §6.1, "Host pages").
     fn vmm(bytes: usize, what: &'static str) -> Result<Self> {
-        let fail = |step: &str, e: sys::CUresult| CudaError::PinnedAlloc {
-            what,
-            bytes: bytes as u64,
-            message: format!("{step}: {e:?}"),
+        let check = |step: &str, r: sys::CUresult| {
+            r.result().map_err(|e| CudaError::PinnedAlloc {
+                what,
+                bytes: bytes as u64,
+                message: format!("{step}: {e}"),
+            })
         };
         let mut dev: sys::CUdevice = 0;
         // SAFETY: writes the current context's device.
-        let r = unsafe { sys::cuCtxGetDevice(&mut dev) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuCtxGetDevice", r));
-        }
+        check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
         let mut numa: std::ffi::c_int = -1;
         // SAFETY: writes one attribute of a valid device.
-        let r = unsafe {
+        check("cuDeviceGetAttribute(HOST_NUMA_ID)", unsafe {
             sys::cuDeviceGetAttribute(
                 &mut numa,
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
                 dev,
             )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuDeviceGetAttribute(HOST_NUMA_ID)", r));
-        }
+        })?;
         // SAFETY: the property struct is plain data; zero is "unset" for every field.
         let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
         prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -178,41 +175,37 @@ impl HostBuf {
         prop.location.id = numa.max(0);
         let mut gran = 0usize;
         // SAFETY: reads `prop`, writes one size.
-        let r = unsafe {
+        check("cuMemGetAllocationGranularity", unsafe {
             sys::cuMemGetAllocationGranularity(
                 &mut gran,
                 &prop,
                 sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
             )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuMemGetAllocationGranularity", r));
-        }
+        })?;
         let gran = gran.max(HUGE_PAGE);
         let len = bytes.max(16).div_ceil(gran) * gran;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: creates one physical allocation of `len` bytes, released once below or in Drop.
-        let r = unsafe { sys::cuMemCreate(&mut handle, len, &prop, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuMemCreate(host NUMA)", r));
-        }
+        check("cuMemCreate(host NUMA)", unsafe {
+            sys::cuMemCreate(&mut handle, len, &prop, 0)
+        })?;
         let mut va: CUdeviceptr = 0;
         // SAFETY: reserves `len` bytes of address space, freed once below or in Drop.
-        let r = unsafe { sys::cuMemAddressReserve(&mut va, len, gran, 0, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
+        if let Err(e) = check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut va, len, gran, 0, 0)
+        }) {
             // SAFETY: the handle created above, released once.
             unsafe { sys::cuMemRelease(handle) };
-            return Err(fail("cuMemAddressReserve", r));
+            return Err(e);
         }
         // SAFETY: maps the whole allocation at the reserved range.
-        let r = unsafe { sys::cuMemMap(va, len, 0, handle, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
+        if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(va, len, 0, handle, 0) }) {
             // SAFETY: the range and handle made above, each released once.
             unsafe {
                 sys::cuMemAddressFree(va, len);
                 sys::cuMemRelease(handle);
             }
-            return Err(fail("cuMemMap", r));
+            return Err(e);
         }
         let h = HostBuf {
             ptr: va as *mut u8,
@@ -228,12 +221,11 @@ impl HostBuf {
         access[1].location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
         access[1].location.id = numa.max(0);
         access[1].flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        // SAFETY: the range is fully mapped by one allocation; two descriptors are passed.
-        let r = unsafe { sys::cuMemSetAccess(va, len, access.as_ptr(), 2) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            // `h` is dropped here: unmap, release, free.
-            return Err(fail("cuMemSetAccess(device, host NUMA)", r));
-        }
+        // SAFETY: the range is fully mapped by one allocation; two descriptors are passed. On
+        // an error `h` is dropped: unmap, release, free.
+        check("cuMemSetAccess(device, host NUMA)", unsafe {
+            sys::cuMemSetAccess(va, len, access.as_ptr(), 2)
+        })?;
         Ok(h)
     }
 
