@@ -130,6 +130,10 @@ pub struct RulerArgs {
     /// to RULER's essays; small models otherwise answer with a code name they read).
     #[arg(long, default_value = "docs", value_parser = ["docs", "prose"])]
     pub haystack: String,
+    /// Leave out `vt`'s in-context example (RULER prepends one by default: the same task over
+    /// a few hundred tokens with its answer), as runs before it was added did.
+    #[arg(long)]
+    pub no_vt_example: bool,
 }
 
 /// `fathom agent-steps`: teacher-forced step agreement on agent-transcript coding contexts.
@@ -422,6 +426,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         seed: c.seed,
         format,
         shape,
+        vt_example: !a.no_vt_example,
     };
     let nm = s.methods.len();
     let pb = bar((tasks.len() * a.samples * nm) as u64);
@@ -617,6 +622,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         stop: (!a.no_line_stop).then(|| "answer".to_string()),
         prompt: Some(a.prompt.clone()),
         shape: Some(shape.label()),
+        vt_example: Some(!a.no_vt_example),
         haystack: haystack.source.clone(),
         words: Some(words.source.clone()),
         summary,

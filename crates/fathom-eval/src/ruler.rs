@@ -24,8 +24,11 @@
 //!
 //! **Sizing** is RULER's: the haystack (words, or coded words for `fwe`) is the largest that
 //! keeps the whole prompt within `context − tokens_to_generate` tokens of the model's own
-//! tokenizer (binary search on the word count; RULER searches in steps). RULER's in-context
-//! example for `vt` and `fwe` is not prepended.
+//! tokenizer (binary search on the word count; RULER searches in steps). `vt` opens with
+//! RULER's in-context example, as RULER's `add_fewshot` default does: the same template over a
+//! few hundred tokens of the haystack with a 3-letter chain, and its answer
+//! ([`TaskParams::vt_example`]; results made before it record `vt_example` absent). `fwe` has
+//! none (RULER's `freq_words_extraction.py` adds none by default).
 //!
 //! **Departures for small models** (both off by default, both recorded in a result): the
 //! [`PromptFormat::Chat`] wording puts the task in the model's chat turn and says "number … is"
@@ -298,6 +301,9 @@ pub struct TaskParams {
     pub format: PromptFormat,
     /// How much each task plants.
     pub shape: TaskShape,
+    /// Prepend RULER's in-context example to `vt` (its `add_fewshot`, on by default there and
+    /// here): a short chain over a few hundred tokens of the same haystack, with its answer.
+    pub vt_example: bool,
 }
 
 impl TaskParams {
@@ -309,6 +315,7 @@ impl TaskParams {
             seed: 0,
             format: PromptFormat::Ruler,
             shape: TaskShape::RULER,
+            vt_example: true,
         }
     }
 }
@@ -467,6 +474,9 @@ pub struct Sample {
     pub haystack_offset: usize,
     /// Depths (percent) of the planted needles, in planting order (NIAH only).
     pub depths: Vec<u32>,
+    /// Tokens of the in-context example before the task (`vt` with
+    /// [`TaskParams::vt_example`]; 0 otherwise).
+    pub example_tokens: usize,
 }
 
 /// RULER's 40 evenly spaced needle depths, `round(linspace(0, 100, 40))`.
@@ -610,6 +620,7 @@ pub fn generate(
     })?;
     let offset = rng.gen_range(0..haystack.words.len());
     let count = |text: &str| -> Result<usize, EvalError> { Ok(tok.encode(text)?.len()) };
+    let mut example_tokens = 0;
     let (prompt, gold, question, m, depths_used) = match task {
         Task::Fwe => {
             let (template, gold, m) = fwe(&mut rng, budget, &params.format, &count)?;
@@ -641,6 +652,15 @@ pub fn generate(
                 .rsplit_once("{context}")
                 .map_or("", |x| x.1)
                 .replace("{query}", &value);
+            // The example draws from its own stream, so the task itself is the same prompt
+            // with or without it (only the haystack shrinks to make room).
+            let example = if params.vt_example {
+                let (text, n) = vt_example(seed, vars.len(), haystack, &count)?;
+                example_tokens = n;
+                format!("{text}\n\n")
+            } else {
+                String::new()
+            };
             let build = |m: usize| -> String {
                 let ctx = plant(&sentences(haystack.take(offset, m)), &items);
                 let t = VT_TEMPLATE
@@ -649,7 +669,7 @@ pub fn generate(
                 let a = VT_ANSWER
                     .replace("{num_v}", &vars.len().to_string())
                     .replace("{query}", &value);
-                params.format.wrap(&t, &a)
+                params.format.wrap(&format!("{example}{t}"), &a)
             };
             let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
             (build(m), vars, question, m, Vec::new())
@@ -734,7 +754,62 @@ pub fn generate(
         haystack_words: m,
         haystack_offset: if task == Task::Fwe { 0 } else { offset },
         depths: depths_used,
+        example_tokens,
     })
+}
+
+/// RULER's `vt` in-context example fits this many tokens, `tokens_to_generate` included
+/// (`variable_tracking.py` builds it at `max_seq_length = 500`).
+pub const VT_EXAMPLE_TOKENS: usize = 500;
+
+/// RULER's in-context example for `vt`: the task's own template and answer prefix over a
+/// short stretch of the haystack (at a word offset drawn from the example's own stream,
+/// seeded by the sample's seed), a chain of `chain` variables with 3-letter names (RULER's
+/// example names are 3 letters, the task's 5) planted in order at random sentence
+/// boundaries, then the answer: the names, space-separated. Sized by the same binary search
+/// as the task, to the largest that keeps it within [`VT_EXAMPLE_TOKENS`] − 30 (vt's
+/// `tokens_to_generate`). Returns the text and its token count.
+fn vt_example(
+    seed: u64,
+    chain: usize,
+    haystack: &Haystack,
+    count: &dyn Fn(&str) -> Result<usize, EvalError>,
+) -> Result<(String, usize), EvalError> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5654_4558_414d_504c); // "VTEXAMPL"
+    let mut vars: Vec<String> = Vec::new();
+    while vars.len() < chain.max(1) {
+        let s: String = (0..3).map(|_| rng.gen_range(b'A'..=b'Z') as char).collect();
+        if !vars.contains(&s) {
+            vars.push(s);
+        }
+    }
+    let value = random_number(&mut rng, 5);
+    let mut lines = vec![format!("VAR {} = {value}", vars[0])];
+    for j in 0..vars.len() - 1 {
+        lines.push(format!("VAR {} = VAR {} ", vars[j + 1], vars[j]));
+    }
+    let mut fracs: Vec<f64> = (0..lines.len()).map(|_| rng.gen::<f64>()).collect();
+    fracs.sort_by(f64::total_cmp);
+    let items: Vec<(f64, String)> = fracs.into_iter().zip(lines).collect();
+    let offset = rng.gen_range(0..haystack.words.len());
+    let build = |m: usize| -> String {
+        let ctx = plant(&sentences(haystack.take(offset, m)), &items);
+        format!(
+            "{}{}{}",
+            VT_TEMPLATE
+                .replace("{context}", &ctx)
+                .replace("{query}", &value),
+            VT_ANSWER
+                .replace("{num_v}", &vars.len().to_string())
+                .replace("{query}", &value),
+            vars.join(" ")
+        )
+    };
+    let budget = VT_EXAMPLE_TOKENS - Task::Vt.tokens_to_generate();
+    let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
+    let text = build(m);
+    let n = count(&text)?;
+    Ok((text, n))
 }
 
 /// Frequent-word extraction: RULER's vocabulary of random 6-letter words, the first (after a

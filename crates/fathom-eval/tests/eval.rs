@@ -71,6 +71,65 @@ fn params(context: usize) -> TaskParams {
         seed: 42,
         format: fathom_eval::ruler::PromptFormat::Ruler,
         shape: fathom_eval::ruler::TaskShape::RULER,
+        vt_example: true,
+    }
+}
+
+/// `vt` opens with RULER's in-context example: the same template and answer prefix over a
+/// short text, a chain of 3-letter names, and its answer; the task after it is the prompt
+/// without the example but for a shorter haystack (the example draws from its own stream).
+#[test]
+fn vt_opens_with_its_in_context_example_and_keeps_the_task() {
+    use fathom_eval::ruler::{TaskShape, VT_EXAMPLE_TOKENS};
+    let Some(m) = model() else { return };
+    let Some(w) = words() else { return };
+    let h = haystack();
+    for (context, shape, chain) in [
+        (1024, TaskShape::SMALL, 2),
+        (2048, TaskShape::RULER, 5),
+        (4096, TaskShape::parse("chain=1").unwrap(), 1),
+    ] {
+        for i in 0..3 {
+            let mut p = params(context);
+            p.shape = shape;
+            let with = generate(Task::Vt, &p, m.tokenizer(), &h, &w, i).expect("vt");
+            p.vt_example = false;
+            let without = generate(Task::Vt, &p, m.tokenizer(), &h, &w, i).expect("vt");
+            assert_eq!(without.example_tokens, 0);
+            assert_eq!(
+                (&with.gold, &with.question),
+                (&without.gold, &without.question)
+            );
+            assert!(with.prompt_tokens + with.max_new <= context);
+            assert!(with.example_tokens > 0 && with.example_tokens <= VT_EXAMPLE_TOKENS - 30);
+            assert!(with.haystack_words < without.haystack_words);
+            // Two templates, two answer prefixes; the example's ends with its names.
+            let heads = "Memorize and track the chain(s) of variable assignment";
+            assert_eq!(with.prompt.matches(heads).count(), 2, "{context} {i}");
+            assert_eq!(without.prompt.matches(heads).count(), 1);
+            let (example, task) = with.prompt.split_at(with.prompt.rfind(heads).unwrap());
+            let names: Vec<&str> = example
+                .rsplit_once("they are: ")
+                .expect("the example's answer prefix")
+                .1
+                .split_whitespace()
+                .collect();
+            assert_eq!(names.len(), chain, "{context} {i}: {names:?}");
+            assert!(names
+                .iter()
+                .all(|n| n.len() == 3 && n.chars().all(|c| c.is_ascii_uppercase())));
+            assert!(example.contains(&format!("VAR {} = ", names[0])));
+            for hop in 1..chain {
+                let a = example.find(&format!("VAR {} = VAR {}", names[hop], names[hop - 1]));
+                assert!(a.is_some(), "example hop {hop}");
+            }
+            // The task's chain is in the task's part only, and the task's text is the
+            // example-free prompt's up to the haystack's length.
+            assert!(task.contains(&format!("VAR {} = ", with.gold[0])));
+            assert!(!example.contains(&with.gold[0]));
+            let tail = |s: &str| s.rsplit_once("\nQuestion:").map(|x| x.1.to_string());
+            assert_eq!(tail(task), tail(&without.prompt));
+        }
     }
 }
 
@@ -111,10 +170,11 @@ fn the_small_task_shape_plants_fewer_needles_in_the_same_templates() {
                     s.prompt.contains("2 variables are assgined"),
                     "vt answer prefix"
                 );
+                // One value and one hop in the task, and as many in its in-context example.
                 assert_eq!(
                     s.prompt.matches("VAR ").count(),
-                    3,
-                    "vt: one value, one hop"
+                    6,
+                    "vt: one value, one hop, twice"
                 );
             }
         }

@@ -163,6 +163,10 @@ pub struct RulerDoc {
     /// this field used RULER's).
     #[serde(default)]
     pub shape: Option<String>,
+    /// Whether `vt` opened with RULER's in-context example (`true` by default since it was
+    /// added; absent in earlier files, which had none). Only `vt`'s prompts depend on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vt_example: Option<bool>,
     /// The haystack text's source.
     pub haystack: String,
     /// The key word list's source.
