@@ -35,6 +35,19 @@ bench)
   echo "$name rc=$?" | tee -a $OUT/summary.txt
   grep -E "fathom:48|sparq:32|ds:32" $OUT/$name.txt | head -20
   ;;
+ab)
+  # ab NAME CONTEXTS METHODS STEPS [extra offload-bench args]: the same offload-bench run with
+  # the binaries of two trees, the baseline's in .devbin/ and the change's in .devbin2/, back to
+  # back on one machine (NAME-base.*, NAME-change.*).
+  name=$1 ctx=$2 methods=$3 steps=$4; shift 4
+  for side in base:$B change:.devbin2; do
+    tag=${side%%:*} dir=${side#*:}
+    timeout 280 $dir/fathom offload-bench --engine cache --context $ctx --methods $methods --steps $steps "$@" \
+      --json $OUT/$name-$tag.json > $OUT/$name-$tag.txt 2>&1
+    echo "$name-$tag rc=$?" | tee -a $OUT/summary.txt
+    grep -E "^[0-9]+ +(host|hbm)" $OUT/$name-$tag.txt | head -20
+  done
+  ;;
 filtered)
   # The filtered select (docs/SPEC.md §5, issue 16), first device runs: its device test, then
   # the score path, the filtered select (failed rows rescan) and the filtered select with

@@ -494,25 +494,6 @@ extern "C" __global__ void paged_table_scan(const AppendDesc* __restrict__ descs
     }
 }
 
-// Block-wide exclusive prefix sum of a 0/1 flag in index order; returns this thread's rank,
-// writes the block total to *total.
-__device__ __forceinline__ u32 block_rank(bool flag, u32* warp_counts, u32* total) {
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 ballot = __ballot_sync(0xffffffffu, flag);
-    const u32 before = __popc(ballot & ((1u << lane) - 1u));
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 s = 0;
-        for (u32 w = 0; w < TK / 32; ++w) { u32 c = warp_counts[w]; warp_counts[w] = s; s += c; }
-        *total = s;
-    }
-    __syncthreads();
-    const u32 r = warp_counts[warp] + before;
-    __syncthreads();
-    return r;
-}
-
 #define BINS 2048   // bins of a selection pass (2 per thread of TK)
 #define ELEMS 4096  // middle tokens per CTA of paged_topk_collect
 
@@ -578,13 +559,21 @@ extern "C" __global__ void paged_topk_select(const AppendDesc* __restrict__ desc
 
 
 // Streams ELEMS middle tokens of one row once: a score above the boundary bucket wins, one in
-// it is a candidate (its index kept). grid = (chunks, Hq, batch), block = COLLECT_NT.
+// it is a candidate (its index kept). Appends are aggregated per CTA: every thread's winners
+// and candidates are counted, ranked by a block-wide scan, and the CTA reserves its places in
+// each list with one atomic (a row's lists used to take one atomic per warp, and its
+// candidates, a few per cent of 1M tokens, queued on one address). The lists' order is
+// irrelevant: the union sorts the winners and the final select orders the candidates by key
+// and token. A count goes on past its list's cap, so a caller sees an overflow.
+// grid = (chunks, Hq, batch), block = COLLECT_NT.
 #define COLLECT_NT 256
 extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
                                               const float* __restrict__ scores, const Sel* __restrict__ sel,
                                               u32* __restrict__ winners, u32* __restrict__ counts,
                                               u32* __restrict__ cand, u32* __restrict__ ccount,
                                               const u32* __restrict__ mode) {
+    __shared__ u32 warp_sum[COLLECT_NT / 32];
+    __shared__ u32 base_w, base_c;
     const u32 b = blockIdx.z, hq = a.h0 * GQ + blockIdx.y;
     const u64 r = (u64)b * g.heads * GQ + hq;
     if (mode[r] == 1) return;  // uniform over the CTA
@@ -596,9 +585,10 @@ extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ des
     const u32 e = min(st + ELEMS, hi);
     const Sel s = sel[r];
     const float* row = scores + r * a.max_tokens;
-    // Every score of the chunk loaded first (all in flight at once), then the appends; the
-    // loop bound is uniform over the CTA, so every lane reaches the ballots.
+    // Every score of the chunk loaded first (all in flight at once), then this thread's
+    // winners and candidates as bit masks over its PER elements.
     constexpr u32 PER = ELEMS / COLLECT_NT;
+    static_assert(PER <= 16, "a thread's counts are packed in 16 bits each");
     int bk[PER];
 #pragma unroll
     for (u32 j = 0; j < PER; j++) {
@@ -606,11 +596,47 @@ extern "C" __global__ void paged_topk_collect(const AppendDesc* __restrict__ des
         const int x = (int)(f32_key(row[min(i, e - 1)]) >> 22);  // unconditional load
         bk[j] = i < e ? x : -2;
     }
+    u32 wm = 0, cm = 0;
+#pragma unroll
+    for (u32 j = 0; j < PER; j++) {
+        wm |= (u32)(bk[j] > s.bucket) << j;
+        cm |= (u32)(bk[j] == s.bucket) << j;
+    }
+    // Winners in the high 16 bits, candidates in the low: a CTA holds at most ELEMS = 4096 of
+    // either, so neither field carries into the other.
+    const u32 mine = ((u32)__popc(wm) << 16) | (u32)__popc(cm);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 incl = mine;
+#pragma unroll
+    for (u32 o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sum[warp] = incl;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 acc = 0;
+        for (u32 w = 0; w < COLLECT_NT / 32; ++w) { const u32 c = warp_sum[w]; warp_sum[w] = acc; acc += c; }
+        const u32 tw = acc >> 16, tc = acc & 0xffffu;
+        base_w = tw ? atomicAdd(&counts[r], tw) : 0u;
+        base_c = tc ? atomicAdd(&ccount[r], tc) : 0u;
+    }
+    __syncthreads();
+    const u32 before = warp_sum[warp] + incl - mine;
+    u32 pw = base_w + (before >> 16), pc = base_c + (before & 0xffffu);
+    u32* wl = winners + r * a.max_k;
+    u32* cl = cand + r * a.max_tokens;
 #pragma unroll
     for (u32 j = 0; j < PER; j++) {
         const u32 i = st + j * COLLECT_NT + threadIdx.x;
-        warp_append(bk[j] > s.bucket, i, &counts[r], winners + r * a.max_k, a.max_k);
-        warp_append(bk[j] == s.bucket, i, &ccount[r], cand + r * a.max_tokens, (u32)a.max_tokens);
+        if ((wm >> j) & 1u) {
+            if (pw < a.max_k) wl[pw] = i;
+            ++pw;
+        }
+        if ((cm >> j) & 1u) {
+            if (pc < (u32)a.max_tokens) cl[pc] = i;
+            ++pc;
+        }
     }
 }
 
@@ -774,16 +800,50 @@ extern "C" __global__ void paged_topk_fused(const AppendDesc* __restrict__ descs
     }
 }
 
+// Block-wide exclusive prefix sum of a count in thread order; returns this thread's part,
+// writes the block total to *total. All TK threads.
+__device__ __forceinline__ u32 block_excl_sum(u32 v, u32* warp_counts, u32* total) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 incl = v;
+#pragma unroll
+    for (u32 o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_counts[warp] = incl;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 acc = 0;
+        for (u32 w = 0; w < TK / 32; ++w) { const u32 c = warp_counts[w]; warp_counts[w] = acc; acc += c; }
+        *total = acc;
+    }
+    __syncthreads();
+    const u32 r = warp_counts[warp] + incl - v;
+    __syncthreads();
+    return r;
+}
+
 // The union of one (session, KV head)'s selections: sink and local (every query head), then
-// the winners of all G query heads sorted and merged, each with the mask of the heads that
-// chose it. grid = (batch, Hkv), block = TK; shared keys token*8 + g (G <= 8).
+// the winners of all G query heads in token order without repeats, each with the mask of the
+// heads that chose it. The middle tokens are taken in windows of UBITS: each winner sets its
+// token's bit in a shared bitmap, a block-wide scan of the bitmap's popcounts (each thread
+// owns UWPT consecutive words) gives every set bit its rank, the ranks' tokens are written in
+// order, and each winner ORs its head's bit into its rank's mask. Sorting-free, and the same
+// rows and masks as sorting the keys token*8 + g and merging runs (G <= 8, G·max_k <= UKEYS:
+// CacheConfig checks both). grid = (batch, Hkv), block = TK.
 #define UKEYS 8192
+#define UWPT 8                      // bitmap words per thread
+#define UWORDS (UWPT * TK)          // words of the window's bitmap
+#define UBITS (UWORDS * 32u)        // middle tokens per window
+#define UPT (UKEYS / TK)            // winners per thread
 extern "C" __global__ void paged_union(const AppendDesc* __restrict__ descs, PoolGeom g, AttendGeom a,
                                        const u32* __restrict__ winners, const u32* __restrict__ counts,
                                        u32* __restrict__ urows, u8* __restrict__ umask, u32* __restrict__ ucount) {
-    __shared__ u32 keys[UKEYS];
+    __shared__ u32 bits[UWORDS];
+    __shared__ u32 masks[UKEYS / 4];  // one byte per middle row of the union
+    __shared__ u32 trank[TK];
     __shared__ u32 warp_counts[TK / 32];
-    __shared__ u32 sh_total, sh_out;
+    __shared__ u32 sh_total;
     const AppendDesc d = descs[blockIdx.x];
     const u32 b = blockIdx.x, h = a.h0 + blockIdx.y, tid = threadIdx.x;
     const u32 n = d.n0 + d.m;
@@ -798,62 +858,82 @@ extern "C" __global__ void paged_union(const AppendDesc* __restrict__ descs, Poo
         urows[ub + i] = t;
         umask[ub + i] = all;
     }
-    // Every head's winners as keys token*8 + g, padded to a power of two with ~0; head q's
-    // list starts at off[q] (every thread loads the G <= 8 counts, then the lists in parallel).
+    // This thread's winners as keys token*8 + g (~0: none); head q's list starts at off[q].
     u32 off[GQ + 1];
     off[0] = 0;
 #pragma unroll
     for (u32 q = 0; q < GQ; ++q) off[q + 1] = off[q] + min(counts[(u64)b * g.heads * GQ + h * GQ + q], a.max_k);
     const u32 total = off[GQ];
-    u32 len = 1;
-    while (len < total) len <<= 1;
-    for (u32 i = tid; i < len; i += TK) {
-        u32 key = 0xffffffffu;
+    u32 key[UPT];
+#pragma unroll
+    for (u32 j = 0; j < UPT; ++j) {
+        const u32 i = tid + j * TK;
+        key[j] = 0xffffffffu;
         if (i < total) {
             u32 q = 0, base = 0;
 #pragma unroll
-            for (u32 j = 1; j < GQ; ++j)
-                if (i >= off[j]) { q = j; base = off[j]; }
+            for (u32 jq = 1; jq < GQ; ++jq)
+                if (i >= off[jq]) { q = jq; base = off[jq]; }
             const u64 r = (u64)b * g.heads * GQ + h * GQ + q;
-            key = winners[r * a.max_k + (i - base)] * 8u + q;
+            key[j] = winners[r * a.max_k + (i - base)] * 8u + q;
         }
-        keys[i] = key;
     }
+#pragma unroll
+    for (u32 k = 0; k < UWPT; ++k) bits[tid * UWPT + k] = 0;
+    for (u32 i = tid; i < UKEYS / 4; i += TK) masks[i] = 0;
     __syncthreads();
-    // Bitonic sort of keys[0..len).
-    for (u32 k = 2; k <= len; k <<= 1) {
-        for (u32 jj = k >> 1; jj > 0; jj >>= 1) {
-            for (u32 i = tid; i < len; i += TK) {
-                const u32 ixj = i ^ jj;
-                if (ixj > i) {
-                    const u32 x = keys[i], y = keys[ixj];
-                    const bool up = (i & k) == 0;
-                    if ((x > y) == up) { keys[i] = y; keys[ixj] = x; }
-                }
+    u32 lo, hi;
+    middle(n, a, &lo, &hi);
+    u32 out = 0;  // middle rows written so far (uniform)
+    for (u32 w0 = lo; w0 < hi; w0 += UBITS) {
+        bool any = false;
+#pragma unroll
+        for (u32 j = 0; j < UPT; ++j) {
+            const u32 t = key[j] >> 3;
+            if (key[j] != 0xffffffffu && t >= w0 && t - w0 < UBITS) {
+                atomicOr(&bits[(t - w0) >> 5], 1u << ((t - w0) & 31u));
+                any = true;
             }
-            __syncthreads();
         }
-    }
-    // Unique tokens in order; each one's mask is the OR over its run of equal tokens.
-    if (tid == 0) sh_out = 0;
-    __syncthreads();
-    for (u32 base = 0; base < total; base += TK) {
-        const u32 i = base + tid;
-        const bool in = i < total;
-        const u32 key = in ? keys[i] : 0u;
-        const bool first = in && (i == 0 || (keys[i - 1] >> 3) != (key >> 3));
-        const u32 r = block_rank(first, warp_counts, &sh_total);
-        if (first) {
-            u8 m = 0;
-            for (u32 e = i; e < total && (keys[e] >> 3) == (key >> 3); ++e) m |= (u8)(1u << (keys[e] & 7u));
-            urows[ub + fixed + sh_out + r] = key >> 3;
-            umask[ub + fixed + sh_out + r] = m;
+        if (!__syncthreads_or(any)) continue;  // no winner here: the bitmap stays clear
+        u32 c = 0;
+#pragma unroll
+        for (u32 k = 0; k < UWPT; ++k) c += (u32)__popc(bits[tid * UWPT + k]);
+        const u32 r0 = block_excl_sum(c, warp_counts, &sh_total);
+        trank[tid] = r0;
+        const u32 wtotal = sh_total;
+        __syncthreads();
+        // The tokens of this thread's words, in order.
+        u32 p = out + r0;
+#pragma unroll
+        for (u32 k = 0; k < UWPT; ++k) {
+            u32 wd = bits[tid * UWPT + k];
+            const u32 t0 = w0 + (tid * UWPT + k) * 32u;
+            while (wd) {
+                urows[ub + fixed + p++] = t0 + (u32)(__ffs(wd) - 1);
+                wd &= wd - 1u;
+            }
+        }
+        // Each winner's head bit into its token's rank.
+#pragma unroll
+        for (u32 j = 0; j < UPT; ++j) {
+            const u32 t = key[j] >> 3;
+            if (key[j] != 0xffffffffu && t >= w0 && t - w0 < UBITS) {
+                const u32 x = t - w0, wi = x >> 5, owner = wi / UWPT;
+                u32 rank = out + trank[owner];
+                for (u32 k = owner * UWPT; k < wi; ++k) rank += (u32)__popc(bits[k]);
+                rank += (u32)__popc(bits[wi] & ((1u << (x & 31u)) - 1u));
+                atomicOr(&masks[rank >> 2], (1u << (key[j] & 7u)) << (8u * (rank & 3u)));
+            }
         }
         __syncthreads();
-        if (tid == 0) sh_out += sh_total;
+#pragma unroll
+        for (u32 k = 0; k < UWPT; ++k) bits[tid * UWPT + k] = 0;
+        out += wtotal;
         __syncthreads();
     }
-    if (tid == 0) ucount[(u64)b * g.heads + h] = fixed + sh_out;
+    for (u32 i = tid; i < out; i += TK) umask[ub + fixed + i] = (u8)(masks[i >> 2] >> (8u * (i & 3u)));
+    if (tid == 0) ucount[(u64)b * g.heads + h] = fixed + out;
 }
 
 // The row cache of one (session, layer, KV head): C direct-mapped slots (slot = token mod
@@ -926,8 +1006,8 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
     if (tid == 0 && sh_hits) atomicAdd(&counters[1], (unsigned long long)sh_hits);
 }
 
-// Block-wide exclusive rank of a 0/1 flag in thread order for blocks of NT threads (as
-// block_rank); writes the total to *total.
+// Block-wide exclusive rank of a 0/1 flag in thread order for blocks of NT threads; returns
+// this thread's rank, writes the total to *total.
 #define NT 128  // threads of the partial attention (4 warps)
 __device__ __forceinline__ u32 block_rank_nt(bool flag, u32* warp_counts, u32* total) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
