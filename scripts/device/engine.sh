@@ -9,7 +9,7 @@
 #   bash scripts/device/engine.sh tests|bench|ncu|sanitize|filtered|pages|py ...
 # Every output goes under $OUT.
 set -u
-B=.devbin
+B=${B:-.devbin}
 [ -f $B/font.ttf ] && export FATHOM_FONT=$PWD/$B/font.ttf
 export FATHOM_REQUIRE_GPU=1
 mode=$1; shift

@@ -1213,22 +1213,40 @@ extern "C" __global__ void paged_attn_partial(const AppendDesc* __restrict__ des
 }
 
 // The splits of one query head combined: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// Every split's m_s and l_s are first staged in shared memory by all threads at once (the
+// sums then read them from there, in split order as before, so the bits are unchanged).
 // grid = (Hq, batch), block = DIM. out: [b][Hq][D] f32.
+#define COMBINE_MAX 256  // DENSE_SPLITS in cuda_cache.rs: the most splits of an attend
 extern "C" __global__ void paged_attn_combine(PoolGeom g, AttendGeom a, const float* __restrict__ pm,
                                               const float* __restrict__ pl, const float* __restrict__ pacc,
                                               float* __restrict__ out) {
+    __shared__ float sm[COMBINE_MAX], sl[COMBINE_MAX];
+    __shared__ float sh_max;
     const u32 b = blockIdx.y, hq = a.h0 * GQ + blockIdx.x, c = threadIdx.x;
     const u64 row = (u64)b * g.heads * GQ + hq;
     const u64 base = row * a.nsplit;
-    float M = -INFINITY;
-    for (u32 s = 0; s < a.nsplit; s++) M = fmaxf(M, pm[base + s]);
+    const u32 ns = min(a.nsplit, (u32)COMBINE_MAX);
+    for (u32 s = c; s < ns; s += DIM) {
+        sm[s] = pm[base + s];
+        sl[s] = pl[base + s];
+    }
+    __syncthreads();
+    if (c < 32) {
+        float m = -INFINITY;
+        for (u32 s = c; s < ns; s += 32) m = fmaxf(m, sm[s]);
+#pragma unroll
+        for (u32 o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (c == 0) sh_max = m;
+    }
+    __syncthreads();
+    const float M = sh_max;
     float L = 0.0f, o = 0.0f;
     if (M != -INFINITY) {
 #pragma unroll 8
-        for (u32 s = 0; s < a.nsplit; s++) {
-            const float m = pm[base + s];
+        for (u32 s = 0; s < ns; s++) {
+            const float m = sm[s];
             const float w = m == -INFINITY ? 0.0f : expf(m - M);
-            L += pl[base + s] * w;
+            L += sl[s] * w;
             o += pacc[(base + s) * DIM + c] * w;
         }
     }

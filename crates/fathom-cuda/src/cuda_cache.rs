@@ -52,6 +52,8 @@ const ATTN_GRAN: usize = 16;
 /// rows (k = 512, G = 4) then gives 42 CTAs per KV head of 32 rows each.
 const SPARSE_SPLITS: usize = 64;
 const DENSE_SPLITS: usize = 256;
+// `paged_attn_combine` stages at most COMBINE_MAX = 256 splits (attend.cu).
+const _: () = assert!(SPARSE_SPLITS <= DENSE_SPLITS && DENSE_SPLITS <= 256);
 /// Rows per CTA of `read_rows` (`READ_ROWS` of append.cu).
 const READ_ROWS: usize = 8;
 /// Filtered-select candidates per row, per winner of `max_k`: 4× the FUSE_TARGET · k = 6·k that
