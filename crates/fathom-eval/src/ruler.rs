@@ -630,24 +630,7 @@ pub fn generate(
             (template, gold, q, m, Vec::new())
         }
         Task::Vt => {
-            let vars: Vec<String> = {
-                let mut v: Vec<String> = Vec::new();
-                while v.len() < params.shape.chain.max(1) {
-                    let s: String = (0..5).map(|_| rng.gen_range(b'A'..=b'Z') as char).collect();
-                    if !v.contains(&s) {
-                        v.push(s);
-                    }
-                }
-                v
-            };
-            let value = random_number(&mut rng, 5);
-            let mut chain = vec![format!("VAR {} = {value}", vars[0])];
-            for j in 0..vars.len() - 1 {
-                chain.push(format!("VAR {} = VAR {} ", vars[j + 1], vars[j]));
-            }
-            let mut fracs: Vec<f64> = (0..chain.len()).map(|_| rng.gen::<f64>()).collect();
-            fracs.sort_by(f64::total_cmp);
-            let items: Vec<(f64, String)> = fracs.into_iter().zip(chain).collect();
+            let (vars, value, items) = vt_chain(&mut rng, params.shape.chain, 5);
             let question = VT_TEMPLATE
                 .rsplit_once("{context}")
                 .map_or("", |x| x.1)
@@ -758,6 +741,34 @@ pub fn generate(
     })
 }
 
+/// A `vt` chain drawn from `rng`: `chain` (at least 1) distinct names of `letters` uppercase
+/// letters, a 5-digit value (RULER's), and the statements `VAR n0 = value`, `VAR n1 = VAR n0`,
+/// … each at a random fraction of the haystack, fractions sorted so the chain reads in order.
+fn vt_chain(
+    rng: &mut StdRng,
+    chain: usize,
+    letters: usize,
+) -> (Vec<String>, String, Vec<(f64, String)>) {
+    let mut vars: Vec<String> = Vec::new();
+    while vars.len() < chain.max(1) {
+        let s: String = (0..letters)
+            .map(|_| rng.gen_range(b'A'..=b'Z') as char)
+            .collect();
+        if !vars.contains(&s) {
+            vars.push(s);
+        }
+    }
+    let value = random_number(rng, 5);
+    let mut lines = vec![format!("VAR {} = {value}", vars[0])];
+    for j in 0..vars.len() - 1 {
+        lines.push(format!("VAR {} = VAR {} ", vars[j + 1], vars[j]));
+    }
+    let mut fracs: Vec<f64> = (0..lines.len()).map(|_| rng.gen::<f64>()).collect();
+    fracs.sort_by(f64::total_cmp);
+    let items = fracs.into_iter().zip(lines).collect();
+    (vars, value, items)
+}
+
 /// RULER's `vt` in-context example fits this many tokens, `tokens_to_generate` included
 /// (`variable_tracking.py` builds it at `max_seq_length = 500`).
 pub const VT_EXAMPLE_TOKENS: usize = 500;
@@ -776,21 +787,7 @@ fn vt_example(
     count: &dyn Fn(&str) -> Result<usize, EvalError>,
 ) -> Result<(String, usize), EvalError> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5654_4558_414d_504c); // "VTEXAMPL"
-    let mut vars: Vec<String> = Vec::new();
-    while vars.len() < chain.max(1) {
-        let s: String = (0..3).map(|_| rng.gen_range(b'A'..=b'Z') as char).collect();
-        if !vars.contains(&s) {
-            vars.push(s);
-        }
-    }
-    let value = random_number(&mut rng, 5);
-    let mut lines = vec![format!("VAR {} = {value}", vars[0])];
-    for j in 0..vars.len() - 1 {
-        lines.push(format!("VAR {} = VAR {} ", vars[j + 1], vars[j]));
-    }
-    let mut fracs: Vec<f64> = (0..lines.len()).map(|_| rng.gen::<f64>()).collect();
-    fracs.sort_by(f64::total_cmp);
-    let items: Vec<(f64, String)> = fracs.into_iter().zip(lines).collect();
+    let (vars, value, items) = vt_chain(&mut rng, chain, 3);
     let offset = rng.gen_range(0..haystack.words.len());
     let build = |m: usize| -> String {
         let ctx = plant(&sentences(haystack.take(offset, m)), &items);
