@@ -6,8 +6,9 @@
 #   ... cargo build --release -p fathom-cli --features cuda
 # and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
 # graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
-#   bash scripts/device/engine.sh tests|bench|ncu|sanitize|filtered|pages|py ...
-# Every output goes under $OUT.
+#   bash scripts/device/engine.sh tests|bench|ab|ncu|sanitize|filtered|pages|py ...
+# Every output goes under $OUT. B=DIR takes the binaries from DIR instead of .devbin/ (`ab`
+# compares .devbin/ with .devbin2/).
 set -u
 B=${B:-.devbin}
 [ -f $B/font.ttf ] && export FATHOM_FONT=$PWD/$B/font.ttf
