@@ -8,7 +8,7 @@
 # graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
 #   bash scripts/device/engine.sh tests|bench|ab|ncu|sanitize|filtered|pages|py ...
 # Every output goes under $OUT. B=DIR takes the binaries from DIR instead of .devbin/ (`ab`
-# compares .devbin/ with .devbin2/).
+# compares $B with CHANGE=DIR, default .devbin2/).
 set -u
 B=${B:-.devbin}
 [ -f $B/font.ttf ] && export FATHOM_FONT=$PWD/$B/font.ttf
@@ -38,10 +38,10 @@ bench)
   ;;
 ab)
   # ab NAME CONTEXTS METHODS STEPS [extra offload-bench args]: the same offload-bench run with
-  # the binaries of two trees, the baseline's in .devbin/ and the change's in .devbin2/, back to
-  # back on one machine (NAME-base.*, NAME-change.*).
+  # the binaries of two trees, the baseline's in $B (.devbin/) and the change's in $CHANGE
+  # (.devbin2/), back to back on one machine (NAME-base.*, NAME-change.*).
   name=$1 ctx=$2 methods=$3 steps=$4; shift 4
-  for side in base:$B change:.devbin2; do
+  for side in base:$B change:${CHANGE:-.devbin2}; do
     tag=${side%%:*} dir=${side#*:}
     timeout 280 $dir/fathom offload-bench --engine cache --context $ctx --methods $methods --steps $steps "$@" \
       --json $OUT/$name-$tag.json > $OUT/$name-$tag.txt 2>&1

@@ -37,7 +37,10 @@
 //! instead of 5 (4 hops), with the answer prefix's count to match. Templates, needle
 //! sentences, depths, sizing and scoring stay RULER's. Two more, also off by default and
 //! recorded: [`Needle::Passkey`] (`--shape …,needle=passkey`) words the NIAH needles as
-//! numeric pass keys stated twice, with a matching question and answer prefix; and
+//! numeric pass keys stated twice, with a matching question and answer prefix;
+//! [`AnswerForm::Lines`] (`--shape …,answer=lines`) ends the answer prefix of a task of several
+//! gold values with the first line of a list, worded as the needle (`… are:\n- The pass key for
+//! {key} is`), so that a model that lists values lists them as the needles state them; and
 //! [`Haystack::prose_only`] (`fathom ruler --haystack prose`) keeps only the haystack's
 //! running-prose words.
 //!
@@ -139,6 +142,24 @@ pub struct TaskShape {
     pub digits: u32,
     /// The NIAH needle's wording (RULER: [`Needle::Magic`]).
     pub needle: Needle,
+    /// How the answer prefix of a NIAH task with several gold values ends (RULER:
+    /// [`AnswerForm::Ruler`]).
+    pub answer: AnswerForm,
+}
+
+/// How the answer prefix of a NIAH task with several gold values (`niah_multivalue`,
+/// `niah_multiquery`) ends. A task of one gold value keeps its prefix either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AnswerForm {
+    /// RULER's: the prefix ends at "… are", and the model words the list.
+    #[default]
+    Ruler,
+    /// The prefix opens a list of one value per line, each line worded as the needle states
+    /// it: `… are:\n- The pass key for {first queried key} is` (or RULER's needle's
+    /// `One of the special magic numbers for {key} is:`). It names no value: the model must
+    /// still retrieve every value, and write the later lines itself.
+    Lines,
 }
 
 /// How a NIAH needle, its question and its answer prefix are worded. The structure (keys,
@@ -183,6 +204,26 @@ impl Needle {
             Needle::Passkey => (PASSKEY_TEMPLATE, PASSKEY_ANSWER),
         }
     }
+
+    /// The needle sentence for `key` up to its value: what an [`AnswerForm::Lines`] line
+    /// opens with.
+    pub fn lead(self, key: &str) -> String {
+        match self {
+            Needle::Magic => format!("One of the special magic numbers for {key} is:"),
+            Needle::Passkey => format!("The pass key for {key} is"),
+        }
+    }
+}
+
+impl AnswerForm {
+    /// `answer`, the answer prefix of a NIAH task (its `{query}` filled in), for `values`
+    /// gold values whose first queried key is `first`, under `needle`.
+    pub fn finish(self, answer: String, values: usize, needle: Needle, first: &str) -> String {
+        match self {
+            AnswerForm::Lines if values > 1 => format!("{answer}:\n- {}", needle.lead(first)),
+            _ => answer,
+        }
+    }
 }
 
 impl TaskShape {
@@ -193,6 +234,7 @@ impl TaskShape {
         chain: 5,
         digits: 7,
         needle: Needle::Magic,
+        answer: AnswerForm::Ruler,
     };
     /// For 100M-parameter models: 2 keys, 2 values, a chain of 2, 7-digit values.
     pub const SMALL: TaskShape = TaskShape {
@@ -201,15 +243,16 @@ impl TaskShape {
         chain: 2,
         digits: 7,
         needle: Needle::Magic,
+        answer: AnswerForm::Ruler,
     };
 
     /// `ruler`, `small`, or either followed by overrides, `small,digits=4,keys=3` (a bare
     /// list of overrides starts from `ruler`): `keys` and `values` in 1..=16, `chain` in
-    /// 1..=10, `digits` in 1..=9, `needle` `magic` or `passkey`.
+    /// 1..=10, `digits` in 1..=9, `needle` `magic` or `passkey`, `answer` `ruler` or `lines`.
     pub fn parse(s: &str) -> Result<TaskShape, EvalError> {
         let bad = |what: String| {
             EvalError::Invalid(format!(
-                "task shape {s:?}: {what}; expected ruler, small, or one of them followed by keys=K, values=V, chain=C, digits=D, needle=magic|passkey"
+                "task shape {s:?}: {what}; expected ruler, small, or one of them followed by keys=K, values=V, chain=C, digits=D, needle=magic|passkey, answer=ruler|lines"
             ))
         };
         let mut parts = s.split(',').map(str::trim).peekable();
@@ -235,6 +278,14 @@ impl TaskShape {
                     "magic" => Needle::Magic,
                     "passkey" => Needle::Passkey,
                     other => return Err(bad(format!("needle={other} (want magic or passkey)"))),
+                };
+                continue;
+            }
+            if k.trim() == "answer" {
+                shape.answer = match v.trim() {
+                    "ruler" => AnswerForm::Ruler,
+                    "lines" => AnswerForm::Lines,
+                    other => return Err(bad(format!("answer={other} (want ruler or lines)"))),
                 };
                 continue;
             }
@@ -275,8 +326,12 @@ impl TaskShape {
             Needle::Magic => "",
             Needle::Passkey => ", passkey needles",
         };
+        let answer = match self.answer {
+            AnswerForm::Ruler => "",
+            AnswerForm::Lines => ", answers as needle lines",
+        };
         format!(
-            "keys {}, values {}, chain {}, digits {}{needle} (RULER: 4, 4, 5, 7)",
+            "keys {}, values {}, chain {}, digits {}{needle}{answer} (RULER: 4, 4, 5, 7)",
             self.keys, self.values, self.chain, self.digits
         )
     }
@@ -712,12 +767,18 @@ pub fn generate(
                 .rsplit_once("{context}")
                 .map_or("", |x| x.1)
                 .replace("{query}", &query);
+            let answer = sh.answer.finish(
+                answer.replace("{query}", &query),
+                gold.len(),
+                sh.needle,
+                &queries[0],
+            );
             let build = |m: usize| -> String {
                 let ctx = plant(&sentences(haystack.take(offset, m)), &items);
                 let t = template
                     .replace("{context}", &ctx)
                     .replace("{query}", &query);
-                params.format.wrap(&t, &answer.replace("{query}", &query))
+                params.format.wrap(&t, &answer)
             };
             let m = largest_fitting(budget, |m| Ok(count(&build(m))? <= budget))?;
             (build(m), gold, question, m, chosen)

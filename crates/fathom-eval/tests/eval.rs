@@ -133,6 +133,56 @@ fn vt_opens_with_its_in_context_example_and_keeps_the_task() {
     }
 }
 
+/// `answer=lines` changes only the answer prefix of the tasks of several gold values: it
+/// ends with the first line of a list worded as the needle, naming no value; every other
+/// task's prompt, and every task's gold, needles and question, stay as they were.
+#[test]
+fn needle_lines_end_only_the_answer_prefix_of_several_values() {
+    use fathom_eval::ruler::{AnswerForm, TaskShape};
+    let Some(m) = model() else { return };
+    let Some(w) = words() else { return };
+    let h = haystack();
+    for (context, base) in [
+        (1024, "small,needle=passkey"),
+        (2048, "small"),
+        (4096, "ruler,needle=passkey"),
+    ] {
+        let plain = TaskShape::parse(base).unwrap();
+        let lines = TaskShape::parse(&format!("{base},answer=lines")).unwrap();
+        assert_eq!(lines.answer, AnswerForm::Lines);
+        assert_ne!(plain.label(), lines.label());
+        for task in Task::ALL {
+            for i in 0..2 {
+                let mut p = params(context);
+                p.shape = plain;
+                let a = generate(task, &p, m.tokenizer(), &h, &w, i).expect("plain");
+                p.shape = lines;
+                let b = generate(task, &p, m.tokenizer(), &h, &w, i).expect("lines");
+                assert_eq!((&a.gold, &a.question, &a.depths), (&b.gold, &b.question, &b.depths));
+                assert!(b.prompt_tokens + b.max_new <= context, "{task:?} {context}");
+                let several = matches!(task, Task::NiahMultivalue | Task::NiahMultiquery)
+                    && a.gold.len() > 1;
+                if !several {
+                    assert_eq!(a.prompt, b.prompt, "{task:?} {context} {i}");
+                    continue;
+                }
+                let (_, last) = b.prompt.rsplit_once(":\n- ").expect("the list's first line");
+                let lead = if base.contains("passkey") {
+                    "The pass key for "
+                } else {
+                    "One of the special magic numbers for "
+                };
+                assert!(last.starts_with(lead), "{last:?}");
+                assert!(a.gold.iter().all(|g| !last.contains(g.as_str())), "{last:?}");
+                // The haystack may be shorter by the prefix's few tokens, never longer.
+                assert!(b.haystack_words <= a.haystack_words);
+            }
+        }
+    }
+    let e = TaskShape::parse("small,answer=list").unwrap_err().to_string();
+    assert!(e.contains("answer=list"), "{e}");
+}
+
 /// The small task shape plants 2 keys, 2 values and a chain of 2, keeps RULER's structure
 /// (the needle sentence, the question, the answer prefix with the chain's length) and fits.
 #[test]
