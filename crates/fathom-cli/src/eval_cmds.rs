@@ -121,7 +121,10 @@ pub struct RulerArgs {
     pub prompt: String,
     /// How much each task plants: `ruler` (4 keys, 4 values, a chain of 5, 7-digit values) or
     /// `small` (2 keys, 2 values, a chain of 2, for 100M-parameter models), optionally followed
-    /// by overrides (`small,digits=4,keys=3`); the templates and scoring stay RULER's. Example:
+    /// by overrides: `keys=K`, `values=V`, `chain=C`, `digits=D`, `needle=magic|passkey` (the
+    /// needle worded as a numeric pass key stated twice) and `answer=ruler|lines` (a task of
+    /// several values: the answer prefix opens a list of lines worded as the needle); the
+    /// templates and scoring stay RULER's. Example:
     /// `fathom ruler --model smollm2-135m --context 8192 --prompt chat --shape small --samples 20`.
     #[arg(long, default_value = "ruler")]
     pub shape: String,
