@@ -159,6 +159,13 @@ pub struct OffloadBenchArgs {
     /// times each over every method, e.g. `--scan-vec 1,2`.
     #[arg(long = "scan-vec", value_delimiter = ',', default_value = "1")]
     pub scan_vec: Vec<u32>,
+    /// Cache engine: also time every method with its whole decode step (every layer's append
+    /// and attend) captured once as a CUDA graph and replayed each step, as a serving engine
+    /// runs decode (`PagedCache::capture`; entries with `graph: true`, compared with the
+    /// 136-bit scans timed the same way), beside the kernel-by-kernel launches. Example:
+    /// `fathom offload-bench --engine cache --context 1m --methods fathom:48,sparq:32 --graph`.
+    #[arg(long)]
+    pub graph: bool,
     /// Cache engine: what backs the pools in host memory, `driver` (`cuMemHostAlloc`, the
     /// default), `huge` (2 MiB transparent huge pages registered with the driver; Linux) or
     /// `vmm` (host-NUMA memory of the virtual memory API, mapped at 2 MiB or more).
@@ -207,6 +214,9 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             r => r.map_err(anyhow::Error::from),
         })
         .collect::<Result<Vec<_>>>()?;
+    if a.graph && a.engine == "step" {
+        anyhow::bail!("--graph captures the cache engine's step (`--engine cache`); the step engine launches kernel by kernel");
+    }
     let cfg = BenchConfig {
         command: fathom_results::command_line(),
         study: if a.study == "pipeline-sweep" {
@@ -251,6 +261,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             .map(|&w| fathom_cuda::cache::check_scan_vector_words(w).map(|()| w))
             .collect::<Result<Vec<_>, _>>()?,
         host_pages: fathom_cuda::HostPages::parse(&a.host_pages)?,
+        graphs: if a.graph { vec![false, true] } else { Vec::new() },
     };
     let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;
@@ -273,10 +284,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             r.context,
             r.residency,
             format!("{}/{}", r.groups, r.gather_ctas),
-            if r.select.is_empty() {
-                r.method.clone()
-            } else {
-                format!("{} [{}]", r.method, r.select)
+            match (r.select.is_empty(), r.graph) {
+                (true, false) => r.method.clone(),
+                (true, true) => format!("{} [graph]", r.method),
+                (false, false) => format!("{} [{}]", r.method, r.select),
+                (false, true) => format!("{} [{}, graph]", r.method, r.select),
             },
             r.bits,
             r.gpu_ms,

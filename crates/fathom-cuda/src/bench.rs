@@ -83,6 +83,12 @@ pub struct BenchConfig {
     /// method ([`crate::PagedCache::set_scan_vector_words`]; empty: 1).
     #[serde(default)]
     pub scan_vector_words: Vec<u32>,
+    /// Cache engine only: how each method's decode step is launched, each over every method:
+    /// `false`, kernel by kernel; `true`, captured once as a CUDA graph
+    /// ([`crate::PagedCache::capture`]) and replayed every step, as a serving engine runs
+    /// its decode step (empty: kernel by kernel).
+    #[serde(default)]
+    pub graphs: Vec<bool>,
     /// Cache engine only: what backs the pools in host memory ([`crate::HostPages`]).
     #[serde(default)]
     pub host_pages: crate::HostPages,
@@ -372,6 +378,9 @@ fn run_cache_engine(
     mut progress: impl FnMut(&str),
 ) -> Result<OffloadBench> {
     rep.notes.push("engine: the library path (PagedCache): sessions are prefilled by appends of the tiled source keys and values (tiles after the first made distinct as the step's store is: half of the channels negated, ±3% per block and channel; LayerSource::tiled_keys); every timed step reserves one token per session, appends that token's K/V for every layer from device memory and attends the step's queries; each query head attends over its own sink + local + top-k set (docs/SPEC.md §5); GPU time is the event pair around the appends and attends".into());
+    if c.graphs.contains(&true) {
+        rep.notes.push("graph entries (`--graph`): each method's whole step, every layer's append and attend, captured once as a CUDA graph (PagedCache::capture, at the first warm-up step) and replayed every step; the step's queries are copied to the graph's query buffer before the event pair, as a model's forward would have written them there".into());
+    }
     let mut runs: Vec<Vec<usize>> = c
         .contexts
         .iter()
@@ -400,20 +409,22 @@ fn run_cache_engine(
 /// Speedups of every result against every 136-bit scan among `results` (one context and
 /// residency).
 pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
-    // Against the 136-bit scans timed under the same select, head-group and load settings.
-    let base: Vec<((String, usize, u32), String, f64)> = results
+    // Against the 136-bit scans timed under the same select, head-group, load and launch
+    // settings.
+    type Setting = (String, usize, u32, bool);
+    let base: Vec<(Setting, String, f64)> = results
         .iter()
         .filter(|r| {
             fathom_plan::method::MethodSpec::parse(&r.method, dim)
                 .is_ok_and(|m| m.is_136_bit_scan())
         })
         .map(|r| {
-            let setting = (r.select.clone(), r.groups, r.scan_vector_words);
+            let setting = (r.select.clone(), r.groups, r.scan_vector_words, r.graph);
             (setting, r.method.clone(), r.gpu_ms)
         })
         .collect();
     for r in results {
-        let setting = (r.select.clone(), r.groups, r.scan_vector_words);
+        let setting = (r.select.clone(), r.groups, r.scan_vector_words, r.graph);
         for (s, name, ms) in &base {
             if *s == setting {
                 r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
@@ -546,6 +557,7 @@ fn summarize(
         fallback_rate: None,
         filtered_share: None,
         scan_vector_words: 0,
+        graph: false,
         append_ms: None,
     }
 }

@@ -396,7 +396,7 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
             // pipelining and gather grid (step engine).
             let setting = match v.engine {
                 OffloadEngine::Cache => format!(
-                    "{}, {} head group{}{}",
+                    "{}, {} head group{}{}{}",
                     if r.select.is_empty() {
                         "scores"
                     } else {
@@ -408,7 +408,8 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
                         ", 16-byte scan loads"
                     } else {
                         ""
-                    }
+                    },
+                    if r.graph { ", one CUDA graph per step" } else { "" }
                 ),
                 OffloadEngine::Step => {
                     format!("groups {}, gather CTAs {}", r.groups, r.gather_ctas)

@@ -136,6 +136,10 @@ pub struct BenchResult {
     /// older runs, which loaded one word.
     #[serde(default)]
     pub scan_vector_words: u32,
+    /// Cache engine: the step was one captured CUDA graph replayed (`--graph`), not kernel
+    /// by kernel; `false` in older runs.
+    #[serde(default)]
+    pub graph: bool,
     /// Cache engine: median GPU time of one step's appends (every timed layer), ms, from an
     /// event pair around each append on as many extra steps as were timed, run after them in
     /// the same process (the timed steps carry no extra events); `None` in older runs and for
