@@ -261,7 +261,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             .map(|&w| fathom_cuda::cache::check_scan_vector_words(w).map(|()| w))
             .collect::<Result<Vec<_>, _>>()?,
         host_pages: fathom_cuda::HostPages::parse(&a.host_pages)?,
-        graphs: if a.graph { vec![false, true] } else { Vec::new() },
+        graphs: if a.graph {
+            vec![false, true]
+        } else {
+            Vec::new()
+        },
     };
     let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;

@@ -263,9 +263,7 @@ pub(crate) fn run(
         let out: CudaSlice<f32> = stream.alloc_zeros(b * hq * d).map_err(drv("alloc"))?;
         // A captured step reads its queries from one place: each replayed step's are copied
         // there first (outside the timed events, as a model's forward would have written them).
-        let qfix: CudaSlice<f32> = stream
-            .alloc_zeros(layers * row)
-            .map_err(drv("alloc"))?;
+        let qfix: CudaSlice<f32> = stream.alloc_zeros(layers * row).map_err(drv("alloc"))?;
         stream.synchronize().map_err(drv("synchronize"))?;
         progress(&format!("  set up in {:.1}s", t0.elapsed().as_secs_f64()));
         let params = SelectParams {
@@ -303,6 +301,14 @@ pub(crate) fn run(
             c.graphs.clone()
         };
         let qf = qfix.device_ptr(&stream).0;
+        let io = StepIo {
+            k: kp,
+            v: vp,
+            out: op,
+            layers,
+            sessions: b,
+            kv_row: hkv * d,
+        };
         for (fuse, groups, vec, as_graph, &m) in settings
             .iter()
             .flat_map(|&f| attend_groups.iter().map(move |&g| (f, g)))
@@ -402,31 +408,15 @@ pub(crate) fn run(
                     }
                     if graph.is_none() {
                         graph = Some(cache.capture(&batch, |cache| {
-                            for l in 0..layers {
-                                let kv_off = ((l * b) * hkv * d * 4) as u64;
-                                cache.append(
-                                    &batch,
-                                    l,
-                                    &KvRows {
-                                        k: kp + kv_off,
-                                        v: vp + kv_off,
-                                        dtype: KvDtype::F32,
-                                        rows: b,
-                                    },
-                                )?;
-                                cache.attend(
-                                    &batch,
-                                    l,
-                                    am,
-                                    &params,
-                                    &QueryRows {
-                                        q: qf + ((l * row) * 4) as u64,
-                                        dtype: KvDtype::F32,
-                                    },
-                                    op,
-                                )?;
-                            }
-                            Ok(())
+                            launch_step(
+                                cache,
+                                &batch,
+                                &io,
+                                am,
+                                &params,
+                                |l| qf + ((l * row) * 4) as u64,
+                                || Ok(()),
+                            )
                         })?);
                     }
                 }
@@ -434,36 +424,21 @@ pub(crate) fn run(
                 let mut append_events = Vec::new();
                 if let (true, Some(g)) = (replayed, &graph) {
                     cache.replay(&batch, g)?;
-                }
-                for l in (0..layers).filter(|_| !replayed) {
-                    let kv_off = ((l * b) * hkv * d * 4) as u64;
-                    if time_appends {
-                        append_events.push(ev(&stream)?);
-                    }
-                    cache.append(
+                } else {
+                    let q0 = qp + ((step * layers * row) * 4) as u64;
+                    launch_step(
+                        &mut cache,
                         &batch,
-                        l,
-                        &KvRows {
-                            k: kp + kv_off,
-                            v: vp + kv_off,
-                            dtype: KvDtype::F32,
-                            rows: b,
-                        },
-                    )?;
-                    if time_appends {
-                        append_events.push(ev(&stream)?);
-                    }
-                    let q_off = (((step * layers + l) * row) * 4) as u64;
-                    cache.attend(
-                        &batch,
-                        l,
+                        &io,
                         am,
                         &params,
-                        &QueryRows {
-                            q: qp + q_off,
-                            dtype: KvDtype::F32,
+                        |l| q0 + ((l * row) * 4) as u64,
+                        || {
+                            if time_appends {
+                                append_events.push(ev(&stream)?);
+                            }
+                            Ok(())
                         },
-                        op,
                     )?;
                 }
                 let e1 = ev(&stream)?;
@@ -544,6 +519,58 @@ pub(crate) fn run(
         if let Some(p) = &c.json {
             crate::bench::write_json(rep, p)?;
         }
+    }
+    Ok(())
+}
+
+/// The device buffers one bench decode step reads and writes: every layer's new K and V
+/// (`[layer][session][Hkv][D]` f32, `kv_row` = Hkv·D floats per session) and the output rows.
+struct StepIo {
+    k: u64,
+    v: u64,
+    out: u64,
+    layers: usize,
+    sessions: usize,
+    kv_row: usize,
+}
+
+/// One decode step's launches on `cache`, the same whether run or captured: per layer, the
+/// append of the step's new K/V, then the attend of the queries at `q(layer)`; `mark` runs
+/// just before and just after each append (where the appends' timing puts its events).
+fn launch_step(
+    cache: &mut PagedCache,
+    batch: &crate::cache::AppendBatch,
+    io: &StepIo,
+    method: AttendMethod,
+    params: &SelectParams,
+    q: impl Fn(usize) -> u64,
+    mut mark: impl FnMut() -> Result<()>,
+) -> Result<()> {
+    for l in 0..io.layers {
+        let off = ((l * io.sessions * io.kv_row) * 4) as u64;
+        mark()?;
+        cache.append(
+            batch,
+            l,
+            &KvRows {
+                k: io.k + off,
+                v: io.v + off,
+                dtype: KvDtype::F32,
+                rows: io.sessions,
+            },
+        )?;
+        mark()?;
+        cache.attend(
+            batch,
+            l,
+            method,
+            params,
+            &QueryRows {
+                q: q(l),
+                dtype: KvDtype::F32,
+            },
+            io.out,
+        )?;
     }
     Ok(())
 }

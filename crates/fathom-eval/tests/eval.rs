@@ -158,28 +158,39 @@ fn needle_lines_end_only_the_answer_prefix_of_several_values() {
                 let a = generate(task, &p, m.tokenizer(), &h, &w, i).expect("plain");
                 p.shape = lines;
                 let b = generate(task, &p, m.tokenizer(), &h, &w, i).expect("lines");
-                assert_eq!((&a.gold, &a.question, &a.depths), (&b.gold, &b.question, &b.depths));
+                assert_eq!(
+                    (&a.gold, &a.question, &a.depths),
+                    (&b.gold, &b.question, &b.depths)
+                );
                 assert!(b.prompt_tokens + b.max_new <= context, "{task:?} {context}");
-                let several = matches!(task, Task::NiahMultivalue | Task::NiahMultiquery)
-                    && a.gold.len() > 1;
+                let several =
+                    matches!(task, Task::NiahMultivalue | Task::NiahMultiquery) && a.gold.len() > 1;
                 if !several {
                     assert_eq!(a.prompt, b.prompt, "{task:?} {context} {i}");
                     continue;
                 }
-                let (_, last) = b.prompt.rsplit_once(":\n- ").expect("the list's first line");
+                let (_, last) = b
+                    .prompt
+                    .rsplit_once(":\n- ")
+                    .expect("the list's first line");
                 let lead = if base.contains("passkey") {
                     "The pass key for "
                 } else {
                     "One of the special magic numbers for "
                 };
                 assert!(last.starts_with(lead), "{last:?}");
-                assert!(a.gold.iter().all(|g| !last.contains(g.as_str())), "{last:?}");
+                assert!(
+                    a.gold.iter().all(|g| !last.contains(g.as_str())),
+                    "{last:?}"
+                );
                 // The haystack may be shorter by the prefix's few tokens, never longer.
                 assert!(b.haystack_words <= a.haystack_words);
             }
         }
     }
-    let e = TaskShape::parse("small,answer=list").unwrap_err().to_string();
+    let e = TaskShape::parse("small,answer=list")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("answer=list"), "{e}");
 }
 

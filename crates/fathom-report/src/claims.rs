@@ -409,7 +409,11 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
                     } else {
                         ""
                     },
-                    if r.graph { ", one CUDA graph per step" } else { "" }
+                    if r.graph {
+                        ", one CUDA graph per step"
+                    } else {
+                        ""
+                    }
                 ),
                 OffloadEngine::Step => {
                     format!("groups {}, gather CTAs {}", r.groups, r.gather_ctas)
