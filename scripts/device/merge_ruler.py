@@ -13,7 +13,7 @@ parts' tasks in order, their commands joined by " ; ", and the sums of their sec
 `--replace`: a later part's tasks replace the same tasks of the earlier parts (their results,
 summaries and seconds are dropped), for a task re-run after a change that concerns it alone.
 The fields in TASK_FIELDS belong to one task (`vt_example`: whether `vt` opened with RULER's
-in-context example): a part that does not hold that task is not compared on them, and the
+in-context example; `vt_haystack`: whether it read RULER's noise or the real-text haystack): a part that does not hold that task is not compared on them, and the
 joined document takes them from the part that holds it.
 """
 import json
@@ -21,7 +21,7 @@ import os
 import sys
 
 PER_PART = {"tasks", "summary", "results", "command", "seconds", "load_seconds"}
-TASK_FIELDS = {"vt_example": "vt"}
+TASK_FIELDS = {"vt_example": "vt", "vt_haystack": "vt"}
 
 
 def drop_tasks(doc, tasks):

@@ -137,6 +137,12 @@ pub struct RulerArgs {
     /// a few hundred tokens with its answer), as runs before it was added did.
     #[arg(long)]
     pub no_vt_example: bool,
+    /// `vt`'s haystack: `noise` (RULER's, its one line of noise repeated: RULER's variable
+    /// tracking has no other) or `text` (the run's real-text haystack, as the NIAH tasks read
+    /// and as runs before this option did). Example: `fathom ruler --model smollm2-135m
+    /// --context 8192 --tasks vt --vt-haystack text`.
+    #[arg(long, default_value = "noise", value_parser = ["noise", "text"])]
+    pub vt_haystack: String,
 }
 
 /// `fathom agent-steps`: teacher-forced step agreement on agent-transcript coding contexts.
@@ -430,6 +436,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         format,
         shape,
         vt_example: !a.no_vt_example,
+        vt_noise: a.vt_haystack == "noise",
     };
     let nm = s.methods.len();
     let pb = bar((tasks.len() * a.samples * nm) as u64);
@@ -626,6 +633,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         prompt: Some(a.prompt.clone()),
         shape: Some(shape.label()),
         vt_example: Some(!a.no_vt_example),
+        vt_haystack: Some(a.vt_haystack.clone()),
         haystack: haystack.source.clone(),
         words: Some(words.source.clone()),
         summary,

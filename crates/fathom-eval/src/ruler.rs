@@ -27,8 +27,11 @@
 //! tokenizer (binary search on the word count; RULER searches in steps). `vt` opens with
 //! RULER's in-context example, as RULER's `add_fewshot` default does: the same template over a
 //! few hundred tokens of the haystack with a 3-letter chain, and its answer
-//! ([`TaskParams::vt_example`]; results made before it record `vt_example` absent). `fwe` has
-//! none (RULER's `freq_words_extraction.py` adds none by default).
+//! ([`TaskParams::vt_example`]; results made before it record `vt_example` absent), and its
+//! haystack is RULER's line of noise repeated ([`TaskParams::vt_noise`], [`VT_NOISE`]: RULER's
+//! `variable_tracking.py` has no other; results made before it record `vt_haystack` absent and
+//! used the real-text haystack, as the NIAH tasks still do). `fwe` has no
+//! example (RULER's `freq_words_extraction.py` adds none by default).
 //!
 //! **Departures for small models** (both off by default, both recorded in a result): the
 //! [`PromptFormat::Chat`] wording puts the task in the model's chat turn and says "number … is"
@@ -359,6 +362,11 @@ pub struct TaskParams {
     /// Prepend RULER's in-context example to `vt` (its `add_fewshot`, on by default there and
     /// here): a short chain over a few hundred tokens of the same haystack, with its answer.
     pub vt_example: bool,
+    /// `vt`'s haystack is RULER's: its noise line ([`VT_NOISE`]) repeated, the only haystack
+    /// RULER's `variable_tracking.py` has. `false`: the run's real-text haystack, as runs made
+    /// before this field did (they record `vt_haystack` absent). The NIAH tasks always read
+    /// the real-text haystack.
+    pub vt_noise: bool,
 }
 
 impl TaskParams {
@@ -371,6 +379,7 @@ impl TaskParams {
             format: PromptFormat::Ruler,
             shape: TaskShape::RULER,
             vt_example: true,
+            vt_noise: true,
         }
     }
 }
@@ -523,7 +532,8 @@ pub struct Sample {
     pub gold: Vec<String>,
     /// The question part (after the haystack), for readers.
     pub question: String,
-    /// Haystack words used, and the word offset they start at.
+    /// Haystack words used, and the word offset they start at (`vt` on RULER's noise
+    /// haystack: lines of [`VT_NOISE`], offset 0).
     pub haystack_words: usize,
     /// Offset into the haystack.
     pub haystack_offset: usize,
@@ -618,6 +628,21 @@ fn plant(sents: &[String], items: &[(f64, String)]) -> String {
     parts.join(" ")
 }
 
+/// RULER's `vt` haystack: one line of noise, repeated (`variable_tracking.py`'s only one).
+pub const VT_NOISE: &str =
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n";
+
+/// `vt`'s `m` haystack units, between which its statements are planted: `m` lines of
+/// [`VT_NOISE`] (`noise`), or the sentences of the real-text haystack's `m` words from
+/// `offset`.
+fn vt_lines(noise: bool, haystack: &Haystack, offset: usize, m: usize) -> Vec<String> {
+    if noise {
+        vec![VT_NOISE.to_string(); m]
+    } else {
+        sentences(haystack.take(offset, m))
+    }
+}
+
 /// The largest `m` in `0..=hi` with `fits(m)` (monotone), or an error if not even 0 fits.
 fn largest_fitting(
     hi: usize,
@@ -693,14 +718,14 @@ pub fn generate(
             // The example draws from its own stream, so the task itself is the same prompt
             // with or without it (only the haystack shrinks to make room).
             let example = if params.vt_example {
-                let (text, n) = vt_example(seed, vars.len(), haystack, &count)?;
+                let (text, n) = vt_example(seed, vars.len(), haystack, params.vt_noise, &count)?;
                 example_tokens = n;
                 format!("{text}\n\n")
             } else {
                 String::new()
             };
             let build = |m: usize| -> String {
-                let ctx = plant(&sentences(haystack.take(offset, m)), &items);
+                let ctx = plant(&vt_lines(params.vt_noise, haystack, offset, m), &items);
                 let t = VT_TEMPLATE
                     .replace("{context}", &ctx)
                     .replace("{query}", &value);
@@ -796,7 +821,11 @@ pub fn generate(
         gold,
         question,
         haystack_words: m,
-        haystack_offset: if task == Task::Fwe { 0 } else { offset },
+        haystack_offset: match task {
+            Task::Fwe => 0,
+            Task::Vt if params.vt_noise => 0,
+            _ => offset,
+        },
         depths: depths_used,
         example_tokens,
     })
@@ -845,13 +874,14 @@ fn vt_example(
     seed: u64,
     chain: usize,
     haystack: &Haystack,
+    noise: bool,
     count: &dyn Fn(&str) -> Result<usize, EvalError>,
 ) -> Result<(String, usize), EvalError> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5654_4558_414d_504c); // "VTEXAMPL"
     let (vars, value, items) = vt_chain(&mut rng, chain, 3);
     let offset = rng.gen_range(0..haystack.words.len());
     let build = |m: usize| -> String {
-        let ctx = plant(&sentences(haystack.take(offset, m)), &items);
+        let ctx = plant(&vt_lines(noise, haystack, offset, m), &items);
         format!(
             "{}{}{}",
             VT_TEMPLATE

@@ -72,6 +72,59 @@ fn params(context: usize) -> TaskParams {
         format: fathom_eval::ruler::PromptFormat::Ruler,
         shape: fathom_eval::ruler::TaskShape::RULER,
         vt_example: true,
+        vt_noise: true,
+    }
+}
+
+/// `vt` reads RULER's haystack, its line of noise repeated, with the chain's statements
+/// between lines (its in-context example too); `vt_noise = false` reads the real-text
+/// haystack instead, and the chain, gold and question are the same either way.
+#[test]
+fn vt_reads_rulers_noise_haystack_unless_told_otherwise() {
+    use fathom_eval::ruler::{TaskShape, VT_NOISE};
+    let Some(m) = model() else { return };
+    let Some(w) = words() else { return };
+    let h = haystack();
+    for (context, shape) in [(1024, TaskShape::SMALL), (2048, TaskShape::RULER)] {
+        for i in 0..3 {
+            let mut p = params(context);
+            p.shape = shape;
+            let noise = generate(Task::Vt, &p, m.tokenizer(), &h, &w, i).expect("vt");
+            p.vt_noise = false;
+            let text = generate(Task::Vt, &p, m.tokenizer(), &h, &w, i).expect("vt");
+            assert_eq!((&noise.gold, &noise.question), (&text.gold, &text.question));
+            assert!(noise.prompt_tokens + noise.max_new <= context);
+            assert_eq!(noise.haystack_offset, 0);
+            let lines = noise.prompt.matches(VT_NOISE.trim_end()).count();
+            assert!(
+                lines >= noise.haystack_words,
+                "{lines} < {}",
+                noise.haystack_words
+            );
+            assert!(
+                noise.haystack_words > 4,
+                "{context} {i}: {}",
+                noise.haystack_words
+            );
+            assert_eq!(text.prompt.matches(VT_NOISE.trim_end()).count(), 0);
+            // Every statement of the chain is there, in order, on the noise side too.
+            let first = noise.prompt.rfind("Memorize and track").unwrap();
+            let task = &noise.prompt[first..];
+            let mut at = 0;
+            for (hop, name) in noise.gold.iter().enumerate() {
+                let needle = if hop == 0 {
+                    format!("VAR {name} = ")
+                } else {
+                    format!("VAR {name} = VAR {}", noise.gold[hop - 1])
+                };
+                let found = task[at..].find(&needle).expect("a statement of the chain");
+                at += found;
+            }
+            assert!(
+                text.haystack_words > noise.haystack_words,
+                "words, not lines"
+            );
+        }
     }
 }
 

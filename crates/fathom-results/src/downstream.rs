@@ -167,6 +167,11 @@ pub struct RulerDoc {
     /// added; absent in earlier files, which had none). Only `vt`'s prompts depend on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vt_example: Option<bool>,
+    /// `vt`'s haystack: `noise` (RULER's line of noise repeated, the default since it was
+    /// added) or `text` (the run's real-text haystack); absent in earlier files, which read the
+    /// real-text haystack. Only `vt`'s prompts depend on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vt_haystack: Option<String>,
     /// The haystack text's source.
     pub haystack: String,
     /// The key word list's source.
