@@ -166,6 +166,13 @@ pub struct OffloadBenchArgs {
     /// `fathom offload-bench --engine cache --context 1m --methods fathom:48,sparq:32 --graph`.
     #[arg(long)]
     pub graph: bool,
+    /// Cache engine: time every setting and method this many times, in rounds that
+    /// interleave the methods in time (each entry carries its `round`); every speedup then
+    /// comes once per round, and the summary gives its mean with a 95 % Student-t interval over
+    /// rounds. Example: `fathom offload-bench --engine cache --context 1m --methods
+    /// fathom:48,sparq:32,ds:32 --rounds 5`.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     /// Cache engine: what backs the pools in host memory, `driver` (`cuMemHostAlloc`, the
     /// default), `huge` (2 MiB transparent huge pages registered with the driver; Linux) or
     /// `vmm` (host-NUMA memory of the virtual memory API, mapped at 2 MiB or more).
@@ -214,6 +221,12 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             r => r.map_err(anyhow::Error::from),
         })
         .collect::<Result<Vec<_>>>()?;
+    if a.rounds == 0 {
+        anyhow::bail!("--rounds 0: want at least one round");
+    }
+    if a.rounds > 1 && a.engine == "step" {
+        anyhow::bail!("--rounds {}: rounds interleave the cache engine's methods (`--engine cache`); the step engine times each method once", a.rounds);
+    }
     if a.graph && a.engine == "step" {
         anyhow::bail!("--graph captures the cache engine's step (`--engine cache`); the step engine launches kernel by kernel");
     }
@@ -266,6 +279,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         } else {
             Vec::new()
         },
+        rounds: a.rounds,
     };
     let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;
@@ -288,12 +302,20 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             r.context,
             r.residency,
             format!("{}/{}", r.groups, r.gather_ctas),
-            match (r.select.is_empty(), r.graph) {
-                (true, false) => r.method.clone(),
-                (true, true) => format!("{} [graph]", r.method),
-                (false, false) => format!("{} [{}]", r.method, r.select),
-                (false, true) => format!("{} [{}, graph]", r.method, r.select),
-            },
+            format!(
+                "{}{}",
+                match (r.select.is_empty(), r.graph) {
+                    (true, false) => r.method.clone(),
+                    (true, true) => format!("{} [graph]", r.method),
+                    (false, false) => format!("{} [{}]", r.method, r.select),
+                    (false, true) => format!("{} [{}, graph]", r.method, r.select),
+                },
+                if a.rounds > 1 {
+                    format!(" r{}", r.round + 1)
+                } else {
+                    String::new()
+                }
+            ),
             r.bits,
             r.gpu_ms,
             r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
@@ -306,6 +328,25 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(" ")
         );
+    }
+    let rounds = fathom_results::offload::round_ratios(&rep.results);
+    if !rounds.is_empty() {
+        println!("\nspeedups over rounds (mean, 95 % Student-t interval over rounds):");
+        for g in &rounds {
+            let i = fathom_report::intervals::Interval::of(&g.ratios);
+            println!(
+                "{:<9} {:<5} {:<24} ÷ {:<10} {:.3}× [{:.3}, {:.3}] ({} rounds; min {:.3}×)",
+                g.context,
+                g.residency,
+                format!("{}{}", g.method, if g.setting.3 { " [graph]" } else { "" }),
+                g.against,
+                i.mean,
+                i.lo,
+                i.hi,
+                i.n,
+                g.ratios.iter().copied().fold(f64::INFINITY, f64::min)
+            );
+        }
     }
     if let Some(p) = &a.json {
         eprintln!("wrote {}", p.display());

@@ -789,6 +789,28 @@ fn cases(fx: &Fx) -> Vec<Case> {
         Some(out.clone()),
     );
     case(
+        "zero rounds",
+        "offload-bench",
+        s(["offload-bench", "--rounds", "0", "--json", &out]),
+        "--rounds 0",
+        Some(out.clone()),
+    );
+    case(
+        "rounds on the step engine",
+        "offload-bench",
+        s([
+            "offload-bench",
+            "--engine",
+            "step",
+            "--rounds",
+            "3",
+            "--json",
+            &out,
+        ]),
+        "--engine cache",
+        Some(out.clone()),
+    );
+    case(
         "split residency in offload-bench",
         "offload-bench",
         s(["offload-bench", "--residency", "index-hbm", "--json", &out]),

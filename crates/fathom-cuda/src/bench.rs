@@ -89,9 +89,19 @@ pub struct BenchConfig {
     /// its decode step (empty: kernel by kernel).
     #[serde(default)]
     pub graphs: Vec<bool>,
+    /// Cache engine only: rounds of the whole set of settings and methods, each method timed
+    /// once per round in the same order, so the rounds interleave the methods in time and
+    /// every ratio comes once per round (its spread over rounds gives an interval); 1 times
+    /// each once. Entries carry their `round`.
+    #[serde(default = "one_round")]
+    pub rounds: usize,
     /// Cache engine only: what backs the pools in host memory ([`crate::HostPages`]).
     #[serde(default)]
     pub host_pages: crate::HostPages,
+}
+
+fn one_round() -> usize {
+    1
 }
 
 fn default_pool_budget() -> u64 {
@@ -378,6 +388,9 @@ fn run_cache_engine(
     mut progress: impl FnMut(&str),
 ) -> Result<OffloadBench> {
     rep.notes.push("engine: the library path (PagedCache): sessions are prefilled by appends of the tiled source keys and values (tiles after the first made distinct as the step's store is: half of the channels negated, ±3% per block and channel; LayerSource::tiled_keys); every timed step reserves one token per session, appends that token's K/V for every layer from device memory and attends the step's queries; each query head attends over its own sink + local + top-k set (docs/SPEC.md §5); GPU time is the event pair around the appends and attends".into());
+    if c.rounds > 1 {
+        rep.notes.push(format!("rounds (`--rounds {}`): every setting and method timed once per round, in the same order, so the rounds interleave the methods in time; each entry's speedups pair it with the 136-bit scans of its own round, and the spread of a ratio over rounds gives its interval", c.rounds));
+    }
     if c.graphs.contains(&true) {
         rep.notes.push("graph entries (`--graph`): each method's whole step, every layer's append and attend, captured once as a CUDA graph (PagedCache::capture, at the first warm-up step) and replayed every step; the step's queries are copied to the graph's query buffer before the event pair, as a model's forward would have written them there".into());
     }
@@ -410,21 +423,18 @@ fn run_cache_engine(
 /// residency).
 pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
     // Against the 136-bit scans timed under the same select, head-group, load and launch
-    // settings.
-    type Setting = (String, usize, u32, bool);
+    // settings, in the same round.
+    type Setting = ((String, usize, u32, bool), usize);
     let base: Vec<(Setting, String, f64)> = results
         .iter()
         .filter(|r| {
             fathom_plan::method::MethodSpec::parse(&r.method, dim)
                 .is_ok_and(|m| m.is_136_bit_scan())
         })
-        .map(|r| {
-            let setting = (r.select.clone(), r.groups, r.scan_vector_words, r.graph);
-            (setting, r.method.clone(), r.gpu_ms)
-        })
+        .map(|r| ((r.setting(), r.round), r.method.clone(), r.gpu_ms))
         .collect();
     for r in results {
-        let setting = (r.select.clone(), r.groups, r.scan_vector_words, r.graph);
+        let setting = (r.setting(), r.round);
         for (s, name, ms) in &base {
             if *s == setting {
                 r.speedup_vs_136.insert(name.clone(), ms / r.gpu_ms);
@@ -559,5 +569,6 @@ fn summarize(
         scan_vector_words: 0,
         graph: false,
         append_ms: None,
+        round: 0,
     }
 }

@@ -117,6 +117,7 @@ pub(crate) fn run(
             * c.groups.len().max(1)
             * c.scan_vector_words.len().max(1)
             * c.graphs.len().max(1)
+            * c.rounds.max(1)
             + 8;
         let page = DEFAULT_PAGE_TOKENS;
         let pages: usize = lens
@@ -309,12 +310,12 @@ pub(crate) fn run(
             sessions: b,
             kv_row: hkv * d,
         };
-        for (fuse, groups, vec, as_graph, &m) in settings
-            .iter()
-            .flat_map(|&f| attend_groups.iter().map(move |&g| (f, g)))
-            .flat_map(|(f, g)| vecs.iter().map(move |&v| (f, g, v)))
-            .flat_map(|(f, g, v)| graphs.iter().map(move |&x| (f, g, v, x)))
-            .flat_map(|(f, g, v, x)| c.methods.iter().map(move |m| (f, g, v, x, m)))
+        for (round, fuse, groups, vec, as_graph, &m) in (0..c.rounds.max(1))
+            .flat_map(|round| settings.iter().map(move |&f| (round, f)))
+            .flat_map(|(round, f)| attend_groups.iter().map(move |&g| (round, f, g)))
+            .flat_map(|(round, f, g)| vecs.iter().map(move |&v| (round, f, g, v)))
+            .flat_map(|(round, f, g, v)| graphs.iter().map(move |&x| (round, f, g, v, x)))
+            .flat_map(|(round, f, g, v, x)| c.methods.iter().map(move |m| (round, f, g, v, x, m)))
         {
             cache.set_select_path(fuse)?;
             let select = fuse.label();
@@ -480,6 +481,7 @@ pub(crate) fn run(
             r.groups = groups;
             r.scan_vector_words = vec;
             r.graph = as_graph;
+            r.round = round;
             if fuse != crate::cache::SelectPath::Scores {
                 let filtered = sel1.filtered - sel0.filtered;
                 let fallbacks = sel1.fallbacks - sel0.fallbacks;
@@ -492,7 +494,12 @@ pub(crate) fn run(
                 });
             }
             progress(&format!(
-                "  {:<10} {:<15} groups {} loads {}×8 B {}  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}  appends {}",
+                "  {}{:<10} {:<15} groups {} loads {}×8 B {}  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}  appends {}",
+                if c.rounds > 1 {
+                    format!("round {} ", r.round + 1)
+                } else {
+                    String::new()
+                },
                 r.method,
                 r.select,
                 r.groups,
@@ -629,5 +636,6 @@ fn result(
         scan_vector_words: 0,
         graph: false,
         append_ms: None,
+        round: 0,
     }
 }

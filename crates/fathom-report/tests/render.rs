@@ -254,3 +254,66 @@ fn an_offload_row_without_a_136_bit_scan_gets_no_verdict() {
         "{md}"
     );
 }
+
+/// An offload run in rounds: one row per setting, its speedup the mean over rounds with the
+/// interval, and a verdict only where the whole interval lies on one side of the target (a
+/// target inside the interval is neither met nor missed).
+#[test]
+fn offload_rounds_give_one_row_with_an_interval_and_an_interval_verdict() {
+    use fathom_results::offload::{BenchResult, OffloadBench, OffloadEngine};
+    // fathom:48 at 10 ms every round, sparq:32 at `scan` ms in round i.
+    let run = |context: usize, scan: &[f64]| -> Vec<BenchResult> {
+        let mut out = Vec::new();
+        for (round, &ms) in scan.iter().enumerate() {
+            let row = |method: &str, gpu_ms: f64| BenchResult {
+                context,
+                residency: "host".into(),
+                method: method.into(),
+                groups: 1,
+                select: "scores".into(),
+                gpu_ms,
+                round,
+                ..Default::default()
+            };
+            let mut f = row("fathom:48", 10.0);
+            f.speedup_vs_136.insert("sparq:32".into(), ms / 10.0);
+            out.push(f);
+            out.push(row("sparq:32", ms));
+        }
+        out
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut results = run(1 << 18, &[20.0, 20.2, 19.8]); // 2.00× [1.95, 2.05]: above 1.9
+    results.extend(run(1 << 20, &[22.5, 23.5, 23.0])); // 2.30× [2.18, 2.42]: 2.3 inside
+    let mut doc = OffloadBench {
+        version: 2,
+        command: "/x/fathom offload-bench --engine cache --rounds 3".into(),
+        shape_label: "qwen3-8b".into(),
+        batch: 1,
+        generator: "synthetic-gqa-v1 (test)".into(),
+        engine: OffloadEngine::Cache,
+        results,
+        ..Default::default()
+    };
+    fathom_results::write(&dir.path().join("rounds.json"), doc.clone()).unwrap();
+    let md = render(dir.path(), None);
+    assert!(md.contains("Timed in 3 rounds"), "{md}");
+    assert!(
+        md.contains(
+            "| 262144 | host | scores, 1 head group | 10.00 | sparq:32 2.00× [1.95, 2.05] |"
+        ),
+        "{md}"
+    );
+    assert!(md.contains("meets the 1.9× target"), "{md}");
+    assert!(
+        md.contains("sparq:32 2.30× [2.18, 2.42]")
+            && md.contains("the 2.3× target lies inside the interval"),
+        "{md}"
+    );
+    assert_eq!(md.matches("| 262144 | host |").count(), 1, "{md}");
+    // Tighter rounds below the target: missed.
+    doc.results = run(1 << 20, &[22.0, 22.1, 21.9]);
+    fathom_results::write(&dir.path().join("rounds.json"), doc).unwrap();
+    let md = render(dir.path(), None);
+    assert!(md.contains("misses the 2.3× target at 2.20×"), "{md}");
+}

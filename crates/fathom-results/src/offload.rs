@@ -146,6 +146,76 @@ pub struct BenchResult {
     /// the benchmark step.
     #[serde(default)]
     pub append_ms: Option<f64>,
+    /// Cache engine, `--rounds R`: which of the R rounds timed this entry. Each round times
+    /// every setting and method once, in the same order, so the rounds interleave the methods
+    /// in time and one round's ratios are paired; 0 in older runs and with one round.
+    #[serde(default)]
+    pub round: usize,
+}
+
+impl BenchResult {
+    /// What the entry's run varied besides the method and the round: the select path, head
+    /// groups, scan load width and launch mode (entries compare only under equal settings).
+    pub fn setting(&self) -> (String, usize, u32, bool) {
+        (
+            self.select.clone(),
+            self.groups,
+            self.scan_vector_words,
+            self.graph,
+        )
+    }
+}
+
+/// One method's speedup against one 136-bit scan under one setting, a ratio per round
+/// ([`round_ratios`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundRatios {
+    /// Context tokens.
+    pub context: usize,
+    /// `host` or `hbm`.
+    pub residency: String,
+    /// [`BenchResult::setting`].
+    pub setting: (String, usize, u32, bool),
+    /// The method.
+    pub method: String,
+    /// The 136-bit scan it is measured against.
+    pub against: String,
+    /// `against`'s GPU ms over `method`'s, round by round (in round order).
+    pub ratios: Vec<f64>,
+}
+
+/// The per-round speedups of every entry against every 136-bit scan of its round (the
+/// entries' `speedup_vs_136`, which pair within a round), grouped over rounds by context,
+/// residency, setting, method and scan, in the results' order; only groups of two rounds or
+/// more (one round has no spread).
+pub fn round_ratios(results: &[BenchResult]) -> Vec<RoundRatios> {
+    let mut out: Vec<RoundRatios> = Vec::new();
+    let mut sorted: Vec<&BenchResult> = results.iter().collect();
+    sorted.sort_by_key(|r| r.round); // stable: the results' order within a round
+    for r in sorted {
+        for (against, &x) in &r.speedup_vs_136 {
+            let same = |g: &RoundRatios| {
+                g.context == r.context
+                    && g.residency == r.residency
+                    && g.setting == r.setting()
+                    && g.method == r.method
+                    && g.against == *against
+            };
+            match out.iter_mut().find(|g| same(g)) {
+                Some(g) => g.ratios.push(x),
+                None => out.push(RoundRatios {
+                    context: r.context,
+                    residency: r.residency.clone(),
+                    setting: r.setting(),
+                    method: r.method.clone(),
+                    against: against.clone(),
+                    ratios: vec![x],
+                }),
+            }
+        }
+    }
+    out.retain(|g| g.ratios.len() >= 2);
+    out
 }
 
 /// An `offload-bench` run.
@@ -221,4 +291,44 @@ pub(crate) fn upgrade_legacy(what: &str, obj: &mut serde_json::Map<String, serde
         .is_some_and(|n| n.to_string_lossy().starts_with("pipeline"));
     let study = if sweep { "pipeline-sweep" } else { "main" };
     obj.insert("study".into(), study.into());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ratios pair within a round and group over rounds by setting; a setting timed in one
+    /// round only has no group.
+    #[test]
+    fn round_ratios_group_each_setting_over_rounds() {
+        let row = |method: &str, round: usize, graph: bool, x: Option<f64>| {
+            let mut r = BenchResult {
+                context: 1 << 20,
+                residency: "host".into(),
+                method: method.into(),
+                groups: 1,
+                round,
+                graph,
+                ..Default::default()
+            };
+            if let Some(x) = x {
+                r.speedup_vs_136.insert("sparq:32".into(), x);
+            }
+            r
+        };
+        let results = vec![
+            row("fathom:48", 1, false, Some(2.2)),
+            row("fathom:48", 0, false, Some(2.3)),
+            row("fathom:48", 0, true, Some(2.4)),
+            row("sparq:32", 0, false, Some(1.0)),
+            row("sparq:32", 1, false, Some(1.0)),
+        ];
+        let g = round_ratios(&results);
+        assert_eq!(g.len(), 2, "{g:?}");
+        assert_eq!(g[0].method, "fathom:48");
+        assert_eq!(g[0].ratios, vec![2.3, 2.2], "in round order");
+        assert!(!g[0].setting.3);
+        assert_eq!(g[1].method, "sparq:32");
+        assert_eq!(g[1].ratios, vec![1.0, 1.0]);
+    }
 }
