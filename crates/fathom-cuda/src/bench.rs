@@ -572,3 +572,55 @@ fn summarize(
         round: 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(method: &str, round: usize, graph: bool, gpu_ms: f64) -> BenchResult {
+        BenchResult {
+            context: 1 << 20,
+            residency: "host".into(),
+            method: method.into(),
+            groups: 1,
+            round,
+            graph,
+            gpu_ms,
+            ..Default::default()
+        }
+    }
+
+    /// A speedup pairs an entry with the 136-bit scans of its own round and launch mode only:
+    /// round 2's slower scan does not leak into round 1's ratio, nor a graph's into a launch's.
+    #[test]
+    fn speedups_pair_within_a_round_and_a_setting() {
+        let mut r = vec![
+            entry("fathom:48", 0, false, 10.0),
+            entry("sparq:32", 0, false, 22.0),
+            entry("fathom:48", 1, false, 10.0),
+            entry("sparq:32", 1, false, 24.0),
+            entry("fathom:48", 0, true, 9.0),
+            entry("sparq:32", 0, true, 21.6),
+        ];
+        add_speedups(&mut r, 128);
+        let x = |i: usize| r[i].speedup_vs_136["sparq:32"];
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(
+            near(x(0), 2.2) && near(x(2), 2.4) && near(x(4), 2.4),
+            "{r:?}"
+        );
+        assert_eq!(r[0].speedup_vs_136.len(), 1, "{:?}", r[0].speedup_vs_136);
+        assert!(near(x(1), 1.0));
+        let groups = fathom_results::offload::round_ratios(&r);
+        let launches = groups
+            .iter()
+            .find(|g| g.method == "fathom:48" && !g.setting.3)
+            .unwrap();
+        assert_eq!(launches.ratios.len(), 2);
+        assert!(near(launches.ratios[0], 2.2) && near(launches.ratios[1], 2.4));
+        assert!(
+            !groups.iter().any(|g| g.setting.3),
+            "the graph ran one round: no interval"
+        );
+    }
+}
