@@ -129,9 +129,12 @@ pub struct RulerArgs {
     #[arg(long, default_value = "ruler")]
     pub shape: String,
     /// The haystack's words: `docs` (the prose corpus as written: documentation with its
-    /// markup and code names) or `prose` (only the words that read as running prose, closer
-    /// to RULER's essays; small models otherwise answer with a code name they read).
-    #[arg(long, default_value = "docs", value_parser = ["docs", "prose"])]
+    /// markup and code names), `prose` (only the words that read as running prose, closer
+    /// to RULER's essays; small models otherwise answer with a code name they read) or
+    /// `noise` (the NIAH tasks read RULER's line of noise repeated, the haystack of RULER's
+    /// `niah_single_1`, instead of real text; `vt` has its own `--vt-haystack`). Example:
+    /// `fathom ruler --model smollm2-135m --context 8192 --prompt chat --haystack noise`.
+    #[arg(long, default_value = "docs", value_parser = ["docs", "prose", "noise"])]
     pub haystack: String,
     /// Leave out `vt`'s in-context example (RULER prepends one by default: the same task over
     /// a few hundred tokens with its answer), as runs before it was added did.
@@ -437,6 +440,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         shape,
         vt_example: !a.no_vt_example,
         vt_noise: a.vt_haystack == "noise",
+        niah_noise: a.haystack == "noise",
     };
     let nm = s.methods.len();
     let pb = bar((tasks.len() * a.samples * nm) as u64);
@@ -634,6 +638,14 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         shape: Some(shape.label()),
         vt_example: Some(!a.no_vt_example),
         vt_haystack: Some(a.vt_haystack.clone()),
+        niah_haystack: Some(
+            if a.haystack == "noise" {
+                "noise"
+            } else {
+                "text"
+            }
+            .to_string(),
+        ),
         haystack: haystack.source.clone(),
         words: Some(words.source.clone()),
         summary,

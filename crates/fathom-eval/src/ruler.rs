@@ -364,9 +364,13 @@ pub struct TaskParams {
     pub vt_example: bool,
     /// `vt`'s haystack is RULER's: its noise line ([`VT_NOISE`]) repeated, the only haystack
     /// RULER's `variable_tracking.py` has. `false`: the run's real-text haystack, as runs made
-    /// before this field did (they record `vt_haystack` absent). The NIAH tasks always read
-    /// the real-text haystack.
+    /// before this field did (they record `vt_haystack` absent). The NIAH tasks read the
+    /// real-text haystack unless [`TaskParams::niah_noise`].
     pub vt_noise: bool,
+    /// The NIAH tasks' haystack is RULER's noise too ([`VT_NOISE`] repeated, the
+    /// `type_haystack: noise` of RULER's `niah_single_1`), not the real text: off by default
+    /// (results made before it record `niah_haystack` absent and read the real text).
+    pub niah_noise: bool,
 }
 
 impl TaskParams {
@@ -380,6 +384,7 @@ impl TaskParams {
             shape: TaskShape::RULER,
             vt_example: true,
             vt_noise: true,
+            niah_noise: false,
         }
     }
 }
@@ -632,10 +637,10 @@ fn plant(sents: &[String], items: &[(f64, String)]) -> String {
 pub const VT_NOISE: &str =
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n";
 
-/// `vt`'s `m` haystack units, between which its statements are planted: `m` lines of
-/// [`VT_NOISE`] (`noise`), or the sentences of the real-text haystack's `m` words from
-/// `offset`.
-fn vt_lines(noise: bool, haystack: &Haystack, offset: usize, m: usize) -> Vec<String> {
+/// A task's `m` haystack units, between which its needles or statements are planted: `m`
+/// lines of [`VT_NOISE`] (`noise`), or the sentences of the real-text haystack's `m` words
+/// from `offset`.
+fn haystack_units(noise: bool, haystack: &Haystack, offset: usize, m: usize) -> Vec<String> {
     if noise {
         vec![VT_NOISE.to_string(); m]
     } else {
@@ -725,7 +730,10 @@ pub fn generate(
                 String::new()
             };
             let build = |m: usize| -> String {
-                let ctx = plant(&vt_lines(params.vt_noise, haystack, offset, m), &items);
+                let ctx = plant(
+                    &haystack_units(params.vt_noise, haystack, offset, m),
+                    &items,
+                );
                 let t = VT_TEMPLATE
                     .replace("{context}", &ctx)
                     .replace("{query}", &value);
@@ -799,7 +807,10 @@ pub fn generate(
                 &queries[0],
             );
             let build = |m: usize| -> String {
-                let ctx = plant(&sentences(haystack.take(offset, m)), &items);
+                let ctx = plant(
+                    &haystack_units(params.niah_noise, haystack, offset, m),
+                    &items,
+                );
                 let t = template
                     .replace("{context}", &ctx)
                     .replace("{query}", &query);
@@ -824,6 +835,8 @@ pub fn generate(
         haystack_offset: match task {
             Task::Fwe => 0,
             Task::Vt if params.vt_noise => 0,
+            Task::Vt => offset,
+            _ if params.niah_noise => 0,
             _ => offset,
         },
         depths: depths_used,
@@ -881,7 +894,7 @@ fn vt_example(
     let (vars, value, items) = vt_chain(&mut rng, chain, 3);
     let offset = rng.gen_range(0..haystack.words.len());
     let build = |m: usize| -> String {
-        let ctx = plant(&vt_lines(noise, haystack, offset, m), &items);
+        let ctx = plant(&haystack_units(noise, haystack, offset, m), &items);
         format!(
             "{}{}{}",
             VT_TEMPLATE

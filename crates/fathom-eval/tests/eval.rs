@@ -73,6 +73,47 @@ fn params(context: usize) -> TaskParams {
         shape: fathom_eval::ruler::TaskShape::RULER,
         vt_example: true,
         vt_noise: true,
+        niah_noise: false,
+    }
+}
+
+/// `--haystack noise`: every NIAH task plants its needles between lines of RULER's noise
+/// (offset 0, every needle present, the same gold and question as on the real text), within
+/// the context.
+#[test]
+fn niah_tasks_read_rulers_noise_when_asked() {
+    use fathom_eval::ruler::{TaskShape, VT_NOISE};
+    let Some(m) = model() else { return };
+    let Some(w) = words() else { return };
+    let h = haystack();
+    for task in [
+        Task::NiahSingle,
+        Task::NiahMultikey,
+        Task::NiahMultivalue,
+        Task::NiahMultiquery,
+    ] {
+        for i in 0..2 {
+            let mut p = params(2048);
+            p.shape = TaskShape::SMALL;
+            let text = generate(task, &p, m.tokenizer(), &h, &w, i).expect("text");
+            p.niah_noise = true;
+            let noise = generate(task, &p, m.tokenizer(), &h, &w, i).expect("noise");
+            assert_eq!((&noise.gold, &noise.question), (&text.gold, &text.question));
+            assert!(noise.prompt_tokens + noise.max_new <= 2048);
+            assert_eq!(noise.haystack_offset, 0);
+            let lines = noise.prompt.matches(VT_NOISE.trim_end()).count();
+            assert!(
+                lines >= noise.haystack_words && lines > 4,
+                "{task:?} {i}: {lines}"
+            );
+            assert_eq!(text.prompt.matches(VT_NOISE.trim_end()).count(), 0);
+            for g in &noise.gold {
+                assert!(
+                    noise.prompt.contains(g.as_str()),
+                    "{task:?} {i}: {g} planted"
+                );
+            }
+        }
     }
 }
 

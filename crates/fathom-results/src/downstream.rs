@@ -172,6 +172,11 @@ pub struct RulerDoc {
     /// real-text haystack. Only `vt`'s prompts depend on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vt_haystack: Option<String>,
+    /// The NIAH tasks' haystack: `noise` (RULER's line of noise repeated, `--haystack noise`,
+    /// the `type_haystack` of RULER's `niah_single_1`) or `text` (the real text, the default);
+    /// absent in earlier files, which read the real text. Only the NIAH prompts depend on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub niah_haystack: Option<String>,
     /// The haystack text's source.
     pub haystack: String,
     /// The key word list's source.
