@@ -45,7 +45,9 @@
 //! gold values with the first line of a list, worded as the needle (`… are:\n- The pass key for
 //! {key} is`), so that a model that lists values lists them as the needles state them; and
 //! [`Haystack::prose_only`] (`fathom ruler --haystack prose`) keeps only the haystack's
-//! running-prose words.
+//! running-prose words; [`TaskParams::niah_noise`] (`--haystack noise`) plants the NIAH
+//! needles between lines of RULER's noise ([`VT_NOISE`]), the haystack of RULER's
+//! `niah_single_1`, instead of the real text.
 //!
 //! Everything is drawn from one [`StdRng`] seeded per (task, sample), so a seed fixes the
 //! prompt exactly. **Score** (RULER's `string_match_all`): the fraction of gold strings that
