@@ -49,6 +49,22 @@ ab)
     grep -E "^[0-9]+ +(host|hbm)" $OUT/$name-$tag.txt | head -20
   done
   ;;
+gather)
+  # The host gather (PagedCache::set_host_gather, docs/SPEC.md §6.1): its device test (every
+  # setting bit-identical to the GPU's own fetch), a captured 36-layer step with it on (graph
+  # against plain launches), then offload-bench timing the GPU's fetch against the gather in
+  # interleaved rounds. `gather THREADS [extra offload-bench args]`.
+  threads=${1:-14}; shift || true
+  timeout 240 $B/cache_gpu --test-threads 1 the_host_gather head_groups_and_scan 2>&1 | tee $OUT/gather-test.log | tail -4
+  echo "gather test rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
+  timeout 120 $B/graph_step ${GRAPH_CTX:-32768} $OUT/graph-step-gather.json $threads > $OUT/graph-step-gather.txt 2>&1
+  echo "graph_step gather rc=$?" | tee -a $OUT/summary.txt; tail -2 $OUT/graph-step-gather.txt
+  timeout ${BENCH_TIMEOUT:-330} $B/fathom offload-bench --engine cache --context ${CTX:-256k,1m} \
+    --methods ${METHODS:-fathom:48,sparq:32,ds:32} --steps 10 --residency host --host-gather ${GATHERS:-0,$threads} \
+    --rounds ${ROUNDS:-3} "$@" --json $OUT/offload-gather-host.json > $OUT/offload-gather-host.txt 2>&1
+  echo "offload gather rc=$?" | tee -a $OUT/summary.txt
+  grep -E "^ *[0-9]+ +host +fathom:48" $OUT/offload-gather-host.txt | head -20
+  ;;
 filtered)
   # The filtered select (docs/SPEC.md §5, issue 16), first device runs: its device test, then
   # the score path, the filtered select (failed rows rescan) and the filtered select with

@@ -418,6 +418,11 @@ pub struct DecodeBenchArgs {
     /// bytes) or 2 (16 bytes).
     #[arg(long = "scan-vec", default_value_t = 1)]
     pub scan_vec: u32,
+    /// CPU threads of the host gather (`PagedCache::set_host_gather`): they copy the row
+    /// fetch's missed K|V records into pinned staging the GPU reads in order; 0 (the default):
+    /// the GPU reads each record from host memory itself. Needs one head group.
+    #[arg(long = "host-gather", default_value_t = 0)]
+    pub host_gather: usize,
     /// GPUs of this host (sessions spread over `gpus / tp` groups).
     #[arg(long, default_value_t = 1)]
     pub gpus: usize,
@@ -501,6 +506,19 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     }
     fathom_cuda::cache::check_scan_vector_words(a.scan_vec)
         .map_err(|e| anyhow::anyhow!("--scan-vec: {e}"))?;
+    if a.host_gather > fathom_cuda::cache::MAX_GATHER_THREADS {
+        bail!(
+            "--host-gather {}: at most {} threads",
+            a.host_gather,
+            fathom_cuda::cache::MAX_GATHER_THREADS
+        );
+    }
+    if a.host_gather > 0 && a.attend_groups > 1 {
+        bail!("--host-gather {} with --attend-groups {}: the host gather serves one fetch at a time (one head group)", a.host_gather, a.attend_groups);
+    }
+    if a.host_gather > 0 && a.residency == "hbm" {
+        bail!("--host-gather {}: --residency hbm keeps the K|V records in HBM, there is nothing to gather on the host (host or index-hbm)", a.host_gather);
+    }
     if a.attend_groups == 0 {
         bail!("--attend-groups 0: want 1 to the model's KV heads");
     }
@@ -651,6 +669,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     let prefill_seconds = t0.elapsed().as_secs_f64();
     dec.cache_mut()?.set_attend_groups(a.attend_groups)?;
     dec.cache_mut()?.set_scan_vector_words(a.scan_vec)?;
+    dec.cache_mut()?.set_host_gather(a.host_gather)?;
     let named: Vec<(String, Attention)> = names.iter().cloned().zip(atts.iter().copied()).collect();
     let m = fathom_gpu::throughput::measure(
         &mut dec,
@@ -733,6 +752,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         capacity,
         attend_groups: a.attend_groups,
         scan_vector_words: a.scan_vec,
+        host_gather: a.host_gather,
     };
     if let Some(out) = &a.json {
         fathom_results::write(out, doc.clone())

@@ -159,6 +159,11 @@ pub struct OffloadBenchArgs {
     /// times each over every method, e.g. `--scan-vec 1,2`.
     #[arg(long = "scan-vec", value_delimiter = ',', default_value = "1")]
     pub scan_vec: Vec<u32>,
+    /// Cache engine: CPU threads of the host gather (`PagedCache::set_host_gather`; 0: the
+    /// GPU reads each missed K|V record from host memory itself); a list times each over every
+    /// method, e.g. `--host-gather 0,14`.
+    #[arg(long = "host-gather", value_delimiter = ',', default_value = "0")]
+    pub host_gather: Vec<usize>,
     /// Cache engine: also time every method with its whole decode step (every layer's append
     /// and attend) captured once as a CUDA graph and replayed each step, as a serving engine
     /// runs decode (`PagedCache::capture`; entries with `graph: true`, compared with the
@@ -224,6 +229,19 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
     if a.rounds == 0 {
         anyhow::bail!("--rounds 0: want at least one round");
     }
+    if a.host_gather.iter().any(|&n| n > 0) && a.engine == "step" {
+        anyhow::bail!("--host-gather {:?}: the host gather serves the cache engine's row fetch (`--engine cache`); the step engine has none", a.host_gather);
+    }
+    if let Some(&n) = a
+        .host_gather
+        .iter()
+        .find(|&&n| n > fathom_cuda::cache::MAX_GATHER_THREADS)
+    {
+        anyhow::bail!(
+            "--host-gather {n}: at most {} threads",
+            fathom_cuda::cache::MAX_GATHER_THREADS
+        );
+    }
     if a.rounds > 1 && a.engine == "step" {
         anyhow::bail!("--rounds {}: rounds interleave the cache engine's methods (`--engine cache`); the step engine times each method once", a.rounds);
     }
@@ -273,6 +291,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             .iter()
             .map(|&w| fathom_cuda::cache::check_scan_vector_words(w).map(|()| w))
             .collect::<Result<Vec<_>, _>>()?,
+        host_gather: a.host_gather.clone(),
         host_pages: fathom_cuda::HostPages::parse(&a.host_pages)?,
         graphs: if a.graph {
             vec![false, true]

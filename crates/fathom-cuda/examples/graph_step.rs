@@ -4,8 +4,11 @@
 //! keys) at the Qwen3-8B attention shape (36 layers, 8 KV heads, G = 4, D = 128), 4 sessions.
 //!
 //! ```text
-//! cargo run --release --features cuda -p fathom-cuda --example graph_step -- [CONTEXT] [OUT.json]
+//! cargo run --release --features cuda -p fathom-cuda --example graph_step -- [CONTEXT] [OUT.json] [GATHER_THREADS]
 //! ```
+//!
+//! `GATHER_THREADS` > 0 turns the host gather on (`PagedCache::set_host_gather`): the graph
+//! then holds the gather's publish and copy kernels, served by host threads while it replays.
 use std::time::Instant;
 
 mod common;
@@ -27,6 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let context: usize = args.next().map_or(Ok(4096), |s| s.parse())?;
     let out_json = args.next();
+    let gather: usize = args.next().map_or(Ok(0), |s| s.parse())?;
     let gpu = Gpu::open(0)?;
     let stream = gpu.stream().clone();
     let shape = ModelShape {
@@ -63,6 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cache.load_calibration(l, &heads)?;
     }
     let setup_s = t0.elapsed().as_secs_f64();
+    cache.set_host_gather(gather)?;
     // Device buffers of one step: K, V, queries and outputs per layer.
     let mut bufs = Vec::new();
     for _ in 0..nl {
@@ -161,6 +166,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _ = o;
     let rel = fathom_plan::relative_error(&by_graph, &by_hand);
     assert!(rel <= 1e-5, "graph and plain outputs differ: {rel}");
+    if let Some(r) = cache.host_gather_stats()? {
+        println!("host gather: {r:?}");
+        assert_eq!(
+            (r.overflows, r.timeouts, r.served.bad_offsets),
+            (0, 0, 0),
+            "host gather faults"
+        );
+    }
     let (pw, pe, gw, ge) = (
         median(&mut plain_wall),
         median(&mut plain_enqueue),
@@ -169,7 +182,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let (bits, plans) = cache.plan_bits()?;
     let line = format!(
-        "{{\"what\": \"one decode step (36 layers x (append + fathom:48 attend)) of 4 sessions, plain launches against one CUDA graph replay; SYNTHETIC workload at the qwen3-8b attention shape\", \"device\": \"{}\", \"context\": {context}, \"page_tokens\": {page}, \"plain_step_ms\": {pw:.4}, \"plain_enqueue_ms\": {pe:.4}, \"graph_step_ms\": {gw:.4}, \"graph_enqueue_ms\": {ge:.4}, \"step_ratio_plain_over_graph\": {:.4}, \"enqueue_ratio_plain_over_graph\": {:.3}, \"mean_plan_bits\": {bits:.3}, \"plans\": {plans}, \"setup_s\": {setup_s:.1}, \"graph_vs_plain_output_rel_error\": {rel:.3e}}}",
+        "{{\"what\": \"one decode step (36 layers x (append + fathom:48 attend)) of 4 sessions, plain launches against one CUDA graph replay; SYNTHETIC workload at the qwen3-8b attention shape\", \"device\": \"{}\", \"context\": {context}, \"page_tokens\": {page}, \"plain_step_ms\": {pw:.4}, \"plain_enqueue_ms\": {pe:.4}, \"graph_step_ms\": {gw:.4}, \"graph_enqueue_ms\": {ge:.4}, \"step_ratio_plain_over_graph\": {:.4}, \"enqueue_ratio_plain_over_graph\": {:.3}, \"mean_plan_bits\": {bits:.3}, \"plans\": {plans}, \"setup_s\": {setup_s:.1}, \"graph_vs_plain_output_rel_error\": {rel:.3e}, \"host_gather_threads\": {gather}}}",
         gpu.info().name,
         pw / gw,
         pe / ge

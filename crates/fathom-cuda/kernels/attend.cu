@@ -32,7 +32,7 @@ struct AttendGeom {
     u32 fcap;                     // filtered candidates per row
     u32 keep_scores;              // 1: the filtered scan also writes scores and the histogram
     u32 h0;                       // first KV head of this launch's head group (grids cover its heads)
-    u32 pad;
+    u32 host_gather;              // 1: the fetch's misses go through the host gather (below)
 };
 
 __device__ __forceinline__ float load_elem(const void* p, u64 i, u32 dtype) {
@@ -948,6 +948,14 @@ __device__ __forceinline__ u64 cache_base(const AppendDesc& d, const PoolGeom& g
 // source each (the dependent loads of all rows at once), then the CTA copies them in 16-byte
 // pieces with every load of a thread in flight before its stores. Counts union rows and hits
 // into counters[0], counters[1]. grid = (ceil(umax / FR), Hkv, batch), block = FETCH_NT.
+// The host gather's state words and sizes (see paged_gather_publish).
+#define GS_COUNT 0
+#define GS_EPOCH 1
+#define GS_FAULTS 2
+#define GS_TIMEOUTS 3
+#define GATHER_CHUNK 32
+#define GATHER_NT 256
+#define GATHER_TIMEOUT_NS 2000000000ull  // a host that does not answer in 2 s is a fault
 #define FR 64
 #define FETCH_NT 256
 #define PIECES (4 * DIM / 16)                   // 16-byte pieces of one record
@@ -957,7 +965,9 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
                                        const u32* __restrict__ urows, const u32* __restrict__ ucount,
                                        const u32* __restrict__ tags, const u16* __restrict__ cdata,
                                        u32* __restrict__ claim, u16* __restrict__ rows,
-                                       unsigned long long* __restrict__ counters) {
+                                       unsigned long long* __restrict__ counters,
+                                       u32* __restrict__ gstate, u64* __restrict__ glist,
+                                       u32* __restrict__ gdst, u32 gcap) {
     __shared__ const uint4* src[FR];
     __shared__ u32 sh_hits;
     const u32 b = blockIdx.z, h = a.h0 + blockIdx.y, tid = threadIdx.x;
@@ -982,8 +992,22 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
         }
         if (!hit) {
             const u32 page = tables[(u64)d.slot * g.max_pages + t / g.page_tokens];
-            p = (const uint4*)((const u16*)(g.recs + (u64)page * g.rec_page_bytes) +
-                               ((u64)h * g.page_tokens + t % g.page_tokens) * 2 * DIM);
+            const u64 off = (u64)page * g.rec_page_bytes +
+                            ((u64)h * g.page_tokens + t % g.page_tokens) * 4 * DIM;
+            if (a.host_gather) {
+                // The host copies the record into staging slot j; paged_gather_copy moves it
+                // to this row. A list past its capacity is counted and left (a fault).
+                const u32 j = atomicAdd(&gstate[GS_COUNT], 1u);
+                if (j < gcap) {
+                    glist[j] = off;
+                    gdst[j] = (u32)(ub + r0 + tid);
+                } else {
+                    atomicAdd(&gstate[GS_FAULTS], 1u);
+                }
+                __threadfence_system();
+            } else {
+                p = (const uint4*)(g.recs + off);
+            }
         }
         src[tid] = p;
         const unsigned m = __ballot_sync(__activemask(), hit);
@@ -995,15 +1019,91 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
     for (u32 k = 0; k < FETCH_PER; k++) {
         const u32 i = tid + k * FETCH_NT;
         const u32 r = min(i / PIECES, nr - 1);  // clamped: an unconditional load
-        v[k] = src[r][i % PIECES];
+        const uint4* p = src[r];                 // null: the host gather brings the row
+        if (p) v[k] = p[i % PIECES];
     }
     uint4* dst = (uint4*)(rows + (ub + r0) * 2 * DIM);
 #pragma unroll
     for (u32 k = 0; k < FETCH_PER; k++) {
         const u32 i = tid + k * FETCH_NT;
-        if (i / PIECES < nr) dst[i] = v[k];
+        if (i / PIECES < nr && src[i / PIECES]) dst[i] = v[k];
     }
     if (tid == 0 && sh_hits) atomicAdd(&counters[1], (unsigned long long)sh_hits);
+}
+
+// The host gather (docs/SPEC.md §6.1, "Host gather"; host side: host_gather.rs). Random
+// 512-byte reads of mapped host memory from the GPU run at a fraction of the link rate where
+// the IOMMU translates (each record one translation), while CPU cores gather them at DRAM
+// speed. With a.host_gather the fetch lists each miss (its record's byte offset from
+// g.recs in glist[j], pinned; its row in gdst[j], HBM) instead of loading it;
+// paged_gather_publish then hands the list to the host threads through the mailbox, they
+// copy record j into staging slot j in chunks of GATHER_CHUNK and mark each chunk done with
+// the attend's epoch, and paged_gather_copy moves each chunk into its rows once its mark is
+// there. gstate (HBM): [count, epoch, faults, timeouts]; count is zeroed before each fetch.
+// The mailbox (pinned, mapped): [epoch, count, layer, pad]; done [chunks] u32 (pinned).
+
+__device__ __forceinline__ u32 load_acquire_sys(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// One thread: the next epoch, and the request the host threads wait for (count and layer
+// before the epoch, in that order at system scope).
+extern "C" __global__ void paged_gather_publish(AttendGeom a, u32* __restrict__ gstate, u32 gcap,
+                                                volatile u32* __restrict__ mailbox) {
+    const u32 e = gstate[GS_EPOCH] + 1u;
+    gstate[GS_EPOCH] = e;
+    mailbox[1] = min(gstate[GS_COUNT], gcap);
+    mailbox[2] = a.layer;
+    __threadfence_system();
+    mailbox[0] = e;
+    __threadfence_system();
+}
+
+// Each of GATHER_COPY_CTAS CTAs moves staging chunks c = blockIdx.x, + gridDim.x, ... (of
+// GATHER_CHUNK records) to their rows, each once the host has marked it with this attend's
+// epoch (or past the timeout, counted in gstate[GS_TIMEOUTS]). One poller per CTA, backing
+// off between polls, keeps the polls' reads off the link the data needs. Staging is read with
+// ld.global.cv: the host rewrote it since any earlier read. grid = GATHER_COPY_CTAS.
+#define GATHER_PER (GATHER_CHUNK * PIECES / GATHER_NT)
+extern "C" __global__ void paged_gather_copy(u32* __restrict__ gstate, u32 gcap,
+                                             const u32* __restrict__ done, const u16* __restrict__ staging,
+                                             const u32* __restrict__ gdst, u16* __restrict__ rows) {
+    const u32 cnt = min(gstate[GS_COUNT], gcap), e = gstate[GS_EPOCH];
+    for (u32 c = blockIdx.x; c * GATHER_CHUNK < cnt; c += gridDim.x) {
+        const u32 j0 = c * GATHER_CHUNK;
+        const u32 nr = min((u32)GATHER_CHUNK, cnt - j0);
+        if (threadIdx.x == 0) {
+            const u64 t0 = global_ns();
+            while (load_acquire_sys(&done[c]) != e) {
+                if (global_ns() - t0 > GATHER_TIMEOUT_NS) {
+                    atomicAdd(&gstate[GS_TIMEOUTS], 1u);
+                    break;
+                }
+                __nanosleep(200);
+            }
+        }
+        __syncthreads();
+        const uint4* s = (const uint4*)(staging + (u64)j0 * 2 * DIM);
+        uint4 v[GATHER_PER];
+#pragma unroll
+        for (u32 k = 0; k < GATHER_PER; k++) {
+            const u32 i = threadIdx.x + k * GATHER_NT;
+            if (i / PIECES < nr) v[k] = __ldcv(s + i);
+        }
+#pragma unroll
+        for (u32 k = 0; k < GATHER_PER; k++) {
+            const u32 i = threadIdx.x + k * GATHER_NT;
+            if (i / PIECES < nr) ((uint4*)(rows + (u64)gdst[j0 + i / PIECES] * 2 * DIM))[i % PIECES] = v[k];
+        }
+        __syncthreads();  // thread 0 polls the next chunk only after every thread's loads
+    }
 }
 
 // Block-wide exclusive rank of a 0/1 flag in thread order for blocks of NT threads; returns

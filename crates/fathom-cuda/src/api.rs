@@ -183,6 +183,8 @@ pub trait KvCache: Sized {
     fn set_attend_groups(&mut self, groups: usize) -> Result<()>;
     /// Plane words per global load of the scan, 1 or 2.
     fn set_scan_vector_words(&mut self, words: u32) -> Result<()>;
+    /// CPU threads that serve the row fetch's misses (0: off; docs/SPEC.md §6.1).
+    fn set_host_gather(&mut self, threads: usize) -> Result<()>;
     /// Rows selected by the filtered select, and its fallbacks, since the cache was made.
     fn select_counters(&self) -> Result<crate::cache::SelectCounters>;
 }
@@ -288,6 +290,9 @@ impl KvCache for crate::PagedCache {
     }
     fn set_scan_vector_words(&mut self, words: u32) -> Result<()> {
         crate::PagedCache::set_scan_vector_words(self, words)
+    }
+    fn set_host_gather(&mut self, threads: usize) -> Result<()> {
+        crate::PagedCache::set_host_gather(self, threads)
     }
     fn select_counters(&self) -> Result<crate::cache::SelectCounters> {
         crate::PagedCache::select_counters(self)

@@ -83,6 +83,10 @@ pub struct BenchConfig {
     /// method ([`crate::PagedCache::set_scan_vector_words`]; empty: 1).
     #[serde(default)]
     pub scan_vector_words: Vec<u32>,
+    /// Cache engine only: host-gather threads to time, each over every method
+    /// ([`crate::PagedCache::set_host_gather`]; 0: the GPU reads the misses; empty: 0).
+    #[serde(default)]
+    pub host_gather: Vec<usize>,
     /// Cache engine only: how each method's decode step is launched, each over every method:
     /// `false`, kernel by kernel; `true`, captured once as a CUDA graph
     /// ([`crate::PagedCache::capture`]) and replayed every step, as a serving engine runs
@@ -424,7 +428,7 @@ fn run_cache_engine(
 pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
     // Against the 136-bit scans timed under the same select, head-group, load and launch
     // settings, in the same round.
-    type Setting = ((String, usize, u32, bool), usize);
+    type Setting = (fathom_results::offload::Setting, usize);
     let base: Vec<(Setting, String, f64)> = results
         .iter()
         .filter(|r| {
@@ -570,6 +574,9 @@ fn summarize(
         graph: false,
         append_ms: None,
         round: 0,
+        host_gather: 0,
+        host_gather_request_us: None,
+        host_gather_mrows_per_thread_s: None,
     }
 }
 

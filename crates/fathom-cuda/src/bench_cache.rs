@@ -116,6 +116,7 @@ pub(crate) fn run(
             * c.select_paths.len().max(1)
             * c.groups.len().max(1)
             * c.scan_vector_words.len().max(1)
+            * c.host_gather.len().max(1)
             * c.graphs.len().max(1)
             * c.rounds.max(1)
             + 8;
@@ -296,6 +297,11 @@ pub(crate) fn run(
         } else {
             c.scan_vector_words.clone()
         };
+        let gathers: Vec<usize> = if c.host_gather.is_empty() {
+            vec![0]
+        } else {
+            c.host_gather.clone()
+        };
         let graphs: Vec<bool> = if c.graphs.is_empty() {
             vec![false]
         } else {
@@ -310,30 +316,45 @@ pub(crate) fn run(
             sessions: b,
             kv_row: hkv * d,
         };
-        for (round, fuse, groups, vec, as_graph, &m) in (0..c.rounds.max(1))
+        for ((round, fuse, groups, vec, as_graph), gather, &m) in (0..c.rounds.max(1))
             .flat_map(|round| settings.iter().map(move |&f| (round, f)))
             .flat_map(|(round, f)| attend_groups.iter().map(move |&g| (round, f, g)))
             .flat_map(|(round, f, g)| vecs.iter().map(move |&v| (round, f, g, v)))
             .flat_map(|(round, f, g, v)| graphs.iter().map(move |&x| (round, f, g, v, x)))
-            .flat_map(|(round, f, g, v, x)| c.methods.iter().map(move |m| (round, f, g, v, x, m)))
+            .flat_map(|s| gathers.iter().map(move |&n| (s, n)))
+            .flat_map(|(s, n)| c.methods.iter().map(move |m| (s, n, m)))
         {
             cache.set_select_path(fuse)?;
             let select = fuse.label();
             let am = AttendMethod::Scan(m);
             // A setting the cache refuses is noted once and skipped, as a method it cannot run.
-            let refused = cache
-                .set_scan_vector_words(vec)
-                .map_err(|e| format!("--scan-vec {vec} not timed: {e}"))
-                .and_then(|()| {
-                    cache
-                        .set_attend_groups(groups)
-                        .map_err(|e| format!("--groups {groups} not timed: {e}"))
-                })
-                .and_then(|()| {
-                    cache
-                        .prepare(m)
-                        .map_err(|e| format!("{} not timed: {e}", m.label()))
-                });
+            // Head groups refuse a gather that is on: off first then (a no-op when it is).
+            let refused = if groups > 1 {
+                cache.set_host_gather(0)
+            } else {
+                Ok(())
+            }
+            .map_err(|e| format!("--host-gather 0: {e}"))
+            .and_then(|()| {
+                cache
+                    .set_scan_vector_words(vec)
+                    .map_err(|e| format!("--scan-vec {vec} not timed: {e}"))
+            })
+            .and_then(|()| {
+                cache
+                    .set_attend_groups(groups)
+                    .map_err(|e| format!("--groups {groups} not timed: {e}"))
+            })
+            .and_then(|()| {
+                cache
+                    .set_host_gather(gather)
+                    .map_err(|e| format!("--host-gather {gather} not timed: {e}"))
+            })
+            .and_then(|()| {
+                cache
+                    .prepare(m)
+                    .map_err(|e| format!("{} not timed: {e}", m.label()))
+            });
             if let Err(why) = refused {
                 let note = format!("cache engine: {why}");
                 progress(&format!("  {note}"));
@@ -347,6 +368,7 @@ pub(crate) fn run(
             }
             let (bits0, plans0) = cache.plan_bits()?;
             let rows0 = cache.row_counters()?;
+            let gather0 = cache.host_gather_stats()?;
             let mut sel0 = cache.select_counters()?;
             let mut sel1 = sel0;
             let (mut gpu_ms, mut wall_ms, mut append_ms) = (Vec::new(), Vec::new(), Vec::new());
@@ -465,6 +487,7 @@ pub(crate) fn run(
             }
             let (bits1, plans1) = cache.plan_bits()?;
             let rows1 = cache.row_counters()?;
+            let gather1 = cache.host_gather_stats()?;
             let bits = if plans1 > plans0 {
                 (bits1 * plans1 as f64 - bits0 * plans0 as f64) / (plans1 - plans0) as f64
             } else {
@@ -482,6 +505,29 @@ pub(crate) fn run(
             r.scan_vector_words = vec;
             r.graph = as_graph;
             r.round = round;
+            r.host_gather = gather;
+            if let (Some(a), Some(z)) = (gather0, gather1) {
+                let (req, rec) = (
+                    z.served.requests - a.served.requests,
+                    z.served.records - a.served.records,
+                );
+                let faults = z.overflows + z.timeouts + z.served.bad_offsets;
+                if faults > a.overflows + a.timeouts + a.served.bad_offsets {
+                    return Err(crate::CudaError::invalid(
+                        "host gather",
+                        format!("faults during {}: {z:?}", m.label()),
+                    ));
+                }
+                // Per attend: the wall time from the request to its last mark, and the
+                // records one thread copies per second.
+                let done = z.served.completed - a.served.completed;
+                r.host_gather_request_us = (req > 0 && done > 0).then(|| {
+                    (z.served.request_ns - a.served.request_ns) as f64 / 1e3 / done as f64
+                });
+                r.host_gather_mrows_per_thread_s = (rec > 0).then(|| {
+                    rec as f64 / ((z.served.copy_ns - a.served.copy_ns) as f64 / 1e9) / 1e6
+                });
+            }
             if fuse != crate::cache::SelectPath::Scores {
                 let filtered = sel1.filtered - sel0.filtered;
                 let fallbacks = sel1.fallbacks - sel0.fallbacks;
@@ -494,7 +540,7 @@ pub(crate) fn run(
                 });
             }
             progress(&format!(
-                "  {}{:<10} {:<15} groups {} loads {}×8 B {}  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}  appends {}",
+                "  {}{:<10} {:<15} groups {} loads {}×8 B {}{}  bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  hit {:4.1}%  filtered {}  appends {}",
                 if c.rounds > 1 {
                     format!("round {} ", r.round + 1)
                 } else {
@@ -505,6 +551,16 @@ pub(crate) fn run(
                 r.groups,
                 r.scan_vector_words,
                 if r.graph { "graph " } else { "launch" },
+                if r.host_gather > 0 {
+                    format!(
+                        " gather {:>2} ({:.1} µs/attend, {:.1} M rows/s/thread)",
+                        r.host_gather,
+                        r.host_gather_request_us.unwrap_or(0.0),
+                        r.host_gather_mrows_per_thread_s.unwrap_or(0.0)
+                    )
+                } else {
+                    String::new()
+                },
                 r.bits,
                 r.gpu_ms,
                 r.wall_ms,
@@ -637,5 +693,8 @@ fn result(
         graph: false,
         append_ms: None,
         round: 0,
+        host_gather: 0,
+        host_gather_request_us: None,
+        host_gather_mrows_per_thread_s: None,
     }
 }

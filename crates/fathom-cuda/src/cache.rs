@@ -437,6 +437,55 @@ pub fn check_scan_vector_words(words: u32) -> Result<()> {
     }
 }
 
+/// Most threads [`crate::PagedCache::set_host_gather`] takes.
+pub const MAX_GATHER_THREADS: usize = 256;
+
+/// The check of [`crate::PagedCache::set_host_gather`] with `groups` head groups per attend:
+/// 0 (off) always; otherwise at most [`MAX_GATHER_THREADS`] threads, records in host memory
+/// (host or split residency) and one head group (the gather serves one fetch at a time).
+///
+/// ```
+/// use fathom_cuda::cache::{check_host_gather, CacheConfig};
+/// use fathom_cuda::{HostPages, ModelShape, PageConfig, Residency};
+/// let mut cfg = CacheConfig {
+///     shape: ModelShape { layers: 1, kv_heads: 2, group: 4, dim: 128 },
+///     pages: PageConfig { page_tokens: 4096, pages: 4, max_sessions: 1, max_tokens: 8192 },
+///     max_batch: 1, max_k: 64, row_cache: 0, residency: Residency::Host,
+///     pca_index: false, block_tables: false, host_pages: HostPages::Driver,
+/// };
+/// assert!(check_host_gather(&cfg, 8, 1).is_ok());
+/// assert!(check_host_gather(&cfg, 8, 2).is_err(), "head groups");
+/// cfg.residency = Residency::Hbm;
+/// assert!(check_host_gather(&cfg, 8, 1).is_err() && check_host_gather(&cfg, 0, 2).is_ok());
+/// ```
+///
+/// # Errors
+/// As above.
+pub fn check_host_gather(cfg: &CacheConfig, threads: usize, groups: usize) -> Result<()> {
+    if threads == 0 {
+        return Ok(());
+    }
+    if threads > MAX_GATHER_THREADS {
+        return Err(CudaError::invalid(
+            "host gather threads",
+            format!("{threads} (at most {MAX_GATHER_THREADS})"),
+        ));
+    }
+    if cfg.residency == crate::config::Residency::Hbm {
+        return Err(CudaError::invalid(
+            "host gather",
+            "HBM residency keeps the K|V records in HBM: there is nothing to gather on the host",
+        ));
+    }
+    if groups > 1 {
+        return Err(CudaError::invalid(
+            "host gather",
+            format!("{groups} head groups: the gather serves one fetch at a time (set 1 group)"),
+        ));
+    }
+    Ok(())
+}
+
 /// The check of [`crate::PagedCache::set_attend_groups`]: `1 ≤ groups ≤ Hkv`.
 pub fn check_attend_groups(cfg: &CacheConfig, groups: usize) -> Result<()> {
     let hkv = cfg.shape.kv_heads;

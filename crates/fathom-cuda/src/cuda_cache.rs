@@ -43,6 +43,8 @@ const COLLECT_ELEMS: usize = 4096;
 const APPEND_QUARTERS: usize = 4;
 /// Union rows per CTA of the fetch (`FR` in attend.cu).
 const FETCH_ROWS: usize = 64;
+/// CTAs of `paged_gather_copy`, each looping over chunks: one poller per CTA.
+const GATHER_COPY_CTAS: usize = 128;
 /// Threads of the partial attention (`NT` in attend.cu); its splits span multiples of
 /// `GRAN` rows.
 const ATTN_THREADS: u32 = 128;
@@ -134,7 +136,8 @@ struct AttendGeom {
     keep_scores: u32,
     /// First KV head of the launch's head group ([`PagedCache::set_attend_groups`]).
     h0: u32,
-    pad: u32,
+    /// 1: the fetch lists its misses for the host gather ([`PagedCache::set_host_gather`]).
+    host_gather: u32,
 }
 const _: () = assert!(std::mem::size_of::<AttendGeom>() == 72);
 
@@ -151,6 +154,8 @@ struct AttendKernels {
     topk_fused: CudaFunction,
     union: CudaFunction,
     fetch: CudaFunction,
+    gather_publish: CudaFunction,
+    gather_copy: CudaFunction,
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
     rotate_queries: CudaFunction,
@@ -217,6 +222,33 @@ struct Work {
     /// The union's K|V records in HBM, `[max_batch][Hkv][umax][2D]` bf16.
     rows: DevBuf,
     umax: usize,
+}
+
+/// The host gather's threads and buffers ([`PagedCache::set_host_gather`]; host_gather.rs
+/// and kernels/attend.cu give the protocol).
+struct GatherState {
+    /// Dropped first (after the stream has drained): the threads stop before the memory they
+    /// read is freed.
+    threads: crate::host_gather::HostGather,
+    /// Pinned, mapped: the mailbox `[MAILBOX_WORDS]` u32, a done mark per chunk, the record
+    /// offsets `[cap]` u64 and the staging `[cap][4D]` bytes.
+    mailbox: HostBuf,
+    done: HostBuf,
+    list: HostBuf,
+    staging: HostBuf,
+    /// HBM: `[count, epoch, faults, timeouts]` u32 and each listed record's row `[cap]` u32.
+    gstate: DevBuf,
+    gdst: DevBuf,
+    /// Records one attend may list: every union row of a full batch.
+    cap: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for GatherState {
+    fn drop(&mut self) {
+        // No copy kernel may still wait for marks when the threads stop.
+        let _ = self.stream.synchronize();
+    }
 }
 
 /// Per-layer calibration the planners read.
@@ -325,6 +357,8 @@ pub struct PagedCache {
     /// Plane words per scan load ([`PagedCache::set_scan_vector_words`]).
     scan_vec: u32,
     side: Arc<CudaStream>,
+    /// The host gather ([`PagedCache::set_host_gather`]); `None`: the GPU reads every miss.
+    gather: Option<GatherState>,
     scanned: cudarc::driver::CudaEvent,
     joined: cudarc::driver::CudaEvent,
     // Keep the modules alive.
@@ -413,6 +447,8 @@ impl PagedCache {
             topk_fused: fa("paged_topk_fused")?,
             union: fa("paged_union")?,
             fetch: fa("paged_fetch")?,
+            gather_publish: fa("paged_gather_publish")?,
+            gather_copy: fa("paged_gather_copy")?,
             attn_partial: fa("paged_attn_partial")?,
             attn_combine: fa("paged_attn_combine")?,
             rotate_queries: fa("attend_rotate_queries")?,
@@ -564,6 +600,7 @@ impl PagedCache {
             select: crate::cache::SelectPath::Scores,
             groups: 1,
             scan_vec: 1,
+            gather: None,
             side: gpu
                 .stream()
                 .fork()
@@ -1431,7 +1468,7 @@ impl PagedCache {
                 }
             )),
             h0: 0,
-            pad: 0,
+            host_gather: u32::from(self.gather.is_some()),
         };
         // Head groups: `per` KV heads each (the last may hold fewer); one for dense attends.
         let groups = if dense { 1 } else { self.groups.min(hkv) };
@@ -1744,6 +1781,14 @@ impl PagedCache {
                 unsafe { b.launch(cfg((nb32, hn, 1), TOPK_THREADS)) }
                     .map_err(drv("launch paged_union"))?;
                 let row_chunks = self.work.umax.div_ceil(FETCH_ROWS) as u32;
+                let (gstate, glist, gdst, gcap) = self.gather.as_ref().map_or((0, 0, 0, 0), |g| {
+                    (g.gstate.ptr, g.list.dptr, g.gdst.ptr, g.cap as u32)
+                });
+                if let Some(g) = &self.gather {
+                    // SAFETY: the state holds 4 u32; the count is its first.
+                    unsafe { result::memset_d8_async(g.gstate.ptr, 0, 4, ps.cu_stream()) }
+                        .map_err(drv("memset host-gather count"))?;
+                }
                 let mut b = ps.launch_builder(&k.fetch);
                 b.arg(&descs)
                     .arg(&tables)
@@ -1756,11 +1801,36 @@ impl PagedCache {
                     .arg(&data)
                     .arg(&claim)
                     .arg(&w.rows.ptr)
-                    .arg(&w.counters.ptr);
+                    .arg(&w.counters.ptr)
+                    .arg(&gstate)
+                    .arg(&glist)
+                    .arg(&gdst)
+                    .arg(&gcap);
                 // SAFETY: every union row is a token < the session's length; rows hold umax
-                // records; the row cache (when present) has cache_rows slots per (slot, layer, head).
+                // records; the row cache (when present) has cache_rows slots per (slot, layer, head);
+                // the gather's list and rows hold gcap entries (bounded in the kernel).
                 unsafe { b.launch(cfg((row_chunks, hn, nb32), 256)) }
                     .map_err(drv("launch paged_fetch"))?;
+                if let Some(g) = &self.gather {
+                    let mut b = ps.launch_builder(&k.gather_publish);
+                    b.arg(ag).arg(&gstate).arg(&gcap).arg(&g.mailbox.dptr);
+                    // SAFETY: one thread; the mailbox holds MAILBOX_WORDS u32.
+                    unsafe { b.launch(cfg((1, 1, 1), 1)) }
+                        .map_err(drv("launch paged_gather_publish"))?;
+                    let chunks = g.cap.div_ceil(crate::host_gather::GATHER_CHUNK);
+                    let ctas = chunks.min(GATHER_COPY_CTAS) as u32;
+                    let mut b = ps.launch_builder(&k.gather_copy);
+                    b.arg(&gstate)
+                        .arg(&gcap)
+                        .arg(&g.done.dptr)
+                        .arg(&g.staging.dptr)
+                        .arg(&gdst)
+                        .arg(&w.rows.ptr);
+                    // SAFETY: done holds a mark per chunk of gcap, staging gcap records, and
+                    // every gdst entry is a row of `rows` (written by the fetch).
+                    unsafe { b.launch(cfg((ctas, 1, 1), 256)) }
+                        .map_err(drv("launch paged_gather_copy"))?;
+                }
                 partial(ps, ag, hn)?;
             }
             if groups > 1 {
@@ -1958,6 +2028,7 @@ impl PagedCache {
     /// `groups` of 0 or more than the model's KV heads.
     pub fn set_attend_groups(&mut self, groups: usize) -> Result<()> {
         crate::cache::check_attend_groups(&self.cfg, groups)?;
+        crate::cache::check_host_gather(&self.cfg, self.host_gather(), groups)?;
         self.groups = groups;
         Ok(())
     }
@@ -1984,6 +2055,114 @@ impl PagedCache {
     /// The setting of [`PagedCache::set_scan_vector_words`].
     pub fn scan_vector_words(&self) -> u32 {
         self.scan_vec
+    }
+
+    /// Serves the row fetch's misses with `threads` CPU threads (docs/SPEC.md §6.1, "Host
+    /// gather"; [`crate::host_gather`]): the fetch lists each record the row cache does not
+    /// hold, the threads copy them into a pinned staging buffer, and the GPU reads it in
+    /// order, instead of each record being a random read of mapped host memory. `0` (the
+    /// default) turns it off. The outputs are the same bits either way (the same records reach
+    /// the same rows). The threads spin on a mailbox while attends come (each uses a core),
+    /// and poll it every 200 µs after 20 ms without one.
+    ///
+    /// # Errors
+    /// HBM residency (the records are in HBM), head groups above 1, more than
+    /// [`crate::cache::MAX_GATHER_THREADS`] threads, a pinned allocation or a thread that
+    /// fails (typed); a driver failure waiting for the stream.
+    pub fn set_host_gather(&mut self, threads: usize) -> Result<()> {
+        crate::cache::check_host_gather(&self.cfg, threads, self.groups)?;
+        if threads == self.host_gather() {
+            return Ok(());
+        }
+        // Drains the stream, then stops the old threads.
+        self.gather = None;
+        if threads == 0 {
+            return Ok(());
+        }
+        let s = self.cfg.shape;
+        let cap = self.cfg.max_batch * s.kv_heads * self.work.umax;
+        let rec_bytes = 4 * s.dim;
+        let chunks = cap.div_ceil(crate::host_gather::GATHER_CHUNK);
+        let zeroed = |bytes: usize, what: &'static str| -> Result<HostBuf> {
+            let mut h = HostBuf::new(bytes, what)?;
+            h.as_mut_bytes().fill(0);
+            Ok(h)
+        };
+        let mailbox = zeroed(crate::host_gather::MAILBOX_WORDS * 4, "host-gather mailbox")?;
+        let done = zeroed(chunks * 4, "host-gather marks")?;
+        let list = zeroed(cap * 8, "host-gather list")?;
+        let staging = zeroed(cap * rec_bytes, "host-gather staging")?;
+        let gstate = DevBuf::zeroed(16, "host-gather state")?;
+        let gdst = DevBuf::zeroed(cap * 4, "host-gather rows")?;
+        // Each layer's records: in the page pool after the key sections, or their own pool.
+        let records_at = self.layout.records_at() as usize;
+        let bases = (0..s.layers)
+            .map(|l| match (self.rec_pools.get(l), &self.pools[l]) {
+                (Some(Mem::Host(r)), _) => Ok((r.ptr as usize, r.bytes)),
+                (None, Mem::Host(p)) => Ok((
+                    p.ptr as usize + records_at,
+                    p.bytes.saturating_sub(records_at),
+                )),
+                _ => Err(CudaError::invalid(
+                    "host gather",
+                    "the K|V records are not in host memory",
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // SAFETY: the buffers have the sizes Shared::new asks for, are pinned (never moved),
+        // and outlive the threads (GatherState drops them after joining); the bases are the
+        // records pools' host mappings, which live as long as the cache.
+        let shared = unsafe {
+            crate::host_gather::Shared::new(
+                mailbox.ptr as *const u32,
+                done.ptr as *mut u32,
+                list.ptr as *const u64,
+                staging.ptr,
+                cap,
+                rec_bytes,
+                bases,
+            )
+        };
+        self.gather = Some(GatherState {
+            threads: crate::host_gather::HostGather::start(shared, threads)?,
+            mailbox,
+            done,
+            list,
+            staging,
+            gstate,
+            gdst,
+            cap,
+            stream: self.stream.clone(),
+        });
+        Ok(())
+    }
+
+    /// The setting of [`PagedCache::set_host_gather`]: its threads, 0 when off.
+    pub fn host_gather(&self) -> usize {
+        self.gather.as_ref().map_or(0, |g| g.threads.threads())
+    }
+
+    /// What the host gather served since it was set, with the device's fault counts: listed
+    /// records past the list's capacity and chunks whose marks did not come within 2 s (both
+    /// 0 in a correct run; a nonzero count means those rows are wrong). `None` when off.
+    ///
+    /// # Errors
+    /// A driver failure reading the device counters (waits for the stream).
+    pub fn host_gather_stats(&self) -> Result<Option<crate::host_gather::HostGatherReport>> {
+        let Some(g) = &self.gather else {
+            return Ok(None);
+        };
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        let mut st = [0u32; 4];
+        // SAFETY: the state holds 4 u32; the stream is idle.
+        unsafe { result::memcpy_dtoh_sync(&mut st, g.gstate.ptr) }
+            .map_err(drv("read host-gather state"))?;
+        Ok(Some(crate::host_gather::HostGatherReport {
+            threads: g.threads.threads(),
+            served: g.threads.stats(),
+            overflows: u64::from(st[2]),
+            timeouts: u64::from(st[3]),
+        }))
     }
 
     /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and

@@ -424,6 +424,24 @@ impl PagedCache {
     pub fn scan_vector_words(&self) -> u32 {
         1
     }
+    /// Sets the host gather's threads.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn set_host_gather(&mut self, _threads: usize) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// The host gather's threads (off in this build).
+    pub fn host_gather(&self) -> usize {
+        0
+    }
+    /// The host gather's counts (off in this build).
+    ///
+    /// # Errors
+    /// Never in this build.
+    pub fn host_gather_stats(&self) -> Result<Option<crate::host_gather::HostGatherReport>> {
+        Ok(None)
+    }
     /// Bytes of HBM the page pools take (none in this build).
     pub fn pool_hbm_bytes(&self) -> u64 {
         0

@@ -70,6 +70,7 @@ pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod error;
+pub mod host_gather;
 pub mod paged_layout;
 pub mod paged_ref;
 pub mod pages;

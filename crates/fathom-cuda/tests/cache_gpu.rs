@@ -1074,6 +1074,93 @@ fn every_kind_of_host_pages_serves_the_same_bits() {
     }
 }
 
+/// The host gather (docs/SPEC.md §6.1, `set_host_gather`: CPU threads copy the fetch's
+/// misses into pinned staging, the GPU reads it in order) changes no bit: caches fed the same
+/// appends, without the gather and with 1 and 3 threads, with a 64-slot row cache (hits and
+/// misses in every attend) and without one (every union row a miss), give the same winners,
+/// outputs and row counters for four methods over four decode steps of a ragged batch, in
+/// host and split residency; the threads served every miss (records = union rows − hits) with
+/// no overflow, timeout or refused offset. HBM residency, and head groups with the gather on
+/// (either order), are typed errors that change no setting.
+#[test]
+fn the_host_gather_changes_no_bit() {
+    let Some(gpu) = gpu() else { return };
+    let params = small_select();
+    let (hkv, d, g, layers) = (3, 128, 4, 2);
+    let hq = hkv * g;
+    // (row-cache slots, gather threads); the first is the reference.
+    let settings = [(64, 0), (64, 1), (64, 3), (0, 0), (0, 3)];
+    for residency in [Residency::Host, Residency::IndexHbm] {
+        let mut caches = settings.map(|(rows, _)| {
+            let mut c = config(layers, hkv, d, 256, 200);
+            c.residency = residency;
+            c.row_cache = rows;
+            PagedCache::new(&gpu, c).unwrap()
+        });
+        for (c, (_, threads)) in caches.iter_mut().zip(settings) {
+            c.set_host_gather(threads).unwrap();
+            assert_eq!(c.host_gather(), threads);
+        }
+        assert!(
+            caches[1].set_attend_groups(2).is_err(),
+            "groups with the gather on"
+        );
+        assert!(caches[0].set_host_gather(1_000).is_err(), "1000 threads");
+        caches[0].set_attend_groups(3).unwrap();
+        assert!(
+            caches[0].set_host_gather(2).is_err(),
+            "the gather with 3 groups"
+        );
+        caches[0].set_attend_groups(1).unwrap();
+        assert_eq!((caches[0].host_gather(), caches[1].attend_groups()), (0, 1));
+        let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
+        let (mut rngs, ids) = prefill_alike(&mut caches, 61, [900, 3000, 6100], &sigma2);
+        let mut qrng = StdRng::seed_from_u64(62);
+        for t in 0..4 {
+            let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+            for m in ["fathom:48", "sparq:16", "exact", "dense"] {
+                let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
+                for i in 1..settings.len() {
+                    let what = format!(
+                        "{residency:?} step {t} {m}: (row cache, threads) {:?}",
+                        settings[i]
+                    );
+                    let r = if settings[i].0 == settings[0].0 { 0 } else { 3 };
+                    assert_eq!(seen[r].1, seen[i].1, "{what}: winners");
+                    assert_eq!(seen[r].0, seen[i].0, "{what}: outputs");
+                    assert_eq!(seen[r].2, seen[i].2, "{what}: row counters");
+                }
+            }
+        }
+        for (c, (_, threads)) in caches.iter().zip(settings) {
+            let report = c.host_gather_stats().unwrap();
+            if threads == 0 {
+                assert!(report.is_none());
+                continue;
+            }
+            let r = report.unwrap();
+            let rc = c.row_counters().unwrap();
+            assert_eq!(
+                (r.overflows, r.timeouts, r.served.bad_offsets),
+                (0, 0, 0),
+                "{residency:?} {threads} threads: {r:?}"
+            );
+            assert_eq!(
+                r.served.records,
+                rc.rows - rc.hits,
+                "{residency:?}: every miss served once"
+            );
+            assert!(r.served.records > 0 && r.threads == threads);
+        }
+    }
+    let mut c = config(layers, hkv, d, 256, 16);
+    c.residency = Residency::Hbm;
+    let mut hbm = PagedCache::new(&gpu, c).unwrap();
+    let e = hbm.set_host_gather(2).unwrap_err();
+    assert!(e.to_string().contains("HBM"), "{e}");
+    assert_eq!(hbm.host_gather(), 0);
+}
+
 /// A session of 2^20 + 37 tokens, the length the benchmark's 1M rows time: every score of
 /// the scan, the top-k and the attention equal the CPU reference, on the score path and on the
 /// filtered select (scores kept), for exact, Fathom and SparQ. The tests above stay below

@@ -454,26 +454,32 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
             // What the run varied: the select path and head groups (cache engine), or the
             // pipelining and gather grid (step engine).
             let setting = match v.engine {
-                OffloadEngine::Cache => format!(
-                    "{}, {} head group{}{}{}",
-                    if r.select.is_empty() {
-                        "scores"
+                OffloadEngine::Cache => {
+                    format!(
+                        "{}, {} head group{}{}{}",
+                        if r.select.is_empty() {
+                            "scores"
+                        } else {
+                            r.select.as_str()
+                        },
+                        r.groups,
+                        if r.groups == 1 { "" } else { "s" },
+                        if r.scan_vector_words == 2 {
+                            ", 16-byte scan loads"
+                        } else {
+                            ""
+                        },
+                        if r.graph {
+                            ", one CUDA graph per step"
+                        } else {
+                            ""
+                        },
+                    ) + &if r.host_gather > 0 {
+                        format!(", misses gathered by {} host threads", r.host_gather)
                     } else {
-                        r.select.as_str()
-                    },
-                    r.groups,
-                    if r.groups == 1 { "" } else { "s" },
-                    if r.scan_vector_words == 2 {
-                        ", 16-byte scan loads"
-                    } else {
-                        ""
-                    },
-                    if r.graph {
-                        ", one CUDA graph per step"
-                    } else {
-                        ""
+                        String::new()
                     }
-                ),
+                }
                 OffloadEngine::Step => {
                     format!("groups {}, gather CTAs {}", r.groups, r.gather_ctas)
                 }

@@ -166,11 +166,19 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
             )),
             v.prefill_seconds
         ));
-        if v.attend_groups > 1 || v.scan_vector_words > 1 {
+        if v.attend_groups > 1 || v.scan_vector_words > 1 || v.host_gather > 0 {
             s.push_str(&format!(
-                "Attend settings: {} head group(s) per attend, {}-byte scan loads.\n\n",
+                "Attend settings: {} head group(s) per attend, {}-byte scan loads{}.\n\n",
                 v.attend_groups.max(1),
-                8 * v.scan_vector_words.max(1)
+                8 * v.scan_vector_words.max(1),
+                if v.host_gather > 0 {
+                    format!(
+                        ", the row fetch's misses gathered by {} host threads",
+                        v.host_gather
+                    )
+                } else {
+                    String::new()
+                }
             ));
         }
         if let Some(c) = &v.capacity {
@@ -305,6 +313,7 @@ mod tests {
             capacity: None,
             attend_groups: 1,
             scan_vector_words: 1,
+            host_gather: 0,
             version: fathom_results::VERSION,
             fathom: "test".into(),
             command: "fathom decode-bench (made up for this test)".into(),

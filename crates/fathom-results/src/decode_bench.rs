@@ -104,6 +104,10 @@ pub struct DecodeBench {
     /// Plane words per scan load (`PagedCache::set_scan_vector_words`); 0 in older runs (one).
     #[serde(default)]
     pub scan_vector_words: u32,
+    /// CPU threads of the host gather (`PagedCache::set_host_gather`); 0 (the GPU read the
+    /// row fetch's misses) in older runs.
+    #[serde(default)]
+    pub host_gather: usize,
 }
 
 /// How many resident tokens, and so sessions, the machine's memory holds at

@@ -151,17 +151,34 @@ pub struct BenchResult {
     /// in time and one round's ratios are paired; 0 in older runs and with one round.
     #[serde(default)]
     pub round: usize,
+    /// Cache engine: CPU threads of the host gather that served the row fetch's misses
+    /// (`PagedCache::set_host_gather`, docs/SPEC.md §6.1); 0 (the GPU read them) in older runs.
+    #[serde(default)]
+    pub host_gather: usize,
+    /// Cache engine with the host gather: mean wall µs per attend from the threads seeing its
+    /// request to its last chunk's mark (the gather's share of the step, per layer).
+    #[serde(default)]
+    pub host_gather_request_us: Option<f64>,
+    /// Cache engine with the host gather: records one thread copied per second (millions).
+    #[serde(default)]
+    pub host_gather_mrows_per_thread_s: Option<f64>,
 }
+
+/// What an offload-bench entry's run varied besides the method and the round ([`BenchResult::setting`]):
+/// select path, head groups, scan load words, CUDA graph, host-gather threads.
+pub type Setting = (String, usize, u32, bool, usize);
 
 impl BenchResult {
     /// What the entry's run varied besides the method and the round: the select path, head
-    /// groups, scan load width and launch mode (entries compare only under equal settings).
-    pub fn setting(&self) -> (String, usize, u32, bool) {
+    /// groups, scan load width, launch mode and host-gather threads (entries compare only
+    /// under equal settings).
+    pub fn setting(&self) -> Setting {
         (
             self.select.clone(),
             self.groups,
             self.scan_vector_words,
             self.graph,
+            self.host_gather,
         )
     }
 }
@@ -175,7 +192,7 @@ pub struct RoundRatios {
     /// `host` or `hbm`.
     pub residency: String,
     /// [`BenchResult::setting`].
-    pub setting: (String, usize, u32, bool),
+    pub setting: Setting,
     /// The method.
     pub method: String,
     /// The 136-bit scan it is measured against.
