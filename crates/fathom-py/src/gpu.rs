@@ -502,6 +502,18 @@ impl GpuCache {
         self.cache.scan_vector_words()
     }
 
+    /// CPU threads that serve the row fetch's misses through pinned staging (0: off, the
+    /// default; the same outputs; docs/SPEC.md §6.1 "Host gather").
+    fn set_host_gather(&mut self, threads: usize) -> PyResult<()> {
+        self.cache.set_host_gather(threads).map_err(gpu_err)
+    }
+
+    /// The host-gather setting (threads; 0 when off).
+    #[getter]
+    fn host_gather(&self) -> usize {
+        self.cache.host_gather()
+    }
+
     /// Appends one layer's K and V (`[rows, Hkv, D]`, float32 / float16 / bfloat16, on this
     /// device) to the batch's sessions, after the work queued on `stream`.
     fn append(

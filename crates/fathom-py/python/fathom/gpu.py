@@ -137,6 +137,17 @@ class GpuCache:
         """The scan-load setting."""
         return self._c.scan_vector_words
 
+    def set_host_gather(self, threads: int) -> None:
+        """CPU threads that copy the row fetch's missed K|V records into pinned staging the
+        GPU reads in order (0, the default: the GPU reads each record itself). Outputs are
+        the same bits either way; on the lent H200 host it is not faster (docs/SPEC.md §6.1)."""
+        self._c.set_host_gather(int(threads))
+
+    @property
+    def host_gather(self) -> int:
+        """The host-gather setting (threads; 0 when off)."""
+        return self._c.host_gather
+
     def append(self, batch: Batch, layer: int, k, v, stream=None) -> None:
         """Appends one layer's K and V ``[batch.rows, kv_heads, dim]`` (float32, float16 or
         bfloat16 CUDA tensors) to the batch's sessions: quantized and packed on the GPU (bit
