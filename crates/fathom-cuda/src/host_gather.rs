@@ -178,47 +178,12 @@ impl Shared {
 
     /// The next chunk of epoch `e` (of `chunks`), or none left for this thread.
     fn claim(&self, e: u32, chunks: usize) -> Option<usize> {
-        let mut cur = self.claim.load(Ordering::Acquire);
-        loop {
-            let (ce, next) = ((cur >> 32) as u32, (cur & 0xffff_ffff) as usize);
-            let (want, got) = if ce == e {
-                if next >= chunks {
-                    return None;
-                }
-                (cur + 1, next)
-            } else if e.wrapping_sub(ce) as i32 > 0 {
-                // The first claim of a newer epoch.
-                ((u64::from(e) << 32) | 1, 0)
-            } else {
-                return None; // this thread's epoch is old
-            };
-            match self
-                .claim
-                .compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return Some(got),
-                Err(now) => cur = now,
-            }
-        }
+        take(&self.claim, e, chunks)
     }
 
     /// Counts one more chunk of epoch `e` marked; returns the epoch's marked chunks so far.
     fn mark_one(&self, e: u32) -> usize {
-        let mut cur = self.marked.load(Ordering::Acquire);
-        loop {
-            let want = if (cur >> 32) as u32 == e {
-                cur + 1
-            } else {
-                (u64::from(e) << 32) | 1
-            };
-            match self
-                .marked
-                .compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return (want & 0xffff_ffff) as usize,
-                Err(now) => cur = now,
-            }
-        }
+        take(&self.marked, e, usize::MAX).map_or(0, |i| i + 1)
     }
 
     /// Copies chunk `c` of a request of `count` records at `layer`, then marks it `e`.
@@ -259,6 +224,30 @@ impl Shared {
         self.records.fetch_add((j1 - j0) as u64, Ordering::Relaxed);
         // SAFETY: c < chunks ≤ cap / GATHER_CHUNK (rounded up): `done` holds it.
         unsafe { atomic32(self.done, c) }.store(e, Ordering::Release);
+    }
+}
+
+/// The rule of an epoch-tagged counter `(epoch << 32) | next`: takes index `next` of epoch `e`
+/// (below `limit`) and bumps it; the first take of a newer epoch starts it at 0; a taker of an
+/// older epoch, or one past the limit, takes nothing.
+fn take(word: &AtomicU64, e: u32, limit: usize) -> Option<usize> {
+    let mut cur = word.load(Ordering::Acquire);
+    loop {
+        let (ce, next) = ((cur >> 32) as u32, (cur & 0xffff_ffff) as usize);
+        let (want, got) = if ce == e {
+            if next >= limit {
+                return None;
+            }
+            (cur + 1, next)
+        } else if e.wrapping_sub(ce) as i32 > 0 {
+            ((u64::from(e) << 32) | 1, 0)
+        } else {
+            return None;
+        };
+        match word.compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Some(got),
+            Err(now) => cur = now,
+        }
     }
 }
 
@@ -549,7 +538,7 @@ mod tests {
             let mut sizes: Vec<usize> =
                 vec![0, 1, GATHER_CHUNK - 1, GATHER_CHUNK, GATHER_CHUNK + 1, cap];
             sizes.extend((0..300).map(|_| rng.gen_range(0..=cap)));
-            let mut total = 0;
+            let (mut total, mut nonempty) = (0, 0);
             for n in sizes {
                 let layer = rng.gen_range(0..3);
                 let offsets: Vec<u64> = (0..n)
@@ -569,12 +558,17 @@ mod tests {
                     );
                 }
                 total += n as u64;
+                nonempty += u64::from(n > 0);
             }
             let st = sim.stats();
             assert_eq!(
                 (st.records, st.bad_offsets),
                 (total, 0),
                 "{threads} threads"
+            );
+            assert_eq!(
+                st.completed, nonempty,
+                "{threads} threads: each request completed once"
             );
         }
     }
