@@ -2063,7 +2063,9 @@ impl PagedCache {
     /// order, instead of each record being a random read of mapped host memory. `0` (the
     /// default) turns it off. The outputs are the same bits either way (the same records reach
     /// the same rows). The threads spin on a mailbox while attends come (each uses a core),
-    /// and poll it every 200 µs after 20 ms without one.
+    /// and poll it every 200 µs after 20 ms without one. Whether it pays is a property of the
+    /// host (its IOMMU, cores and memory): on the lent H200's 16-vCPU guest it does not
+    /// (`results/device/gather/README.md`), so measure it with `offload-bench --host-gather 0,N`.
     ///
     /// # Errors
     /// HBM residency (the records are in HBM), head groups above 1, more than
