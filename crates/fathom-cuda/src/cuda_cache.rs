@@ -2069,12 +2069,20 @@ impl PagedCache {
     ///
     /// # Errors
     /// HBM residency (the records are in HBM), head groups above 1, more than
-    /// [`crate::cache::MAX_GATHER_THREADS`] threads, a pinned allocation or a thread that
-    /// fails (typed); a driver failure waiting for the stream.
+    /// [`crate::cache::MAX_GATHER_THREADS`] threads, a change while a step is being captured,
+    /// a pinned allocation or a thread that fails (typed); a driver failure waiting for the
+    /// stream.
     pub fn set_host_gather(&mut self, threads: usize) -> Result<()> {
         crate::cache::check_host_gather(&self.cfg, threads, self.groups)?;
         if threads == self.host_gather() {
             return Ok(());
+        }
+        if self.capturing.is_some() {
+            // Changing it drains the stream, which a capture forbids.
+            return Err(CudaError::invalid(
+                "host gather",
+                "set while a decode step is being captured (set it before `capture`)",
+            ));
         }
         // Drains the stream, then stops the old threads.
         self.gather = None;
