@@ -1080,8 +1080,8 @@ fn every_kind_of_host_pages_serves_the_same_bits() {
 /// misses in every attend) and without one (every union row a miss), give the same winners,
 /// outputs and row counters for four methods over four decode steps of a ragged batch, in
 /// host and split residency; the threads served every miss (records = union rows − hits) with
-/// no overflow, timeout or refused offset. HBM residency, and head groups with the gather on
-/// (either order), are typed errors that change no setting.
+/// no overflow, timeout or refused offset. HBM residency, head groups with the gather on
+/// (either order) and a change inside a capture are typed errors that change no setting.
 #[test]
 fn the_host_gather_changes_no_bit() {
     let Some(gpu) = gpu() else { return };
@@ -1152,6 +1152,14 @@ fn the_host_gather_changes_no_bit() {
             );
             assert!(r.served.records > 0 && r.threads == threads);
         }
+        // A change inside a capture would drain the stream: refused, the setting kept.
+        let decode: Vec<(SessionId, usize)> = ids[1].iter().map(|&s| (s, 1)).collect();
+        let batch = caches[1].reserve(&decode).unwrap();
+        let e = caches[1]
+            .capture(&batch, |c| c.set_host_gather(3))
+            .unwrap_err();
+        assert!(e.to_string().contains("captured"), "{e}");
+        assert_eq!(caches[1].host_gather(), 1);
     }
     let mut c = config(layers, hkv, d, 256, 16);
     c.residency = Residency::Hbm;
