@@ -811,6 +811,28 @@ fn cases(fx: &Fx) -> Vec<Case> {
         Some(out.clone()),
     );
     case(
+        "the host gather on the step engine",
+        "offload-bench",
+        s([
+            "offload-bench",
+            "--engine",
+            "step",
+            "--host-gather",
+            "0,4",
+            "--json",
+            &out,
+        ]),
+        "row fetch",
+        Some(out.clone()),
+    );
+    case(
+        "too many host-gather threads",
+        "offload-bench",
+        s(["offload-bench", "--host-gather", "0,1000", "--json", &out]),
+        "at most 256 threads",
+        Some(out.clone()),
+    );
+    case(
         "split residency in offload-bench",
         "offload-bench",
         s(["offload-bench", "--residency", "index-hbm", "--json", &out]),
@@ -1040,6 +1062,36 @@ fn cases(fx: &Fx) -> Vec<Case> {
         "decode-bench",
         off(s(["decode-bench", "--scan-vec", "4", "--json", &out_db])),
         "--scan-vec",
+        Some(out_db.clone()),
+    );
+    case(
+        "the host gather with head groups",
+        "decode-bench",
+        off(s([
+            "decode-bench",
+            "--host-gather",
+            "4",
+            "--attend-groups",
+            "2",
+            "--json",
+            &out_db,
+        ])),
+        "one head group",
+        Some(out_db.clone()),
+    );
+    case(
+        "the host gather with the cache in HBM",
+        "decode-bench",
+        off(s([
+            "decode-bench",
+            "--host-gather",
+            "4",
+            "--residency",
+            "hbm",
+            "--json",
+            &out_db,
+        ])),
+        "nothing to gather",
         Some(out_db.clone()),
     );
     case(
