@@ -630,4 +630,30 @@ mod tests {
             "the graph ran one round: no interval"
         );
     }
+
+    /// Entries of the host gather pair only with the 136-bit scans that ran with the same
+    /// threads: a gather entry never borrows the GPU fetch's scan, nor the other way round.
+    #[test]
+    fn speedups_pair_within_a_host_gather_setting() {
+        let gathered = |mut e: BenchResult, n: usize| {
+            e.host_gather = n;
+            e
+        };
+        let mut r = vec![
+            entry("fathom:48", 0, false, 10.0),
+            entry("sparq:32", 0, false, 22.0),
+            gathered(entry("fathom:48", 0, false, 11.0), 14),
+            gathered(entry("sparq:32", 0, false, 22.0), 14),
+            gathered(entry("fathom:48", 0, false, 12.0), 8),
+        ];
+        add_speedups(&mut r, 128);
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(near(r[0].speedup_vs_136["sparq:32"], 2.2), "{r:?}");
+        assert!(near(r[2].speedup_vs_136["sparq:32"], 2.0), "{r:?}");
+        assert!(
+            r[4].speedup_vs_136.is_empty(),
+            "no 136-bit scan ran with 8 threads: {r:?}"
+        );
+        assert_ne!(r[0].setting(), r[2].setting());
+    }
 }

@@ -255,6 +255,61 @@ fn an_offload_row_without_a_136_bit_scan_gets_no_verdict() {
     );
 }
 
+/// An offload run timing the GPU's row fetch against the host gather: one row per setting,
+/// the gather's row named with its threads and judged against its own scans.
+#[test]
+fn an_offload_row_of_the_host_gather_names_its_threads() {
+    use fathom_results::offload::{BenchResult, OffloadBench, OffloadEngine};
+    let dir = tempfile::tempdir().unwrap();
+    let row = |method: &str, gather: usize, ms: f64, x: Option<f64>| {
+        let mut r = BenchResult {
+            context: 1 << 20,
+            residency: "host".into(),
+            method: method.into(),
+            groups: 1,
+            select: "scores".into(),
+            host_gather: gather,
+            gpu_ms: ms,
+            ..Default::default()
+        };
+        if let Some(x) = x {
+            r.speedup_vs_136.insert("sparq:32".into(), x);
+        }
+        r
+    };
+    let doc = OffloadBench {
+        version: 2,
+        command: "/x/y/fathom offload-bench --engine cache --host-gather 0,14".into(),
+        shape_label: "qwen3-8b".into(),
+        batch: 1,
+        generator: "synthetic-gqa-v1 (test)".into(),
+        engine: OffloadEngine::Cache,
+        results: vec![
+            row("fathom:48", 0, 20.0, Some(2.4)),
+            row("sparq:32", 0, 48.0, None),
+            row("fathom:48", 14, 21.0, Some(2.2)),
+            row("sparq:32", 14, 46.2, None),
+        ],
+        ..Default::default()
+    };
+    fathom_results::write(&dir.path().join("gather.json"), doc).unwrap();
+    let md = render(dir.path(), None);
+    assert!(
+        md.contains("| 1048576 | host | scores, 1 head group | 20.00 | sparq:32 2.40× |"),
+        "{md}"
+    );
+    assert!(
+        md.contains(
+            "| 1048576 | host | scores, 1 head group, misses gathered by 14 host threads | 21.00 | sparq:32 2.20× |"
+        ),
+        "{md}"
+    );
+    assert!(
+        md.contains("meets the 2.3× target") && md.contains("misses the 2.3× target at 2.20×"),
+        "{md}"
+    );
+}
+
 /// An offload run in rounds: one row per setting, its speedup the mean over rounds with the
 /// interval, and a verdict only where the whole interval lies on one side of the target (a
 /// target inside the interval is neither met nor missed).
