@@ -199,8 +199,9 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
                 )
             });
             s.push_str(&format!(
-                "| {} | {} | {:.1} | {:.2} | {:.2} / {:.2} | {:.1} | {:.2} | {split} |\n",
+                "| {}{} | {} | {:.1} | {:.2} | {:.2} / {:.2} | {:.1} | {:.2} | {split} |\n",
                 e.method,
+                if e.graph { " (CUDA graph)" } else { "" },
                 e.batch,
                 e.tokens_per_s,
                 e.per_session_tokens_per_s,
@@ -283,7 +284,8 @@ mod tests {
     use fathom_results::decode_bench::{DecodeBench, DecodeBenchEntry, StageSplit};
     use fathom_results::offload::DeviceInfo;
 
-    /// A made-up document (not a measurement): the section renders every entry and its split.
+    /// A made-up document (not a measurement): the section renders every entry and its split,
+    /// a captured step's entry marked as such.
     #[test]
     fn the_decode_throughput_section_lists_every_entry() {
         let entry = |method: &str, batch: usize, tps: f64| DecodeBenchEntry {
@@ -334,7 +336,14 @@ mod tests {
             device_bytes_in_use: 1 << 30,
             pool_hbm_bytes: None,
             prefill_seconds: 1.0,
-            entries: vec![entry("dense", 1, 100.0), entry("fathom:48", 16, 900.0)],
+            entries: vec![
+                entry("dense", 1, 100.0),
+                entry("fathom:48", 16, 900.0),
+                DecodeBenchEntry {
+                    graph: true,
+                    ..entry("fathom:48", 16, 950.0)
+                },
+            ],
         };
         let mut inp = Inputs::default();
         let mut s = String::new();
@@ -348,6 +357,7 @@ mod tests {
         decode_throughput(&inp, &mut s);
         assert!(s.contains("| dense | 1 | 100.0 |"), "{s}");
         assert!(s.contains("| fathom:48 | 16 | 900.0 | 56.25 |"), "{s}");
+        assert!(s.contains("| fathom:48 (CUDA graph) | 16 | 950.0 |"), "{s}");
         assert!(s.contains("0.40 / 0.30 / 0.10 / 0.20"), "{s}");
     }
 }
