@@ -203,12 +203,30 @@ fn the_committed_report_is_rendered_from_the_committed_results() {
     }
 }
 
+/// A made-up cache-engine offload-bench document (Qwen3-8B shape, B = 1) of `results`, run by
+/// `command`.
+fn offload_doc(
+    command: &str,
+    results: Vec<fathom_results::offload::BenchResult>,
+) -> fathom_results::offload::OffloadBench {
+    fathom_results::offload::OffloadBench {
+        version: 2,
+        command: command.into(),
+        shape_label: "qwen3-8b".into(),
+        batch: 1,
+        generator: "synthetic-gqa-v1 (test)".into(),
+        engine: fathom_results::offload::OffloadEngine::Cache,
+        results,
+        ..Default::default()
+    }
+}
+
 /// An offload run of one cache-engine setting per 136-bit scan, and one of fathom:48 alone:
 /// each row names its setting, a speedup is judged only against scans of the same setting,
 /// and a row with none gets no verdict (not a silently met target).
 #[test]
 fn an_offload_row_without_a_136_bit_scan_gets_no_verdict() {
-    use fathom_results::offload::{BenchResult, OffloadBench, OffloadEngine};
+    use fathom_results::offload::BenchResult;
     let dir = tempfile::tempdir().unwrap();
     let row = |method: &str, select: &str, groups: usize, ms: f64| BenchResult {
         context: 1 << 18,
@@ -221,15 +239,8 @@ fn an_offload_row_without_a_136_bit_scan_gets_no_verdict() {
     };
     let mut with = row("fathom:48", "scores", 2, 10.0);
     with.speedup_vs_136.insert("sparq:32".into(), 2.0);
-    let doc = |results: Vec<BenchResult>| OffloadBench {
-        version: 2,
-        command: "/x/y/fathom offload-bench --engine cache".into(),
-        shape_label: "qwen3-8b".into(),
-        batch: 1,
-        generator: "synthetic-gqa-v1 (test)".into(),
-        engine: OffloadEngine::Cache,
-        results,
-        ..Default::default()
+    let doc = |results: Vec<BenchResult>| {
+        offload_doc("/x/y/fathom offload-bench --engine cache", results)
     };
     fathom_results::write(
         &dir.path().join("with.json"),
@@ -259,7 +270,7 @@ fn an_offload_row_without_a_136_bit_scan_gets_no_verdict() {
 /// the gather's row named with its threads and judged against its own scans.
 #[test]
 fn an_offload_row_of_the_host_gather_names_its_threads() {
-    use fathom_results::offload::{BenchResult, OffloadBench, OffloadEngine};
+    use fathom_results::offload::BenchResult;
     let dir = tempfile::tempdir().unwrap();
     let row = |method: &str, gather: usize, ms: f64, x: Option<f64>| {
         let mut r = BenchResult {
@@ -277,21 +288,15 @@ fn an_offload_row_of_the_host_gather_names_its_threads() {
         }
         r
     };
-    let doc = OffloadBench {
-        version: 2,
-        command: "/x/y/fathom offload-bench --engine cache --host-gather 0,14".into(),
-        shape_label: "qwen3-8b".into(),
-        batch: 1,
-        generator: "synthetic-gqa-v1 (test)".into(),
-        engine: OffloadEngine::Cache,
-        results: vec![
+    let doc = offload_doc(
+        "/x/y/fathom offload-bench --engine cache --host-gather 0,14",
+        vec![
             row("fathom:48", 0, 20.0, Some(2.4)),
             row("sparq:32", 0, 48.0, None),
             row("fathom:48", 14, 21.0, Some(2.2)),
             row("sparq:32", 14, 46.2, None),
         ],
-        ..Default::default()
-    };
+    );
     fathom_results::write(&dir.path().join("gather.json"), doc).unwrap();
     let md = render(dir.path(), None);
     assert!(
@@ -315,7 +320,7 @@ fn an_offload_row_of_the_host_gather_names_its_threads() {
 /// target inside the interval is neither met nor missed).
 #[test]
 fn offload_rounds_give_one_row_with_an_interval_and_an_interval_verdict() {
-    use fathom_results::offload::{BenchResult, OffloadBench, OffloadEngine};
+    use fathom_results::offload::BenchResult;
     // fathom:48 at 10 ms every round, sparq:32 at `scan` ms in round i.
     let run = |context: usize, scan: &[f64]| -> Vec<BenchResult> {
         let mut out = Vec::new();
@@ -340,16 +345,7 @@ fn offload_rounds_give_one_row_with_an_interval_and_an_interval_verdict() {
     let dir = tempfile::tempdir().unwrap();
     let mut results = run(1 << 18, &[20.0, 20.2, 19.8]); // 2.00× [1.95, 2.05]: above 1.9
     results.extend(run(1 << 20, &[22.5, 23.5, 23.0])); // 2.30× [2.18, 2.42]: 2.3 inside
-    let mut doc = OffloadBench {
-        version: 2,
-        command: "/x/fathom offload-bench --engine cache --rounds 3".into(),
-        shape_label: "qwen3-8b".into(),
-        batch: 1,
-        generator: "synthetic-gqa-v1 (test)".into(),
-        engine: OffloadEngine::Cache,
-        results,
-        ..Default::default()
-    };
+    let mut doc = offload_doc("/x/fathom offload-bench --engine cache --rounds 3", results);
     fathom_results::write(&dir.path().join("rounds.json"), doc.clone()).unwrap();
     let md = render(dir.path(), None);
     assert!(md.contains("Timed in 3 rounds"), "{md}");
