@@ -55,9 +55,13 @@ gather)
   # against plain launches), then offload-bench timing the GPU's fetch against the gather in
   # interleaved rounds. `gather THREADS [extra offload-bench args]`.
   threads=${1:-14}; shift || true
-  timeout 240 $B/cache_gpu --test-threads 1 the_host_gather head_groups_and_scan 2>&1 | tee $OUT/gather-test.log | tail -4
-  echo "gather test rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
-  timeout 120 $B/graph_step ${GRAPH_CTX:-32768} $OUT/graph-step-gather.json $threads > $OUT/graph-step-gather.txt 2>&1
+  # SKIP_TEST=1 skips the device test (when `tests` ran it in the same session); SHARE=P
+  # runs the captured step with the gather bringing P % of the misses (--host-share in "$@").
+  if [ -z "${SKIP_TEST:-}" ]; then
+    timeout 240 $B/cache_gpu --test-threads 1 the_host_gather head_groups_and_scan 2>&1 | tee $OUT/gather-test.log | tail -4
+    echo "gather test rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
+  fi
+  timeout 120 $B/graph_step ${GRAPH_CTX:-32768} $OUT/graph-step-gather.json $threads ${SHARE:-100} > $OUT/graph-step-gather.txt 2>&1
   echo "graph_step gather rc=$?" | tee -a $OUT/summary.txt; tail -2 $OUT/graph-step-gather.txt
   timeout ${BENCH_TIMEOUT:-330} $B/fathom offload-bench --engine cache --context ${CTX:-256k,1m} \
     --methods ${METHODS:-fathom:48,sparq:32,ds:32} --steps 10 --residency host --host-gather ${GATHERS:-0,$threads} \

@@ -423,6 +423,10 @@ pub struct DecodeBenchArgs {
     /// the GPU reads each record from host memory itself. Needs one head group.
     #[arg(long = "host-gather", default_value_t = 0)]
     pub host_gather: usize,
+    /// Percent of the misses the host gather brings while the fetch reads the rest itself,
+    /// at once (`PagedCache::set_host_gather_share`; 1 to 100, the default 100: all).
+    #[arg(long = "host-share", default_value_t = 100)]
+    pub host_share: u32,
     /// GPUs of this host (sessions spread over `gpus / tp` groups).
     #[arg(long, default_value_t = 1)]
     pub gpus: usize,
@@ -513,6 +517,8 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
             fathom_cuda::cache::MAX_GATHER_THREADS
         );
     }
+    fathom_cuda::cache::check_host_gather_share(a.host_share)
+        .map_err(|e| anyhow::anyhow!("--host-share: {e}"))?;
     if a.host_gather > 0 && a.attend_groups > 1 {
         bail!("--host-gather {} with --attend-groups {}: the host gather serves one fetch at a time (one head group)", a.host_gather, a.attend_groups);
     }
@@ -670,6 +676,9 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     dec.cache_mut()?.set_attend_groups(a.attend_groups)?;
     dec.cache_mut()?.set_scan_vector_words(a.scan_vec)?;
     dec.cache_mut()?.set_host_gather(a.host_gather)?;
+    if a.host_gather > 0 {
+        dec.cache_mut()?.set_host_gather_share(a.host_share)?;
+    }
     let named: Vec<(String, Attention)> = names.iter().cloned().zip(atts.iter().copied()).collect();
     let m = fathom_gpu::throughput::measure(
         &mut dec,
@@ -753,6 +762,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         attend_groups: a.attend_groups,
         scan_vector_words: a.scan_vec,
         host_gather: a.host_gather,
+        host_gather_share: if a.host_gather > 0 { a.host_share } else { 100 },
     };
     if let Some(out) = &a.json {
         fathom_results::write(out, doc.clone())

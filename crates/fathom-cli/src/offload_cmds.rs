@@ -164,6 +164,12 @@ pub struct OffloadBenchArgs {
     /// method, e.g. `--host-gather 0,14`.
     #[arg(long = "host-gather", value_delimiter = ',', default_value = "0")]
     pub host_gather: Vec<usize>,
+    /// Cache engine: percent of the misses the host gather brings while the fetch reads the
+    /// rest itself, at once (`PagedCache::set_host_gather_share`; 1 to 100); a list times each
+    /// over every method and every `--host-gather` above 0, e.g. `--host-gather 0,14
+    /// --host-share 100,50,30`.
+    #[arg(long = "host-share", value_delimiter = ',', default_value = "100")]
+    pub host_share: Vec<u32>,
     /// Cache engine: also time every method with its whole decode step (every layer's append
     /// and attend) captured once as a CUDA graph and replayed each step, as a serving engine
     /// runs decode (`PagedCache::capture`; entries with `graph: true`, compared with the
@@ -242,6 +248,10 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             fathom_cuda::cache::MAX_GATHER_THREADS
         );
     }
+    for &p in &a.host_share {
+        fathom_cuda::cache::check_host_gather_share(p)
+            .map_err(|e| anyhow::anyhow!("--host-share {p}: {e}"))?;
+    }
     if a.rounds > 1 && a.engine == "step" {
         anyhow::bail!("--rounds {}: rounds interleave the cache engine's methods (`--engine cache`); the step engine times each method once", a.rounds);
     }
@@ -292,6 +302,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             .map(|&w| fathom_cuda::cache::check_scan_vector_words(w).map(|()| w))
             .collect::<Result<Vec<_>, _>>()?,
         host_gather: a.host_gather.clone(),
+        host_gather_share: a.host_share.clone(),
         host_pages: fathom_cuda::HostPages::parse(&a.host_pages)?,
         graphs: if a.graph {
             vec![false, true]

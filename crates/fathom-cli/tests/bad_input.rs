@@ -833,6 +833,13 @@ fn cases(fx: &Fx) -> Vec<Case> {
         Some(out.clone()),
     );
     case(
+        "a host-gather share of 0",
+        "offload-bench",
+        s(["offload-bench", "--host-share", "100,0", "--json", &out]),
+        "--host-share 0",
+        Some(out.clone()),
+    );
+    case(
         "split residency in offload-bench",
         "offload-bench",
         s(["offload-bench", "--residency", "index-hbm", "--json", &out]),
@@ -1077,6 +1084,19 @@ fn cases(fx: &Fx) -> Vec<Case> {
             &out_db,
         ])),
         "one head group",
+        Some(out_db.clone()),
+    );
+    case(
+        "a host-gather share past 100",
+        "decode-bench",
+        off(s([
+            "decode-bench",
+            "--host-share",
+            "101",
+            "--json",
+            &out_db,
+        ])),
+        "--host-share",
         Some(out_db.clone()),
     );
     case(

@@ -4,11 +4,13 @@
 //! keys) at the Qwen3-8B attention shape (36 layers, 8 KV heads, G = 4, D = 128), 4 sessions.
 //!
 //! ```text
-//! cargo run --release --features cuda -p fathom-cuda --example graph_step -- [CONTEXT] [OUT.json] [GATHER_THREADS]
+//! cargo run --release --features cuda -p fathom-cuda --example graph_step -- [CONTEXT] [OUT.json] [GATHER_THREADS] [GATHER_SHARE]
 //! ```
 //!
-//! `GATHER_THREADS` > 0 turns the host gather on (`PagedCache::set_host_gather`): the graph
-//! then holds the gather's publish and copy kernels, served by host threads while it replays.
+//! `GATHER_THREADS` > 0 turns the host gather on (`PagedCache::set_host_gather`), bringing
+//! `GATHER_SHARE` percent of the misses (`set_host_gather_share`; default 100): the graph then
+//! holds the gather's list, publish and copy kernels, served by host threads while it
+//! replays. Last, a setting changed after the capture must make the graph refuse to replay.
 use std::time::Instant;
 
 mod common;
@@ -31,6 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let context: usize = args.next().map_or(Ok(4096), |s| s.parse())?;
     let out_json = args.next();
     let gather: usize = args.next().map_or(Ok(0), |s| s.parse())?;
+    let share: u32 = args.next().map_or(Ok(100), |s| s.parse())?;
     let gpu = Gpu::open(0)?;
     let stream = gpu.stream().clone();
     let shape = ModelShape {
@@ -68,6 +71,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let setup_s = t0.elapsed().as_secs_f64();
     cache.set_host_gather(gather)?;
+    cache.set_host_gather_share(share)?;
     // Device buffers of one step: K, V, queries and outputs per layer.
     let mut bufs = Vec::new();
     for _ in 0..nl {
@@ -182,12 +186,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let (bits, plans) = cache.plan_bits()?;
     let line = format!(
-        "{{\"what\": \"one decode step (36 layers x (append + fathom:48 attend)) of 4 sessions, plain launches against one CUDA graph replay; SYNTHETIC workload at the qwen3-8b attention shape\", \"device\": \"{}\", \"context\": {context}, \"page_tokens\": {page}, \"plain_step_ms\": {pw:.4}, \"plain_enqueue_ms\": {pe:.4}, \"graph_step_ms\": {gw:.4}, \"graph_enqueue_ms\": {ge:.4}, \"step_ratio_plain_over_graph\": {:.4}, \"enqueue_ratio_plain_over_graph\": {:.3}, \"mean_plan_bits\": {bits:.3}, \"plans\": {plans}, \"setup_s\": {setup_s:.1}, \"graph_vs_plain_output_rel_error\": {rel:.3e}, \"host_gather_threads\": {gather}}}",
+        "{{\"what\": \"one decode step (36 layers x (append + fathom:48 attend)) of 4 sessions, plain launches against one CUDA graph replay; SYNTHETIC workload at the qwen3-8b attention shape\", \"device\": \"{}\", \"context\": {context}, \"page_tokens\": {page}, \"plain_step_ms\": {pw:.4}, \"plain_enqueue_ms\": {pe:.4}, \"graph_step_ms\": {gw:.4}, \"graph_enqueue_ms\": {ge:.4}, \"step_ratio_plain_over_graph\": {:.4}, \"enqueue_ratio_plain_over_graph\": {:.3}, \"mean_plan_bits\": {bits:.3}, \"plans\": {plans}, \"setup_s\": {setup_s:.1}, \"graph_vs_plain_output_rel_error\": {rel:.3e}, \"host_gather_threads\": {gather}, \"host_gather_share\": {share}}}",
         gpu.info().name,
         pw / gw,
         pe / ge
     );
     println!("{line}");
+    // A graph recorded under other settings is refused, not replayed.
+    cache.set_scan_vector_words(3 - cache.scan_vector_words())?;
+    let batch = cache.reserve(&decode)?;
+    match cache.replay(&batch, &graph) {
+        Err(e) if e.to_string().contains("capture the step again") => {
+            println!("stale graph refused: {e}")
+        }
+        other => return Err(format!("a stale graph was not refused: {other:?}").into()),
+    }
     if let Some(p) = out_json {
         std::fs::write(p, format!("{line}\n"))?;
     }

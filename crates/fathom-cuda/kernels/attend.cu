@@ -32,7 +32,7 @@ struct AttendGeom {
     u32 fcap;                     // filtered candidates per row
     u32 keep_scores;              // 1: the filtered scan also writes scores and the histogram
     u32 h0;                       // first KV head of this launch's head group (grids cover its heads)
-    u32 host_gather;              // 1: the fetch's misses go through the host gather (below)
+    u32 host_gather;              // percent of the fetch's misses the host gather brings (below); 0: off
 };
 
 __device__ __forceinline__ float load_elem(const void* p, u64 i, u32 dtype) {
@@ -946,7 +946,8 @@ __device__ __forceinline__ u64 cache_base(const AppendDesc& d, const PoolGeom& g
 // cache when it holds the token, else from the host page. A miss bids for its cache slot (the
 // largest token of this attend wins it). Each CTA takes FR rows: FR threads resolve one row's
 // source each (the dependent loads of all rows at once), then the CTA copies them in 16-byte
-// pieces with every load of a thread in flight before its stores. Counts union rows and hits
+// pieces with every load of a thread in flight before its stores; a miss of the host
+// gather's share (gather_on_host) is left to paged_gather_copy. Counts union rows and hits
 // into counters[0], counters[1]. grid = (ceil(umax / FR), Hkv, batch), block = FETCH_NT.
 // The host gather's state words and sizes (see paged_gather_publish).
 #define GS_COUNT 0
@@ -958,6 +959,20 @@ __device__ __forceinline__ u64 cache_base(const AppendDesc& d, const PoolGeom& g
 #define GATHER_TIMEOUT_NS 2000000000ull  // a host that does not answer in 2 s is a fault
 #define FR 64
 #define FETCH_NT 256
+
+// Whether union row `row` (its index into rows), when it misses the row cache, is the host
+// gather's (a.host_gather percent of rows by a multiplicative hash of the index) or the
+// fetch's own read. paged_gather_list and paged_fetch both decide by this rule alone.
+__device__ __forceinline__ bool gather_on_host(const AttendGeom& a, u64 row) {
+    return a.host_gather && (((u32)row * 2654435761u) >> 16) % 100u < a.host_gather;
+}
+
+// The byte offset of token t's K|V record of KV head h from g.recs.
+__device__ __forceinline__ u64 record_offset(const u32* tables, const PoolGeom& g, const AppendDesc& d,
+                                             u32 h, u32 t) {
+    const u32 page = tables[(u64)d.slot * g.max_pages + t / g.page_tokens];
+    return (u64)page * g.rec_page_bytes + ((u64)h * g.page_tokens + t % g.page_tokens) * 4 * DIM;
+}
 #define PIECES (4 * DIM / 16)                   // 16-byte pieces of one record
 #define FETCH_PER (FR * PIECES / FETCH_NT)      // pieces per thread
 extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
@@ -965,9 +980,7 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
                                        const u32* __restrict__ urows, const u32* __restrict__ ucount,
                                        const u32* __restrict__ tags, const u16* __restrict__ cdata,
                                        u32* __restrict__ claim, u16* __restrict__ rows,
-                                       unsigned long long* __restrict__ counters,
-                                       u32* __restrict__ gstate, u64* __restrict__ glist,
-                                       u32* __restrict__ gdst, u32 gcap) {
+                                       unsigned long long* __restrict__ counters) {
     __shared__ const uint4* src[FR];
     __shared__ u32 sh_hits;
     const u32 b = blockIdx.z, h = a.h0 + blockIdx.y, tid = threadIdx.x;
@@ -990,25 +1003,10 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
             if (hit) p = (const uint4*)(cdata + slot * 2 * DIM);
             else atomicMax(&claim[slot], t + 1);
         }
-        if (!hit) {
-            const u32 page = tables[(u64)d.slot * g.max_pages + t / g.page_tokens];
-            const u64 off = (u64)page * g.rec_page_bytes +
-                            ((u64)h * g.page_tokens + t % g.page_tokens) * 4 * DIM;
-            if (a.host_gather) {
-                // The host copies the record into staging slot j; paged_gather_copy moves it
-                // to this row. A list past its capacity is counted and left (a fault).
-                const u32 j = atomicAdd(&gstate[GS_COUNT], 1u);
-                if (j < gcap) {
-                    glist[j] = off;
-                    gdst[j] = (u32)(ub + r0 + tid);
-                } else {
-                    atomicAdd(&gstate[GS_FAULTS], 1u);
-                }
-                __threadfence_system();
-            } else {
-                p = (const uint4*)(g.recs + off);
-            }
-        }
+        // A miss of the host gather's share was listed by paged_gather_list: the host
+        // brings it (paged_gather_copy), while this CTA reads the others itself.
+        if (!hit && !gather_on_host(a, ub + r0 + tid))
+            p = (const uint4*)(g.recs + record_offset(tables, g, d, h, t));
         src[tid] = p;
         const unsigned m = __ballot_sync(__activemask(), hit);
         if ((tid & 31) == 0 && m) atomicAdd(&sh_hits, (u32)__popc(m));
@@ -1034,13 +1032,41 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
 // The host gather (docs/SPEC.md §6.1, "Host gather"; host side: host_gather.rs). Random
 // 512-byte reads of mapped host memory from the GPU run at a fraction of the link rate where
 // the IOMMU translates (each record one translation), while CPU cores gather them at DRAM
-// speed. With a.host_gather the fetch lists each miss (its record's byte offset from
-// g.recs in glist[j], pinned; its row in gdst[j], HBM) instead of loading it;
-// paged_gather_publish then hands the list to the host threads through the mailbox, they
-// copy record j into staging slot j in chunks of GATHER_CHUNK and mark each chunk done with
-// the attend's epoch, and paged_gather_copy moves each chunk into its rows once its mark is
-// there. gstate (HBM): [count, epoch, faults, timeouts]; count is zeroed before each fetch.
+// speed. With a.host_gather, before the fetch, paged_gather_list lists each miss of the
+// host's share (gather_on_host: its record's byte offset from g.recs in glist[j], pinned;
+// its row in gdst[j], HBM); paged_gather_publish hands the list to the host threads through
+// the mailbox; they copy record j into staging slot j in chunks of GATHER_CHUNK and mark each
+// chunk done with the attend's epoch while paged_fetch reads the other misses itself; then
+// paged_gather_copy moves each chunk into its rows once its mark is there. The two reads are
+// bound by different resources (IOMMU translations, host cores), so a split adds their rates.
+// gstate (HBM): [count, epoch, faults, timeouts]; count is zeroed before each list.
 // The mailbox (pinned, mapped): [epoch, count, layer, pad]; done [chunks] u32 (pinned).
+
+// One thread per union row: a miss of the host's share (the row cache's tags as paged_fetch
+// reads them: nothing changes them in between) gets the next list slot j. A list past its
+// capacity is counted and left (a fault). grid = (ceil(umax / GATHER_NT), Hkv, batch).
+extern "C" __global__ void paged_gather_list(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+                                             PoolGeom g, AttendGeom a, const u32* __restrict__ urows,
+                                             const u32* __restrict__ ucount, const u32* __restrict__ tags,
+                                             u32* __restrict__ gstate, u64* __restrict__ glist,
+                                             u32* __restrict__ gdst, u32 gcap) {
+    const u32 b = blockIdx.z, h = a.h0 + blockIdx.y;
+    const u64 ub = ((u64)b * g.heads + h) * a.umax;
+    const u32 cnt = min(ucount[(u64)b * g.heads + h], a.umax);
+    const u32 r = blockIdx.x * GATHER_NT + threadIdx.x;
+    if (r >= cnt || !gather_on_host(a, ub + r)) return;
+    const AppendDesc d = descs[b];
+    const u32 t = urows[ub + r];
+    if (a.cache_rows && tags[cache_base(d, g, a, h) + t % a.cache_rows] == t + 1) return;  // a hit
+    const u32 j = atomicAdd(&gstate[GS_COUNT], 1u);
+    if (j < gcap) {
+        glist[j] = record_offset(tables, g, d, h, t);
+        gdst[j] = (u32)(ub + r);
+    } else {
+        atomicAdd(&gstate[GS_FAULTS], 1u);
+    }
+    __threadfence_system();
+}
 
 __device__ __forceinline__ u32 load_acquire_sys(const u32* p) {
     u32 v;

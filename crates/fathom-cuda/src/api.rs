@@ -185,6 +185,8 @@ pub trait KvCache: Sized {
     fn set_scan_vector_words(&mut self, words: u32) -> Result<()>;
     /// CPU threads that serve the row fetch's misses (0: off; docs/SPEC.md §6.1).
     fn set_host_gather(&mut self, threads: usize) -> Result<()>;
+    /// Percent of the misses the host gather brings while the fetch reads the rest (1 to 100).
+    fn set_host_gather_share(&mut self, percent: u32) -> Result<()>;
     /// Rows selected by the filtered select, and its fallbacks, since the cache was made.
     fn select_counters(&self) -> Result<crate::cache::SelectCounters>;
 }
@@ -293,6 +295,9 @@ impl KvCache for crate::PagedCache {
     }
     fn set_host_gather(&mut self, threads: usize) -> Result<()> {
         crate::PagedCache::set_host_gather(self, threads)
+    }
+    fn set_host_gather_share(&mut self, percent: u32) -> Result<()> {
+        crate::PagedCache::set_host_gather_share(self, percent)
     }
     fn select_counters(&self) -> Result<crate::cache::SelectCounters> {
         crate::PagedCache::select_counters(self)

@@ -87,6 +87,11 @@ pub struct BenchConfig {
     /// ([`crate::PagedCache::set_host_gather`]; 0: the GPU reads the misses; empty: 0).
     #[serde(default)]
     pub host_gather: Vec<usize>,
+    /// Cache engine only: shares of the misses (percent, 1 to 100) the host gather brings, each
+    /// over every method and gather setting above 0 threads
+    /// ([`crate::PagedCache::set_host_gather_share`]; empty: 100).
+    #[serde(default)]
+    pub host_gather_share: Vec<u32>,
     /// Cache engine only: how each method's decode step is launched, each over every method:
     /// `false`, kernel by kernel; `true`, captured once as a CUDA graph
     /// ([`crate::PagedCache::capture`]) and replayed every step, as a serving engine runs
@@ -575,6 +580,7 @@ fn summarize(
         append_ms: None,
         round: 0,
         host_gather: 0,
+        host_gather_share: 100,
         host_gather_request_us: None,
         host_gather_mrows_per_thread_s: None,
     }
@@ -632,19 +638,23 @@ mod tests {
     }
 
     /// Entries of the host gather pair only with the 136-bit scans that ran with the same
-    /// threads: a gather entry never borrows the GPU fetch's scan, nor the other way round.
+    /// threads and share: a gather entry never borrows the GPU fetch's scan, nor the other
+    /// way round, nor one share another's.
     #[test]
     fn speedups_pair_within_a_host_gather_setting() {
-        let gathered = |mut e: BenchResult, n: usize| {
+        let gathered = |mut e: BenchResult, n: usize, share: u32| {
             e.host_gather = n;
+            e.host_gather_share = share;
             e
         };
         let mut r = vec![
             entry("fathom:48", 0, false, 10.0),
             entry("sparq:32", 0, false, 22.0),
-            gathered(entry("fathom:48", 0, false, 11.0), 14),
-            gathered(entry("sparq:32", 0, false, 22.0), 14),
-            gathered(entry("fathom:48", 0, false, 12.0), 8),
+            gathered(entry("fathom:48", 0, false, 11.0), 14, 100),
+            gathered(entry("sparq:32", 0, false, 22.0), 14, 100),
+            gathered(entry("fathom:48", 0, false, 12.0), 8, 100),
+            gathered(entry("fathom:48", 0, false, 8.0), 14, 50),
+            gathered(entry("sparq:32", 0, false, 20.0), 14, 50),
         ];
         add_speedups(&mut r, 128);
         let near = |a: f64, b: f64| (a - b).abs() < 1e-12;
@@ -654,6 +664,8 @@ mod tests {
             r[4].speedup_vs_136.is_empty(),
             "no 136-bit scan ran with 8 threads: {r:?}"
         );
+        assert!(near(r[5].speedup_vs_136["sparq:32"], 2.5), "{r:?}");
         assert_ne!(r[0].setting(), r[2].setting());
+        assert_ne!(r[2].setting(), r[5].setting());
     }
 }

@@ -117,6 +117,7 @@ pub(crate) fn run(
             * c.groups.len().max(1)
             * c.scan_vector_words.len().max(1)
             * c.host_gather.len().max(1)
+            * c.host_gather_share.len().max(1)
             * c.graphs.len().max(1)
             * c.rounds.max(1)
             + 8;
@@ -297,10 +298,22 @@ pub(crate) fn run(
         } else {
             c.scan_vector_words.clone()
         };
-        let gathers: Vec<usize> = if c.host_gather.is_empty() {
-            vec![0]
+        // (threads, share) pairs: the gather off once, each thread count at every share.
+        let shares: Vec<u32> = if c.host_gather_share.is_empty() {
+            vec![100]
         } else {
-            c.host_gather.clone()
+            c.host_gather_share.clone()
+        };
+        let gathers: Vec<(usize, u32)> = if c.host_gather.is_empty() {
+            vec![(0, 100)]
+        } else {
+            c.host_gather
+                .iter()
+                .flat_map(|&n| {
+                    let at: Vec<u32> = if n == 0 { vec![100] } else { shares.clone() };
+                    at.into_iter().map(move |p| (n, p))
+                })
+                .collect()
         };
         let graphs: Vec<bool> = if c.graphs.is_empty() {
             vec![false]
@@ -316,7 +329,7 @@ pub(crate) fn run(
             sessions: b,
             kv_row: hkv * d,
         };
-        for ((round, fuse, groups, vec, as_graph), gather, &m) in (0..c.rounds.max(1))
+        for ((round, fuse, groups, vec, as_graph), (gather, share), &m) in (0..c.rounds.max(1))
             .flat_map(|round| settings.iter().map(move |&f| (round, f)))
             .flat_map(|(round, f)| attend_groups.iter().map(move |&g| (round, f, g)))
             .flat_map(|(round, f, g)| vecs.iter().map(move |&v| (round, f, g, v)))
@@ -349,6 +362,11 @@ pub(crate) fn run(
                 cache
                     .set_host_gather(gather)
                     .map_err(|e| format!("--host-gather {gather} not timed: {e}"))
+            })
+            .and_then(|()| {
+                cache
+                    .set_host_gather_share(share)
+                    .map_err(|e| format!("--host-share {share} not timed: {e}"))
             })
             .and_then(|()| {
                 cache
@@ -506,6 +524,7 @@ pub(crate) fn run(
             r.graph = as_graph;
             r.round = round;
             r.host_gather = gather;
+            r.host_gather_share = share;
             if let (Some(a), Some(z)) = (gather0, gather1) {
                 let (req, rec) = (
                     z.served.requests - a.served.requests,
@@ -553,8 +572,9 @@ pub(crate) fn run(
                 if r.graph { "graph " } else { "launch" },
                 if r.host_gather > 0 {
                     format!(
-                        " gather {:>2} ({:.1} µs/attend, {:.1} M rows/s/thread)",
+                        " gather {:>2} × {:>3}% ({:.1} µs/attend, {:.1} M rows/s/thread)",
                         r.host_gather,
+                        r.host_gather_share,
                         r.host_gather_request_us.unwrap_or(0.0),
                         r.host_gather_mrows_per_thread_s.unwrap_or(0.0)
                     )
@@ -694,6 +714,7 @@ fn result(
         append_ms: None,
         round: 0,
         host_gather: 0,
+        host_gather_share: 100,
         host_gather_request_us: None,
         host_gather_mrows_per_thread_s: None,
     }

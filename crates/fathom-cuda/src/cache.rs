@@ -437,6 +437,28 @@ pub fn check_scan_vector_words(words: u32) -> Result<()> {
     }
 }
 
+/// The check of [`crate::PagedCache::set_host_gather_share`]: a percent of the misses, 1 to
+/// 100.
+///
+/// ```
+/// use fathom_cuda::cache::check_host_gather_share;
+/// assert!(check_host_gather_share(50).is_ok() && check_host_gather_share(100).is_ok());
+/// assert!(check_host_gather_share(0).is_err() && check_host_gather_share(101).is_err());
+/// ```
+///
+/// # Errors
+/// As above.
+pub fn check_host_gather_share(percent: u32) -> Result<()> {
+    if (1..=100).contains(&percent) {
+        Ok(())
+    } else {
+        Err(CudaError::invalid(
+            "host gather share",
+            format!("{percent}% (a percent of the row fetch's misses, 1 to 100; turn the gather off with 0 threads)"),
+        ))
+    }
+}
+
 /// Most threads [`crate::PagedCache::set_host_gather`] takes.
 pub const MAX_GATHER_THREADS: usize = 256;
 

@@ -45,6 +45,8 @@ const APPEND_QUARTERS: usize = 4;
 const FETCH_ROWS: usize = 64;
 /// CTAs of `paged_gather_copy`, each looping over chunks: one poller per CTA.
 const GATHER_COPY_CTAS: usize = 128;
+/// Threads of `paged_gather_list`'s CTAs, one union row each (kernels/attend.cu `GATHER_NT`).
+const GATHER_LIST_THREADS: usize = 256;
 /// Threads of the partial attention (`NT` in attend.cu); its splits span multiples of
 /// `GRAN` rows.
 const ATTN_THREADS: u32 = 128;
@@ -136,7 +138,8 @@ struct AttendGeom {
     keep_scores: u32,
     /// First KV head of the launch's head group ([`PagedCache::set_attend_groups`]).
     h0: u32,
-    /// 1: the fetch lists its misses for the host gather ([`PagedCache::set_host_gather`]).
+    /// Percent of the fetch's misses the host gather brings ([`PagedCache::set_host_gather`],
+    /// [`PagedCache::set_host_gather_share`]); 0: off.
     host_gather: u32,
 }
 const _: () = assert!(std::mem::size_of::<AttendGeom>() == 72);
@@ -154,6 +157,7 @@ struct AttendKernels {
     topk_fused: CudaFunction,
     union: CudaFunction,
     fetch: CudaFunction,
+    gather_list: CudaFunction,
     gather_publish: CudaFunction,
     gather_copy: CudaFunction,
     attn_partial: CudaFunction,
@@ -359,6 +363,11 @@ pub struct PagedCache {
     side: Arc<CudaStream>,
     /// The host gather ([`PagedCache::set_host_gather`]); `None`: the GPU reads every miss.
     gather: Option<GatherState>,
+    /// Percent of the misses the host gather brings ([`PagedCache::set_host_gather_share`]).
+    gather_share: u32,
+    /// Bumped by every setting a captured step bakes in (select path, head groups, scan
+    /// loads, host gather, a static method's depths): a graph of an older value is stale.
+    settings: u64,
     scanned: cudarc::driver::CudaEvent,
     joined: cudarc::driver::CudaEvent,
     // Keep the modules alive.
@@ -447,6 +456,7 @@ impl PagedCache {
             topk_fused: fa("paged_topk_fused")?,
             union: fa("paged_union")?,
             fetch: fa("paged_fetch")?,
+            gather_list: fa("paged_gather_list")?,
             gather_publish: fa("paged_gather_publish")?,
             gather_copy: fa("paged_gather_copy")?,
             attn_partial: fa("paged_attn_partial")?,
@@ -601,6 +611,8 @@ impl PagedCache {
             groups: 1,
             scan_vec: 1,
             gather: None,
+            gather_share: 100,
+            settings: 0,
             side: gpu
                 .stream()
                 .fork()
@@ -1288,7 +1300,10 @@ impl PagedCache {
             }
         };
         let buf = DevBuf::from_slice(&depths, "static plan")?;
-        self.calib.statics.insert(method.label(), buf);
+        if self.calib.statics.insert(method.label(), buf).is_some() {
+            // The old depths are freed: a graph that read them is stale.
+            self.settings += 1;
+        }
         Ok(())
     }
 
@@ -1468,7 +1483,11 @@ impl PagedCache {
                 }
             )),
             h0: 0,
-            host_gather: u32::from(self.gather.is_some()),
+            host_gather: if self.gather.is_some() {
+                self.gather_share
+            } else {
+                0
+            },
         };
         // Head groups: `per` KV heads each (the last may hold fewer); one for dense attends.
         let groups = if dense { 1 } else { self.groups.min(hkv) };
@@ -1781,13 +1800,33 @@ impl PagedCache {
                 unsafe { b.launch(cfg((nb32, hn, 1), TOPK_THREADS)) }
                     .map_err(drv("launch paged_union"))?;
                 let row_chunks = self.work.umax.div_ceil(FETCH_ROWS) as u32;
-                let (gstate, glist, gdst, gcap) = self.gather.as_ref().map_or((0, 0, 0, 0), |g| {
-                    (g.gstate.ptr, g.list.dptr, g.gdst.ptr, g.cap as u32)
-                });
                 if let Some(g) = &self.gather {
                     // SAFETY: the state holds 4 u32; the count is its first.
                     unsafe { result::memset_d8_async(g.gstate.ptr, 0, 4, ps.cu_stream()) }
                         .map_err(drv("memset host-gather count"))?;
+                    let gcap = g.cap as u32;
+                    let mut b = ps.launch_builder(&k.gather_list);
+                    b.arg(&descs)
+                        .arg(&tables)
+                        .arg(&geom)
+                        .arg(ag)
+                        .arg(&w.urows.ptr)
+                        .arg(&w.ucount.ptr)
+                        .arg(&tags)
+                        .arg(&g.gstate.ptr)
+                        .arg(&g.list.dptr)
+                        .arg(&g.gdst.ptr)
+                        .arg(&gcap);
+                    let list_chunks = self.work.umax.div_ceil(GATHER_LIST_THREADS) as u32;
+                    // SAFETY: as the fetch's (below); the list and rows hold gcap entries
+                    // (bounded in the kernel).
+                    unsafe { b.launch(cfg((list_chunks, hn, nb32), GATHER_LIST_THREADS as u32)) }
+                        .map_err(drv("launch paged_gather_list"))?;
+                    let mut b = ps.launch_builder(&k.gather_publish);
+                    b.arg(ag).arg(&g.gstate.ptr).arg(&gcap).arg(&g.mailbox.dptr);
+                    // SAFETY: one thread; the mailbox holds MAILBOX_WORDS u32.
+                    unsafe { b.launch(cfg((1, 1, 1), 1)) }
+                        .map_err(drv("launch paged_gather_publish"))?;
                 }
                 let mut b = ps.launch_builder(&k.fetch);
                 b.arg(&descs)
@@ -1801,30 +1840,21 @@ impl PagedCache {
                     .arg(&data)
                     .arg(&claim)
                     .arg(&w.rows.ptr)
-                    .arg(&w.counters.ptr)
-                    .arg(&gstate)
-                    .arg(&glist)
-                    .arg(&gdst)
-                    .arg(&gcap);
+                    .arg(&w.counters.ptr);
                 // SAFETY: every union row is a token < the session's length; rows hold umax
-                // records; the row cache (when present) has cache_rows slots per (slot, layer, head);
-                // the gather's list and rows hold gcap entries (bounded in the kernel).
+                // records; the row cache (when present) has cache_rows slots per (slot, layer, head).
                 unsafe { b.launch(cfg((row_chunks, hn, nb32), 256)) }
                     .map_err(drv("launch paged_fetch"))?;
                 if let Some(g) = &self.gather {
-                    let mut b = ps.launch_builder(&k.gather_publish);
-                    b.arg(ag).arg(&gstate).arg(&gcap).arg(&g.mailbox.dptr);
-                    // SAFETY: one thread; the mailbox holds MAILBOX_WORDS u32.
-                    unsafe { b.launch(cfg((1, 1, 1), 1)) }
-                        .map_err(drv("launch paged_gather_publish"))?;
+                    let gcap = g.cap as u32;
                     let chunks = g.cap.div_ceil(crate::host_gather::GATHER_CHUNK);
                     let ctas = chunks.min(GATHER_COPY_CTAS) as u32;
                     let mut b = ps.launch_builder(&k.gather_copy);
-                    b.arg(&gstate)
+                    b.arg(&g.gstate.ptr)
                         .arg(&gcap)
                         .arg(&g.done.dptr)
                         .arg(&g.staging.dptr)
-                        .arg(&gdst)
+                        .arg(&g.gdst.ptr)
                         .arg(&w.rows.ptr);
                     // SAFETY: done holds a mark per chunk of gcap, staging gcap records, and
                     // every gdst entry is a row of `rows` (written by the fetch).
@@ -2008,6 +2038,9 @@ impl PagedCache {
             unsafe { result::memset_d8_async(w.mode.ptr, 0, bytes, self.stream.cu_stream()) }
                 .map_err(drv("memset select modes"))?;
         }
+        if self.select != path {
+            self.settings += 1;
+        }
         self.select = path;
         Ok(())
     }
@@ -2029,6 +2062,9 @@ impl PagedCache {
     pub fn set_attend_groups(&mut self, groups: usize) -> Result<()> {
         crate::cache::check_attend_groups(&self.cfg, groups)?;
         crate::cache::check_host_gather(&self.cfg, self.host_gather(), groups)?;
+        if self.groups != groups {
+            self.settings += 1;
+        }
         self.groups = groups;
         Ok(())
     }
@@ -2048,6 +2084,9 @@ impl PagedCache {
     /// Any value but 1 or 2.
     pub fn set_scan_vector_words(&mut self, words: u32) -> Result<()> {
         crate::cache::check_scan_vector_words(words)?;
+        if self.scan_vec != words {
+            self.settings += 1;
+        }
         self.scan_vec = words;
         Ok(())
     }
@@ -2084,7 +2123,8 @@ impl PagedCache {
                 "set while a decode step is being captured (set it before `capture`)",
             ));
         }
-        // Drains the stream, then stops the old threads.
+        // Drains the stream, then stops the old threads (a graph captured with them is stale).
+        self.settings += 1;
         self.gather = None;
         if threads == 0 {
             return Ok(());
@@ -2145,6 +2185,36 @@ impl PagedCache {
             stream: self.stream.clone(),
         });
         Ok(())
+    }
+
+    /// The share of the row fetch's misses the host gather brings, in percent (1 to 100; 100,
+    /// the default, is every miss): the others the fetch reads itself while the host threads
+    /// copy, so the two reads (one bound by the IOMMU's translations, the other by the host's
+    /// cores) run at once (docs/SPEC.md §6.1, "Host gather"). Which misses are the host's is a
+    /// fixed hash of the union row's index. It takes effect while the gather is on, and the
+    /// outputs are the same bits for every share.
+    ///
+    /// # Errors
+    /// A share of 0 or above 100, or a change while a step is being captured (typed).
+    pub fn set_host_gather_share(&mut self, percent: u32) -> Result<()> {
+        crate::cache::check_host_gather_share(percent)?;
+        if percent == self.gather_share {
+            return Ok(());
+        }
+        if self.capturing.is_some() {
+            return Err(CudaError::invalid(
+                "host gather share",
+                "set while a decode step is being captured (set it before `capture`)",
+            ));
+        }
+        self.settings += 1;
+        self.gather_share = percent;
+        Ok(())
+    }
+
+    /// The setting of [`PagedCache::set_host_gather_share`], in percent.
+    pub fn host_gather_share(&self) -> u32 {
+        self.gather_share
     }
 
     /// The setting of [`PagedCache::set_host_gather`]: its threads, 0 when off.
@@ -2253,6 +2323,7 @@ impl PagedCache {
             graph,
             sessions,
             plans,
+            settings: self.settings,
         })
     }
 
@@ -2260,7 +2331,8 @@ impl PagedCache {
     /// (one token each), on the cache's stream.
     ///
     /// # Errors
-    /// A stale batch, or one whose sessions or token counts differ from the captured one's.
+    /// A stale batch, or one whose sessions or token counts differ from the captured one's; a
+    /// graph captured before a setting changed (it would run the old step).
     pub fn replay(&mut self, batch: &AppendBatch, graph: &DecodeGraph) -> Result<()> {
         if batch.step != self.step
             || batch.sessions() != graph.sessions
@@ -2269,6 +2341,14 @@ impl PagedCache {
             return Err(CudaError::invalid(
                 "replay",
                 "the graph replays the decode step of the sessions it was captured for, after their current reserve",
+            ));
+        }
+        if graph.settings != self.settings {
+            // Its kernels were recorded with other settings (the host gather's buffers may
+            // even be freed): replaying it would run the old step, or read freed memory.
+            return Err(CudaError::invalid(
+                "replay",
+                "a setting of the cache changed since the capture (select path, head groups, scan loads, host gather, a static method's depths): capture the step again",
             ));
         }
         graph.graph.launch().map_err(drv("graph launch"))?;
@@ -2394,6 +2474,8 @@ pub struct DecodeGraph {
     graph: cudarc::driver::CudaGraph,
     sessions: Vec<SessionId>,
     plans: u64,
+    /// The cache's settings generation at the capture (a change since makes it stale).
+    settings: u64,
 }
 
 impl std::fmt::Debug for DecodeGraph {

@@ -435,6 +435,18 @@ impl PagedCache {
     pub fn host_gather(&self) -> usize {
         0
     }
+    /// Sets the host gather's share of the misses, in percent.
+    ///
+    /// # Errors
+    /// A share the CUDA build refuses (typed), else [`CudaError::NotCompiledWithCuda`].
+    pub fn set_host_gather_share(&mut self, percent: u32) -> Result<()> {
+        crate::cache::check_host_gather_share(percent)?;
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// The host gather's share of the misses, in percent (the default, 100, in this build).
+    pub fn host_gather_share(&self) -> u32 {
+        100
+    }
     /// The host gather's counts (off in this build).
     ///
     /// # Errors

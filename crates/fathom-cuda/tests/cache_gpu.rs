@@ -1076,31 +1076,46 @@ fn every_kind_of_host_pages_serves_the_same_bits() {
 
 /// The host gather (docs/SPEC.md §6.1, `set_host_gather`: CPU threads copy the fetch's
 /// misses into pinned staging, the GPU reads it in order) changes no bit: caches fed the same
-/// appends, without the gather and with 1 and 3 threads, with a 64-slot row cache (hits and
+/// appends, without the gather and with 1, 2 and 3 threads bringing all the misses or a share
+/// of them (50 %, 30 %: the fetch reads the rest at once), with a 64-slot row cache (hits and
 /// misses in every attend) and without one (every union row a miss), give the same winners,
 /// outputs and row counters for four methods over four decode steps of a ragged batch, in
-/// host and split residency; the threads served every miss (records = union rows − hits) with
-/// no overflow, timeout or refused offset. HBM residency, head groups with the gather on
-/// (either order) and a change inside a capture are typed errors that change no setting.
+/// host and split residency; the threads served every miss of their share (records = union
+/// rows − hits at 100 %, within 0.1 of the share otherwise) with no overflow, timeout or
+/// refused offset. HBM residency, head groups with the gather on (either order), a share of 0
+/// or 101 and a change of threads or share inside a capture are typed errors that change no
+/// setting.
 #[test]
 fn the_host_gather_changes_no_bit() {
     let Some(gpu) = gpu() else { return };
     let params = small_select();
     let (hkv, d, g, layers) = (3, 128, 4, 2);
     let hq = hkv * g;
-    // (row-cache slots, gather threads); the first is the reference.
-    let settings = [(64, 0), (64, 1), (64, 3), (0, 0), (0, 3)];
+    // (row-cache slots, gather threads, its share in percent); the first is the reference.
+    let settings = [
+        (64, 0, 100),
+        (64, 1, 100),
+        (64, 3, 50),
+        (0, 0, 100),
+        (0, 3, 100),
+        (0, 2, 30),
+    ];
     for residency in [Residency::Host, Residency::IndexHbm] {
-        let mut caches = settings.map(|(rows, _)| {
+        let mut caches = settings.map(|(rows, _, _)| {
             let mut c = config(layers, hkv, d, 256, 200);
             c.residency = residency;
             c.row_cache = rows;
             PagedCache::new(&gpu, c).unwrap()
         });
-        for (c, (_, threads)) in caches.iter_mut().zip(settings) {
+        for (c, (_, threads, share)) in caches.iter_mut().zip(settings) {
             c.set_host_gather(threads).unwrap();
-            assert_eq!(c.host_gather(), threads);
+            c.set_host_gather_share(share).unwrap();
+            assert_eq!((c.host_gather(), c.host_gather_share()), (threads, share));
         }
+        for bad in [0, 101] {
+            assert!(caches[1].set_host_gather_share(bad).is_err(), "share {bad}");
+        }
+        assert_eq!(caches[1].host_gather_share(), 100);
         assert!(
             caches[1].set_attend_groups(2).is_err(),
             "groups with the gather on"
@@ -1122,7 +1137,7 @@ fn the_host_gather_changes_no_bit() {
                 let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
                 for i in 1..settings.len() {
                     let what = format!(
-                        "{residency:?} step {t} {m}: (row cache, threads) {:?}",
+                        "{residency:?} step {t} {m}: (row cache, threads, share) {:?}",
                         settings[i]
                     );
                     let r = if settings[i].0 == settings[0].0 { 0 } else { 3 };
@@ -1132,7 +1147,7 @@ fn the_host_gather_changes_no_bit() {
                 }
             }
         }
-        for (c, (_, threads)) in caches.iter().zip(settings) {
+        for (c, (_, threads, share)) in caches.iter().zip(settings) {
             let report = c.host_gather_stats().unwrap();
             if threads == 0 {
                 assert!(report.is_none());
@@ -1145,11 +1160,20 @@ fn the_host_gather_changes_no_bit() {
                 (0, 0, 0),
                 "{residency:?} {threads} threads: {r:?}"
             );
-            assert_eq!(
-                r.served.records,
-                rc.rows - rc.hits,
-                "{residency:?}: every miss served once"
-            );
+            let misses = rc.rows - rc.hits;
+            if share == 100 {
+                assert_eq!(
+                    r.served.records, misses,
+                    "{residency:?}: every miss served once"
+                );
+            } else {
+                // The hash splits the misses near the share (thousands of them here).
+                let got = r.served.records as f64 / misses as f64;
+                assert!(
+                    (got - f64::from(share) / 100.0).abs() < 0.1,
+                    "{residency:?} share {share}%: the host brought {got:.3} of the misses"
+                );
+            }
             assert!(r.served.records > 0 && r.threads == threads);
         }
         // A change inside a capture would drain the stream: refused, the setting kept.
@@ -1160,6 +1184,11 @@ fn the_host_gather_changes_no_bit() {
             .unwrap_err();
         assert!(e.to_string().contains("captured"), "{e}");
         assert_eq!(caches[1].host_gather(), 1);
+        let e = caches[1]
+            .capture(&batch, |c| c.set_host_gather_share(40))
+            .unwrap_err();
+        assert!(e.to_string().contains("captured"), "{e}");
+        assert_eq!(caches[1].host_gather_share(), 100);
     }
     let mut c = config(layers, hkv, d, 256, 16);
     c.residency = Residency::Hbm;

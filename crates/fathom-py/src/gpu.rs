@@ -514,6 +514,18 @@ impl GpuCache {
         self.cache.host_gather()
     }
 
+    /// Percent of the misses the host gather brings (1 to 100, default 100) while the fetch
+    /// reads the rest itself, at once (the same outputs).
+    fn set_host_gather_share(&mut self, percent: u32) -> PyResult<()> {
+        self.cache.set_host_gather_share(percent).map_err(gpu_err)
+    }
+
+    /// The host-gather share, in percent.
+    #[getter]
+    fn host_gather_share(&self) -> u32 {
+        self.cache.host_gather_share()
+    }
+
     /// Appends one layer's K and V (`[rows, Hkv, D]`, float32 / float16 / bfloat16, on this
     /// device) to the batch's sessions, after the work queued on `stream`.
     fn append(

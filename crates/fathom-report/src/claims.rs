@@ -475,7 +475,11 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
                             ""
                         },
                     ) + &if r.host_gather > 0 {
-                        format!(", misses gathered by {} host threads", r.host_gather)
+                        format!(
+                            ", misses gathered by {} host threads{}",
+                            r.host_gather,
+                            crate::sections::share_note(r.host_gather_share)
+                        )
                     } else {
                         String::new()
                     }

@@ -19,6 +19,16 @@ pub fn text_source(field: Option<&str>, new_era: bool) -> String {
     }
 }
 
+/// ` (P% of the misses; the fetch read the rest)` for a host gather that brought
+/// fewer than all of them; empty for all (100) and for entries that do not say (0).
+pub fn share_note(percent: u32) -> String {
+    if (1..100).contains(&percent) {
+        format!(" ({percent}% of the misses; the fetch read the rest)")
+    } else {
+        String::new()
+    }
+}
+
 /// The ablations: the k-varied table (saving against ds:32 per run directory and k), then
 /// every other ablation's method table.
 pub fn ablations(inp: &Inputs, s: &mut String) {
@@ -173,8 +183,9 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
                 8 * v.scan_vector_words.max(1),
                 if v.host_gather > 0 {
                     format!(
-                        ", the row fetch's misses gathered by {} host threads",
-                        v.host_gather
+                        ", the row fetch's misses gathered by {} host threads{}",
+                        v.host_gather,
+                        share_note(v.host_gather_share)
                     )
                 } else {
                     String::new()
@@ -316,6 +327,7 @@ mod tests {
             attend_groups: 1,
             scan_vector_words: 1,
             host_gather: 0,
+            host_gather_share: 100,
             version: fathom_results::VERSION,
             fathom: "test".into(),
             command: "fathom decode-bench (made up for this test)".into(),

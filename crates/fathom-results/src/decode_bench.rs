@@ -108,6 +108,14 @@ pub struct DecodeBench {
     /// row fetch's misses) in older runs.
     #[serde(default)]
     pub host_gather: usize,
+    /// Percent of the row fetch's misses the host gather brought
+    /// (`PagedCache::set_host_gather_share`); 100 in older runs and with the gather off.
+    #[serde(default = "all_misses")]
+    pub host_gather_share: u32,
+}
+
+fn all_misses() -> u32 {
+    100
 }
 
 /// How many resident tokens, and so sessions, the machine's memory holds at

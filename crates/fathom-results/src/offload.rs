@@ -155,6 +155,11 @@ pub struct BenchResult {
     /// (`PagedCache::set_host_gather`, docs/SPEC.md §6.1); 0 (the GPU read them) in older runs.
     #[serde(default)]
     pub host_gather: usize,
+    /// Cache engine with the host gather: the percent of the misses it brought while the
+    /// fetch read the rest (`PagedCache::set_host_gather_share`); 100 in older runs and with
+    /// the gather off.
+    #[serde(default = "all_misses")]
+    pub host_gather_share: u32,
     /// Cache engine with the host gather: mean wall µs per attend from the threads seeing its
     /// request to its last chunk's mark (the gather's share of the step, per layer).
     #[serde(default)]
@@ -165,13 +170,17 @@ pub struct BenchResult {
 }
 
 /// What an offload-bench entry's run varied besides the method and the round ([`BenchResult::setting`]):
-/// select path, head groups, scan load words, CUDA graph, host-gather threads.
-pub type Setting = (String, usize, u32, bool, usize);
+/// select path, head groups, scan load words, CUDA graph, host-gather threads and share.
+pub type Setting = (String, usize, u32, bool, usize, u32);
+
+fn all_misses() -> u32 {
+    100
+}
 
 impl BenchResult {
     /// What the entry's run varied besides the method and the round: the select path, head
-    /// groups, scan load width, launch mode and host-gather threads (entries compare only
-    /// under equal settings).
+    /// groups, scan load width, launch mode, host-gather threads and share (entries compare
+    /// only under equal settings).
     pub fn setting(&self) -> Setting {
         (
             self.select.clone(),
@@ -179,6 +188,7 @@ impl BenchResult {
             self.scan_vector_words,
             self.graph,
             self.host_gather,
+            self.host_gather_share,
         )
     }
 }

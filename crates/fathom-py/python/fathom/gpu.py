@@ -148,6 +148,16 @@ class GpuCache:
         """The host-gather setting (threads; 0 when off)."""
         return self._c.host_gather
 
+    def set_host_gather_share(self, percent: int) -> None:
+        """Percent of the misses the host gather brings (1 to 100; 100, the default, is all):
+        the fetch reads the others itself while the threads copy, so the two run at once."""
+        self._c.set_host_gather_share(int(percent))
+
+    @property
+    def host_gather_share(self) -> int:
+        """The host-gather share, in percent."""
+        return self._c.host_gather_share
+
     def append(self, batch: Batch, layer: int, k, v, stream=None) -> None:
         """Appends one layer's K and V ``[batch.rows, kv_heads, dim]`` (float32, float16 or
         bfloat16 CUDA tensors) to the batch's sessions: quantized and packed on the GPU (bit
