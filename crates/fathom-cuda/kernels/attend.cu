@@ -1036,9 +1036,11 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
 // host's share (gather_on_host: its record's byte offset from g.recs in glist[j], pinned;
 // its row in gdst[j], HBM); paged_gather_publish hands the list to the host threads through
 // the mailbox; they copy record j into staging slot j in chunks of GATHER_CHUNK and mark each
-// chunk done with the attend's epoch while paged_fetch reads the other misses itself; then
-// paged_gather_copy moves each chunk into its rows once its mark is there. The two reads are
-// bound by different resources (IOMMU translations, host cores), so a split adds their rates.
+// chunk done with the attend's epoch while paged_fetch reads the other misses itself; and
+// paged_gather_copy, on a second stream at once with the fetch (the two write disjoint rows),
+// moves each chunk into its rows once its mark is there. The two reads are bound by different
+// resources (IOMMU translations, host cores), so a split adds their rates, and the staging
+// reads take the link bandwidth the fetch's translation-bound reads leave idle.
 // gstate (HBM): [count, epoch, faults, timeouts]; count is zeroed before each list.
 // The mailbox (pinned, mapped): [epoch, count, layer, pad]; done [chunks] u32 (pinned).
 

@@ -370,6 +370,10 @@ pub struct PagedCache {
     settings: u64,
     scanned: cudarc::driver::CudaEvent,
     joined: cudarc::driver::CudaEvent,
+    /// The host gather's fork and join: `paged_gather_copy` runs on the second stream after
+    /// the request is published, at once with the fetch of the GPU's own share.
+    published: cudarc::driver::CudaEvent,
+    copied: cudarc::driver::CudaEvent,
     // Keep the modules alive.
     _module: Arc<cudarc::driver::CudaModule>,
     _attend_modules: [Arc<cudarc::driver::CudaModule>; 2],
@@ -619,6 +623,8 @@ impl PagedCache {
                 .map_err(drv("create the second stream"))?,
             scanned: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             joined: gpu.ctx().new_event(None).map_err(drv("create event"))?,
+            published: gpu.ctx().new_event(None).map_err(drv("create event"))?,
+            copied: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             _module: module,
             _attend_modules: [attend_mod, plan_mod],
         })
@@ -1827,6 +1833,27 @@ impl PagedCache {
                     // SAFETY: one thread; the mailbox holds MAILBOX_WORDS u32.
                     unsafe { b.launch(cfg((1, 1, 1), 1)) }
                         .map_err(drv("launch paged_gather_publish"))?;
+                    // The copy of the host's chunks into their rows runs on the second
+                    // stream, at once with the fetch below (the rows they write are disjoint:
+                    // gather_on_host gives each miss to one of them), so the staging reads
+                    // overlap the fetch's translation-bound random reads. With the gather on
+                    // there is one head group, so the second stream is free.
+                    self.published.record(ps).map_err(drv("record event"))?;
+                    self.side.wait(&self.published).map_err(drv("wait event"))?;
+                    let chunks = g.cap.div_ceil(crate::host_gather::GATHER_CHUNK);
+                    let ctas = chunks.min(GATHER_COPY_CTAS) as u32;
+                    let mut b = self.side.launch_builder(&k.gather_copy);
+                    b.arg(&g.gstate.ptr)
+                        .arg(&gcap)
+                        .arg(&g.done.dptr)
+                        .arg(&g.staging.dptr)
+                        .arg(&g.gdst.ptr)
+                        .arg(&w.rows.ptr);
+                    // SAFETY: done holds a mark per chunk of gcap, staging gcap records, and
+                    // every gdst entry is a row of `rows` that the fetch does not write.
+                    unsafe { b.launch(cfg((ctas, 1, 1), 256)) }
+                        .map_err(drv("launch paged_gather_copy"))?;
+                    self.copied.record(&self.side).map_err(drv("record event"))?;
                 }
                 let mut b = ps.launch_builder(&k.fetch);
                 b.arg(&descs)
@@ -1845,21 +1872,9 @@ impl PagedCache {
                 // records; the row cache (when present) has cache_rows slots per (slot, layer, head).
                 unsafe { b.launch(cfg((row_chunks, hn, nb32), 256)) }
                     .map_err(drv("launch paged_fetch"))?;
-                if let Some(g) = &self.gather {
-                    let gcap = g.cap as u32;
-                    let chunks = g.cap.div_ceil(crate::host_gather::GATHER_CHUNK);
-                    let ctas = chunks.min(GATHER_COPY_CTAS) as u32;
-                    let mut b = ps.launch_builder(&k.gather_copy);
-                    b.arg(&g.gstate.ptr)
-                        .arg(&gcap)
-                        .arg(&g.done.dptr)
-                        .arg(&g.staging.dptr)
-                        .arg(&g.gdst.ptr)
-                        .arg(&w.rows.ptr);
-                    // SAFETY: done holds a mark per chunk of gcap, staging gcap records, and
-                    // every gdst entry is a row of `rows` (written by the fetch).
-                    unsafe { b.launch(cfg((ctas, 1, 1), 256)) }
-                        .map_err(drv("launch paged_gather_copy"))?;
+                if self.gather.is_some() {
+                    // The rows the host brought, copied on the second stream, join here.
+                    ps.wait(&self.copied).map_err(drv("wait event"))?;
                 }
                 partial(ps, ag, hn)?;
             }
@@ -2103,8 +2118,10 @@ impl PagedCache {
     /// default) turns it off. The outputs are the same bits either way (the same records reach
     /// the same rows). The threads spin on a mailbox while attends come (each uses a core),
     /// and poll it every 200 µs after 20 ms without one. Whether it pays is a property of the
-    /// host (its IOMMU, cores and memory): on the lent H200's 16-vCPU guest it does not
-    /// (`results/device/gather/README.md`), so measure it with `offload-bench --host-gather 0,N`.
+    /// host (its IOMMU, cores and memory): on the lent H200's 16-vCPU guest, bringing every
+    /// miss does not, while a split with [`PagedCache::set_host_gather_share`] at 50 % takes 5 %
+    /// off the 1M step (`results/device/gather/split/README.md`); measure it with
+    /// `offload-bench --host-gather 0,N --host-share 100,P`.
     ///
     /// # Errors
     /// HBM residency (the records are in HBM), head groups above 1, more than

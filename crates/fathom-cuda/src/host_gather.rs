@@ -5,12 +5,13 @@
 //! memory by the GPU costs one translation, and such reads reach about a third of the link
 //! rate over a 4 GiB pool (`results/device/engine/row-sweep.txt`), while CPU cores gather the
 //! same records at DRAM speed and the GPU reads the staging buffer sequentially, near the link
-//! rate. With the gather on, `paged_fetch` lists every miss (record offset, destination row),
-//! `paged_gather_publish` writes the request to the mailbox, these threads copy record `j` of
-//! the list into staging slot `j` in chunks of [`GATHER_CHUNK`] and mark chunk `c` done with
-//! the request's epoch, and `paged_gather_copy` moves each chunk to its rows once its mark is
-//! there (kernels/attend.cu). No host call sits between the kernels, so a captured decode step
-//! replays with the gather in it.
+//! rate. With the gather on, `paged_gather_list` lists every miss of the host's share (record
+//! offset, destination row), `paged_gather_publish` writes the request to the mailbox, these
+//! threads copy record `j` of the list into staging slot `j` in chunks of [`GATHER_CHUNK`] and
+//! mark chunk `c` done with the request's epoch while `paged_fetch` reads the other misses,
+//! and `paged_gather_copy` (on a second stream, at once with the fetch) moves each chunk to its
+//! rows once its mark is there (kernels/attend.cu). No host call sits between the kernels, so a
+//! captured decode step replays with the gather in it.
 //!
 //! The protocol, whose invariants the tests below hold on plain memory:
 //! - the device writes `count` and `layer`, then the epoch, each at system scope; a thread
