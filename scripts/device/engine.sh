@@ -252,6 +252,17 @@ ncuappend)
     echo "ncu append full $res rc=$? $(grep -E '^ +Duration' $OUT/ncu-append-full-$res.txt | head -1)" | tee -a $OUT/summary.txt
   done
   ;;
+ncuhbm)
+  # One 1M layer's kernels with the whole cache in HBM (issue 16's 1M HBM target), fathom:48
+  # against sparq:32: two layers of the third step each, 10 matching kernels per layer.
+  for m in fathom:48 sparq:32; do
+    timeout 200 ncu --cache-control none --clock-control none -k regex:'paged_|attend_queries|fathom_plan' \
+      --launch-skip 300 --launch-count 20 --metrics gpu__time_duration.sum \
+      $B/fathom offload-bench --engine cache --context 1m --methods $m --steps 3 --probe-mib 64 \
+      --residency hbm > $OUT/ncu-1m-hbm-${m%%:*}.txt 2>&1
+    echo "ncu 1m hbm $m rc=$?" | tee -a $OUT/summary.txt
+  done
+  ;;
 ncu1m)
   # One 1M layer's kernels (fathom:48, host residency, 15 layers timed, the third step), the
   # score path ("before") and the filtered select ("after"): 10 and 12 matching kernels per

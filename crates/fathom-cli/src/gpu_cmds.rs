@@ -690,6 +690,13 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         dcfg.residency,
         a.graph,
     )?;
+    if let Some(g) = dec.cache_mut()?.host_gather_stats()? {
+        // A fault means rows were zeroed or left unwritten: the tokens/s of such a run are
+        // not of the attention they claim to be.
+        if g.faults() > 0 {
+            bail!("--host-gather {}: the host gather counted faults during the run, so its steps attended over wrong rows: {g:?}", a.host_gather);
+        }
+    }
     for e in &m.entries {
         let sp = e.split.as_ref();
         println!(

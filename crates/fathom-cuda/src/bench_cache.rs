@@ -530,8 +530,7 @@ pub(crate) fn run(
                     z.served.requests - a.served.requests,
                     z.served.records - a.served.records,
                 );
-                let faults = z.overflows + z.timeouts + z.served.bad_offsets;
-                if faults > a.overflows + a.timeouts + a.served.bad_offsets {
+                if z.faults() > a.faults() {
                     return Err(crate::CudaError::invalid(
                         "host gather",
                         format!("faults during {}: {z:?}", m.label()),

@@ -1853,7 +1853,9 @@ impl PagedCache {
                     // every gdst entry is a row of `rows` that the fetch does not write.
                     unsafe { b.launch(cfg((ctas, 1, 1), 256)) }
                         .map_err(drv("launch paged_gather_copy"))?;
-                    self.copied.record(&self.side).map_err(drv("record event"))?;
+                    self.copied
+                        .record(&self.side)
+                        .map_err(drv("record event"))?;
                 }
                 let mut b = ps.launch_builder(&k.fetch);
                 b.arg(&descs)

@@ -93,6 +93,24 @@ pub struct HostGatherReport {
     pub timeouts: u64,
 }
 
+impl HostGatherReport {
+    /// Every fault counted since the start: list overflows, marks past the timeout and
+    /// refused offsets. A run with any is not to be trusted (some rows were zeroed or left
+    /// unwritten), so its callers fail rather than report it.
+    ///
+    /// ```
+    /// use fathom_cuda::host_gather::{GatherStats, HostGatherReport};
+    /// let mut r = HostGatherReport { threads: 2, ..Default::default() };
+    /// assert_eq!(r.faults(), 0);
+    /// r.timeouts = 1;
+    /// r.served = GatherStats { bad_offsets: 2, ..Default::default() };
+    /// assert_eq!(r.faults(), 3);
+    /// ```
+    pub fn faults(&self) -> u64 {
+        self.overflows + self.timeouts + self.served.bad_offsets
+    }
+}
+
 /// What the threads share: pointers into memory the device (or a test) also writes.
 pub(crate) struct Shared {
     /// `[MAILBOX_WORDS]` u32.
