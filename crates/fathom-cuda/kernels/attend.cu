@@ -327,12 +327,17 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
                 }
                 // m * 2^(1-t): exact (a power-of-two multiple of an fp16 value).
                 const float step = sm[buf][s][lb] * (t == 1 ? 1.0f : t == 2 ? 0.5f : t == 3 ? 0.25f : 0.125f);
-                const float half_range = (float)(1 << (t - 1));
+                // (1/2 - 2^(t-1)) * step: exact (<= 5 significant bits times an fp16 value).
+                const float off = (0.5f - (float)(1 << (t - 1))) * step;
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
-                    const u32 code = ((j < 4 ? c0 : c1) >> ((j & 3) * 8)) & 0xffu;
-                    // khat = (q_t - 2^(t-1) + 1/2) * step, exact in f32 (<= 16 significant bits).
-                    const float kv = ((float)code - half_range + 0.5f) * step;
+                    // The code as a float without a conversion: one byte permute puts it in
+                    // the low mantissa byte of 2^23 (0x4B000000), and 2^23 + code - 2^23 is
+                    // exact. khat = (q_t - 2^(t-1) + 1/2) * step = fma(q_t, step, off): the
+                    // product is exact and so is the sum (<= 16 significant bits), so khat
+                    // has the same bits as computing it in steps.
+                    const u32 bits = __byte_perm(j < 4 ? c0 : c1, 0x4B000000u, 0x7650u | (u32)(j & 3));
+                    const float kv = fmaf(__int_as_float(bits) - 8388608.0f, step, off);
 #pragma unroll
                     for (int q = 0; q < GQ; q++) acc[q][j] = fmaf(qa[q][ac], kv, acc[q][j]);
                 }
