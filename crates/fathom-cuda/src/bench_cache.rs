@@ -526,11 +526,8 @@ pub(crate) fn run(
             r.host_gather = gather;
             r.host_gather_share = share;
             if let (Some(a), Some(z)) = (gather0, gather1) {
-                let (req, rec) = (
-                    z.served.requests - a.served.requests,
-                    z.served.records - a.served.records,
-                );
-                if z.faults() > a.faults() {
+                let delta = z.since(&a);
+                if delta.faults > 0 {
                     return Err(crate::CudaError::invalid(
                         "host gather",
                         format!("faults during {}: {z:?}", m.label()),
@@ -538,13 +535,8 @@ pub(crate) fn run(
                 }
                 // Per attend: the wall time from the request to its last mark, and the
                 // records one thread copies per second.
-                let done = z.served.completed - a.served.completed;
-                r.host_gather_request_us = (req > 0 && done > 0).then(|| {
-                    (z.served.request_ns - a.served.request_ns) as f64 / 1e3 / done as f64
-                });
-                r.host_gather_mrows_per_thread_s = (rec > 0).then(|| {
-                    rec as f64 / ((z.served.copy_ns - a.served.copy_ns) as f64 / 1e9) / 1e6
-                });
+                r.host_gather_request_us = delta.request_us;
+                r.host_gather_mrows_per_thread_s = delta.mrows_per_thread_s;
             }
             if fuse != crate::cache::SelectPath::Scores {
                 let filtered = sel1.filtered - sel0.filtered;

@@ -109,6 +109,49 @@ impl HostGatherReport {
     pub fn faults(&self) -> u64 {
         self.overflows + self.timeouts + self.served.bad_offsets
     }
+
+    /// What the gather did between `earlier` and this report of the same cache: the faults
+    /// counted in between, the mean wall time of a request from the mailbox to its last mark,
+    /// and the records one thread copied per second while copying (`None` where nothing was
+    /// served or completed). The one rule `offload-bench` and `decode-bench` report by.
+    ///
+    /// ```
+    /// use fathom_cuda::host_gather::{GatherStats, HostGatherReport};
+    /// let a = HostGatherReport { threads: 2, ..Default::default() };
+    /// let mut z = a;
+    /// z.served = GatherStats {
+    ///     requests: 4, records: 8_000, copy_ns: 2_000_000, request_ns: 600_000,
+    ///     completed: 3, ..Default::default()
+    /// };
+    /// let d = z.since(&a);
+    /// assert_eq!((d.faults, d.request_us, d.mrows_per_thread_s), (0, Some(200.0), Some(4.0)));
+    /// assert_eq!(a.since(&a).request_us, None);
+    /// ```
+    pub fn since(&self, earlier: &HostGatherReport) -> GatherDelta {
+        let (a, z) = (&earlier.served, &self.served);
+        let requests = z.requests.saturating_sub(a.requests);
+        let records = z.records.saturating_sub(a.records);
+        let done = z.completed.saturating_sub(a.completed);
+        let copy_ns = z.copy_ns.saturating_sub(a.copy_ns);
+        GatherDelta {
+            faults: self.faults().saturating_sub(earlier.faults()),
+            request_us: (requests > 0 && done > 0)
+                .then(|| z.request_ns.saturating_sub(a.request_ns) as f64 / 1e3 / done as f64),
+            mrows_per_thread_s: (records > 0 && copy_ns > 0)
+                .then(|| records as f64 / (copy_ns as f64 / 1e9) / 1e6),
+        }
+    }
+}
+
+/// The host gather's work between two reports ([`HostGatherReport::since`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GatherDelta {
+    /// Faults counted in between (list overflows, marks past the timeout, refused offsets).
+    pub faults: u64,
+    /// Mean microseconds from a request's epoch being seen to its last chunk's mark.
+    pub request_us: Option<f64>,
+    /// Millions of records one thread copied per second of copying.
+    pub mrows_per_thread_s: Option<f64>,
 }
 
 /// What the threads share: pointers into memory the device (or a test) also writes.

@@ -177,11 +177,27 @@ pub fn measure(
             for &(s, _) in &roots[..b] {
                 forks.push(dec.fork(s)?);
             }
+            let gather0 = dec.cache_mut()?.host_gather_stats()?;
             let r = time_one(dec, &forks, &roots[..b], att, steps, as_graph);
             for f in &forks {
                 dec.free(*f)?;
             }
             let t = r?;
+            let gather = match (gather0, dec.cache_mut()?.host_gather_stats()?) {
+                (Some(a), Some(z)) => {
+                    let delta = z.since(&a);
+                    if delta.faults > 0 {
+                        // Rows were zeroed or left unwritten: these steps attended over wrong
+                        // rows, so their tokens/s are not the method's.
+                        return Err(crate::error::GpuError::invalid(
+                            "host gather",
+                            format!("faults during {name} at B = {b}: {z:?}"),
+                        ));
+                    }
+                    delta
+                }
+                _ => fathom_cuda::host_gather::GatherDelta::default(),
+            };
             let n = steps as f64;
             let plan_bits = if t.plans1 > t.plans0 {
                 (t.bits1 * t.plans1 as f64 - t.bits0 * t.plans0 as f64)
@@ -227,6 +243,8 @@ pub fn measure(
                 },
                 split: Some(t.split),
                 graph: as_graph,
+                host_gather_request_us: gather.request_us,
+                host_gather_mrows_per_thread_s: gather.mrows_per_thread_s,
             });
         }
     }

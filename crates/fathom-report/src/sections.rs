@@ -321,6 +321,8 @@ mod tests {
                 sampling_ms: 0.2,
             }),
             graph: false,
+            host_gather_request_us: None,
+            host_gather_mrows_per_thread_s: None,
         };
         let doc = DecodeBench {
             capacity: None,

@@ -41,6 +41,15 @@ pub struct DecodeBenchEntry {
     /// split's steps are never graphs (absent in older runs: false).
     #[serde(default)]
     pub graph: bool,
+    /// With the host gather on: the mean microseconds from a request (one attend's misses of
+    /// the host's share) to its last chunk's mark, over this entry's steps (absent otherwise
+    /// and in older runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_gather_request_us: Option<f64>,
+    /// With the host gather on: records one host thread copied per second of copying
+    /// (millions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_gather_mrows_per_thread_s: Option<f64>,
 }
 
 /// Mean GPU milliseconds per instrumented step, by stage.
