@@ -276,4 +276,28 @@ ncu1m)
     echo "ncu 1m $4 rc=$?" | tee -a $OUT/summary.txt
   done
   ;;
+ncuscan)
+  # The 1M HBM scan kernel alone under Nsight Compute's full set (issue 16's 1M HBM target):
+  # its instruction mix, stall reasons and pipe use, fathom:48 against sparq:32, one launch of
+  # the second step each.
+  for m in fathom:48 sparq:32; do
+    timeout 240 ncu --set full --cache-control none --clock-control none -k regex:'paged_scan' \
+      --launch-skip ${SKIP:-20} --launch-count 1 \
+      $B/fathom offload-bench --engine cache --context 1m --methods $m --steps 3 --probe-mib 64 \
+      --residency hbm > $OUT/ncu-scan-1m-hbm-${m%%:*}.txt 2>&1
+    echo "ncu scan 1m hbm $m rc=$?" | tee -a $OUT/summary.txt
+  done
+  ;;
+sharesweep)
+  # decode-bench at one batch shape with the host gather's share swept (issue 17): one run per
+  # share, fathom:48 and the whole step as a graph; SHARES lists them (0: the gather off).
+  # sharesweep NAME ARGS... (the decode-bench arguments without --host-gather/--host-share)
+  name=$1; shift
+  for s in ${SHARES:-0 50 65 80 100}; do
+    g=""; [ "$s" != 0 ] && g="--host-gather ${THREADS:-14} --host-share $s"
+    timeout ${DECODE_TIMEOUT:-150} $B/fathom decode-bench "$@" $g --json $OUT/$name-s$s.json > $OUT/$name-s$s.txt 2>&1
+    echo "$name share $s rc=$?" | tee -a $OUT/summary.txt
+    grep -E "tok/s|host gather" $OUT/$name-s$s.txt | head -6
+  done
+  ;;
 esac

@@ -140,15 +140,50 @@ __device__ __forceinline__ void warp_append(bool flag, T value, u32* count, T* l
 #define CHS 8      // active channels staged in shared memory per round
 #define HBINS 1024 // level-1 top-k bins: the top 10 bits of the order-preserving key
 
+// One active channel of depth T for one thread's 8 tokens (paged_scan_body): spreads the T plane
+// bytes into 8 codes (bit i of a plane's byte is token i; one magic multiply per nibble puts
+// bits 0..3 in the low bits of the bytes of c0 and bits 4..7 in the high nibbles of c1, its
+// shifted copies never overlapping, and Horner's rule stacks the planes, plane 0 the most
+// significant bit), then khat = (q_t - 2^(T-1) + 1/2) * step with
+// step = m * 2^(1-T), and one FMA per query head and token. The code enters as the float
+// 128 + q_t (one byte permute into the mantissa of 128.0 = 0x43000000, passed in `k128` so the
+// selector stays an immediate), and khat = fma(128 + q_t, step, off - 128 step) with
+// off = (1/2 - 2^(T-1)) step: the product is exact in the FMA, off - 128 step is exact (a
+// multiplier of <= 9 significant bits times an fp16 value), and the exact sum khat has <= 16
+// significant bits, so khat has the same bits as fma(q_t, step, off) (fathom_plan::scan's).
+template <int T>
+__device__ __forceinline__ void scan_channel(const u8* __restrict__ pb, float m, const float* __restrict__ qv,
+                                             u32 k128, float (&acc)[GQ][8]) {
+    u32 c0 = 0, c1 = 0;
+#pragma unroll
+    for (int p = 0; p < T; p++) {
+        const u32 by = pb[p * (BPC * 8)];
+        c0 = (c0 << 1) | (((by & 0x0Fu) * 0x00204081u) & 0x01010101u);
+        c1 = (c1 << 1) | (((by & 0xF0u) * 0x00204081u) & 0x10101010u);
+    }
+    c1 >>= 4;
+    // m * 2^(1-T) and (1/2 - 2^(T-1) - 128) * step: both exact.
+    const float step = m * (T == 1 ? 1.0f : T == 2 ? 0.5f : T == 3 ? 0.25f : 0.125f);
+    const float off = (0.5f - (float)(1 << (T - 1)) - 128.0f) * step;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const u32 bits = __byte_perm(j < 4 ? c0 : c1, k128, 0x7044u | ((u32)(j & 3) << 8));
+        const float kv = fmaf(__int_as_float(bits), step, off);
+#pragma unroll
+        for (int q = 0; q < GQ; q++) acc[q][j] = fmaf(qv[q], kv, acc[q][j]);
+    }
+}
+
 // Scores of the tokens of BPC blocks of one (session, KV head) under its plan, read in place
 // from the session's page (docs/SPEC.md §2, §3; fathom_plan::scan): s_g = sum over active
 // channels c of q_gc * khat_t(c), khat_t = (q_t - 2^(t-1) + 1/2) * m * 2^(1-t), t the depth of
 // c. Each round stages CHS active channels' scales and first t plane words of the CTA's
 // blocks in shared memory (one coalesced load per word: the channel run is contiguous), then
-// each thread (8 per block, 8 tokens each) spreads its tokens' t plane bits into 8 codes and
-// does one FMA per token and query head with the exact product khat. Also counts the top 10
-// key bits of every middle token per query head (the top-k's level-1 histogram; hist zeroed
-// by the caller). grid = (CTAs, Hkv, batch), block = 8 * BPC. scores: [b][Hq][max_tokens].
+// each thread (8 per block, 8 tokens each) runs scan_channel<t> on each: spreading its tokens'
+// t plane bits into 8 codes, then one FMA per token and query head with the exact product
+// khat. Also counts the top 10 key bits of every middle token per query head (the top-k's
+// level-1 histogram; hist zeroed by the caller). grid = (CTAs, Hkv, batch), block = 8 * BPC.
+// scores: [b][Hq][max_tokens].
 template <int VEC>
 __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                       const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
@@ -156,9 +191,11 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
                                       float* __restrict__ scores, u32* __restrict__ hist, u32 pass,
                                       const float* __restrict__ est, const u32* __restrict__ mode,
                                       uint2* __restrict__ fcand, u32* __restrict__ fcount) {
-    __shared__ int act_c[DIM];
     __shared__ int act_t[DIM];
-    __shared__ float qa[GQ][DIM];
+    // Byte offset of each active channel's run from the head's first run (run0 below).
+    __shared__ u32 act_off[DIM];
+    // The query heads' values at each active channel, adjacent (one vector load per channel).
+    __shared__ __align__(16) float qa[DIM][GQ];
     __shared__ int wcnt[8];
     __shared__ int nact;
     // Double-buffered: round r + 1's words are loaded (into registers) while round r computes.
@@ -219,9 +256,9 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
         for (u32 w = 0; w < (tid >> 5); w++) off += wcnt[w];
         off += __popc(bal & ((1u << (tid & 31)) - 1u));
         if (on) {
-            act_c[off] = tid;
             act_t[off] = t0;
-            for (int q = 0; q < GQ; q++) qa[q][off] = qf[((u64)b * heads_q + h * GQ + q) * DIM + tid];
+            act_off[off] = tid * g.run_bytes;
+            for (int q = 0; q < GQ; q++) qa[off][q] = qf[((u64)b * heads_q + h * GQ + q) * DIM + tid];
         }
         if (tid == DIM - 1) nact = off + (on ? 1 : 0);
     }
@@ -229,6 +266,10 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
     const u32 page = tables[(u64)d.slot * g.max_pages + blk0 / bp];
     const u32 bb0 = blk0 % bp;
     const u8* run0 = pool + (u64)page * g.page_bytes + (u64)h * DIM * g.run_bytes;
+    // This CTA's first plane word of a run and its first scale, from the run's start.
+    const u8* word0 = run0 + g.scale_pad + (u64)bb0 * 8;
+    const u8* scale0 = run0 + (u64)bb0 * 2;
+    const u32 plane_bytes = bp * 8;
     const u32 lb = tid >> 3, sub = tid & 7;
     const bool live = lb < cb && blk0 + lb < nblk;
     float acc[GQ][8];
@@ -237,6 +278,9 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[q][j] = 0.0f;
     const int na = nact;
+    // 128.0f's bits in a register the compiler cannot fold (na < 2^30), so that
+    // scan_channel's byte permutes take their selectors as immediates.
+    const u32 k128 = 0x43000000u | ((u32)na >> 30);
     // Each thread stages SCAN_WORDS plane words and one scale of every round (blockDim = 8 * BPC).
     constexpr u32 NT_SCAN = 8 * BPC, SCAN_WORDS = CHS * 4 * BPC / NT_SCAN;
     u64 wreg[SCAN_WORDS];
@@ -255,8 +299,7 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
                 const int ac = a0 + (int)s;
                 ulonglong2 v = make_ulonglong2(0ull, 0ull);
                 if (ac < na && (int)p < act_t[ac] && j < cb && blk0 + j < nblk) {
-                    const u64* w = (const u64*)(run0 + (u64)act_c[ac] * g.run_bytes + g.scale_pad) +
-                                   (u64)p * bp + bb0 + j;
+                    const u64* w = (const u64*)(word0 + act_off[ac] + p * plane_bytes + j * 8);
                     if (blk0 + j + 1 < nblk) v = *(const ulonglong2*)w;
                     else v.x = w[0];
                 }
@@ -270,19 +313,15 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
             const u32 s = i / (4 * BPC), p = (i / BPC) % 4, j = i % BPC;
             const int ac = a0 + (int)s;
             wreg[k] = 0ull;
-            if (ac < na && (int)p < act_t[ac] && j < cb && blk0 + j < nblk) {
-                const u64* w = (const u64*)(run0 + (u64)act_c[ac] * g.run_bytes + g.scale_pad);
-                wreg[k] = w[(u64)p * bp + bb0 + j];
-            }
+            if (ac < na && (int)p < act_t[ac] && j < cb && blk0 + j < nblk)
+                wreg[k] = *(const u64*)(word0 + act_off[ac] + p * plane_bytes + j * 8);
         }
         }
         const u32 s = tid / BPC, j = tid % BPC;
         const int ac = a0 + (int)s;
         sreg = 0.0f;
-        if (ac < na && j < cb && blk0 + j < nblk) {
-            const u16* sc = (const u16*)(run0 + (u64)act_c[ac] * g.run_bytes);
-            sreg = f16_to_f32(sc[bb0 + j]);
-        }
+        if (ac < na && j < cb && blk0 + j < nblk)
+            sreg = f16_to_f32(*(const u16*)(scale0 + act_off[ac] + j * 2));
     };
     auto store = [&](int buf) {
         if (pairs) {
@@ -313,33 +352,18 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
         const int ns = min(CHS, na - a0);
         if (live) {
             for (int s = 0; s < ns; s++) {
-                const int ac = a0 + s, t = act_t[ac];
-                // Codes of tokens 0..3 in the bytes of c0, 4..7 in c1 (bit i of a nibble goes
-                // to byte i by one magic multiply: the shifted copies never overlap).
-                u32 c0 = 0, c1 = 0;
+                const int ac = a0 + s;
+                // This thread's byte of plane 0 (byte `sub` of the block's word: its 8 tokens).
+                const u8* pb = (const u8*)&sw[buf][s][0][lb] + sub;
+                const float m = sm[buf][s][lb];
+                float qv[GQ];
 #pragma unroll
-                for (int p = 0; p < 4; p++) {
-                    if (p < t) {
-                        const u32 by = (u32)(sw[buf][s][p][lb] >> (sub * 8)) & 0xffu;
-                        c0 |= (((by & 0xFu) * 0x00204081u) & 0x01010101u) << (t - 1 - p);
-                        c1 |= (((by >> 4) * 0x00204081u) & 0x01010101u) << (t - 1 - p);
-                    }
-                }
-                // m * 2^(1-t): exact (a power-of-two multiple of an fp16 value).
-                const float step = sm[buf][s][lb] * (t == 1 ? 1.0f : t == 2 ? 0.5f : t == 3 ? 0.25f : 0.125f);
-                // (1/2 - 2^(t-1)) * step: exact (<= 5 significant bits times an fp16 value).
-                const float off = (0.5f - (float)(1 << (t - 1))) * step;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    // The code as a float without a conversion: one byte permute puts it in
-                    // the low mantissa byte of 2^23 (0x4B000000), and 2^23 + code - 2^23 is
-                    // exact. khat = (q_t - 2^(t-1) + 1/2) * step = fma(q_t, step, off): the
-                    // product is exact and so is the sum (<= 16 significant bits), so khat
-                    // has the same bits as computing it in steps.
-                    const u32 bits = __byte_perm(j < 4 ? c0 : c1, 0x4B000000u, 0x7650u | (u32)(j & 3));
-                    const float kv = fmaf(__int_as_float(bits) - 8388608.0f, step, off);
-#pragma unroll
-                    for (int q = 0; q < GQ; q++) acc[q][j] = fmaf(qa[q][ac], kv, acc[q][j]);
+                for (int q = 0; q < GQ; q++) qv[q] = qa[ac][q];
+                switch (act_t[ac]) {  // uniform over the CTA
+                case 1: scan_channel<1>(pb, m, qv, k128, acc); break;
+                case 2: scan_channel<2>(pb, m, qv, k128, acc); break;
+                case 3: scan_channel<3>(pb, m, qv, k128, acc); break;
+                default: scan_channel<4>(pb, m, qv, k128, acc); break;
                 }
             }
         }
@@ -348,19 +372,35 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
         __syncthreads();
     }
     const u32 tok0 = (blk0 + lb) * 64 + sub * 8;
+    // Every one of this thread's 8 tokens is a scored token (stored with two 16-byte stores
+    // where the row stride keeps them aligned), and every one is a middle token.
+    const bool whole = live && tok0 + 8 <= n && (a.max_tokens & 3) == 0;
+    const bool mid = live && tok0 >= lo && tok0 + 8 <= hi;
 #pragma unroll
     for (int q = 0; q < GQ; q++) {
         const u64 r = (u64)b * heads_q + h * GQ + q;
         const int md = rmode[q];  // uniform over the CTA: every lane reaches the ballots
         if (md == 0 || (md == 1 && a.keep_scores)) {
             float* out = scores + r * a.max_tokens;
+            if (whole) {
+                *(float4*)(out + tok0) = make_float4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+                *(float4*)(out + tok0 + 4) = make_float4(acc[q][4], acc[q][5], acc[q][6], acc[q][7]);
+            } else {
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const u32 tok = tok0 + j;
-                if (live && tok < n) out[tok] = acc[q][j];
-                if (live && tok >= lo && tok < hi) {
+                for (int j = 0; j < 8; j++)
+                    if (live && tok0 + j < n) out[tok0 + j] = acc[q][j];
+            }
+            if (mid) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
                     const u32 bin = f32_key(acc[q][j]) >> 22;
                     atomicAdd(&sh[q][bin >> 1], 1u << ((bin & 1u) * 16));
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const u32 tok = tok0 + j, bin = f32_key(acc[q][j]) >> 22;
+                    if (live && tok >= lo && tok < hi) atomicAdd(&sh[q][bin >> 1], 1u << ((bin & 1u) * 16));
                 }
             }
         }
@@ -386,7 +426,7 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
 
 // The scan with 8-byte plane loads (paged_scan) and with 16-byte ones where the page allows
 // (paged_scan_v2); PagedCache::set_scan_vector_words picks one by measurement.
-extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+extern "C" __global__ void __launch_bounds__(8 * BPC, GQ <= 4 ? 3 : 2) paged_scan(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                       const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                       const float* __restrict__ qf, const u8* __restrict__ depths,
                                       float* __restrict__ scores, u32* __restrict__ hist, u32 pass,
@@ -394,7 +434,7 @@ extern "C" __global__ void paged_scan(const AppendDesc* __restrict__ descs, cons
                                       uint2* __restrict__ fcand, u32* __restrict__ fcount) {
     paged_scan_body<1>(descs, tables, pool, g, a, qf, depths, scores, hist, pass, est, mode, fcand, fcount);
 }
-extern "C" __global__ void paged_scan_v2(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
+extern "C" __global__ void __launch_bounds__(8 * BPC, GQ <= 4 ? 3 : 2) paged_scan_v2(const AppendDesc* __restrict__ descs, const u32* __restrict__ tables,
                                       const u8* __restrict__ pool, PoolGeom g, AttendGeom a,
                                       const float* __restrict__ qf, const u8* __restrict__ depths,
                                       float* __restrict__ scores, u32* __restrict__ hist, u32 pass,
