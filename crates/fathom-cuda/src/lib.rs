@@ -74,6 +74,8 @@ pub mod host_gather;
 pub mod paged_layout;
 pub mod paged_ref;
 pub mod pages;
+#[cfg(test)]
+mod scan_arith;
 mod step_layout;
 pub mod synth;
 pub mod types;
