@@ -300,4 +300,14 @@ sharesweep)
     grep -E "tok/s|host gather" $OUT/$name-s$s.txt | head -6
   done
   ;;
+ncudecode)
+  # Where an 8 x 64k decode layer's attention goes (issue 17: the split host gather does not
+  # shorten it there): the durations of about four layers' attend kernels of fathom:48's second
+  # step, plain launches, random-weight Qwen3-8B shape.
+  timeout 300 ncu --cache-control none --clock-control none -k regex:'paged_' \
+    --launch-skip ${SKIP:-400} --launch-count ${COUNT:-40} --metrics gpu__time_duration.sum \
+    $B/fathom decode-bench --model qwen3-8b --context 64k --batch 8 --steps 2 --row-cache 8192 \
+    --scan-vec 2 --methods fathom:48 > $OUT/ncu-decode-8x64k.txt 2>&1
+  echo "ncu decode 8x64k rc=$?" | tee -a $OUT/summary.txt
+  ;;
 esac
