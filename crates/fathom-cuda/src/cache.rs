@@ -221,6 +221,17 @@ impl CacheConfig {
             ));
         }
         self.pages.validate()?;
+        // The kernels take the page geometry as 32-bit values and address one KV head's D
+        // channel runs of a page with 32-bit offsets.
+        if self.pages.page_tokens > MAX_PAGE_TOKENS {
+            return Err(CudaError::invalid(
+                "page_tokens",
+                format!(
+                    "{} tokens per page (at most {MAX_PAGE_TOKENS}: the kernels address a page's runs with 32-bit offsets)",
+                    self.pages.page_tokens
+                ),
+            ));
+        }
         // The append kernels put the batch on grid z and the KV heads on grid y.
         if self.max_batch > MAX_GRID_YZ || s.kv_heads > MAX_GRID_YZ {
             return Err(CudaError::invalid(
@@ -583,6 +594,11 @@ pub fn check_read_rows(
 /// CUDA's limit on a grid's y and z extents.
 pub const MAX_GRID_YZ: usize = 65_535;
 
+/// The most tokens per page ([`CacheConfig::validate`]): a page's key runs of one KV head
+/// (`D` runs of `P/64` fp16 scales and four `P/64`-word planes, 143 MB at `D` = 256)
+/// stay within the 32-bit offsets of the kernels.
+pub const MAX_PAGE_TOKENS: usize = 1 << 20;
+
 /// Where one reserve step's new tokens go: one [`AppendPlan`] per session of the batch, in
 /// batch order, and each session's first row in the layer's [`KvRows`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -790,6 +806,25 @@ mod tests {
         let mut c = cfg();
         c.pages.page_tokens = 96;
         assert!(c.validate().is_err());
+        let mut c = cfg();
+        c.pages.page_tokens = MAX_PAGE_TOKENS * 2;
+        c.pages.max_tokens = MAX_PAGE_TOKENS * 2;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("page_tokens"));
+        // At the limit, one KV head's runs at D = 256 fit a 32-bit offset.
+        let lay = crate::paged_layout::PagedLayout::new(
+            fathom_store::Dims {
+                heads: 1,
+                channels: 256,
+            },
+            MAX_PAGE_TOKENS,
+            1,
+        )
+        .unwrap();
+        assert!(256 * lay.channel_run_bytes() < 1 << 32);
     }
 
     #[test]
