@@ -6,7 +6,7 @@
 #   ... cargo build --release -p fathom-cli --features cuda
 # and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
 # graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
-#   bash scripts/device/engine.sh tests|bench|ab|ncu|sanitize|filtered|pages|py ...
+#   bash scripts/device/engine.sh tests|bench|ab|gather|decode|graph|ncu|ncuscan|ncudecode|sharesweep|sanitize|filtered|pages|py ...
 # Every output goes under $OUT. B=DIR takes the binaries from DIR instead of .devbin/ (`ab`
 # compares $B with CHANGE=DIR, default .devbin2/).
 set -u
