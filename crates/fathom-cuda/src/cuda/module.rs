@@ -111,11 +111,17 @@ pub(crate) fn compile_all(
     )?;
     out.push(("append.cu", append));
     if g <= 8 {
-        let gd = vec![
+        let mut gd = vec![
             format!("-DGQ={g}"),
             format!("-DDIM={d}"),
             format!("-DTS_G={}", crate::cache::table_scan_groups(d, g)),
         ];
+        // Experiment switch: depth-1 channels through lookup tables in the paged scan
+        // (attend.cu, `scan_group`; G <= 4 and D <= 128 only, else ignored). Not the same
+        // bits as the FMA path; not yet run on a device.
+        if std::env::var("FATHOM_SCAN_TABLES").is_ok_and(|v| v == "1") {
+            gd.push("-DSCAN_TABLES=1".into());
+        }
         out.push((
             "attend.cu",
             compile_one(arch, "attend.cu", crate::cuda_cache::ATTEND_SRC, gd)?,
