@@ -151,15 +151,24 @@ __device__ __forceinline__ void warp_append(bool flag, T value, u32* count, T* l
 // off = (1/2 - 2^(T-1)) step: the product is exact in the FMA, off - 128 step is exact (a
 // multiplier of <= 9 significant bits times an fp16 value), and the exact sum khat has <= 16
 // significant bits, so khat has the same bits as fma(q_t, step, off) (fathom_plan::scan's).
+// One plane byte's 8 token bits (bit i: token i) spread one per byte: tokens 0..3 at bit 0 of
+// the bytes of `lo`, tokens 4..7 at bit 4 of the bytes of `hi`. One magic multiply per nibble,
+// whose four shifted copies never overlap (so no carry crosses a byte).
+__device__ __forceinline__ void spread_plane_byte(u32 by, u32* lo, u32* hi) {
+    *lo = ((by & 0x0Fu) * 0x00204081u) & 0x01010101u;
+    *hi = ((by & 0xF0u) * 0x00204081u) & 0x10101010u;
+}
+
 template <int T>
 __device__ __forceinline__ void scan_channel(const u8* __restrict__ pb, float m, const float* __restrict__ qv,
                                              u32 k128, float (&acc)[GQ][8]) {
     u32 c0 = 0, c1 = 0;
 #pragma unroll
     for (int p = 0; p < T; p++) {
-        const u32 by = pb[p * (BPC * 8)];
-        c0 = (c0 << 1) | (((by & 0x0Fu) * 0x00204081u) & 0x01010101u);
-        c1 = (c1 << 1) | (((by & 0xF0u) * 0x00204081u) & 0x10101010u);
+        u32 lo, hi;
+        spread_plane_byte(pb[p * (BPC * 8)], &lo, &hi);
+        c0 = (c0 << 1) | lo;
+        c1 = (c1 << 1) | hi;
     }
     c1 >>= 4;
     // m * 2^(1-T) and (1/2 - 2^(T-1) - 128) * step: both exact.
@@ -215,9 +224,10 @@ __device__ __forceinline__ void scan_group(float (*tab)[16][4], const u64 (*swb)
     u32 c0 = 0, c1 = 0;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const u32 by = ((const u8*)&swb[s + i][0][lb])[sub];
-        c0 |= (((by & 0x0Fu) * 0x00204081u) & 0x01010101u) << i;
-        c1 |= ((((by & 0xF0u) * 0x00204081u) & 0x10101010u) >> 4) << i;
+        u32 lo, hi;
+        spread_plane_byte(((const u8*)&swb[s + i][0][lb])[sub], &lo, &hi);
+        c0 |= lo << i;
+        c1 |= (hi >> 4) << i;
     }
 #pragma unroll
     for (int j = 0; j < 8; j++) {
