@@ -315,7 +315,7 @@ tables)
   # tables, attend.cu scan_group; not the same bits, within SCORE_TOL): its device tests (gpu,
   # cache_gpu: every method's scores against the CPU reference within SCORE_TOL, selections,
   # outputs; paged_decode), then offload-bench in HBM and host residency with the switch off and
-  # on, the same binary, whole steps as graphs.
+  # on, the same binary, whole steps as graphs (CTX=... sets the contexts, default 256k,1m).
   FATHOM_SCAN_TABLES=1 timeout 300 $B/cache_gpu --test-threads 2 2>&1 | grep -v -E "^(running [0-9]+ tests?|)$" > $OUT/tables-tests.log
   echo "tables cache_gpu rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
   FATHOM_SCAN_TABLES=1 timeout 60 $B/gpu --test-threads 1 2>&1 | grep -v -E "^(running [0-9]+ tests?|)$" >> $OUT/tables-tests.log
@@ -324,7 +324,7 @@ tables)
   echo "tables paged_decode rc=$?" | tee -a $OUT/summary.txt
   for res in hbm host; do
     for sw in 0 1; do
-      FATHOM_SCAN_TABLES=$sw timeout 200 $B/fathom offload-bench --engine cache --context 256k,1m \
+      FATHOM_SCAN_TABLES=$sw timeout 200 $B/fathom offload-bench --engine cache --context ${CTX:-256k,1m} \
         --methods fathom:48,sparq:32,ds:32 --steps 10 --residency $res --graph \
         --json $OUT/tables-$res-$sw.json > $OUT/tables-$res-$sw.txt 2>&1
       echo "tables $res switch $sw rc=$?" | tee -a $OUT/summary.txt

@@ -18,7 +18,9 @@ use crate::cache::{
     check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows, RowCounters, SelectCounters,
 };
 use crate::config::Residency;
-use crate::cuda::{cast_mut, cfg, compile_one, drv, stream_upload, DevBuf, HostBuf, Mem};
+use crate::cuda::{
+    attend_defines, cast_mut, cfg, compile_one, drv, stream_upload, DevBuf, HostBuf, Mem,
+};
 use crate::error::{CudaError, Result};
 use crate::paged_layout::PagedLayout;
 use crate::paged_ref::{export_pool, records_pool, PagedExport};
@@ -435,11 +437,7 @@ impl PagedCache {
             read_rows: f("read_rows")?,
         };
         let gd = vec![format!("-DGQ={}", s.group), format!("-DDIM={}", s.dim)];
-        let mut ad = gd.clone();
-        ad.push(format!(
-            "-DTS_G={}",
-            crate::cache::table_scan_groups(s.dim, s.group)
-        ));
+        let ad = attend_defines(s.group, s.dim);
         let attend_mod = gpu
             .ctx()
             .load_module(compile_one(gpu.arch(), "attend.cu", ATTEND_SRC, ad)?)

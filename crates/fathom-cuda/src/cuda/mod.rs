@@ -17,7 +17,7 @@ pub use device::Gpu;
 pub(crate) use device::{cfg, Event};
 pub(crate) use memory::{anon_huge_bytes, stream_upload, DevBuf, HostBuf, Mem};
 pub use module::compile_kernels;
-pub(crate) use module::{compile_one, Kernels};
+pub(crate) use module::{attend_defines, compile_one, Kernels};
 pub use step::Session;
 
 pub(crate) use crate::step_layout::cast_mut;

@@ -81,6 +81,25 @@ pub(crate) fn compile_one(
     Ok(ptx)
 }
 
+/// The compile options of `attend.cu` (the paged cache's kernels) at `G` query heads per KV
+/// head and head dim `D`: the one list that every compile of it uses, so that
+/// [`crate::PagedCache`] and [`compile_kernels`] build the same kernels.
+///
+/// The experiment switch `FATHOM_SCAN_TABLES=1` in the environment adds `-DSCAN_TABLES=1`:
+/// depth-1 channels through lookup tables in the paged scan (attend.cu, `scan_group`;
+/// G <= 4 and D <= 128 only, else ignored). Not the same bits as the FMA path.
+pub(crate) fn attend_defines(g: usize, d: usize) -> Vec<String> {
+    let mut o = vec![
+        format!("-DGQ={g}"),
+        format!("-DDIM={d}"),
+        format!("-DTS_G={}", crate::cache::table_scan_groups(d, g)),
+    ];
+    if std::env::var("FATHOM_SCAN_TABLES").is_ok_and(|v| v == "1") {
+        o.push("-DSCAN_TABLES=1".into());
+    }
+    o
+}
+
 /// Architecture, source with `common.cuh` inlined, and compile options.
 type PtxKey = (&'static str, String, Vec<String>);
 
@@ -111,20 +130,14 @@ pub(crate) fn compile_all(
     )?;
     out.push(("append.cu", append));
     if g <= 8 {
-        let mut gd = vec![
-            format!("-DGQ={g}"),
-            format!("-DDIM={d}"),
-            format!("-DTS_G={}", crate::cache::table_scan_groups(d, g)),
-        ];
-        // Experiment switch: depth-1 channels through lookup tables in the paged scan
-        // (attend.cu, `scan_group`; G <= 4 and D <= 128 only, else ignored). Not the same
-        // bits as the FMA path; not yet run on a device.
-        if std::env::var("FATHOM_SCAN_TABLES").is_ok_and(|v| v == "1") {
-            gd.push("-DSCAN_TABLES=1".into());
-        }
         out.push((
             "attend.cu",
-            compile_one(arch, "attend.cu", crate::cuda_cache::ATTEND_SRC, gd)?,
+            compile_one(
+                arch,
+                "attend.cu",
+                crate::cuda_cache::ATTEND_SRC,
+                attend_defines(g, d),
+            )?,
         ));
     }
     Ok(out)
