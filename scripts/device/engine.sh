@@ -6,7 +6,7 @@
 #   ... cargo build --release -p fathom-cli --features cuda
 # and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
 # graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
-#   bash scripts/device/engine.sh tests|bench|ab|gather|decode|graph|ncu|ncuscan|ncudecode|sharesweep|tables|sanitize|filtered|pages|py ...
+#   bash scripts/device/engine.sh tests|bench|ab|gather|decode|graph|ncu|ncuscan|ncudecode|sharesweep|sanitize|filtered|pages|py ...
 # Every output goes under $OUT. B=DIR takes the binaries from DIR instead of .devbin/ (`ab`
 # compares $B with CHANGE=DIR, default .devbin2/).
 set -u
@@ -309,27 +309,5 @@ ncudecode)
     $B/fathom decode-bench --model qwen3-8b --context 64k --batch 8 --steps 2 --row-cache 8192 \
     --scan-vec 2 --methods fathom:48 > $OUT/ncu-decode-8x64k.txt 2>&1
   echo "ncu decode 8x64k rc=$?" | tee -a $OUT/summary.txt
-  ;;
-tables)
-  # The experiment switch FATHOM_SCAN_TABLES=1 (depth-1 channels four at a time through lookup
-  # tables, attend.cu scan_group; not the same bits, within SCORE_TOL): its device tests (gpu,
-  # cache_gpu: every method's scores against the CPU reference within SCORE_TOL, selections,
-  # outputs; paged_decode), then offload-bench in HBM and host residency with the switch off and
-  # on, the same binary, whole steps as graphs (CTX=... sets the contexts, default 256k,1m).
-  FATHOM_SCAN_TABLES=1 timeout 300 $B/cache_gpu --test-threads 2 2>&1 | grep -v -E "^(running [0-9]+ tests?|)$" > $OUT/tables-tests.log
-  echo "tables cache_gpu rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
-  FATHOM_SCAN_TABLES=1 timeout 60 $B/gpu --test-threads 1 2>&1 | grep -v -E "^(running [0-9]+ tests?|)$" >> $OUT/tables-tests.log
-  echo "tables gpu rc=${PIPESTATUS[0]}" | tee -a $OUT/summary.txt
-  FATHOM_SCAN_TABLES=1 timeout 120 $B/paged_decode >> $OUT/tables-tests.log 2>&1
-  echo "tables paged_decode rc=$?" | tee -a $OUT/summary.txt
-  for res in hbm host; do
-    for sw in 0 1; do
-      FATHOM_SCAN_TABLES=$sw timeout 200 $B/fathom offload-bench --engine cache --context ${CTX:-256k,1m} \
-        --methods fathom:48,sparq:32,ds:32 --steps 10 --residency $res --graph \
-        --json $OUT/tables-$res-$sw.json > $OUT/tables-$res-$sw.txt 2>&1
-      echo "tables $res switch $sw rc=$?" | tee -a $OUT/summary.txt
-      grep -E "^[0-9]+ +(host|hbm)" $OUT/tables-$res-$sw.txt | head -8
-    done
-  done
   ;;
 esac

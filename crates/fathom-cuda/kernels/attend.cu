@@ -183,63 +183,6 @@ __device__ __forceinline__ void scan_channel(const u8* __restrict__ pb, float m,
     }
 }
 
-// Experiment switch (FATHOM_SCAN_TABLES=1 at kernel compile; G <= 4 and D <= 128, where the
-// tables fit the 48 KB of static shared memory): depth-1 channels four at a time through a
-// lookup table instead of one FMA per channel, token and query head. Not the same bits as
-// the FMA path (the four terms are summed before they join the score); within the device
-// tests' score tolerance. Not yet run on a device.
-#if defined(SCAN_TABLES) && SCAN_TABLES && GQ <= 4 && DIM <= 128
-#define TABLES 1
-#else
-#define TABLES 0
-#endif
-
-#if TABLES
-// Four depth-1 channels (active indices ac..ac+3, round slots s..s+3) for one thread's 8
-// tokens through its block's 16-entry table: entry e (bit i of e: channel i's plane bit) holds,
-// per query head, sum_i q_i * khat_i with khat_i = +-m_i/2 (depth 1: fma(b, m, -m/2), exact).
-// The block's 8 threads (one warp quarter) build its table, two entries each, then each looks
-// up its tokens' entries: one 16-byte load and G adds per token.
-__device__ __forceinline__ void scan_group(float (*tab)[16][4], const u64 (*swb)[4][BPC], const float (*smb)[BPC],
-                                           const float (*qa)[GQ], int ac, int s, u32 lb, u32 sub,
-                                           float (&acc)[GQ][8]) {
-    float hm[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) hm[i] = 0.5f * smb[s + i][lb];
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        const u32 e = 2 * sub + k;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float kh = (e >> i) & 1u ? hm[i] : -hm[i];
-#pragma unroll
-            for (int q = 0; q < GQ; q++) v[q] = fmaf(qa[ac + i][q], kh, v[q]);
-        }
-        *(float4*)&tab[lb][e][0] = make_float4(v[0], v[1], v[2], v[3]);
-    }
-    const unsigned quarter = 0xFFu << (threadIdx.x & 24u);
-    __syncwarp(quarter);
-    // Token j's entry index in byte j % 4 of c0 (tokens 0..3) or c1 (4..7): bit i from channel i.
-    u32 c0 = 0, c1 = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        u32 lo, hi;
-        spread_plane_byte(((const u8*)&swb[s + i][0][lb])[sub], &lo, &hi);
-        c0 |= lo << i;
-        c1 |= (hi >> 4) << i;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        const u32 e = ((j < 4 ? c0 : c1) >> (8 * (j & 3))) & 0xFu;
-        const float4 t = *(const float4*)&tab[lb][e][0];
-        const float tv[4] = {t.x, t.y, t.z, t.w};
-#pragma unroll
-        for (int q = 0; q < GQ; q++) acc[q][j] += tv[q];
-    }
-}
-#endif
-
 // Scores of the tokens of BPC blocks of one (session, KV head) under its plan, read in place
 // from the session's page (docs/SPEC.md §2, §3; fathom_plan::scan): s_g = sum over active
 // channels c of q_gc * khat_t(c), khat_t = (q_t - 2^(t-1) + 1/2) * m * 2^(1-t), t the depth of
@@ -264,13 +207,6 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
     __shared__ __align__(16) float qa[DIM][GQ];
     __shared__ int wcnt[8];
     __shared__ int nact;
-#if TABLES
-    // Depth-1 channels come first in the compaction; the first ntab (a multiple of 4) go
-    // through scan_group, two groups at most per round.
-    __shared__ int wcnt1[8];
-    __shared__ int ntab;
-    __shared__ __align__(16) float tab[2][BPC][16][4];
-#endif
     // Double-buffered: round r + 1's words are loaded (into registers) while round r computes.
     __shared__ u64 sw[2][CHS][4][BPC];
     __shared__ float sm[2][CHS][BPC];
@@ -317,50 +253,23 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
         for (int q = 0; q < GQ; q++) any |= rmode[q] == 0;
         if (!any) return;  // uniform over the CTA
     }
-    // Order-preserving compaction of the active channels (DIM <= blockDim); with TABLES, of
-    // the depth-1 channels first and then of the deeper ones.
+    // Order-preserving compaction of the active channels (DIM <= blockDim).
     int t0 = 0;
     bool on = false;
     if (tid < DIM) { t0 = dep[tid]; on = t0 > 0; }
-#if TABLES
-    const bool one = on && t0 == 1;
-    const unsigned bal1 = __ballot_sync(0xffffffffu, one);
-    on = on && !one;
-#endif
     const unsigned bal = __ballot_sync(0xffffffffu, on);
-    if ((tid & 31) == 0) {
-        wcnt[tid >> 5] = __popc(bal);
-#if TABLES
-        wcnt1[tid >> 5] = __popc(bal1);
-#endif
-    }
+    if ((tid & 31) == 0) wcnt[tid >> 5] = __popc(bal);
     __syncthreads();
     if (tid < DIM) {
         int off = 0;
         for (u32 w = 0; w < (tid >> 5); w++) off += wcnt[w];
         off += __popc(bal & ((1u << (tid & 31)) - 1u));
-#if TABLES
-        int n1 = 0, off1 = 0;
-        for (u32 w = 0; w < (DIM + 31) / 32; w++) n1 += wcnt1[w];
-        for (u32 w = 0; w < (tid >> 5); w++) off1 += wcnt1[w];
-        off1 += __popc(bal1 & ((1u << (tid & 31)) - 1u));
-        off += n1;
-        if (one) off = off1, on = true;
-        if (tid == 0) {
-            int n2 = 0;
-            for (u32 w = 0; w < (DIM + 31) / 32; w++) n2 += wcnt[w];
-            ntab = n1 / 4 * 4;
-            nact = n1 + n2;
-        }
-#endif
         if (on) {
             act_t[off] = t0;
             act_off[off] = tid * g.run_bytes;
             for (int q = 0; q < GQ; q++) qa[off][q] = qf[((u64)b * heads_q + h * GQ + q) * DIM + tid];
         }
-#if !TABLES
         if (tid == DIM - 1) nact = off + (on ? 1 : 0);
-#endif
     }
     __syncthreads();
     const u32 page = tables[(u64)d.slot * g.max_pages + blk0 / bp];
@@ -453,14 +362,6 @@ __device__ __forceinline__ void paged_scan_body(const AppendDesc* __restrict__ d
         if (live) {
             for (int s = 0; s < ns; s++) {
                 const int ac = a0 + s;
-#if TABLES
-                // Groups start at multiples of 4 (rounds at multiples of CHS = 8, ntab of 4).
-                if (ac < ntab) {
-                    scan_group(tab[s >> 2], sw[buf], sm[buf], qa, ac, s, lb, sub, acc);
-                    s += 3;
-                    continue;
-                }
-#endif
                 // This thread's byte of plane 0 (byte `sub` of the block's word: its 8 tokens).
                 const u8* pb = (const u8*)&sw[buf][s][0][lb] + sub;
                 const float m = sm[buf][s][lb];

@@ -14,10 +14,7 @@
 //!   bits), so `k̂` has the bits of `fma(q_t, step, off)`, the CPU reference's value.
 //!
 //! The device tests compare the kernel's scores with the CPU reference's; these tests pin the
-//! two identities that let the kernel change its instructions without changing a bit, and
-//! bound the error of the experiment switch `FATHOM_SCAN_TABLES` (depth-1 channels summed four
-//! at a time through lookup tables), which does change bits: at most one rounding of 2^-24 of
-//! Σ|q·k̂| per FMA or add, far inside the device tests' `SCORE_TOL`.
+//! two identities that let the kernel change its instructions without changing a bit.
 
 /// `__byte_perm(x, y, s)` (CUDA): result byte `i` is byte `s`'s nibble `i` of `y:x`
 /// (nibble values 8–15 replicate a byte's sign bit).
@@ -141,110 +138,5 @@ mod tests {
         assert_eq!(byte_perm(0x4433_2211, 0x8877_6655, 0x0123), 0x1122_3344);
         // Sign replication: nibble F copies the sign of y's byte 3 (0x88), 8 that of x's byte 0 (0x11).
         assert_eq!(byte_perm(0x4433_2211, 0x8877_6655, 0x8F), 0x1111_00FF);
-    }
-}
-
-/// The scan's two ways of summing one token's score over its active channels, in f32 as the
-/// kernel does: `depths[c]` (0: inactive), `codes[c]` the token's code, `m[c]` the block's
-/// scales, `q[c]` one query head. `tables`: the experiment switch `FATHOM_SCAN_TABLES`
-/// (`scan_group`): depth-1 channels first, four at a time summed before they join the score,
-/// then the other channels by FMA, each in channel order; otherwise every active channel by
-/// FMA in channel order (the default kernel).
-fn token_score(depths: &[u8], codes: &[u32], m: &[f32], q: &[f32], tables: bool) -> f32 {
-    let khat = |c: usize| {
-        let (step, off, _) = step_offsets(m[c], u32::from(depths[c]));
-        (codes[c] as f32).mul_add(step, off)
-    };
-    let active: Vec<usize> = (0..depths.len()).filter(|&c| depths[c] > 0).collect();
-    let mut acc = 0.0f32;
-    if !tables {
-        for &c in &active {
-            acc = q[c].mul_add(khat(c), acc);
-        }
-        return acc;
-    }
-    let ones: Vec<usize> = active.iter().copied().filter(|&c| depths[c] == 1).collect();
-    let ntab = ones.len() / 4 * 4;
-    for g in ones[..ntab].chunks(4) {
-        let v = g.iter().fold(0.0f32, |v, &c| q[c].mul_add(khat(c), v));
-        acc += v;
-    }
-    let rest = ones[ntab..]
-        .iter()
-        .chain(active.iter().filter(|&&c| depths[c] > 1));
-    for &c in rest {
-        acc = q[c].mul_add(khat(c), acc);
-    }
-    acc
-}
-
-#[cfg(test)]
-mod table_tests {
-    use super::*;
-    use half::f16;
-    use rand::{Rng, SeedableRng};
-
-    /// Each of the sum's roundings (one per FMA or add, at most `active + groups` of them)
-    /// errs by at most 2^-24 of a partial sum, and every partial sum is at most Σ|q·k̂|.
-    fn tolerance(active: usize) -> f64 {
-        (active + active / 4 + 1) as f64 * (2.0f64).powi(-24)
-    }
-
-    #[test]
-    fn table_sums_stay_within_the_derived_tolerance() {
-        // fathom:48-like depth mixes (most channels at depth 1) at D = 64 and 128, and
-        // all-depth-1 and all-depth-4 plans.
-        let mut worst = [0.0f64; 2];
-        for (seed, d) in [(1u64, 64usize), (2, 128), (3, 128), (4, 64)] {
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-            for trial in 0..4000 {
-                let depths: Vec<u8> = (0..d)
-                    .map(|_| match trial % 3 {
-                        0 => [0, 0, 1, 1, 1, 1, 2, 2, 3, 4][rng.gen_range(0..10)],
-                        1 => rng.gen_range(0..2),
-                        _ => 4 * rng.gen_range(0..2),
-                    })
-                    .collect();
-                let m: Vec<f32> = (0..d)
-                    .map(|_| f16::from_f32(rng.gen_range(0.01f32..8.0)).to_f32())
-                    .collect();
-                let q: Vec<f32> = (0..d).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
-                let codes: Vec<u32> = depths
-                    .iter()
-                    .map(|&t| {
-                        if t == 0 {
-                            0
-                        } else {
-                            rng.gen_range(0..1u32 << t)
-                        }
-                    })
-                    .collect();
-                let (mut exact, mut mag) = (0.0f64, 0.0f64);
-                let active = depths.iter().filter(|&&t| t > 0).count();
-                for c in 0..d {
-                    if depths[c] > 0 {
-                        let t = u32::from(depths[c]);
-                        let k = (f64::from(codes[c]) + 0.5 - f64::from(1u32 << (t - 1)))
-                            * f64::from(m[c])
-                            * (2.0f64).powi(1 - t as i32);
-                        exact += f64::from(q[c]) * k;
-                        mag += (f64::from(q[c]) * k).abs();
-                    }
-                }
-                for (i, tables) in [false, true].into_iter().enumerate() {
-                    let got = f64::from(token_score(&depths, &codes, &m, &q, tables));
-                    let err = (got - exact).abs() / mag.max(1e-30);
-                    assert!(
-                        err <= tolerance(active),
-                        "seed {seed} trial {trial} tables {tables}: error {err:e} of Σ|q·k̂| \
-                         past {:e}",
-                        tolerance(active)
-                    );
-                    worst[i] = worst[i].max(err);
-                }
-            }
-        }
-        // Both stay far inside the device tests' SCORE_TOL of 2e-5 of Σ|q·k̂|.
-        assert!(worst[0] < 2e-5 && worst[1] < 2e-5, "{worst:?}");
     }
 }

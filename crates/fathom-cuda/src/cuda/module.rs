@@ -84,20 +84,12 @@ pub(crate) fn compile_one(
 /// The compile options of `attend.cu` (the paged cache's kernels) at `G` query heads per KV
 /// head and head dim `D`: the one list that every compile of it uses, so that
 /// [`crate::PagedCache`] and [`compile_kernels`] build the same kernels.
-///
-/// The experiment switch `FATHOM_SCAN_TABLES=1` in the environment adds `-DSCAN_TABLES=1`:
-/// depth-1 channels through lookup tables in the paged scan (attend.cu, `scan_group`;
-/// G <= 4 and D <= 128 only, else ignored). Not the same bits as the FMA path.
 pub(crate) fn attend_defines(g: usize, d: usize) -> Vec<String> {
-    let mut o = vec![
+    vec![
         format!("-DGQ={g}"),
         format!("-DDIM={d}"),
         format!("-DTS_G={}", crate::cache::table_scan_groups(d, g)),
-    ];
-    if std::env::var("FATHOM_SCAN_TABLES").is_ok_and(|v| v == "1") {
-        o.push("-DSCAN_TABLES=1".into());
-    }
-    o
+    ]
 }
 
 /// Architecture, source with `common.cuh` inlined, and compile options.
