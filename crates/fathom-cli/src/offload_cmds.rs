@@ -127,9 +127,10 @@ pub struct OffloadBenchArgs {
     /// Write the JSON report here (rewritten after every context).
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// What the run is for, recorded in its JSON: `main` (every method; the report's Claim 4)
-    /// or `pipeline-sweep` (one method pair under many --groups / --gather-ctas settings).
-    #[arg(long, default_value = "main", value_parser = ["main", "pipeline-sweep"])]
+    /// What the run is for, recorded in its JSON: `main` (every method; the report's Claim 4),
+    /// `pipeline-sweep` (one method pair under many --groups / --gather-ctas settings) or
+    /// `experiment` (kernels built under an experiment switch; never judged against targets).
+    #[arg(long, default_value = "main", value_parser = ["main", "pipeline-sweep", "experiment"])]
     pub study: String,
     /// The path timed: `cache`, the library's paged cache a model drives (prefilled by
     /// appends, one token appended per session every step; pools in host memory or, with
@@ -260,11 +261,13 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
     }
     let cfg = BenchConfig {
         command: fathom_results::command_line(),
-        study: if a.study == "pipeline-sweep" {
-            fathom_cuda::bench::OffloadStudy::PipelineSweep
-        } else {
-            fathom_cuda::bench::OffloadStudy::Main
-        },
+        study: [
+            fathom_cuda::bench::OffloadStudy::PipelineSweep,
+            fathom_cuda::bench::OffloadStudy::Experiment,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == a.study)
+        .unwrap_or_default(),
         shape_label,
         shape,
         contexts,

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use fathom_results::calibration::CalibrationSummary;
 use fathom_results::downstream::{AgentDoc, RulerDoc};
 use fathom_results::fidelity::FidelityDoc;
-use fathom_results::offload::OffloadBench;
+use fathom_results::offload::{OffloadBench, OffloadStudy};
 use fathom_results::speed::ModelSpeed;
 use fathom_results::stages::StageRecord;
 use fathom_results::{Document, ResultsError};
@@ -147,7 +147,19 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                 match doc {
                     Document::Fidelity(d) => push!(fidelity, d),
                     Document::CalibrationSummary(d) => push!(calibration, d),
-                    Document::OffloadBench(d) => push!(offload, d),
+                    Document::OffloadBench(d) if d.study == OffloadStudy::Main => {
+                        push!(offload, d)
+                    }
+                    // Sweeps and experiment switches are records, not claims: listed with
+                    // their command, never judged against a target.
+                    Document::OffloadBench(d) => inp.others.push((
+                        path.clone(),
+                        format!(
+                            "offload-bench, study `{}` (not judged against the targets): `{}`",
+                            d.study.as_str(),
+                            d.command
+                        ),
+                    )),
                     // A run of dense and exact alone (a task-shape probe) has no sparse
                     // method to judge: listed with its dense scores, not read as a claim.
                     Document::Ruler(d)

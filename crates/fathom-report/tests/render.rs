@@ -266,6 +266,41 @@ fn an_offload_row_without_a_136_bit_scan_gets_no_verdict() {
     );
 }
 
+/// An offload run under a kernel experiment switch (study `experiment`) is listed with its
+/// command and never judged; the same rows as a main run get their verdict.
+#[test]
+fn an_experiment_offload_run_is_listed_not_judged() {
+    use fathom_results::offload::{BenchResult, OffloadStudy};
+    let row = |method: &str, ms: f64, x: Option<f64>| {
+        let mut r = BenchResult {
+            context: 1 << 20,
+            residency: "hbm".into(),
+            method: method.into(),
+            groups: 1,
+            select: "scores".into(),
+            gpu_ms: ms,
+            ..Default::default()
+        };
+        if let Some(x) = x {
+            r.speedup_vs_136.insert("sparq:32".into(), x);
+        }
+        r
+    };
+    let rows = vec![row("fathom:48", 5.0, Some(1.4)), row("sparq:32", 7.0, None)];
+    for (study, judged) in [(OffloadStudy::Experiment, false), (OffloadStudy::Main, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut doc = offload_doc("/x/fathom offload-bench --engine cache", rows.clone());
+        doc.study = study;
+        fathom_results::write(&dir.path().join("switch.json"), doc).unwrap();
+        let md = render(dir.path(), None);
+        let listed = md.contains(
+            "- `switch.json`: offload-bench, study `experiment` (not judged against the targets): `/x/fathom offload-bench --engine cache`",
+        );
+        assert_eq!(listed, !judged, "{md}");
+        assert_eq!(md.contains("sparq:32 1.40×"), judged, "{md}");
+    }
+}
+
 /// An offload run timing the GPU's row fetch against the host gather: one row per setting,
 /// the gather's row named with its threads and judged against its own scans.
 #[test]

@@ -309,6 +309,21 @@ pub enum OffloadStudy {
     Main,
     /// Head-group pipelining and gather-grid settings swept over one method pair.
     PipelineSweep,
+    /// A run of a kernel under an experiment switch, not the default build: a record of what
+    /// the experiment measured, never judged against the targets.
+    Experiment,
+}
+
+impl OffloadStudy {
+    /// The name a JSON file and `--study` give it (`main`, `pipeline-sweep`, `experiment`).
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Main => "main",
+            Self::PipelineSweep => "pipeline-sweep",
+            Self::Experiment => "experiment",
+        }
+    }
 }
 
 /// Version 1 offload files said a pipelining sweep only by their file name (`pipeline*`).
