@@ -98,6 +98,41 @@ struct PoolGeom {
 }
 const _: () = assert!(std::mem::size_of::<PoolGeom>() == 48);
 
+/// [`PoolGeom`]'s 32-bit fields, converted once when the cache is made: each with a check
+/// that names the field, before any allocation, so no `as u32` can wrap a page geometry into
+/// silently wrong addresses. ([`CacheConfig::validate`] bounds the page's tokens by
+/// [`crate::cache::MAX_PAGE_TOKENS`]; this is where every such bound is enforced at once.)
+#[derive(Debug, Clone, Copy)]
+struct Geom32 {
+    run_bytes: u32,
+    scale_pad: u32,
+    page_tokens: u32,
+    max_pages: u32,
+    heads: u32,
+    layers: u32,
+}
+
+impl Geom32 {
+    fn new(lay: &PagedLayout, max_pages: usize, shape: crate::config::ModelShape) -> Result<Self> {
+        let f = |what: &'static str, v: u64| {
+            u32::try_from(v).map_err(|_| {
+                CudaError::invalid(
+                    what,
+                    format!("{v} does not fit the kernels' 32-bit page geometry"),
+                )
+            })
+        };
+        Ok(Self {
+            run_bytes: f("channel run bytes", lay.channel_run_bytes())?,
+            scale_pad: f("scale section bytes", lay.scale_pad_bytes())?,
+            page_tokens: f("page_tokens", lay.page_tokens() as u64)?,
+            max_pages: f("pages per session", max_pages as u64)?,
+            heads: f("kv_heads", shape.kv_heads as u64)?,
+            layers: f("layers", shape.layers as u64)?,
+        })
+    }
+}
+
 // SAFETY: plain `#[repr(C)]` data of integers, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for PoolGeom {}
 
@@ -339,6 +374,8 @@ pub struct PagedCache {
     /// Tails, `bf16 [max_sessions][L][Hkv][64][D]` (HBM).
     tails: DevBuf,
     max_pages: usize,
+    /// [`PoolGeom`]'s 32-bit fields, checked once ([`Geom32::new`]).
+    geom32: Geom32,
     step: u64,
     batch_len: usize,
     batch_max_m: usize,
@@ -422,6 +459,8 @@ impl PagedCache {
             channels: s.dim,
         };
         let layout = PagedLayout::new(dims, cfg.pages.page_tokens, cfg.pages.pages)?;
+        let max_pages = cfg.pages.pages_for(cfg.pages.max_tokens);
+        let geom32 = Geom32::new(&layout, max_pages, s)?;
         let sessions = CacheSessions::new(cfg.pages)?;
         let ptx = compile_one(
             gpu.arch(),
@@ -471,7 +510,6 @@ impl PagedCache {
         let (mb, hkv, hq, d) = (cfg.max_batch, s.kv_heads, s.kv_heads * s.group, s.dim);
         let umax = crate::cache::MAX_SINK_LOCAL + s.group * cfg.max_k;
         let fcap = FUSE_CAP_PER_K * cfg.max_k;
-        let max_pages = cfg.pages.pages_for(cfg.pages.max_tokens);
         let work = Work {
             qf: DevBuf::new(mb * hq * d * 4, "attend queries")?,
             qr: if cfg.pca_index {
@@ -598,6 +636,7 @@ impl PagedCache {
             faults,
             tails,
             max_pages,
+            geom32,
             step: 0,
             batch_len: 0,
             batch_max_m: 0,
@@ -648,16 +687,17 @@ impl PagedCache {
                 lay.page_bytes(),
             ),
         };
+        let g = self.geom32;
         PoolGeom {
             page_bytes,
-            run_bytes: lay.channel_run_bytes() as u32,
-            scale_pad: lay.scale_pad_bytes() as u32,
+            run_bytes: g.run_bytes,
+            scale_pad: g.scale_pad,
             recs,
             rec_page_bytes,
-            page_tokens: lay.page_tokens() as u32,
-            max_pages: self.max_pages as u32,
-            heads: self.cfg.shape.kv_heads as u32,
-            layers: self.cfg.shape.layers as u32,
+            page_tokens: g.page_tokens,
+            max_pages: g.max_pages,
+            heads: g.heads,
+            layers: g.layers,
         }
     }
 

@@ -287,7 +287,10 @@ fn an_experiment_offload_run_is_listed_not_judged() {
         r
     };
     let rows = vec![row("fathom:48", 5.0, Some(1.4)), row("sparq:32", 7.0, None)];
-    for (study, judged) in [(OffloadStudy::Experiment, false), (OffloadStudy::Main, true)] {
+    for (study, judged) in [
+        (OffloadStudy::Experiment, false),
+        (OffloadStudy::Main, true),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let mut doc = offload_doc("/x/fathom offload-bench --engine cache", rows.clone());
         doc.study = study;
