@@ -199,7 +199,7 @@ pub(crate) fn plan_layers(
 /// Runs every method on every evaluated layer; `progress` is called once per layer.
 ///
 /// The method-independent work of a layer (its raw and KLT stores, dense attention at every
-/// position) is done once and shared by all methods ([`LayerCtx`]); positions and KV heads
+/// position) is done once and shared by all methods (`LayerCtx`); positions and KV heads
 /// run in parallel, and the next layer is decoded while the current one is evaluated.
 pub fn run(
     src: &dyn LayerSource,

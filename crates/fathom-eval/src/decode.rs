@@ -5,14 +5,14 @@
 //!
 //! For a decode query at position `pos` on a **global** layer, per KV head `h`:
 //!
-//! 1. the head's growable 4-bit [`KeyStore`] (built once from the prefill, capacity reserved
+//! 1. the head's growable 4-bit [`fathom_store::KeyStore`] (built once from the prefill, capacity reserved
 //!    for the whole generation) is brought up to `pos + 1` tokens by appending the new keys
 //!    (a store grown by appends equals one built at once, bit for bit: `fathom-store`);
 //! 2. the method is prepared on the current keys and store ([`Scanner::prepare`]) and scores
 //!    all `pos + 1` keys for the `G` query heads of the group;
 //! 3. each query head keeps sink 4 + local 32 + its own top-k of the middle
-//!    ([`select_per_head`]);
-//! 4. exact softmax attention over the kept set ([`attend`], scale `1/√D`, f64 accumulation).
+//!    ([`fathom_plan::select_per_head`]);
+//! 4. exact softmax attention over the kept set ([`fathom_plan::attend`], scale `1/√D`, f64 accumulation).
 //!
 //! Preparation is redone on every token, so every method sees exactly the keys `0..=pos`. The
 //! one exception is Loki, whose `prepare` rotates and re-quantizes all keys (`O(n·D²)` per

@@ -3,7 +3,7 @@
 //! * `gpt2` (SmolLM2): byte-level BPE from `tokenizer.ggml.tokens` and `.merges`; pre-tokenizer
 //!   = individual digits, then the GPT-2 regex with **no prefix space** (llama.cpp's `smollm`).
 //! * `llama` (Gemma 3, SentencePiece-style): SentencePiece BPE rebuilt as a `tokenizers` BPE
-//!   (see [`spm_as_bpe`]), byte fallback (`<0xNN>`), spaces normalised to `▁`, no dummy prefix.
+//!   (see `spm_as_bpe`), byte fallback (`<0xNN>`), spaces normalised to `▁`, no dummy prefix.
 //!
 //! Control tokens (type 3) are added as special tokens and user-defined tokens (type 4, e.g.
 //! Gemma's runs of newlines) as added tokens, so both are matched verbatim, as llama.cpp does.

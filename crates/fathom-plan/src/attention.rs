@@ -285,7 +285,7 @@ impl DotSource for &KeyTiles {
     }
 }
 
-/// Keys transposed into tiles of [`DOT_LANES`] tokens, `[⌈N/8⌉][D][8]` (zero-padded): the
+/// Keys transposed into tiles of eight tokens (`DOT_LANES`), `[⌈N/8⌉][D][8]` (zero-padded): the
 /// exact dot products `q · k_i` of eight consecutive tokens then run as vector lanes, each
 /// still summed in f64 channel by channel, so every value equals a sequential loop's.
 #[derive(Debug, Clone)]

@@ -1,7 +1,7 @@
 //! Typed, versioned result documents: what every Fathom run writes and what the report reads.
 //!
 //! One struct per kind, each serialised with a `kind` tag and a schema `version`
-//! ([`VERSION`]) by the one writer, [`write`], and parsed by the one reader, [`read`]:
+//! ([`VERSION`]) by the one writer, [`write()`], and parsed by the one reader, [`read()`]:
 //!
 //! | kind | struct | written by |
 //! |---|---|---|
