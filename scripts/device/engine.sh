@@ -6,7 +6,7 @@
 #   ... cargo build --release -p fathom-cli --features cuda
 # and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
 # graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
-#   bash scripts/device/engine.sh tests|bench|ab|gather|decode|graph|ncu|ncuscan|ncudecode|sharesweep|sanitize|filtered|pages|py ...
+#   bash scripts/device/engine.sh tests|bench|ab|gather|decode|graph|ncu|ncuscan|ncudecode|sharesweep|stages|sanitize|filtered|pages|py ...
 # Every output goes under $OUT. B=DIR takes the binaries from DIR instead of .devbin/ (`ab`
 # compares $B with CHANGE=DIR, default .devbin2/).
 set -u
@@ -309,5 +309,22 @@ ncudecode)
     $B/fathom decode-bench --model qwen3-8b --context 64k --batch 8 --steps 2 --row-cache 8192 \
     --scan-vec 2 --methods fathom:48 > $OUT/ncu-decode-8x64k.txt 2>&1
   echo "ncu decode 8x64k rc=$?" | tee -a $OUT/summary.txt
+  ;;
+stages)
+  # Per-stage GPU time of attends (PagedCache::set_stage_timing; not yet run on a device when
+  # written): its device test, then offload-bench at 1M in HBM and host residency (each
+  # entry's stage_ms from the steps after the timed ones) and decode-bench at 8 x 64k (each
+  # entry's split.attend_ms): where a layer's time goes without a profiler.
+  timeout 200 $B/cache_gpu stage_timing --test-threads 1 2>&1 | grep -v -E "^(running [0-9]+ tests?|)$" > $OUT/stages-test.log
+  echo "stages test rc=${PIPESTATUS[0]} $(grep 'test result' $OUT/stages-test.log)" | tee -a $OUT/summary.txt
+  for res in hbm host; do
+    timeout 200 $B/fathom offload-bench --engine cache --context 1m --methods fathom:48,sparq:32 --steps 10 \
+      --residency $res --scan-vec ${VEC:-1} --json $OUT/stages-1m-$res.json > $OUT/stages-1m-$res.txt 2>&1
+    echo "stages 1m $res rc=$?" | tee -a $OUT/summary.txt
+    grep -E "^[0-9]+ +(host|hbm)|stages ms" $OUT/stages-1m-$res.txt | head -8
+  done
+  DECODE_TIMEOUT=150 bash $0 decode stages-8x64k --model qwen3-8b --context 64k --batch 8 --steps 8 \
+    --row-cache 8192 --scan-vec 2 --methods fathom:48,sparq:32
+  grep -E "attends by stage" $OUT/stages-8x64k.txt
   ;;
 esac

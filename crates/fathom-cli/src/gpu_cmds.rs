@@ -708,6 +708,16 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
             sp.map_or(f64::NAN, |x| x.appends_ms),
             sp.map_or(f64::NAN, |x| x.sampling_ms)
         );
+        if let Some(x) = sp.filter(|x| !x.attend_ms.is_empty()) {
+            let parts: Vec<String> = fathom_cuda::cache::AttendStages::NAMES
+                .iter()
+                .filter_map(|k| x.attend_ms.get(*k).map(|v| format!("{k} {v:.2}")))
+                .collect();
+            println!(
+                "      attends by stage (ms per step, instrumented plain launches): {}",
+                parts.join(", ")
+            );
+        }
         if let (Some(us), Some(rate)) = (e.host_gather_request_us, e.host_gather_mrows_per_thread_s)
         {
             println!(

@@ -390,6 +390,9 @@ pub(crate) fn run(
             let mut sel0 = cache.select_counters()?;
             let mut sel1 = sel0;
             let (mut gpu_ms, mut wall_ms, mut append_ms) = (Vec::new(), Vec::new(), Vec::new());
+            // The steps after the timed ones (plain launches) are also split by stage
+            // (PagedCache::set_stage_timing), one AttendStages per step.
+            let mut stages: Vec<crate::cache::AttendStages> = Vec::new();
             let timed_end = c.warmup + c.steps;
             // `--graph`: the warm-up and timed steps replay one captured step (captured at the
             // first, which then replays it); the appends' steps after them stay plain launches
@@ -398,6 +401,7 @@ pub(crate) fn run(
             for step in 0..steps_per_method {
                 // After the timed steps: an event pair around each append, summed per step.
                 let time_appends = step >= timed_end;
+                cache.set_stage_timing(time_appends);
                 let w0 = std::time::Instant::now();
                 let batch = cache.reserve(&decode)?;
                 // This step's new token of each session: its source's next row, per layer
@@ -498,11 +502,16 @@ pub(crate) fn run(
                         ms += p[0].elapsed_ms(&p[1]).map_err(drv("elapsed"))? as f64;
                     }
                     append_ms.push(ms);
+                    let st = cache.stage_times()?;
+                    if st.untimed == 0 && st.attends > 0 {
+                        stages.push(st);
+                    }
                 } else if step >= c.warmup {
                     gpu_ms.push(e0.elapsed_ms(&e1).map_err(drv("elapsed"))? as f64);
                     wall_ms.push(w0.elapsed().as_secs_f64() * 1e3);
                 }
             }
+            cache.set_stage_timing(false);
             let (bits1, plans1) = cache.plan_bits()?;
             let rows1 = cache.row_counters()?;
             let gather1 = cache.host_gather_stats()?;
@@ -518,6 +527,17 @@ pub(crate) fn run(
                 rep, cshape, lens, residency, k, m, bits, union, hits, gpu_ms, wall_ms,
             );
             r.append_ms = (!append_ms.is_empty()).then(|| median(&append_ms));
+            if !stages.is_empty() {
+                // Median per stage over the split steps (each step's sum over its layers).
+                for (i, name) in crate::cache::AttendStages::NAMES.iter().enumerate() {
+                    let v: Vec<f64> = stages.iter().map(|st| st.values()[i]).collect();
+                    r.stage_ms.insert((*name).to_string(), median(&v));
+                }
+                let total = median(&stages.iter().map(|st| st.total_ms()).collect::<Vec<_>>());
+                if total > 0.0 {
+                    r.planner_share = r.stage_ms["plan"] / total;
+                }
+            }
             r.select = select;
             r.groups = groups;
             r.scan_vector_words = vec;
@@ -586,6 +606,16 @@ pub(crate) fn run(
                     100.0 * a / r.gpu_ms
                 ))
             ));
+            if !r.stage_ms.is_empty() {
+                progress(&format!(
+                    "    stages ms (plain launches): {}",
+                    crate::cache::AttendStages::NAMES
+                        .iter()
+                        .map(|k| format!("{k}={:.3}", r.stage_ms[*k]))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ));
+            }
             rep.results.push(r);
         }
         add_speedups(&mut rep.results[first..], d);

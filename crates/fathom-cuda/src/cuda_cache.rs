@@ -11,11 +11,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{result, CudaFunction, CudaStream, PushKernelArg};
+use cudarc::driver::{result, sys, CudaEvent, CudaFunction, CudaStream, PushKernelArg};
 use half::bf16;
 
 use crate::cache::{
-    check_rows, AppendBatch, AttendDebug, CacheConfig, KvRows, RowCounters, SelectCounters,
+    check_rows, AppendBatch, AttendDebug, AttendStage, AttendStages, CacheConfig, KvRows,
+    RowCounters, SelectCounters, MAX_STAGE_MARKS,
 };
 use crate::config::Residency;
 use crate::cuda::{
@@ -413,6 +414,11 @@ pub struct PagedCache {
     /// the request is published, at once with the fetch of the GPU's own share.
     published: cudarc::driver::CudaEvent,
     copied: cudarc::driver::CudaEvent,
+    /// Stage timing ([`PagedCache::set_stage_timing`]): whether it is on, the marks recorded
+    /// since the last [`PagedCache::stage_times`], and the attends it could not split.
+    stage_timing: bool,
+    stage_marks: Vec<(AttendStage, CudaEvent)>,
+    stage_untimed: u64,
     // Keep the modules alive.
     _module: Arc<cudarc::driver::CudaModule>,
     _attend_modules: [Arc<cudarc::driver::CudaModule>; 2],
@@ -662,6 +668,9 @@ impl PagedCache {
             joined: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             published: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             copied: gpu.ctx().new_event(None).map_err(drv("create event"))?,
+            stage_timing: false,
+            stage_marks: Vec::new(),
+            stage_untimed: 0,
             _module: module,
             _attend_modules: [attend_mod, plan_mod],
         })
@@ -1535,6 +1544,25 @@ impl PagedCache {
         };
         // Head groups: `per` KV heads each (the last may hold fewer); one for dense attends.
         let groups = if dense { 1 } else { self.groups.min(hkv) };
+        // Stage marks (set_stage_timing): plain launches of one head group only, an event on
+        // the stream after each stage (all on the cache's stream then).
+        let split = self.stage_timing
+            && self.capturing.is_none()
+            && groups == 1
+            && self.stage_marks.len() + 7 <= MAX_STAGE_MARKS;
+        if self.stage_timing && !split {
+            self.stage_untimed += 1;
+        }
+        let mut marks: Vec<(AttendStage, CudaEvent)> = Vec::new();
+        let mut mark = |stage: AttendStage, on: &CudaStream| -> Result<()> {
+            if split {
+                let e = on
+                    .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(drv("record stage event"))?;
+                marks.push((stage, e));
+            }
+            Ok(())
+        };
         let per = hkv.div_ceil(groups);
         let k = &self.attend_kernels;
         let w = &self.work;
@@ -1599,6 +1627,7 @@ impl PagedCache {
                 .map_err(drv("launch paged_attn_partial"))?;
             Ok(())
         };
+        mark(AttendStage::Start, st)?;
         // 1. Queries to f32.
         let mut b = st.launch_builder(&k.queries);
         b.arg(&q.q).arg(&dtype).arg(&w.qf.ptr);
@@ -1654,6 +1683,7 @@ impl PagedCache {
                 }
                 _ => {}
             }
+            mark(AttendStage::Plan, st)?;
             let depths = static_depths.unwrap_or(w.depths.ptr);
             // 3. Scan each page in place (zero-copy), with the top-k's level-1 histogram.
             // SAFETY: the histogram holds max_batch·Hq rows of HIST_BINS u32.
@@ -1776,6 +1806,7 @@ impl PagedCache {
                         scan(1, ag, hn)?;
                     }
                 }
+                mark(AttendStage::Scan, st)?;
                 // With head groups, the rest of this group's attend runs on the second stream
                 // (after this group's scan), while the cache's stream scans the next group.
                 let ps: &CudaStream = if groups > 1 {
@@ -1830,6 +1861,7 @@ impl PagedCache {
                 // SAFETY: as above.
                 unsafe { b.launch(cfg((gq32, nb32, 1), TOPK_THREADS)) }
                     .map_err(drv("launch paged_topk_finish"))?;
+                mark(AttendStage::TopK, ps)?;
                 // 5. The union per KV head, then its rows into HBM (row cache first).
                 let mut b = ps.launch_builder(&k.union);
                 b.arg(&descs)
@@ -1843,6 +1875,7 @@ impl PagedCache {
                 // SAFETY: union lists hold umax = 64 + G·max_k rows ≥ sink + local + G·k.
                 unsafe { b.launch(cfg((nb32, hn, 1), TOPK_THREADS)) }
                     .map_err(drv("launch paged_union"))?;
+                mark(AttendStage::Union, ps)?;
                 let row_chunks = self.work.umax.div_ceil(FETCH_ROWS) as u32;
                 if let Some(g) = &self.gather {
                     // SAFETY: the state holds 4 u32; the count is its first.
@@ -1916,6 +1949,7 @@ impl PagedCache {
                     // The rows the host brought, copied on the second stream, join here.
                     ps.wait(&self.copied).map_err(drv("wait event"))?;
                 }
+                mark(AttendStage::Fetch, ps)?;
                 partial(ps, ag, hn)?;
             }
             if groups > 1 {
@@ -1925,6 +1959,7 @@ impl PagedCache {
                 st.wait(&self.joined).map_err(drv("wait event"))?;
             }
         } else {
+            mark(AttendStage::Plan, st)?;
             partial(st, &ag, hkv32)?;
         }
         let mut b = st.launch_builder(&k.attn_combine);
@@ -1937,6 +1972,8 @@ impl PagedCache {
         // SAFETY: out holds batch·Hq·D f32 (the caller's contract).
         unsafe { b.launch(cfg((hq32, nb32, 1), d as u32)) }
             .map_err(drv("launch paged_attn_combine"))?;
+        mark(AttendStage::Attention, st)?;
+        self.stage_marks.extend(marks);
         if matches!(method, AttendMethod::Scan(M::Fathom(_) | M::SparQ(_))) {
             self.plans_counted += (nb * hkv) as u64;
         }
@@ -2149,6 +2186,50 @@ impl PagedCache {
     /// The setting of [`PagedCache::set_scan_vector_words`].
     pub fn scan_vector_words(&self) -> u32 {
         self.scan_vec
+    }
+
+    /// Splits each attend's GPU time by stage ([`AttendStage`]: plan, scan, top-k, union,
+    /// row fetch, attention) with a CUDA event on the cache's stream after each stage, read by
+    /// [`PagedCache::stage_times`]: a per-stage profile of real decode steps without a
+    /// profiler. Off by default. The events serialize nothing (one stream), but each costs a
+    /// launch slot, so time whole steps with it off. Attends inside a graph capture, with
+    /// more than one head group, or past [`MAX_STAGE_MARKS`] marks since the last read are
+    /// counted as untimed instead. The outputs are the same bits either way.
+    pub fn set_stage_timing(&mut self, on: bool) {
+        self.stage_timing = on;
+    }
+
+    /// The setting of [`PagedCache::set_stage_timing`].
+    pub fn stage_timing(&self) -> bool {
+        self.stage_timing
+    }
+
+    /// The stage times of the attends since the last call (or since the cache was made), and
+    /// a fresh start for the next: waits for the cache's stream, then reads each pair of
+    /// consecutive marks of an attend.
+    ///
+    /// # Errors
+    /// A driver failure waiting for the stream or reading an event.
+    pub fn stage_times(&mut self) -> Result<AttendStages> {
+        self.stream
+            .synchronize()
+            .map_err(drv("synchronize for stage times"))?;
+        let mut out = AttendStages {
+            untimed: self.stage_untimed,
+            ..AttendStages::default()
+        };
+        let mut prev: Option<&CudaEvent> = None;
+        for (stage, e) in &self.stage_marks {
+            let ms = match (stage, prev) {
+                (AttendStage::Start, _) | (_, None) => 0.0,
+                (_, Some(p)) => f64::from(p.elapsed_ms(e).map_err(drv("stage elapsed"))?),
+            };
+            out.add(*stage, ms);
+            prev = Some(e);
+        }
+        self.stage_marks.clear();
+        self.stage_untimed = 0;
+        Ok(out)
     }
 
     /// Serves the row fetch's misses with `threads` CPU threads (docs/SPEC.md §6.1, "Host

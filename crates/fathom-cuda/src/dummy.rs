@@ -424,6 +424,19 @@ impl PagedCache {
     pub fn scan_vector_words(&self) -> u32 {
         1
     }
+    /// Turns the per-stage timing of attends on or off (no attend runs in this build).
+    pub fn set_stage_timing(&mut self, _on: bool) {}
+    /// Whether attends are timed by stage (never in this build).
+    pub fn stage_timing(&self) -> bool {
+        false
+    }
+    /// The stage times of the attends since the last call.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn stage_times(&mut self) -> Result<crate::cache::AttendStages> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Sets the host gather's threads.
     ///
     /// # Errors

@@ -1001,6 +1001,75 @@ fn head_groups_and_scan_loads_change_no_bit() {
     }
 }
 
+/// Stage timing (`PagedCache::set_stage_timing`) splits each attend's GPU time without
+/// changing a bit: two caches fed the same appends, one timed, give the same outputs, winners
+/// and row-cache counters for three methods; the timed cache reports one split attend per
+/// layer and method, every stage non-negative and the scan, fetch and attention stages
+/// positive for the scan methods; with two head groups its attends are counted untimed, and
+/// the untimed cache reports nothing.
+#[test]
+fn stage_timing_splits_attends_and_changes_no_bit() {
+    let Some(gpu) = gpu() else { return };
+    let params = small_select();
+    let (hkv, d, g, layers) = (2, 128, 4, 2);
+    let hq = hkv * g;
+    for residency in [Residency::Host, Residency::Hbm] {
+        let mut caches: Vec<PagedCache> = (0..2)
+            .map(|_| {
+                let mut c = config(layers, hkv, d, 256, 120);
+                c.residency = residency;
+                c.row_cache = 64;
+                PagedCache::new(&gpu, c).unwrap()
+            })
+            .collect();
+        caches[1].set_stage_timing(true);
+        assert!(caches[1].stage_timing() && !caches[0].stage_timing());
+        let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
+        let (mut rngs, ids) = prefill_alike(&mut caches, 43, [1500, 4000, 7000], &sigma2);
+        // The prefill's appends are no attends: nothing to split yet.
+        assert_eq!(caches[1].stage_times().unwrap().attends, 0);
+        let mut qrng = StdRng::seed_from_u64(44);
+        let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+        for m in ["fathom:48", "sparq:16", "dense"] {
+            let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
+            let what = format!("{residency:?} {m}");
+            assert_eq!(seen[0].0, seen[1].0, "{what}: outputs");
+            assert_eq!(seen[0].1, seen[1].1, "{what}: winners");
+            assert_eq!(seen[0].2, seen[1].2, "{what}: row-cache counters");
+            let st = caches[1].stage_times().unwrap();
+            assert_eq!(
+                (st.attends, st.untimed),
+                (layers as u64, 0),
+                "{what}: {st:?}"
+            );
+            assert!(st.values().iter().all(|&v| v >= 0.0), "{what}: {st:?}");
+            assert!(st.attention_ms > 0.0, "{what}: {st:?}");
+            if m != "dense" {
+                assert!(st.scan_ms > 0.0 && st.fetch_ms > 0.0, "{what}: {st:?}");
+            } else {
+                assert_eq!(
+                    (st.scan_ms, st.topk_ms, st.fetch_ms),
+                    (0.0, 0.0, 0.0),
+                    "{what}"
+                );
+            }
+            assert_eq!(
+                caches[0].stage_times().unwrap(),
+                Default::default(),
+                "{what}"
+            );
+        }
+        caches[1].set_attend_groups(2).unwrap();
+        attend_alike(&mut caches, &mut rngs, &ids, "sparq:16", &params, &q);
+        let st = caches[1].stage_times().unwrap();
+        assert_eq!(
+            (st.attends, st.untimed),
+            (0, layers as u64),
+            "{residency:?}: {st:?}"
+        );
+    }
+}
+
 /// Every kind of host pages (docs/SPEC.md §6.1, "Host pages": the driver's, 2 MiB huge pages
 /// registered with the driver, the virtual memory API's host-NUMA memory) holds the same bytes
 /// and serves the same step: three caches that differ only in `host_pages`, fed the same

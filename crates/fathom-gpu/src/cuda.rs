@@ -1064,6 +1064,7 @@ impl GpuDecoder {
     /// around every append, attention and the sampling; leave it off for throughput).
     pub fn set_instrument(&mut self, on: bool) {
         self.timing = on.then(Timing::default);
+        self.cache.set_stage_timing(on);
     }
 
     /// The stage times of the instrumented steps since the last call (waits for the stream).
@@ -1095,6 +1096,7 @@ impl GpuDecoder {
             appends_ms: appends,
             sampling_ms: sampling,
             weights_ms: (total - attention - appends - sampling).max(0.0),
+            attend: self.cache.stage_times()?,
         })
     }
 

@@ -332,6 +332,15 @@ fn time_one(
             attention_ms: per(st.attention_ms),
             appends_ms: per(st.appends_ms),
             sampling_ms: per(st.sampling_ms),
+            attend_ms: if st.attend.attends > 0 {
+                fathom_cuda::cache::AttendStages::NAMES
+                    .iter()
+                    .zip(st.attend.values())
+                    .map(|(k, v)| ((*k).to_string(), per(v)))
+                    .collect()
+            } else {
+                Default::default()
+            },
         },
     })
 }

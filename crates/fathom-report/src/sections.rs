@@ -319,6 +319,7 @@ mod tests {
                 attention_ms: 0.3,
                 appends_ms: 0.1,
                 sampling_ms: 0.2,
+                attend_ms: Default::default(),
             }),
             graph: false,
             host_gather_request_us: None,

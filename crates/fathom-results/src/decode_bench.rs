@@ -2,6 +2,8 @@
 //! batch of sessions whose K|V live in the offloaded paged cache (docs/SPEC.md §9), one entry
 //! per method and batch size.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// One method at one batch.
@@ -67,6 +69,11 @@ pub struct StageSplit {
     pub appends_ms: f64,
     /// Final norm, LM head and greedy sampling.
     pub sampling_ms: f64,
+    /// The cache's attends (the global layers' attention) by stage, ms per step:
+    /// `plan`, `scan`, `topk`, `union`, `fetch`, `attention` (`fathom_cuda`'s
+    /// `AttendStages`). Absent in older runs.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attend_ms: BTreeMap<String, f64>,
 }
 
 /// A `fathom decode-bench` run.
