@@ -1549,7 +1549,12 @@ impl PagedCache {
         let split = self.stage_timing
             && self.capturing.is_none()
             && groups == 1
-            && self.stage_marks.len() + 7 <= MAX_STAGE_MARKS;
+            && self.stage_marks.len() + 7 <= MAX_STAGE_MARKS
+            // A caller's own capture that took in the cache's stream counts as a capture.
+            && matches!(
+                self.stream.capture_status(),
+                Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+            );
         if self.stage_timing && !split {
             self.stage_untimed += 1;
         }
@@ -2192,10 +2197,16 @@ impl PagedCache {
     /// row fetch, attention) with a CUDA event on the cache's stream after each stage, read by
     /// [`PagedCache::stage_times`]: a per-stage profile of real decode steps without a
     /// profiler. Off by default. The events serialize nothing (one stream), but each costs a
-    /// launch slot, so time whole steps with it off. Attends inside a graph capture, with
-    /// more than one head group, or past [`MAX_STAGE_MARKS`] marks since the last read are
-    /// counted as untimed instead. The outputs are the same bits either way.
+    /// launch slot, so time whole steps with it off. Attends inside a graph capture (the
+    /// cache's or a caller's that took in its stream), with more than one head group, or past
+    /// [`MAX_STAGE_MARKS`] marks since the last read are counted as untimed instead. A change
+    /// of the setting drops the marks not yet read. The outputs are the same bits either way.
     pub fn set_stage_timing(&mut self, on: bool) {
+        if on != self.stage_timing {
+            // A change starts afresh: no marks of the other setting's attends are read.
+            self.stage_marks.clear();
+            self.stage_untimed = 0;
+        }
         self.stage_timing = on;
     }
 

@@ -1003,16 +1003,22 @@ fn head_groups_and_scan_loads_change_no_bit() {
 
 /// Stage timing (`PagedCache::set_stage_timing`) splits each attend's GPU time without
 /// changing a bit: two caches fed the same appends, one timed, give the same outputs, winners
-/// and row-cache counters for three methods; the timed cache reports one split attend per
-/// layer and method, every stage non-negative and the scan, fetch and attention stages
-/// positive for the scan methods; with two head groups its attends are counted untimed, and
-/// the untimed cache reports nothing.
+/// and row-cache counters for three methods on the score path, the filtered select and (host
+/// residency) the host gather; the timed cache reports one split attend per layer and
+/// method, every stage non-negative, every stage of a scan method positive (a stage whose mark
+/// went missing would read 0) and a dense attend's time in its plan and attention; with two
+/// head groups its attends are counted untimed, and the untimed cache reports nothing.
 #[test]
 fn stage_timing_splits_attends_and_changes_no_bit() {
+    use fathom_cuda::cache::SelectPath;
     let Some(gpu) = gpu() else { return };
     let params = small_select();
     let (hkv, d, g, layers) = (2, 128, 4, 2);
     let hq = hkv * g;
+    let filtered = SelectPath::Filtered {
+        min_middle_tokens: 256,
+        keep_scores: false,
+    };
     for residency in [Residency::Host, Residency::Hbm] {
         let mut caches: Vec<PagedCache> = (0..2)
             .map(|_| {
@@ -1029,37 +1035,50 @@ fn stage_timing_splits_attends_and_changes_no_bit() {
         // The prefill's appends are no attends: nothing to split yet.
         assert_eq!(caches[1].stage_times().unwrap().attends, 0);
         let mut qrng = StdRng::seed_from_u64(44);
-        let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
-        for m in ["fathom:48", "sparq:16", "dense"] {
-            let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
-            let what = format!("{residency:?} {m}");
-            assert_eq!(seen[0].0, seen[1].0, "{what}: outputs");
-            assert_eq!(seen[0].1, seen[1].1, "{what}: winners");
-            assert_eq!(seen[0].2, seen[1].2, "{what}: row-cache counters");
-            let st = caches[1].stage_times().unwrap();
-            assert_eq!(
-                (st.attends, st.untimed),
-                (layers as u64, 0),
-                "{what}: {st:?}"
-            );
-            assert!(st.values().iter().all(|&v| v >= 0.0), "{what}: {st:?}");
-            assert!(st.attention_ms > 0.0, "{what}: {st:?}");
-            if m != "dense" {
-                assert!(st.scan_ms > 0.0 && st.fetch_ms > 0.0, "{what}: {st:?}");
-            } else {
+        // (select path, host gather threads): the gather only where the records are on the host.
+        let mut variants = vec![(SelectPath::Scores, 0), (filtered, 0)];
+        if residency == Residency::Host {
+            variants.push((SelectPath::Scores, 2));
+        }
+        for (path, gather) in variants {
+            for c in caches.iter_mut() {
+                c.set_select_path(path).unwrap();
+                c.set_host_gather(gather).unwrap();
+            }
+            let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+            for m in ["fathom:48", "sparq:16", "dense"] {
+                let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
+                let what = format!("{residency:?} {} gather {gather} {m}", path.label());
+                assert_eq!(seen[0].0, seen[1].0, "{what}: outputs");
+                assert_eq!(seen[0].1, seen[1].1, "{what}: winners");
+                assert_eq!(seen[0].2, seen[1].2, "{what}: row-cache counters");
+                let st = caches[1].stage_times().unwrap();
                 assert_eq!(
-                    (st.scan_ms, st.topk_ms, st.fetch_ms),
-                    (0.0, 0.0, 0.0),
+                    (st.attends, st.untimed),
+                    (layers as u64, 0),
+                    "{what}: {st:?}"
+                );
+                assert!(st.values().iter().all(|&v| v >= 0.0), "{what}: {st:?}");
+                if m == "dense" {
+                    assert!(st.plan_ms > 0.0 && st.attention_ms > 0.0, "{what}: {st:?}");
+                    let skipped = (st.scan_ms, st.topk_ms, st.union_ms, st.fetch_ms);
+                    assert_eq!(skipped, (0.0, 0.0, 0.0, 0.0), "{what}: {st:?}");
+                } else {
+                    assert!(st.values().iter().all(|&v| v > 0.0), "{what}: {st:?}");
+                }
+                assert_eq!(
+                    caches[0].stage_times().unwrap(),
+                    Default::default(),
                     "{what}"
                 );
             }
-            assert_eq!(
-                caches[0].stage_times().unwrap(),
-                Default::default(),
-                "{what}"
-            );
+        }
+        for c in caches.iter_mut() {
+            c.set_host_gather(0).unwrap();
+            c.set_select_path(SelectPath::Scores).unwrap();
         }
         caches[1].set_attend_groups(2).unwrap();
+        let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
         attend_alike(&mut caches, &mut rngs, &ids, "sparq:16", &params, &q);
         let st = caches[1].stage_times().unwrap();
         assert_eq!(
@@ -1067,6 +1086,11 @@ fn stage_timing_splits_attends_and_changes_no_bit() {
             (0, layers as u64),
             "{residency:?}: {st:?}"
         );
+        // Turning the timing off drops what was not read.
+        caches[1].set_attend_groups(1).unwrap();
+        attend_alike(&mut caches, &mut rngs, &ids, "sparq:16", &params, &q);
+        caches[1].set_stage_timing(false);
+        assert_eq!(caches[1].stage_times().unwrap(), Default::default());
     }
 }
 

@@ -332,7 +332,7 @@ fn time_one(
             attention_ms: per(st.attention_ms),
             appends_ms: per(st.appends_ms),
             sampling_ms: per(st.sampling_ms),
-            attend_ms: if st.attend.attends > 0 {
+            attend_ms: if st.attend.attends > 0 && st.attend.untimed == 0 {
                 fathom_cuda::cache::AttendStages::NAMES
                     .iter()
                     .zip(st.attend.values())

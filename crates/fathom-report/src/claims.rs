@@ -446,10 +446,10 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
                 _ if ragged => "— (a ragged batch: no single-session target)".into(),
                 _ => "—".into(),
             };
-            // The cache engine times whole steps only (no per-stage events).
+            // The cache engine's runs before stage timing have no per-stage times.
             let planner = match v.engine {
-                OffloadEngine::Step => format!("{:.2}%", 100.0 * r.planner_share),
-                OffloadEngine::Cache => "— (not staged)".into(),
+                OffloadEngine::Cache if r.stage_ms.is_empty() => "— (not staged)".into(),
+                _ => format!("{:.2}%", 100.0 * r.planner_share),
             };
             // What the run varied: the select path and head groups (cache engine), or the
             // pipelining and gather grid (step engine).
