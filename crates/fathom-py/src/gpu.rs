@@ -526,6 +526,25 @@ impl GpuCache {
         self.cache.host_gather_share()
     }
 
+    /// Splits each attend's GPU time by stage with CUDA events (off by default; the same
+    /// outputs; docs/SPEC.md §6.1 "Stage timing").
+    fn set_stage_timing(&mut self, on: bool) {
+        self.cache.set_stage_timing(on)
+    }
+
+    /// The stage-timing setting.
+    #[getter]
+    fn stage_timing(&self) -> bool {
+        self.cache.stage_timing()
+    }
+
+    /// `(attends split, attends untimed, [ms per stage in the order plan, scan, topk, union,
+    /// fetch, attention])` since the last call (waits for the cache's stream).
+    fn stage_times(&mut self) -> PyResult<(u64, u64, Vec<f64>)> {
+        let st = self.cache.stage_times().map_err(gpu_err)?;
+        Ok((st.attends, st.untimed, st.values().to_vec()))
+    }
+
     /// Appends one layer's K and V (`[rows, Hkv, D]`, float32 / float16 / bfloat16, on this
     /// device) to the batch's sessions, after the work queued on `stream`.
     fn append(

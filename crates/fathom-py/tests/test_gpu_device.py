@@ -125,6 +125,39 @@ def test_select_paths_head_groups_and_scan_loads_change_no_output():
             assert torch.equal(o, outs[0]), step
 
 
+def test_stage_timing_splits_attends_and_changes_no_output():
+    """With stage timing on, an attend gives the same output and reports one split attend
+    whose stages are all positive (a scan method); turning it off drops what was not read."""
+    torch.manual_seed(4)
+    L, hkv, g, d, n = 1, 2, 2, 64, 3000
+    caches = [fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=1,
+                          max_tokens=4096, max_k=64) for _ in range(2)]
+    caches[1].set_stage_timing(True)
+    assert caches[1].stage_timing and not caches[0].stage_timing
+    k = torch.randn(n, hkv, d, device="cuda")
+    v = torch.randn(n, hkv, d, device="cuda")
+    batches = []
+    for c in caches:
+        b = c.reserve([(c.create(), n)])
+        c.append(b, 0, k, v)
+        batches.append(b)
+    q = torch.randn(1, hkv * g, d, device="cuda")
+    outs = []
+    for c, b in zip(caches, batches):
+        out = torch.empty_like(q)
+        c.attend(b, 0, "exact", q, out, k=64)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+    st = caches[1].stage_times()
+    assert st["attends"] == 1 and st["untimed"] == 0, st
+    assert all(st[s] > 0 for s in fg.GpuCache.STAGES), st
+    assert caches[0].stage_times()["attends"] == 0
+    caches[1].attend(batches[1], 0, "exact", q, torch.empty_like(q), k=64)
+    caches[1].set_stage_timing(False)
+    assert caches[1].stage_times()["attends"] == 0
+
+
 # (GPU method, the CPU decoder's name for the same scan). The GPU cache's `exact` scans the
 # full 4-bit store (every channel at 4 planes: crates/fathom-cuda/README.md); the CPU
 # decoder's `exact` scores full-precision keys, and its `fathom:4D` is the full 4-bit store.

@@ -160,6 +160,27 @@ class GpuCache:
         """The host-gather share, in percent."""
         return self._c.host_gather_share
 
+    STAGES = ("plan", "scan", "topk", "union", "fetch", "attention")
+
+    def set_stage_timing(self, on: bool) -> None:
+        """Splits each attend's GPU time into its stages (plan, scan, top-k, union, row fetch,
+        attention) with one CUDA event after each on the cache's stream; off by default, the
+        same outputs either way. Attends inside a CUDA graph capture or with head groups are
+        counted as untimed (docs/SPEC.md §6.1, "Stage timing")."""
+        self._c.set_stage_timing(bool(on))
+
+    @property
+    def stage_timing(self) -> bool:
+        """The stage-timing setting."""
+        return self._c.stage_timing
+
+    def stage_times(self) -> dict:
+        """The attends' GPU time by stage since the last call, and a fresh start: ``{"attends":
+        n, "untimed": m, "plan": ms, "scan": ms, "topk": ms, "union": ms, "fetch": ms,
+        "attention": ms}``. Waits for the cache's stream."""
+        attends, untimed, ms = self._c.stage_times()
+        return {"attends": attends, "untimed": untimed, **dict(zip(self.STAGES, ms))}
+
     def append(self, batch: Batch, layer: int, k, v, stream=None) -> None:
         """Appends one layer's K and V ``[batch.rows, kv_heads, dim]`` (float32, float16 or
         bfloat16 CUDA tensors) to the batch's sessions: quantized and packed on the GPU (bit
