@@ -30,6 +30,27 @@ def reference(k, v, q, g):
     return out
 
 
+def fill_alike(caches, k, v):
+    """One session per cache holding the same K and V (layer 0); the batches that reserved them."""
+    batches = []
+    for c in caches:
+        b = c.reserve([(c.create(), k.shape[0])])
+        c.append(b, 0, k, v)
+        batches.append(b)
+    return batches
+
+
+def attend_each(caches, batches, q):
+    """Each cache's `exact` (k = 64) output for the same queries, after the stream is done."""
+    outs = []
+    for c, b in zip(caches, batches):
+        out = torch.empty_like(q)
+        c.attend(b, 0, "exact", q, out, k=64)
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_append_and_dense_attend_match_torch(dtype):
     torch.manual_seed(0)
@@ -109,18 +130,10 @@ def test_select_paths_head_groups_and_scan_loads_change_no_output():
     assert caches[0].attend_groups == 1 and caches[0].select_path == "scores"
     k = torch.randn(n, hkv, d, device="cuda")
     v = torch.randn(n, hkv, d, device="cuda")
-    sessions = [c.create() for c in caches]
-    batches = [c.reserve([(s, n)]) for c, s in zip(caches, sessions)]
-    for c, b in zip(caches, batches):
-        c.append(b, 0, k, v)
+    batches = fill_alike(caches, k, v)
     for step in range(3):  # the filtered select needs an estimate from a previous attend
         q = torch.randn(1, hkv * g, d, device="cuda")
-        outs = []
-        for c, b in zip(caches, batches):
-            out = torch.empty_like(q)
-            c.attend(b, 0, "exact", q, out, k=64)
-            outs.append(out)
-        torch.cuda.synchronize()
+        outs = attend_each(caches, batches, q)
         for o in outs[1:]:
             assert torch.equal(o, outs[0]), step
 
@@ -136,18 +149,9 @@ def test_stage_timing_splits_attends_and_changes_no_output():
     assert caches[1].stage_timing and not caches[0].stage_timing
     k = torch.randn(n, hkv, d, device="cuda")
     v = torch.randn(n, hkv, d, device="cuda")
-    batches = []
-    for c in caches:
-        b = c.reserve([(c.create(), n)])
-        c.append(b, 0, k, v)
-        batches.append(b)
+    batches = fill_alike(caches, k, v)
     q = torch.randn(1, hkv * g, d, device="cuda")
-    outs = []
-    for c, b in zip(caches, batches):
-        out = torch.empty_like(q)
-        c.attend(b, 0, "exact", q, out, k=64)
-        outs.append(out)
-    torch.cuda.synchronize()
+    outs = attend_each(caches, batches, q)
     assert torch.equal(outs[0], outs[1])
     st = caches[1].stage_times()
     assert st["attends"] == 1 and st["untimed"] == 0, st
