@@ -4,9 +4,6 @@
 
 // Level-1 top-k histogram fused into the scan when it fits in shared memory (topk.cu).
 #define HBINS 1024
-#ifndef HIST_MATCH
-#define HIST_MATCH 0  // 1: warp-aggregate same-bin updates with __match_any_sync
-#endif
 #if GQ <= 8
 #define FUSED_HIST 1
 #else
@@ -141,9 +138,6 @@ extern "C" __global__ void scan_planes(const u64* __restrict__ planes, const u16
     const u64 lo = n < SINK ? n : SINK;
     const u64 hi0 = n > LOCAL ? n - LOCAL : 0;
     const u64 hi = hi0 > lo ? hi0 : lo;
-#if HIST_MATCH
-    const int lane = tid & 31;
-#endif
 #pragma unroll
     for (int g = 0; g < GQ; g++) {
 #pragma unroll
@@ -151,12 +145,7 @@ extern "C" __global__ void scan_planes(const u64* __restrict__ planes, const u16
             const u64 tok = tok0 + j;
             const bool in = live && tok >= lo && tok < hi;
             const u32 bin = in ? (f32_key(acc[g][j]) >> 22) : 0xffffffffu;
-#if HIST_MATCH
-            const unsigned same = __match_any_sync(0xffffffffu, bin);
-            if (in && lane == __ffs(same) - 1) atomicAdd(&sh[g][bin], (u32)__popc(same));
-#else
             if (in) atomicAdd(&sh[g][bin], 1u);
-#endif
         }
     }
     __syncthreads();

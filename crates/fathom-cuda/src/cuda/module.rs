@@ -102,16 +102,12 @@ pub(crate) fn compile_all(
 ) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>> {
     let mut out = Vec::new();
     for (name, src) in KERNELS {
-        let mut o = vec![
+        let o = vec![
             format!("-DGQ={g}"),
             format!("-DDIM={d}"),
             format!("-DSINK={STEP_SINK}"),
             format!("-DLOCAL={STEP_LOCAL}"),
         ];
-        // Experiment switch: warp-aggregated histogram updates in the scan.
-        if std::env::var("FATHOM_SCAN_HIST").is_ok_and(|v| v == "match") {
-            o.push("-DHIST_MATCH=1".into());
-        }
         out.push((name, compile_one(arch, name, src, o)?));
     }
     let append = compile_one(
