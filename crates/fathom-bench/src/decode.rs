@@ -25,6 +25,7 @@
 //! assert_eq!(dec.stats.scans, hkv as u64);
 //! ```
 
+use fathom_cuda::cache::RowCacheModel;
 use fathom_plan::scan::scan;
 use fathom_plan::scanner::{HeadCalib, HeadInput, Scanner};
 use fathom_plan::{attend, attend_dense, plan_bits, select_per_head, KvView, SelectParams};
@@ -41,6 +42,11 @@ pub fn loki_r(scanner: &dyn Scanner) -> Option<usize> {
     }
 }
 
+/// The row-cache sizes (slots per (layer, KV head)) a decode models over its own unions
+/// ([`DecodeStats::row_hits`]): from 64 up to `fathom-cuda`'s default of 8192, so a run at a
+/// short context also shows what a cache holding a small fraction of a long one would hit.
+pub const ROW_CACHE_SLOTS: [usize; 4] = [64, 256, 1024, 8192];
+
 /// The stores of one (layer, KV head).
 #[derive(Debug, Clone)]
 pub struct HeadStores {
@@ -48,6 +54,9 @@ pub struct HeadStores {
     pub raw: KeyStore,
     /// The keys in Loki's PCA basis (only when a Loki method runs).
     pub loki: Option<KeyStore>,
+    /// The GPU row cache's CPU reference at each size of [`ROW_CACHE_SLOTS`], fed every
+    /// sparse step's union; empty at creation, as a new or forked GPU session is.
+    pub rows: Vec<RowCacheModel>,
 }
 
 impl HeadStores {
@@ -74,7 +83,11 @@ impl HeadStores {
             }
             _ => None,
         };
-        Ok(Self { raw, loki })
+        let rows = ROW_CACHE_SLOTS
+            .iter()
+            .map(|&c| RowCacheModel::new(c).expect("ROW_CACHE_SLOTS are positive"))
+            .collect();
+        Ok(Self { raw, loki, rows })
     }
 }
 
@@ -89,6 +102,13 @@ pub struct DecodeStats {
     pub selected_sum: f64,
     /// Σ keys visible over scans × G.
     pub visible_sum: f64,
+    /// Σ union rows (distinct tokens the G heads of a KV head selected, which a GPU attend
+    /// fetches) over scans.
+    pub union_rows: u64,
+    /// Of those, the rows a GPU row cache of [`ROW_CACHE_SLOTS`]`[i]` slots would have held
+    /// (`fathom_cuda::cache::RowCacheModel`; the branch's own unions, its cache empty at the
+    /// start as a forked GPU session's is).
+    pub row_hits: [u64; ROW_CACHE_SLOTS.len()],
 }
 
 impl DecodeStats {
@@ -107,6 +127,18 @@ impl DecodeStats {
         } else {
             self.selected_sum / self.visible_sum
         }
+    }
+    /// `(slots, union rows, hits)` per size of [`ROW_CACHE_SLOTS`]; empty for a dense
+    /// decode, which fetches no union.
+    pub fn row_cache(&self) -> Vec<(usize, u64, u64)> {
+        if self.union_rows == 0 {
+            return Vec::new();
+        }
+        ROW_CACHE_SLOTS
+            .iter()
+            .zip(self.row_hits)
+            .map(|(&c, h)| (c, self.union_rows, h))
+            .collect()
     }
 }
 
@@ -142,11 +174,12 @@ pub fn sparse_step(
         layer,
         source,
     };
-    let per_head: Vec<(f32, usize)> = out
+    type HeadTally = (f32, usize, u64, [u64; ROW_CACHE_SLOTS.len()]);
+    let per_head: Vec<HeadTally> = out
         .par_chunks_mut(g * d)
         .zip(heads.par_iter_mut())
         .enumerate()
-        .map(|(h, (o, st))| -> Result<(f32, usize), FidelityError> {
+        .map(|(h, (o, st))| -> Result<HeadTally, FidelityError> {
             let have = st.raw.tokens();
             if have < n {
                 let rows: Vec<f32> = (have..n)
@@ -179,11 +212,13 @@ pub fn sparse_step(
                 }
             };
             let mut idx = Vec::with_capacity(params.sink + params.local + params.k);
+            let mut union = Vec::with_capacity(g * idx.capacity());
             let mut selected = 0;
             for j in 0..g {
                 select_per_head(pos, &scores[j * n..(j + 1) * n], params, &mut idx)
                     .map_err(plan_err)?;
                 selected += idx.len();
+                union.extend_from_slice(&idx);
                 attend(
                     &qg[j * d..(j + 1) * d],
                     kv,
@@ -195,14 +230,24 @@ pub fn sparse_step(
                 )
                 .map_err(plan_err)?;
             }
-            Ok((bits, selected))
+            union.sort_unstable();
+            union.dedup();
+            let mut hits = [0u64; ROW_CACHE_SLOTS.len()];
+            for (hit, rc) in hits.iter_mut().zip(&mut st.rows) {
+                *hit = rc.attend(&union);
+            }
+            Ok((bits, selected, union.len() as u64, hits))
         })
         .collect::<Result<_, _>>()?;
-    for (bits, selected) in per_head {
+    for (bits, selected, rows, hits) in per_head {
         stats.bits_sum += bits as f64;
         stats.scans += 1;
         stats.selected_sum += selected as f64;
         stats.visible_sum += (g * n) as f64;
+        stats.union_rows += rows;
+        for (a, h) in stats.row_hits.iter_mut().zip(hits) {
+            *a += h;
+        }
     }
     Ok(())
 }
@@ -498,6 +543,46 @@ mod tests {
                     .is_err(),
                 "short keys"
             );
+        }
+    }
+
+    /// A decode that keeps every key fetches the whole prefix each step: its union rows are
+    /// Σ (pos + 1) per KV head, and a row cache larger than the context (8192 slots) holds all
+    /// of the previous step's tokens; smaller ones hold fewer; dense fetches no union.
+    #[test]
+    fn row_cache_tallies_follow_each_steps_union() {
+        use crate::methods::{scanners, BasisChoice};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        for (hkv, g, d, n0, steps) in [
+            (1usize, 2usize, 16usize, 100usize, 20usize),
+            (2, 4, 32, 300, 9),
+        ] {
+            let n = n0 + steps;
+            let keys: Vec<f32> = (0..n * hkv * d).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let all = SelectParams {
+                sink: 4,
+                local: 8,
+                k: n,
+            };
+            let make = |m: &str| {
+                let s = scanners(m, d, BasisChoice::Raw, None).unwrap().remove(0);
+                SparseDecoder::new(s, all, 1, hkv, d, n, None, None).unwrap()
+            };
+            let (mut every, mut dense) = (make("exact"), make("dense"));
+            let hq = hkv * g;
+            let mut out = vec![0f32; hq * d];
+            for pos in n0..n {
+                let q: Vec<f32> = (0..hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                every.attend(0, &q, &keys, &keys, pos, &mut out).unwrap();
+                dense.attend(0, &q, &keys, &keys, pos, &mut out).unwrap();
+            }
+            let rows: u64 = (n0..n).map(|p| (p + 1) as u64).sum::<u64>() * hkv as u64;
+            let held: u64 = (n0 + 1..n).map(|p| p as u64).sum::<u64>() * hkv as u64;
+            let t = every.stats.row_cache();
+            assert_eq!(t.len(), ROW_CACHE_SLOTS.len());
+            assert_eq!(t[3], (8192, rows, held), "hkv {hkv}");
+            assert!(t[0].2 < t[3].2 && t.iter().all(|x| x.1 == rows && x.2 <= held));
+            assert!(dense.stats.row_cache().is_empty() && dense.stats.union_rows == 0);
         }
     }
 

@@ -27,8 +27,9 @@ use fathom_model::{LoadOptions, Model, Tokenizer};
 use fathom_plan::scanner::Scanner;
 use fathom_plan::SelectParams;
 use fathom_results::downstream::{
-    AgentDoc, AgentRecord, AgentSteps, AgentSummary, CalibrationInfo, RulerDoc, RulerGeneration,
-    RulerRecord, RunHeader, SelectRecord, TaskScore, TaskSummary,
+    AgentDoc, AgentRecord, AgentSteps, AgentSummary, CalibrationInfo, RowCacheTally, RulerDoc,
+    RulerGeneration, RulerRecord, RunHeader, SelectRecord, TaskScore, TaskSummary,
+    ROW_CACHE_MEASURED, ROW_CACHE_MODELLED,
 };
 use fathom_store::write_atomic;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -78,6 +79,11 @@ pub struct EvalCommon {
     /// needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
+    /// With `--device cuda`: HBM row-cache slots per (session, layer, KV head), whose hits on
+    /// every method's decode steps the summary reports (0: no row cache; it never changes an
+    /// output). On the CPU the hits are modelled at 64, 256, 1024 and 8192 slots instead.
+    #[arg(long, default_value_t = 8192)]
+    pub row_cache: usize,
     /// Weights of the CPU runtime: `auto` (llama.cpp-like: k-quants kept, 8-bit activations),
     /// `f32` (every weight dequantized) or `bf16` (the GPU forward's roundings, for comparing
     /// `--device cpu` with `--device cuda` on the same numerics). Calibration always uses it.
@@ -352,6 +358,43 @@ fn partial<T: serde::Serialize>(path: &Option<PathBuf>, records: &[T]) -> Result
     Ok(())
 }
 
+/// What the run's row-cache tallies count: the GPU cache's counters, or on the CPU the
+/// reference model over each branch's unions (`None`: a GPU run without a row cache).
+fn row_cache_source(gpu: Option<&crate::gpu_cmds::GpuEval>) -> Option<String> {
+    match gpu {
+        Some(g) if g.row_cache == 0 => None,
+        Some(_) => Some(ROW_CACHE_MEASURED.into()),
+        None => Some(ROW_CACHE_MODELLED.into()),
+    }
+}
+
+/// The row-cache hit rate of each method with a union, one column per size.
+fn print_row_cache(
+    names: &[String],
+    tallies: &[Vec<RowCacheTally>],
+    gpu: Option<&crate::gpu_cmds::GpuEval>,
+) {
+    let Some(sizes) = tallies.iter().find(|t| !t.is_empty()) else {
+        return;
+    };
+    let how = match gpu {
+        Some(_) => "measured by the GPU cache's counters",
+        None => "modelled: fathom_cuda::cache::RowCacheModel over each branch's unions",
+    };
+    println!(
+        "\nRow-cache hit rate on the decode steps ({how}; slots per session, layer and KV head)\n"
+    );
+    let cols: Vec<String> = sizes.iter().map(|t| format!("{} slots", t.slots)).collect();
+    println!("| method | union rows | {} |", cols.join(" | "));
+    println!("|---|---|{}", "---|".repeat(cols.len()));
+    for (m, t) in names.iter().zip(tallies) {
+        if let Some(first) = t.first() {
+            let cells: Vec<String> = t.iter().map(|x| format!("{:.3}", x.hit_rate)).collect();
+            println!("| {m} | {} | {} |", first.rows, cells.join(" | "));
+        }
+    }
+}
+
 fn header(
     s: &Setup,
     c: &EvalCommon,
@@ -394,6 +437,7 @@ fn header(
         load_seconds: s.load_s,
         calibration,
         seconds,
+        cublas_math: gpu.map(|_| fathom_gpu::cublas_math().into()),
     }
 }
 
@@ -447,6 +491,8 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     let mut records = Vec::new();
     // sums[task][method] = (score, agree-with-exact text, bits)
     let mut sums = vec![vec![(0f64, 0usize, 0f64); nm]; tasks.len()];
+    // rows[task][method]: (slots, union rows, hits) of its branches.
+    let mut rows = vec![vec![Vec::new(); nm]; tasks.len()];
     let exact_i = s
         .methods
         .iter()
@@ -461,6 +507,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
             s.params,
             c.context + a.max_new.unwrap_or(128).max(128) + 64,
             calib.as_ref(),
+            c.row_cache,
         )?),
         _ => None,
     };
@@ -481,6 +528,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
                 let r = g
                     .greedy_batches(&prompts, max_new, tok.stop_tokens(), &stop)
                     .with_context(|| format!("{} on the GPU", task.name()))?;
+                g.add_row_counters(&mut rows[ti]);
                 pb.inc((samples.len() * nm) as u64);
                 Some(r)
             }
@@ -539,6 +587,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
                 sums[ti][mi].0 += sc;
                 sums[ti][mi].1 += same as usize;
                 sums[ti][mi].2 += br.stats.mean_bits();
+                rows[ti][mi].extend(br.stats.row_cache());
                 methods_json.insert(
                     name.clone(),
                     RulerGeneration {
@@ -607,6 +656,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
                         score: sc / n,
                         same_as_exact: same,
                         mean_bits: bits / n,
+                        row_cache: RowCacheTally::sum(rows[ti][mi].iter().copied()),
                     },
                 )
             })
@@ -626,6 +676,10 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         })
         .collect();
     println!("| **mean** | {} |", mean_cells.join(" | "));
+    let over_tasks: Vec<Vec<RowCacheTally>> = (0..nm)
+        .map(|mi| RowCacheTally::sum(rows.iter().flat_map(|r| r[mi].iter().copied())))
+        .collect();
+    print_row_cache(&names, &over_tasks, gpu.as_ref());
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
     let doc = RulerDoc {
@@ -648,6 +702,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         ),
         haystack: haystack.source.clone(),
         words: Some(words.source.clone()),
+        row_cache_source: row_cache_source(gpu.as_ref()),
         summary,
         results: records,
     };
@@ -679,6 +734,8 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     let pb = bar((a.sessions * nm) as u64);
     let mut records = Vec::new();
     let mut sums = vec![(0f64, 0f64, 0f64, 0f64); nm];
+    // rows[method]: (slots, union rows, hits) of its branches.
+    let mut rows = vec![Vec::new(); nm];
     let mut gpu = match c.device.as_str() {
         "cuda" => Some(crate::gpu_cmds::GpuEval::new(
             &s.path,
@@ -687,6 +744,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
             s.params,
             c.context + a.steps + 64,
             calib.as_ref(),
+            c.row_cache,
         )?),
         _ => None,
     };
@@ -700,6 +758,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
             let prompts: Vec<&[u32]> = all.iter().map(|x| &x.prompt_ids[..]).collect();
             let forced: Vec<&[u32]> = all.iter().map(|x| &x.continuation[..]).collect();
             let r = g.forced_batches(&prompts, &forced)?;
+            g.add_row_counters(&mut rows);
             pb.inc((all.len() * nm) as u64);
             Some(r)
         }
@@ -755,6 +814,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
             sums[mi].1 += ad;
             sums[mi].2 += top1;
             sums[mi].3 += br.stats.mean_bits();
+            rows[mi].extend(br.stats.row_cache());
             mj.insert(
                 names[mi].clone(),
                 AgentSteps {
@@ -813,9 +873,13 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
                 agree_dense: ad / n,
                 top1_vs_truth: t1 / n,
                 mean_bits: bits / n,
+                row_cache: RowCacheTally::sum(rows[mi].iter().copied()),
             },
         );
     }
+    let tallies: Vec<Vec<RowCacheTally>> =
+        names.iter().map(|m| summary[m].row_cache.clone()).collect();
+    print_row_cache(&names, &tallies, gpu.as_ref());
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
     let doc = AgentDoc {
@@ -823,6 +887,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
         sessions: a.sessions,
         steps: a.steps,
         code: Some(source),
+        row_cache_source: row_cache_source(gpu.as_ref()),
         summary,
         results: records,
     };

@@ -147,7 +147,7 @@ pub fn run_gpu_parity(a: GpuParityArgs) -> Result<()> {
             split: split.name().into(),
             prompt_tokens: a.prompt_tokens,
             prefill_chunk: dcfg.prefill_chunk,
-            cublas_math: std::env::var("FATHOM_GPU_MATH").unwrap_or_else(|_| "default".into()),
+            cublas_math: fathom_gpu::cublas_math().into(),
             wall_s,
             report,
         };
@@ -194,11 +194,23 @@ fn serve_methods(dcfg: &mut DecoderConfig, atts: &[Attention]) {
     dcfg.block_tables = scans().any(|m| m.reads_block_tables());
 }
 
+/// One method's batch of branches: each branch's output, the batch's seconds and the row
+/// counters it added.
+type MethodBatch = (
+    Vec<fathom_gpu::branch::BranchOut>,
+    f64,
+    fathom_cuda::cache::RowCounters,
+);
+
 /// The downstream tasks' branches on the GPU (`fathom ruler|agent-steps --device cuda`): the
 /// sample's dense prefill on the GPU forward, then one fork per method (fathom_gpu::branch).
 pub struct GpuEval {
     dec: GpuDecoder,
     atts: Vec<Attention>,
+    /// Row-cache slots per (session, layer, KV head) (0: none).
+    pub row_cache: usize,
+    /// Per method, the row counters since [`GpuEval::take_row_counters`].
+    rows: Vec<fathom_cuda::cache::RowCounters>,
     /// The device's name, for the results.
     pub device: String,
     _gpu: Gpu,
@@ -209,7 +221,8 @@ impl GpuEval {
     /// `methods` are the run's method names in order; a method the GPU path does not run is
     /// refused here, before any work. With a Loki method the cache keeps the PCA index, whose
     /// basis the calibration loads before any session; with landmark or Quest, the block
-    /// tables.
+    /// tables. `row_cache` slots per (session, layer, KV head) of HBM row cache (0: none),
+    /// which changes no output; its hits are counted per method.
     pub fn new(
         model_path: &std::path::Path,
         head_dim: usize,
@@ -217,6 +230,7 @@ impl GpuEval {
         params: SelectParams,
         max_tokens: usize,
         calib: Option<&fathom_eval::decode::LayerCalib>,
+        row_cache: usize,
     ) -> Result<GpuEval> {
         check_gpu_methods(methods)?;
         let atts = methods
@@ -237,6 +251,7 @@ impl GpuEval {
         dcfg.max_k = params.k.max(1).min(max_tokens);
         let per = max_tokens.div_ceil(dcfg.page_tokens);
         dcfg.pages = Some(g * (per + 1) + g + 8);
+        dcfg.row_cache = row_cache;
         serve_methods(&mut dcfg, &atts);
         let mut dec = GpuDecoder::new(&gpu, &weights, dcfg)?;
         if let Some(c) = calib {
@@ -248,7 +263,9 @@ impl GpuEval {
         }
         Ok(GpuEval {
             dec,
+            rows: vec![Default::default(); atts.len()],
             atts,
+            row_cache,
             device: gpu.info().name.clone(),
             _gpu: gpu,
         })
@@ -256,6 +273,40 @@ impl GpuEval {
 
     /// Samples whose branches decode in one batch (bounds the pinned pages a group holds).
     pub const GROUP: usize = 20;
+
+    /// Per method, the union rows and row-cache hits of its branches since the last call (the
+    /// cache's counters around each method's batch), and zero for the next call.
+    fn take_row_counters(&mut self) -> Vec<fathom_cuda::cache::RowCounters> {
+        let zero = vec![Default::default(); self.rows.len()];
+        std::mem::replace(&mut self.rows, zero)
+    }
+
+    /// Adds each method's row counters since the last call to `rows[method]` as
+    /// `(slots, rows, hits)` (none for a method that fetched no union, or without a row cache).
+    pub fn add_row_counters(&mut self, rows: &mut [Vec<(usize, u64, u64)>]) {
+        for (acc, rc) in rows.iter_mut().zip(self.take_row_counters()) {
+            if self.row_cache > 0 && rc.rows > 0 {
+                acc.push((self.row_cache, rc.rows, rc.hits));
+            }
+        }
+    }
+
+    /// One method's batch through `run`: its branches, seconds and the row counters it added.
+    fn counted(
+        dec: &mut GpuDecoder,
+        run: impl FnOnce(&mut GpuDecoder) -> Result<Vec<fathom_gpu::branch::BranchOut>>,
+    ) -> Result<MethodBatch> {
+        let r0 = dec.cache_mut()?.row_counters()?;
+        let t = Instant::now();
+        let outs = run(dec)?;
+        let secs = t.elapsed().as_secs_f64();
+        let r1 = dec.cache_mut()?.row_counters()?;
+        let rows = fathom_cuda::cache::RowCounters {
+            rows: r1.rows - r0.rows,
+            hits: r1.hits - r0.hits,
+        };
+        Ok((outs, secs, rows))
+    }
 
     /// Per prompt, its dense prefill on the GPU and each method's greedy branch from it, the
     /// prompts in groups of [`GpuEval::GROUP`] whose branches of one method decode in one batch:
@@ -274,10 +325,16 @@ impl GpuEval {
                 roots.iter().map(|(s, l)| (*s, &l[..])).collect();
             atts.iter()
                 .map(|att| {
-                    let t = Instant::now();
-                    let outs =
-                        fathom_gpu::branch::greedy(dec, &r, att, max_new, stop_tokens, stop)?;
-                    Ok((outs, t.elapsed().as_secs_f64()))
+                    Self::counted(dec, |dec| {
+                        Ok(fathom_gpu::branch::greedy(
+                            dec,
+                            &r,
+                            att,
+                            max_new,
+                            stop_tokens,
+                            stop,
+                        )?)
+                    })
                 })
                 .collect()
         })
@@ -300,9 +357,9 @@ impl GpuEval {
             let ids: Vec<fathom_cuda::pages::SessionId> = roots.iter().map(|r| r.0).collect();
             atts.iter()
                 .map(|att| {
-                    let t = Instant::now();
-                    let outs = fathom_gpu::branch::forced(dec, &ids, att, f)?;
-                    Ok((outs, t.elapsed().as_secs_f64()))
+                    Self::counted(dec, |dec| {
+                        Ok(fathom_gpu::branch::forced(dec, &ids, att, f)?)
+                    })
                 })
                 .collect()
         })
@@ -318,7 +375,7 @@ impl GpuEval {
             &mut GpuDecoder,
             &[Attention],
             &[(fathom_cuda::pages::SessionId, Vec<f32>)],
-        ) -> Result<Vec<(Vec<fathom_gpu::branch::BranchOut>, f64)>>,
+        ) -> Result<Vec<MethodBatch>>,
     ) -> Result<(Vec<f64>, Vec<Vec<(fathom_eval::decode::Branch, f64)>>)> {
         let mut pre_s = Vec::with_capacity(prompts.len());
         let mut out = Vec::with_capacity(prompts.len());
@@ -335,11 +392,15 @@ impl GpuEval {
                 self.dec.free(*s)?;
             }
             let per_method = r?;
+            for (acc, (_, _, rc)) in self.rows.iter_mut().zip(&per_method) {
+                acc.rows += rc.rows;
+                acc.hits += rc.hits;
+            }
             for i in 0..group.len() {
                 out.push(
                     per_method
                         .iter()
-                        .map(|(outs, secs)| {
+                        .map(|(outs, secs, _)| {
                             (Self::to_branch(outs[i].clone()), secs / group.len() as f64)
                         })
                         .collect(),
@@ -357,6 +418,8 @@ impl GpuEval {
                 scans: o.scans,
                 selected_sum: o.selected_sum,
                 visible_sum: o.visible_sum,
+                // The GPU counts rows per method batch, not per branch (GpuEval::take_row_counters).
+                ..Default::default()
             },
         }
     }
@@ -780,6 +843,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         scan_vector_words: a.scan_vec,
         host_gather: a.host_gather,
         host_gather_share: if a.host_gather > 0 { a.host_share } else { 100 },
+        cublas_math: Some(fathom_gpu::cublas_math().into()),
     };
     if let Some(out) = &a.json {
         fathom_results::write(out, doc.clone())

@@ -693,11 +693,12 @@ fn bf16_and_f16_rows_from_device_memory_are_stored_as_their_bf16_rounding() {
 /// are re-claimed every step) give outputs identical, bit for bit, to the same attends
 /// without one, over decode steps of a ragged batch that keep most winners; the counters
 /// see the same union rows, and hits only where there is a row cache. A fork starts with an
-/// empty row cache and still agrees.
+/// empty row cache and still agrees. The counters equal the CPU reference `RowCacheModel`'s
+/// over the unions the attends read back.
 #[cfg(feature = "cuda")]
 #[test]
 fn a_row_cache_serves_the_same_rows_as_the_link() {
-    use fathom_cuda::cache::AttendMethod;
+    use fathom_cuda::cache::{AttendMethod, RowCacheModel};
     let Some(gpu) = gpu() else { return };
     let params = small_select();
     let (hkv, d, g) = (2, 128, 4);
@@ -727,6 +728,12 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
     }
     let mut qrng = StdRng::seed_from_u64(10);
     let base: Vec<f32> = (0..4 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+    // The CPU reference of the row cache, per (session, layer, KV head), fed each attend's
+    // union (sink, local and the G heads' winners) as the GPU read it back.
+    let mut model: Vec<RowCacheModel> = (0..4 * 2 * hkv)
+        .map(|_| RowCacheModel::new(64).unwrap())
+        .collect();
+    let mut want = fathom_cuda::cache::RowCounters::default();
     for t in 0..6 {
         // Queries drift a little each step, so most winners repeat (row-cache hits).
         let q: Vec<f32> = base
@@ -758,6 +765,23 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
                 let mut o = Vec::new();
                 for l in 0..2 {
                     o.extend(c.attend_host(&batch, l, am, &params, &q).unwrap());
+                    if ci > 0 {
+                        continue;
+                    }
+                    for (b, &s) in ids[0].iter().enumerate() {
+                        let n = c.len(s).unwrap() as u32;
+                        let win = c.debug_readback(&batch, b).unwrap().winners;
+                        let sink = (params.sink as u32).min(n);
+                        let local = n.saturating_sub(params.local as u32).max(sink);
+                        for h in 0..hkv {
+                            let mut u: Vec<u32> = (0..sink).chain(local..n).collect();
+                            u.extend(win[h * g..(h + 1) * g].iter().flatten());
+                            u.sort_unstable();
+                            u.dedup();
+                            want.rows += u.len() as u64;
+                            want.hits += model[(b * 2 + l) * hkv + h].attend(&u);
+                        }
+                    }
                 }
                 outs.push(o);
             }
@@ -774,6 +798,10 @@ fn a_row_cache_serves_the_same_rows_as_the_link() {
     assert_eq!(a.rows, b.rows, "union rows");
     assert!(a.rows > 0 && a.hits > 0, "row cache: {a:?}");
     assert_eq!(b.hits, 0, "no row cache, no hits: {b:?}");
+    assert_eq!(
+        a, want,
+        "the cache's counters against RowCacheModel over the same unions"
+    );
 }
 
 /// Caches that must agree (one setting each) fed the same appends: three sessions of

@@ -284,10 +284,11 @@ impl GpuDecoder {
                 message: "cudarc's cuBLAS loader panicked".into(),
             })?
             .map_err(blas_err("cublasCreate"))?;
-        // Experiment switch: FATHOM_GPU_MATH=pedantic asks cuBLAS for the prescribed precision
-        // in every phase (no reduced-precision accumulation), to see how much of the distance
-        // from the f32 model the tensor cores' accumulation adds (fathom_gpu::parity).
-        if std::env::var("FATHOM_GPU_MATH").is_ok_and(|v| v == "pedantic") {
+        // Experiment switch (crate::cublas_math): FATHOM_GPU_MATH=pedantic asks cuBLAS for the
+        // prescribed precision in every phase (no reduced-precision accumulation), to see how
+        // much of the distance from the f32 model the tensor cores' accumulation adds
+        // (fathom_gpu::parity).
+        if crate::cublas_math() == "pedantic" {
             // SAFETY: a live handle; sets a mode flag.
             unsafe {
                 bsys::cublasSetMathMode(*blas.handle(), bsys::cublasMath_t::CUBLAS_PEDANTIC_MATH)

@@ -78,5 +78,16 @@ mod dummy;
 pub use dummy::{GpuDecoder, StepGraph};
 
 pub use decoder::{Attention, Decoder, StageTimes};
+
+/// The cuBLAS math mode every GPU decoder of this process uses, read once from the experiment
+/// switch `FATHOM_GPU_MATH`: `pedantic` (the prescribed precision in every phase, no
+/// reduced-precision accumulation) when it says so, else `default`. Result documents record
+/// it, so a run with the switch on says so.
+pub fn cublas_math() -> &'static str {
+    match std::env::var("FATHOM_GPU_MATH").as_deref() {
+        Ok("pedantic") => "pedantic",
+        _ => "default",
+    }
+}
 pub use error::{GpuError, Result};
 pub use layout::DecoderConfig;

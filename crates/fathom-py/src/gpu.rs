@@ -467,6 +467,12 @@ impl GpuCache {
         self.cache.plan_bits().map_err(gpu_err)
     }
 
+    /// `(union rows, row-cache hits)` of every attend so far (waits for the cache's stream).
+    fn row_counters(&self) -> PyResult<(u64, u64)> {
+        let r = self.cache.row_counters().map_err(gpu_err)?;
+        Ok((r.rows, r.hits))
+    }
+
     /// How attends take the top-k: `scores`, `N` or `N+scores` (docs/SPEC.md §5).
     fn set_select_path(&mut self, path: &str) -> PyResult<()> {
         let p = fathom_cuda::cache::SelectPath::parse(path).map_err(|e| bad("path", e))?;

@@ -579,6 +579,15 @@ impl Decoder {
     fn density(&self) -> f64 {
         self.inner.stats.density()
     }
+
+    /// What a GPU row cache would have served of the union rows so far, per size (64, 256,
+    /// 1024 and 8192 slots per layer and KV head; the CPU reference of docs/SPEC.md §6.1 "Row
+    /// cache" over this decoder's own unions): a list of `(slots, rows, hits)`, empty for
+    /// dense.
+    #[getter]
+    fn row_cache(&self) -> Vec<(usize, u64, u64)> {
+        self.inner.stats.row_cache()
+    }
 }
 
 /// The library's version (the workspace's).

@@ -252,6 +252,13 @@ def test_a_dense_decoder_attends_like_numpy_and_exact_over_every_key_is_dense(hk
         small.attend(0, q)
     assert dense.is_dense and not every.is_dense
     assert every.density == pytest.approx(1.0) and small.density < 1.0
+    # Keeping every key, each step's union is the whole prefix; 8192 slots hold all of the
+    # previous step's rows (the first step starts from an empty cache).
+    rows = hkv * sum(p + 1 for p in range(n - 5, n))
+    held = hkv * sum(p for p in range(n - 4, n))
+    assert every.row_cache[-1] == (8192, rows, held)
+    assert [c[0] for c in every.row_cache] == [64, 256, 1024, 8192]
+    assert dense.row_cache == []
 
 
 def test_decoder_bad_calls_are_errors():

@@ -331,6 +331,7 @@ mod tests {
             scan_vector_words: 1,
             host_gather: 0,
             host_gather_share: 100,
+            cublas_math: None,
             version: fathom_results::VERSION,
             fathom: "test".into(),
             command: "fathom decode-bench (made up for this test)".into(),

@@ -128,6 +128,10 @@ pub struct DecodeBench {
     /// (`PagedCache::set_host_gather_share`); 100 in older runs and with the gather off.
     #[serde(default = "all_misses")]
     pub host_gather_share: u32,
+    /// cuBLAS math mode of the forward (`fathom_gpu::cublas_math`: `default`, or `pedantic`
+    /// under the experiment switch); absent in older runs, all of which ran `default`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cublas_math: Option<String>,
 }
 
 fn all_misses() -> u32 {

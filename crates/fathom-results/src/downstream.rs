@@ -79,6 +79,10 @@ pub struct RunHeader {
     pub calibration: Option<CalibrationInfo>,
     /// Total seconds.
     pub seconds: f64,
+    /// On the GPU, cuBLAS's math mode (`fathom_gpu::cublas_math`); absent on the CPU and in
+    /// older GPU runs, all of which ran `default`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cublas_math: Option<String>,
 }
 
 /// One method's result on one RULER sample.
@@ -115,6 +119,62 @@ pub struct RulerRecord {
     pub methods: BTreeMap<String, RulerGeneration>,
 }
 
+/// One row-cache size's count over a method's decode steps (docs/SPEC.md §6.1, "Row cache"):
+/// the union rows its attends fetched and how many a row cache of `slots` slots per (session,
+/// layer, KV head) held. Where the counts come from is the document's `row_cache_source`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RowCacheTally {
+    /// Slots per (session, layer, KV head).
+    pub slots: usize,
+    /// Union rows fetched.
+    pub rows: u64,
+    /// Of those, rows the row cache held.
+    pub hits: u64,
+    /// `hits / rows` (0 without rows).
+    pub hit_rate: f64,
+}
+
+impl RowCacheTally {
+    /// The tally of `hits` of `rows` at `slots` slots.
+    pub fn new(slots: usize, rows: u64, hits: u64) -> Self {
+        let hit_rate = if rows == 0 {
+            0.0
+        } else {
+            hits as f64 / rows as f64
+        };
+        RowCacheTally {
+            slots,
+            rows,
+            hits,
+            hit_rate,
+        }
+    }
+
+    /// Sums `(slots, rows, hits)` triples per size, in the order sizes first appear.
+    pub fn sum(parts: impl IntoIterator<Item = (usize, u64, u64)>) -> Vec<RowCacheTally> {
+        let mut acc: Vec<(usize, u64, u64)> = Vec::new();
+        for (c, r, h) in parts {
+            match acc.iter_mut().find(|a| a.0 == c) {
+                Some(a) => {
+                    a.1 += r;
+                    a.2 += h;
+                }
+                None => acc.push((c, r, h)),
+            }
+        }
+        acc.into_iter()
+            .map(|(c, r, h)| RowCacheTally::new(c, r, h))
+            .collect()
+    }
+}
+
+/// What a document's row-cache tallies count: the CPU runtime's branches through
+/// `fathom_cuda::cache::RowCacheModel` at each of `fathom_bench::decode::ROW_CACHE_SLOTS`.
+pub const ROW_CACHE_MODELLED: &str = "modelled: the CPU reference of the GPU row cache (fathom_cuda::cache::RowCacheModel) over each branch's own unions, its cache empty at the branch's start";
+
+/// What a document's row-cache tallies count on the GPU: the cache's own counters.
+pub const ROW_CACHE_MEASURED: &str = "measured: the GPU cache's row counters over each method's batched branches (forks start with an empty row cache)";
+
 /// One method's mean over a task's samples.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TaskScore {
@@ -124,6 +184,10 @@ pub struct TaskScore {
     pub same_as_exact: usize,
     /// Mean scan bits.
     pub mean_bits: f64,
+    /// Row-cache hits over the task's decode steps, per size (absent in earlier files and for
+    /// dense).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub row_cache: Vec<RowCacheTally>,
 }
 
 /// One task's summary.
@@ -182,6 +246,10 @@ pub struct RulerDoc {
     /// The key word list's source.
     #[serde(default)]
     pub words: Option<String>,
+    /// What the summaries' `row_cache` tallies count ([`ROW_CACHE_MODELLED`],
+    /// [`ROW_CACHE_MEASURED`]); absent in earlier files, which have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row_cache_source: Option<String>,
     /// Per task.
     pub summary: BTreeMap<String, TaskSummary>,
     /// Per sample.
@@ -235,6 +303,10 @@ pub struct AgentSummary {
     pub top1_vs_truth: f64,
     /// Mean scan bits.
     pub mean_bits: f64,
+    /// Row-cache hits over every session's steps, per size (absent in earlier files and for
+    /// dense).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub row_cache: Vec<RowCacheTally>,
 }
 
 /// A `fathom agent-steps` run.
@@ -250,8 +322,32 @@ pub struct AgentDoc {
     /// The code text's source (absent in runs made on the earlier Debian corpus).
     #[serde(default)]
     pub code: Option<String>,
+    /// What the summaries' `row_cache` tallies count; absent in earlier files, which have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row_cache_source: Option<String>,
     /// Per method.
     pub summary: BTreeMap<String, AgentSummary>,
     /// Per session.
     pub results: Vec<AgentRecord>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowCacheTally;
+
+    /// Tallies sum per size in first-seen order, and the rate is hits over rows (0 without).
+    #[test]
+    fn row_cache_tallies_sum_per_size() {
+        let t = RowCacheTally::sum([(64, 10, 2), (8192, 10, 7), (64, 30, 6), (8192, 0, 0)]);
+        assert_eq!(
+            t,
+            vec![
+                RowCacheTally::new(64, 40, 8),
+                RowCacheTally::new(8192, 10, 7)
+            ]
+        );
+        assert_eq!(t[0].hit_rate, 0.2);
+        assert_eq!(RowCacheTally::new(1, 0, 0).hit_rate, 0.0);
+        assert!(RowCacheTally::sum([]).is_empty());
+    }
 }

@@ -103,6 +103,13 @@ class GpuCache:
         """``(mean plan bits per token and KV head, plans)`` of the GPU-planned attends so far."""
         return self._c.plan_bits()
 
+    def row_counters(self) -> dict:
+        """``{"rows": union rows fetched, "hits": rows the HBM row cache served, "hit_rate":
+        hits / rows}`` over every attend so far (0 hits without ``row_cache``; docs/SPEC.md
+        §6.1, "Row cache"). Waits for the cache's stream."""
+        rows, hits = self._c.row_counters()
+        return {"rows": rows, "hits": hits, "hit_rate": hits / rows if rows else 0.0}
+
     def set_select_path(self, path: str) -> None:
         """How attends take each query head's top-k (docs/SPEC.md §5): ``"scores"`` (the
         default: the scan writes every score), ``"N"`` (the filtered select from N middle
