@@ -3,7 +3,7 @@
 # (dense, exact, fathom:48/64/92, sparq:16/32, ds:32, loki:32, thumb2, landmark, quest, and the
 # r = D/4 baselines),
 # after the models were staged (scripts/device/stage_model.sh; engine.sh model joins them).
-# Usage on the device: bash scripts/device/downstream.sh ruler|agent|parity-pedantic|tune|eval|compare|throughput|own
+# Usage on the device: bash scripts/device/downstream.sh ruler|agent|rowcache|parity-pedantic|tune|eval|compare|throughput|own
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
 set -u
 B=.devbin
@@ -33,6 +33,19 @@ ruler)
 agent)
   run agent-smollm2-135m-8k agent-steps --model smollm2-135m --context 8192 --k 256 --sessions 16 --steps 64 --methods $SM
   run agent-gemma3-270m-32k agent-steps --model gemma3-270m --context 32768 --k 512 --sessions 16 --steps 64 --methods $GM
+  ;;
+rowcache)
+  # Row-cache hits on real decode steps, measured (issue 16 item 3): the runs of
+  # results/downstream/rowcache/ (CPU, modelled by RowCacheModel) on the GPU with its own
+  # counters at --row-cache 8192 and 1024, the same sessions, tasks and methods.
+  for c in 8192 1024; do
+    run agent-smollm2-135m-8k-rc$c agent-steps --model smollm2-135m --context 8192 --sessions 2 --steps 64 \
+      --methods dense,exact,fathom:48,sparq:32,ds:32 --row-cache $c
+    run agent-gemma3-270m-32k-rc$c agent-steps --model gemma3-270m --context 32768 --k 512 --sessions 2 --steps 64 \
+      --methods dense,exact,fathom:48,sparq:32,ds:32 --row-cache $c
+  done
+  run ruler-smollm2-135m-8k-rc8192 ruler --model smollm2-135m --context 8192 --samples 2 \
+    --methods dense,exact,fathom:48,sparq:32,ds:32 --row-cache 8192
   ;;
 throughput)
   # issue 17 with real weights (the random-weight Qwen3-8B runs are in results/device/decode-bench/):

@@ -43,8 +43,9 @@ pub fn loki_r(scanner: &dyn Scanner) -> Option<usize> {
 }
 
 /// The row-cache sizes (slots per (layer, KV head)) a decode models over its own unions
-/// ([`DecodeStats::row_hits`]): from 64 up to `fathom-cuda`'s default of 8192, so a run at a
-/// short context also shows what a cache holding a small fraction of a long one would hit.
+/// ([`DecodeStats::row_hits`]): from 64 up to 8192, the default of `fathom offload-bench
+/// --cache-rows`, so a run at a short context also shows what a cache holding only a few
+/// unions' rows would hit.
 pub const ROW_CACHE_SLOTS: [usize; 4] = [64, 256, 1024, 8192];
 
 /// The stores of one (layer, KV head).

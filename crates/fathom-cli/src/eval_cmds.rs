@@ -80,9 +80,11 @@ pub struct EvalCommon {
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
     /// With `--device cuda`: HBM row-cache slots per (session, layer, KV head), whose hits on
-    /// every method's decode steps the summary reports (0: no row cache; it never changes an
-    /// output). On the CPU the hits are modelled at 64, 256, 1024 and 8192 slots instead.
-    #[arg(long, default_value_t = 8192)]
+    /// every method's decode steps the summary reports (0, the default: no row cache; it never
+    /// changes an output, and it takes 40 sessions × layers × KV heads × slots × (4·D + 8)
+    /// bytes of HBM, 8 GB for SmolLM2-135M at 8192). On the CPU the hits are modelled at 64,
+    /// 256, 1024 and 8192 slots instead.
+    #[arg(long, default_value_t = 0)]
     pub row_cache: usize,
     /// Weights of the CPU runtime: `auto` (llama.cpp-like: k-quants kept, 8-bit activations),
     /// `f32` (every weight dequantized) or `bf16` (the GPU forward's roundings, for comparing
