@@ -62,6 +62,8 @@ def test_fathom_with_a_calibration_of_the_same_model_reads_at_most_its_budget(tm
     got, att = fathom.hf.generate(model, ids, "fathom:48", k=32, calib=cal, max_new_tokens=NEW)
     assert 0.0 < att.mean_bits <= 48.0
     assert att.density < 1.0
+    assert [c[0] for c in att.row_cache] == [64, 256, 1024, 8192]
+    assert all(0 < rows and 0 <= hits <= rows for _, rows, hits in att.row_cache)
     agree = float((got[0, PROMPT:] == want[0, PROMPT:]).float().mean())
     print(f"fathom:48 k=32: {agree:.2f} of {NEW} tokens as dense, {att.mean_bits:.1f} bits, density {att.density:.3f}")
 

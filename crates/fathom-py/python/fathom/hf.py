@@ -184,6 +184,16 @@ class FathomAttention:
             return 1.0 if self._visible == 0 else self._kept / self._visible
         return 1.0 if self.decoder is None else self.decoder.density
 
+    @property
+    def row_cache(self) -> list:
+        """``[(slots, union rows, hits)]``: what a GPU row cache of 64, 256, 1024 and 8192 slots
+        per layer and KV head would have served of the rows the steps selected so far (the
+        cache's CPU reference over this decoder's own unions; docs/SPEC.md §6.1 "Row cache").
+        Empty for dense, and with ``device="cuda"``, whose cache here keeps no row cache."""
+        if self.device == "cuda" or self.decoder is None:
+            return []
+        return self.decoder.row_cache
+
     @contextlib.contextmanager
     def installed(self, model):
         """Runs ``model``'s attention through this object inside the ``with`` block."""
