@@ -445,19 +445,20 @@ impl RowCacheModel {
         self.tags.len()
     }
 
-    /// One attend over `union` (distinct token indices below `u32::MAX`, in any order):
-    /// returns its hits and updates the slots by the rule above. A repeated token would be
-    /// counted twice, as the kernel would count a repeated union row; the union lists it builds
-    /// never repeat one.
+    /// One attend over `union` (distinct token indices, in any order): returns its hits and
+    /// updates the slots by the rule above. A repeated token would be counted twice, as the
+    /// kernel would count a repeated union row; the union lists it builds never repeat one.
+    /// Token `u32::MAX`, whose tag `t + 1` does not fit the kernel's `u32` (no session reaches
+    /// it: `max_tokens` < 2³²), always misses and never takes a slot.
     pub fn attend(&mut self, union: &[u32]) -> u64 {
         let c = self.tags.len() as u64;
         let mut hits = 0;
         for &t in union {
             let s = (u64::from(t) % c) as usize;
-            if self.tags[s] == t.wrapping_add(1) {
-                hits += 1;
-            } else {
-                self.bids[s] = self.bids[s].max(t + 1);
+            match t.checked_add(1) {
+                Some(tag) if self.tags[s] == tag => hits += 1,
+                Some(tag) => self.bids[s] = self.bids[s].max(tag),
+                None => {}
             }
         }
         for &t in union {
@@ -935,6 +936,8 @@ mod tests {
             }
         }
         assert!(super::RowCacheModel::new(0).is_err());
+        let mut rc = super::RowCacheModel::new(1).unwrap();
+        assert_eq!((rc.attend(&[u32::MAX]), rc.attend(&[u32::MAX])), (0, 0));
     }
 
     #[test]
