@@ -162,6 +162,28 @@ def test_stage_timing_splits_attends_and_changes_no_output():
     assert caches[1].stage_times()["attends"] == 0
 
 
+def test_row_counters_count_the_unions_and_the_row_caches_hits():
+    """A cache with a 64-slot row cache and one without, the same session and queries, two
+    attends: the same outputs and union rows; the second attend repeats the first's union, so
+    only the row cache counts hits."""
+    torch.manual_seed(5)
+    L, hkv, g, d, n = 1, 2, 2, 64, 3000
+    caches = [fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=1, max_tokens=4096,
+                          max_k=64, row_cache=rc) for rc in (64, 0)]
+    k = torch.randn(n, hkv, d, device="cuda")
+    v = torch.randn(n, hkv, d, device="cuda")
+    batches = fill_alike(caches, k, v)
+    q = torch.randn(1, hkv * g, d, device="cuda")
+    assert all(c.row_counters()["rows"] == 0 for c in caches)
+    for _ in range(2):
+        outs = attend_each(caches, batches, q)
+        assert torch.equal(outs[0], outs[1])
+    got, none = (c.row_counters() for c in caches)
+    assert got["rows"] == none["rows"] > 0, (got, none)
+    assert 0 < got["hits"] <= got["rows"] // 2 and none["hits"] == 0, (got, none)
+    assert got["hit_rate"] == got["hits"] / got["rows"]
+
+
 # (GPU method, the CPU decoder's name for the same scan). The GPU cache's `exact` scans the
 # full 4-bit store (every channel at 4 planes: crates/fathom-cuda/README.md); the CPU
 # decoder's `exact` scores full-precision keys, and its `fathom:4D` is the full 4-bit store.
