@@ -370,30 +370,14 @@ fn row_cache_source(gpu: Option<&crate::gpu_cmds::GpuEval>) -> Option<String> {
     }
 }
 
-/// The row-cache hit rate of each method with a union, one column per size.
-fn print_row_cache(
-    names: &[String],
-    tallies: &[Vec<RowCacheTally>],
-    gpu: Option<&crate::gpu_cmds::GpuEval>,
-) {
-    let Some(sizes) = tallies.iter().find(|t| !t.is_empty()) else {
-        return;
-    };
-    let how = match gpu {
-        Some(_) => "measured by the GPU cache's counters",
-        None => "modelled: fathom_cuda::cache::RowCacheModel over each branch's unions",
-    };
-    println!(
-        "\nRow-cache hit rate on the decode steps ({how}; slots per session, layer and KV head)\n"
-    );
-    let cols: Vec<String> = sizes.iter().map(|t| format!("{} slots", t.slots)).collect();
-    println!("| method | union rows | {} |", cols.join(" | "));
-    println!("|---|---|{}", "---|".repeat(cols.len()));
-    for (m, t) in names.iter().zip(tallies) {
-        if let Some(first) = t.first() {
-            let cells: Vec<String> = t.iter().map(|x| format!("{:.3}", x.hit_rate)).collect();
-            println!("| {m} | {} | {} |", first.rows, cells.join(" | "));
-        }
+/// The row-cache hit rate of each method with a union, one column per size (the report's
+/// table).
+fn print_row_cache(names: &[String], tallies: &[Vec<RowCacheTally>], source: Option<String>) {
+    let rows: Vec<(&String, Vec<RowCacheTally>)> =
+        names.iter().zip(tallies.iter().cloned()).collect();
+    let t = source.map(|src| fathom_report::tables::row_cache_table(&src, &rows));
+    if let Some(t) = t.filter(|t| !t.is_empty()) {
+        print!("\n{t}");
     }
 }
 
@@ -681,7 +665,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     let over_tasks: Vec<Vec<RowCacheTally>> = (0..nm)
         .map(|mi| RowCacheTally::sum(rows.iter().flat_map(|r| r[mi].iter().copied())))
         .collect();
-    print_row_cache(&names, &over_tasks, gpu.as_ref());
+    print_row_cache(&names, &over_tasks, row_cache_source(gpu.as_ref()));
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
     let doc = RulerDoc {
@@ -881,7 +865,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     }
     let tallies: Vec<Vec<RowCacheTally>> =
         names.iter().map(|m| summary[m].row_cache.clone()).collect();
-    print_row_cache(&names, &tallies, gpu.as_ref());
+    print_row_cache(&names, &tallies, row_cache_source(gpu.as_ref()));
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
     let doc = AgentDoc {

@@ -674,6 +674,32 @@ pub fn ruler_parity(inp: &Inputs, s: &mut String) {
                 worse.join("; ")
             ));
         }
+        let rows: Vec<_> = methods
+            .iter()
+            .map(|m| {
+                let all = v
+                    .summary
+                    .values()
+                    .filter_map(|t| t.methods.get(m))
+                    .flat_map(|x| x.row_cache.iter().map(|r| (r.slots, r.rows, r.hits)));
+                (m, fathom_results::downstream::RowCacheTally::sum(all))
+            })
+            .collect();
+        row_cache_table(s, v.row_cache_source.as_deref(), &rows);
+    }
+}
+
+/// The run's row-cache table ([`crate::tables::row_cache_table`]) and a blank line, where the
+/// run counted hits (`source`: how).
+fn row_cache_table(
+    s: &mut String,
+    source: Option<&str>,
+    per_method: &[(&String, Vec<fathom_results::downstream::RowCacheTally>)],
+) {
+    let t = source.map(|src| crate::tables::row_cache_table(src, per_method));
+    if let Some(t) = t.filter(|t| !t.is_empty()) {
+        s.push_str(&t);
+        s.push('\n');
     }
 }
 
@@ -764,5 +790,11 @@ pub fn agent_agreement(inp: &Inputs, s: &mut String) {
             (None, _) => format!("\n{fathom_label} was not run.\n\n"),
             (_, None) => "\nNo 136-bit scan was run.\n\n".into(),
         });
+        let rows: Vec<_> = v
+            .summary
+            .iter()
+            .map(|(m, x)| (m, x.row_cache.clone()))
+            .collect();
+        row_cache_table(s, v.row_cache_source.as_deref(), &rows);
     }
 }

@@ -1,5 +1,5 @@
 //! Tables shared by the report and the CLI: one fidelity run's methods and its equal-error
-//! savings, and the one way a saving is printed.
+//! savings, the one way a saving is printed, and a downstream run's row-cache hit rates.
 
 use fathom_results::fidelity::{EqualErrorRow, FidelityDoc};
 
@@ -72,6 +72,39 @@ pub fn fidelity_markdown(doc: &FidelityDoc, label: &str) -> String {
                 e.saving_ci95
                     .map_or("—".into(), |[lo, hi]| format!("{lo:.2}–{hi:.2}×")),
             ));
+        }
+    }
+    s
+}
+
+/// A downstream run's row-cache hit rates (docs/SPEC.md §7): one row per method with a union
+/// (its union rows and the hit rate at each size), one column per size of the first such
+/// method, `—` where a method lacks that size; `source` (how they were counted) heads it.
+/// Empty when no method has a tally.
+pub fn row_cache_table(
+    source: &str,
+    per_method: &[(&String, Vec<fathom_results::downstream::RowCacheTally>)],
+) -> String {
+    let Some((_, first)) = per_method.iter().find(|m| !m.1.is_empty()) else {
+        return String::new();
+    };
+    let sizes: Vec<usize> = first.iter().map(|t| t.slots).collect();
+    let mut s = format!(
+        "Row-cache hit rate on these decode steps, per slots per (session, layer, KV head) ({source}):\n\n| method | union rows | {} |\n|---|---:|{}\n",
+        sizes.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(" | "),
+        "---:|".repeat(sizes.len())
+    );
+    for (m, t) in per_method {
+        if let Some(x) = t.first() {
+            let cells: Vec<String> = sizes
+                .iter()
+                .map(|c| {
+                    t.iter()
+                        .find(|x| x.slots == *c)
+                        .map_or("—".into(), |x| format!("{:.3}", x.hit_rate))
+                })
+                .collect();
+            s.push_str(&format!("| {m} | {} | {} |\n", x.rows, cells.join(" | ")));
         }
     }
     s

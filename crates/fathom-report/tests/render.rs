@@ -168,6 +168,47 @@ fn a_dense_only_ruler_probe_is_listed_not_judged() {
     assert!(md.contains("`probe.json` (gemma3-270m"), "{md}");
 }
 
+/// A downstream run that counted row-cache hits gets their table under its claim section,
+/// each method's union rows and hit rate per size; a run without `row_cache_source` (every
+/// file before the field) gets none.
+#[test]
+fn a_downstream_run_with_row_cache_tallies_shows_them() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let run = root.join("results/downstream/rowcache/agent-smollm2-135m-8k.json");
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&run).unwrap()).unwrap();
+    let fathom = &doc["summary"]["fathom:48"]["row_cache"];
+    let (rows, rate) = (
+        fathom[0]["rows"].as_u64().unwrap(),
+        fathom[3]["hit_rate"].as_f64().unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("agent.json"), doc.to_string()).unwrap();
+    let md = render(dir.path(), None);
+    assert!(
+        md.contains("Row-cache hit rate on these decode steps"),
+        "{md}"
+    );
+    assert!(
+        md.contains("| method | union rows | 64 | 256 | 1024 | 8192 |"),
+        "{md}"
+    );
+    let line = md
+        .lines()
+        .find(|l| l.starts_with("| fathom:48 | ") && l.contains(&rows.to_string()));
+    assert!(
+        line.is_some_and(|l| l.ends_with(&format!("| {rate:.3} |"))),
+        "{md}"
+    );
+    assert!(
+        !md.contains("| dense | 0 |"),
+        "dense fetches no union: {md}"
+    );
+    doc.as_object_mut().unwrap().remove("row_cache_source");
+    std::fs::write(dir.path().join("agent.json"), doc.to_string()).unwrap();
+    assert!(!render(dir.path(), None).contains("Row-cache hit rate"));
+}
+
 /// `results/REPORT.md` is what `fathom report` renders from the committed results today: a
 /// result changed without re-rendering the report fails here.
 #[test]
