@@ -25,10 +25,12 @@
 //! assert_eq!(dec.stats.scans, hkv as u64);
 //! ```
 
-use fathom_cuda::cache::RowCacheModel;
+use fathom_plan::rowcache::RowCacheModel;
 use fathom_plan::scan::scan;
 use fathom_plan::scanner::{HeadCalib, HeadInput, Scanner};
-use fathom_plan::{attend, attend_dense, plan_bits, select_per_head, KvView, SelectParams};
+use fathom_plan::{
+    attend, attend_dense, plan_bits, select_per_head, union_sorted, KvView, SelectParams,
+};
 use fathom_store::{Basis, BasisKind, Dims, KeyStore};
 use rayon::prelude::*;
 
@@ -55,7 +57,8 @@ pub struct HeadStores {
     pub raw: KeyStore,
     /// The keys in Loki's PCA basis (only when a Loki method runs).
     pub loki: Option<KeyStore>,
-    /// The GPU row cache's CPU reference at each size of [`ROW_CACHE_SLOTS`], fed every
+    /// The GPU row cache's CPU reference ([`RowCacheModel`]) at each size of
+    /// [`ROW_CACHE_SLOTS`], fed every
     /// sparse step's union; empty at creation, as a new or forked GPU session is.
     pub rows: Vec<RowCacheModel>,
 }
@@ -107,7 +110,7 @@ pub struct DecodeStats {
     /// fetches) over scans.
     pub union_rows: u64,
     /// Of those, the rows a GPU row cache of [`ROW_CACHE_SLOTS`]`[i]` slots would have held
-    /// (`fathom_cuda::cache::RowCacheModel`; the branch's own unions, its cache empty at the
+    /// ([`RowCacheModel`]; the branch's own unions, its cache empty at the
     /// start as a forked GPU session's is).
     pub row_hits: [u64; ROW_CACHE_SLOTS.len()],
 }
@@ -212,27 +215,23 @@ pub fn sparse_step(
                     hs.score(qg, g, &mut scores).map_err(scan_err)?
                 }
             };
-            let mut idx = Vec::with_capacity(params.sink + params.local + params.k);
-            let mut union = Vec::with_capacity(g * idx.capacity());
+            let mut sets = vec![Vec::with_capacity(params.sink + params.local + params.k); g];
             let mut selected = 0;
-            for j in 0..g {
-                select_per_head(pos, &scores[j * n..(j + 1) * n], params, &mut idx)
-                    .map_err(plan_err)?;
+            for (j, idx) in sets.iter_mut().enumerate() {
+                select_per_head(pos, &scores[j * n..(j + 1) * n], params, idx).map_err(plan_err)?;
                 selected += idx.len();
-                union.extend_from_slice(&idx);
                 attend(
                     &qg[j * d..(j + 1) * d],
                     kv,
                     vv,
-                    &idx,
+                    idx,
                     scale,
                     softcap,
                     &mut o[j * d..(j + 1) * d],
                 )
                 .map_err(plan_err)?;
             }
-            union.sort_unstable();
-            union.dedup();
+            let union = union_sorted(&sets);
             let mut hits = [0u64; ROW_CACHE_SLOTS.len()];
             for (hit, rc) in hits.iter_mut().zip(&mut st.rows) {
                 *hit = rc.attend(&union);

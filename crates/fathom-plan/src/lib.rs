@@ -65,6 +65,7 @@ pub mod importance;
 pub mod layers;
 pub mod method;
 pub mod metric;
+pub mod rowcache;
 pub mod scan;
 pub mod scanner;
 pub mod select;
