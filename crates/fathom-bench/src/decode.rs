@@ -31,6 +31,7 @@ use fathom_plan::scanner::{HeadCalib, HeadInput, Scanner};
 use fathom_plan::{
     attend, attend_dense, plan_bits, select_per_head, union_sorted, KvView, SelectParams,
 };
+use fathom_results::downstream::RowCacheTally;
 use fathom_store::{Basis, BasisKind, Dims, KeyStore};
 use rayon::prelude::*;
 
@@ -132,16 +133,16 @@ impl DecodeStats {
             self.selected_sum / self.visible_sum
         }
     }
-    /// `(slots, union rows, hits)` per size of [`ROW_CACHE_SLOTS`]; empty for a dense
-    /// decode, which fetches no union.
-    pub fn row_cache(&self) -> Vec<(usize, u64, u64)> {
+    /// One tally per size of [`ROW_CACHE_SLOTS`]: the union rows and the modelled hits; empty
+    /// for a dense decode, which fetches no union.
+    pub fn row_cache(&self) -> Vec<RowCacheTally> {
         if self.union_rows == 0 {
             return Vec::new();
         }
         ROW_CACHE_SLOTS
             .iter()
             .zip(self.row_hits)
-            .map(|(&c, h)| (c, self.union_rows, h))
+            .map(|(&c, h)| RowCacheTally::new(c, self.union_rows, h))
             .collect()
     }
 }
@@ -580,8 +581,8 @@ mod tests {
             let held: u64 = (n0 + 1..n).map(|p| p as u64).sum::<u64>() * hkv as u64;
             let t = every.stats.row_cache();
             assert_eq!(t.len(), ROW_CACHE_SLOTS.len());
-            assert_eq!(t[3], (8192, rows, held), "hkv {hkv}");
-            assert!(t[0].2 < t[3].2 && t.iter().all(|x| x.1 == rows && x.2 <= held));
+            assert_eq!(t[3], RowCacheTally::new(8192, rows, held), "hkv {hkv}");
+            assert!(t[0].hits < t[3].hits && t.iter().all(|x| x.rows == rows && x.hits <= held));
             assert!(dense.stats.row_cache().is_empty() && dense.stats.union_rows == 0);
         }
     }

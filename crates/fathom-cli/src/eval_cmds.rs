@@ -477,7 +477,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     let mut records = Vec::new();
     // sums[task][method] = (score, agree-with-exact text, bits)
     let mut sums = vec![vec![(0f64, 0usize, 0f64); nm]; tasks.len()];
-    // rows[task][method]: (slots, union rows, hits) of its branches.
+    // rows[task][method]: the row-cache tallies of its branches.
     let mut rows = vec![vec![Vec::new(); nm]; tasks.len()];
     let exact_i = s
         .methods
@@ -720,7 +720,7 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     let pb = bar((a.sessions * nm) as u64);
     let mut records = Vec::new();
     let mut sums = vec![(0f64, 0f64, 0f64, 0f64); nm];
-    // rows[method]: (slots, union rows, hits) of its branches.
+    // rows[method]: the row-cache tallies of its branches.
     let mut rows = vec![Vec::new(); nm];
     let mut gpu = match c.device.as_str() {
         "cuda" => Some(crate::gpu_cmds::GpuEval::new(

@@ -281,12 +281,19 @@ impl GpuEval {
         std::mem::replace(&mut self.rows, zero)
     }
 
-    /// Adds each method's row counters since the last call to `rows[method]` as
-    /// `(slots, rows, hits)` (none for a method that fetched no union, or without a row cache).
-    pub fn add_row_counters(&mut self, rows: &mut [Vec<(usize, u64, u64)>]) {
+    /// Adds each method's row counters since the last call to `rows[method]` as one tally at
+    /// this cache's size (none for a method that fetched no union, or without a row cache).
+    pub fn add_row_counters(
+        &mut self,
+        rows: &mut [Vec<fathom_results::downstream::RowCacheTally>],
+    ) {
         for (acc, rc) in rows.iter_mut().zip(self.take_row_counters()) {
             if self.row_cache > 0 && rc.rows > 0 {
-                acc.push((self.row_cache, rc.rows, rc.hits));
+                acc.push(fathom_results::downstream::RowCacheTally::new(
+                    self.row_cache,
+                    rc.rows,
+                    rc.hits,
+                ));
             }
         }
     }

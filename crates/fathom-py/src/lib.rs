@@ -586,7 +586,8 @@ impl Decoder {
     /// dense.
     #[getter]
     fn row_cache(&self) -> Vec<(usize, u64, u64)> {
-        self.inner.stats.row_cache()
+        let t = self.inner.stats.row_cache();
+        t.iter().map(|x| (x.slots, x.rows, x.hits)).collect()
     }
 }
 

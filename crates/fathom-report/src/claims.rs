@@ -681,7 +681,7 @@ pub fn ruler_parity(inp: &Inputs, s: &mut String) {
                     .summary
                     .values()
                     .filter_map(|t| t.methods.get(m))
-                    .flat_map(|x| x.row_cache.iter().map(|r| (r.slots, r.rows, r.hits)));
+                    .flat_map(|x| x.row_cache.iter().copied());
                 (m, fathom_results::downstream::RowCacheTally::sum(all))
             })
             .collect();

@@ -150,21 +150,16 @@ impl RowCacheTally {
         }
     }
 
-    /// Sums `(slots, rows, hits)` triples per size, in the order sizes first appear.
-    pub fn sum(parts: impl IntoIterator<Item = (usize, u64, u64)>) -> Vec<RowCacheTally> {
-        let mut acc: Vec<(usize, u64, u64)> = Vec::new();
-        for (c, r, h) in parts {
-            match acc.iter_mut().find(|a| a.0 == c) {
-                Some(a) => {
-                    a.1 += r;
-                    a.2 += h;
-                }
-                None => acc.push((c, r, h)),
+    /// Sums tallies per size, in the order sizes first appear (each rate recomputed).
+    pub fn sum(parts: impl IntoIterator<Item = RowCacheTally>) -> Vec<RowCacheTally> {
+        let mut acc: Vec<RowCacheTally> = Vec::new();
+        for t in parts {
+            match acc.iter_mut().find(|a| a.slots == t.slots) {
+                Some(a) => *a = RowCacheTally::new(a.slots, a.rows + t.rows, a.hits + t.hits),
+                None => acc.push(RowCacheTally::new(t.slots, t.rows, t.hits)),
             }
         }
-        acc.into_iter()
-            .map(|(c, r, h)| RowCacheTally::new(c, r, h))
-            .collect()
+        acc
     }
 }
 
@@ -338,7 +333,10 @@ mod tests {
     /// Tallies sum per size in first-seen order, and the rate is hits over rows (0 without).
     #[test]
     fn row_cache_tallies_sum_per_size() {
-        let t = RowCacheTally::sum([(64, 10, 2), (8192, 10, 7), (64, 30, 6), (8192, 0, 0)]);
+        let t = RowCacheTally::sum(
+            [(64, 10, 2), (8192, 10, 7), (64, 30, 6), (8192, 0, 0)]
+                .map(|(c, r, h)| RowCacheTally::new(c, r, h)),
+        );
         assert_eq!(
             t,
             vec![
