@@ -26,7 +26,9 @@
 
 use fathom_bench::calib::head_calib;
 use fathom_model::attention::KvSlice;
-use fathom_model::{argmax, AttentionHook, DecodeAttention, Dense, KvCache, LayerKind, Model};
+use fathom_model::{
+    argmax, AttendError, AttentionHook, DecodeAttention, Dense, KvCache, LayerKind, Model,
+};
 use fathom_plan::scanner::{HeadCalib, Scanner};
 use fathom_plan::{KvView, SelectParams};
 use rayon::prelude::*;
@@ -191,7 +193,6 @@ pub struct SparseAttention<'a> {
     softcap: Option<f32>,
     /// Statistics so far.
     pub stats: BranchStats,
-    error: Option<EvalError>,
 }
 
 impl std::fmt::Debug for SparseAttention<'_> {
@@ -240,13 +241,7 @@ impl<'a> SparseAttention<'a> {
             stores,
             softcap: model.config().attn_softcap,
             stats: BranchStats::default(),
-            error: None,
         })
-    }
-
-    /// The first error met inside [`DecodeAttention::attend`] (which cannot return one).
-    pub fn take_error(&mut self) -> Option<EvalError> {
-        self.error.take()
     }
 
     fn sparse(
@@ -296,16 +291,24 @@ impl DecodeAttention for SparseAttention<'_> {
         pos: usize,
         window: Option<usize>,
         out: &mut [f32],
-    ) {
+    ) -> Result<(), AttendError> {
         let sparse = !self.scanner.is_dense() && self.kinds.get(layer) == Some(&LayerKind::Global);
-        if !sparse || self.error.is_some() {
-            Dense.attend(layer, q, k, v, pos, window, out);
-            return;
+        if !sparse {
+            return Dense.attend(layer, q, k, v, pos, window, out);
         }
-        if let Err(e) = self.sparse(layer, q, k, v, pos, out) {
-            self.error = Some(e);
-            Dense.attend(layer, q, k, v, pos, window, out);
-        }
+        Ok(self.sparse(layer, q, k, v, pos, out)?)
+    }
+}
+
+/// A decode step's error with the sparse attention's own [`EvalError`] taken back out of
+/// [`fathom_model::Error::Attention`] (where the model runtime boxed it).
+fn step_error(e: fathom_model::Error) -> EvalError {
+    match e {
+        fathom_model::Error::Attention { layer, source } => match source.downcast::<EvalError>() {
+            Ok(inner) => *inner,
+            Err(source) => EvalError::Model(fathom_model::Error::Attention { layer, source }),
+        },
+        e => EvalError::Model(e),
     }
 }
 
@@ -339,10 +342,9 @@ pub fn decode_branch(
         if model.tokenizer().stop_tokens().contains(&next) || i + 1 == max_new || stop(&out) {
             break;
         }
-        logits = model.decode_step(next, &mut cache, &mut attn, None)?;
-        if let Some(e) = attn.take_error() {
-            return Err(e);
-        }
+        logits = model
+            .decode_step(next, &mut cache, &mut attn, None)
+            .map_err(step_error)?;
     }
     Ok(Branch {
         tokens: out,
@@ -364,10 +366,9 @@ pub fn forced_branch(
     let mut attn = SparseAttention::new(model, pre, scanner, calib, params)?;
     let mut out = Vec::with_capacity(forced.len());
     for &t in forced {
-        let logits = model.decode_step(t, &mut cache, &mut attn, None)?;
-        if let Some(e) = attn.take_error() {
-            return Err(e);
-        }
+        let logits = model
+            .decode_step(t, &mut cache, &mut attn, None)
+            .map_err(step_error)?;
         out.push(argmax(&logits));
     }
     Ok(Branch {
@@ -385,5 +386,29 @@ pub fn default_k(context: usize) -> usize {
         256
     } else {
         512
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sparse attention's own error comes back out of the model's `Error::Attention`
+    /// unchanged; any other attention error stays the model's, with its layer.
+    #[test]
+    fn a_step_error_is_the_scanners_own() {
+        let boxed = fathom_model::Error::Attention {
+            layer: 3,
+            source: Box::new(EvalError::Invalid("layer 3 has no stores".into())),
+        };
+        assert!(matches!(step_error(boxed), EvalError::Invalid(m) if m.contains("no stores")));
+        let foreign = fathom_model::Error::Attention {
+            layer: 4,
+            source: "not an EvalError".into(),
+        };
+        assert!(matches!(
+            step_error(foreign),
+            EvalError::Model(fathom_model::Error::Attention { layer: 4, .. })
+        ));
     }
 }

@@ -47,6 +47,10 @@ impl<'a> KvSlice<'a> {
 ///
 /// A sparse scanner (the `fathom-plan` selection protocol) implements this trait to replace
 /// dense attention on every generated token.
+///
+/// An implementation that fails returns its error, and [`crate::Model::decode_step`] returns it
+/// as [`crate::Error::Attention`] naming the layer: a failed step never falls back to another
+/// attention, so no output is labelled with a method that did not make it.
 pub trait DecodeAttention {
     /// Attend one decode query for `layer`.
     #[allow(clippy::too_many_arguments)]
@@ -59,8 +63,12 @@ pub trait DecodeAttention {
         pos: usize,
         window: Option<usize>,
         out: &mut [f32],
-    );
+    ) -> Result<(), AttendError>;
 }
+
+/// What a [`DecodeAttention`] returns on failure: the implementation's own error, boxed
+/// (downcast it to recover the type).
+pub type AttendError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Exact dense attention (the reference and the default).
 #[derive(Clone, Copy, Debug, Default)]
@@ -76,11 +84,12 @@ impl DecodeAttention for Dense {
         pos: usize,
         window: Option<usize>,
         out: &mut [f32],
-    ) {
+    ) -> Result<(), AttendError> {
         let d = k.head_dim;
         let scale = 1.0 / (d as f32).sqrt();
         let qs: Vec<f32> = q.iter().map(|x| x * scale).collect();
         dense_attention(&qs, k, v, pos, 1, window, out);
+        Ok(())
     }
 }
 

@@ -74,6 +74,14 @@ pub enum Error {
     /// The architecture in the GGUF is not supported.
     #[error("unsupported architecture {0:?} (supported: llama, gemma3)")]
     UnsupportedArch(String),
+    /// A decode step's [`crate::DecodeAttention`] failed on this layer (its own error inside).
+    #[error("decode attention on layer {layer}: {source}")]
+    Attention {
+        /// The layer whose attention failed.
+        layer: usize,
+        /// The implementation's error ([`crate::attention::AttendError`]).
+        source: crate::attention::AttendError,
+    },
     /// Building or running the tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

@@ -27,10 +27,11 @@ pub mod error;
 pub mod fetch;
 pub mod model;
 pub mod pypi;
+mod qmatvec;
 pub mod tokenizer;
 pub mod weights;
 
-pub use attention::{DecodeAttention, Dense, KvSlice};
+pub use attention::{AttendError, DecodeAttention, Dense, KvSlice};
 pub use error::{Error, Result};
 pub use model::{
     argmax, generate_greedy, log_softmax, round_bf16, Arch, AttentionHook, Config, KvCache,

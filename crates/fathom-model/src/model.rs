@@ -105,7 +105,9 @@ impl Config {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightMode {
     /// Dequantize the types that have no SIMD dot product in candle 0.11.1 on x86 (Q4_1,
-    /// Q5_0, Q5_1); keep the k-quants and Q8_0 quantized.
+    /// Q5_0, Q5_1) for prefill chunks, and multiply decode steps' rows by the raw Q4_1 and Q5_0
+    /// blocks themselves (the same weights, read at 5–5.5 bits instead of 32); keep the
+    /// k-quants and Q8_0 quantized.
     #[default]
     Auto,
     /// Keep every matmul weight quantized.
@@ -141,8 +143,16 @@ pub trait AttentionHook {
     fn on_attention(&mut self, layer: usize, pos0: usize, q: &[f32], o: &[f32]);
 }
 
+/// Up to this many activation rows, a [`Linear`] with raw blocks multiplies them row by row
+/// ([`crate::qmatvec`]): each row then reads the 5–5.5-bit blocks rather than the f32 copy, and
+/// four rows still read less than one pass over the f32 weights (4 · 5.5 < 32 bits).
+const MATVEC_MAX_ROWS: usize = 4;
+
 struct Linear {
     mm: QMatMul,
+    /// The raw `Q4_1` / `Q5_0` blocks of a weight that `mm` holds dequantized
+    /// ([`WeightMode::Auto`]), for decode steps; see [`MATVEC_MAX_ROWS`].
+    blocks: Option<crate::qmatvec::QuantRows>,
     n_in: usize,
     n_out: usize,
     /// Round the input to bf16 first ([`WeightMode::Bf16`]).
@@ -152,6 +162,16 @@ struct Linear {
 impl Linear {
     fn forward(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), t * self.n_in);
+        if let Some(b) = self.blocks.as_ref().filter(|_| t <= MATVEC_MAX_ROWS) {
+            let mut y = vec![0f32; t * self.n_out];
+            for (xr, yr) in x
+                .chunks_exact(self.n_in)
+                .zip(y.chunks_exact_mut(self.n_out))
+            {
+                b.matvec(xr, yr);
+            }
+            return Ok(y);
+        }
         let rounded;
         let x = if self.bf16_input {
             let mut r = x.to_vec();
@@ -606,6 +626,11 @@ impl<'a> Loader<'a> {
             ),
         };
         let bf16 = self.mode == WeightMode::Bf16;
+        let blocks = if self.mode == WeightMode::Auto {
+            crate::qmatvec::QuantRows::new(&q, n_out, n_in)
+        } else {
+            None
+        };
         let mm = if dequant {
             let t = q.dequantize(&Device::Cpu).map_err(|e| gguf_err(name, e))?;
             let t = if bf16 {
@@ -624,6 +649,7 @@ impl<'a> Loader<'a> {
         };
         Ok(Linear {
             mm,
+            blocks,
             n_in,
             n_out,
             bf16_input: bf16,
@@ -849,6 +875,21 @@ impl Model {
         if t == 0 {
             return Err(Error::Invalid("forward of zero tokens".into()));
         }
+        if cache.k.len() != cfg.n_layers
+            || cache.n_kv_heads != cfg.n_kv_heads
+            || cache.head_dim != cfg.head_dim
+        {
+            return Err(Error::Invalid(format!(
+                "the KV cache is for {} layers × {} KV heads × {} channels, this model has \
+                 {} × {} × {} (a cache from Model::new_cache of another model?)",
+                cache.k.len(),
+                cache.n_kv_heads,
+                cache.head_dim,
+                cfg.n_layers,
+                cfg.n_kv_heads,
+                cfg.head_dim
+            )));
+        }
         if pos0 + t > cache.capacity {
             return Err(Error::ContextFull {
                 pos: pos0,
@@ -905,7 +946,9 @@ impl Model {
             };
             let mut o = vec![0f32; t * hq * d];
             match attn.as_mut() {
-                Some(a) if t == 1 => a.attend(l, &q, ks, vs, pos0, kind.window(), &mut o),
+                Some(a) if t == 1 => a
+                    .attend(l, &q, ks, vs, pos0, kind.window(), &mut o)
+                    .map_err(|source| Error::Attention { layer: l, source })?,
                 _ => {
                     let qs: Vec<f32> = q.iter().map(|v| v * scale).collect();
                     dense_attention(&qs, ks, vs, pos0, t, kind.window(), &mut o);

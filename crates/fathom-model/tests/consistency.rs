@@ -138,3 +138,53 @@ fn bf16_mode_is_the_f32_model_up_to_rounding_and_dense_weights_match_the_config(
         assert!(w.embedding.data.iter().all(|v| v.is_finite()));
     }
 }
+
+/// A [`fathom_model::DecodeAttention`] that fails on one layer.
+struct FailsOn(usize);
+
+impl fathom_model::DecodeAttention for FailsOn {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: fathom_model::KvSlice<'_>,
+        v: fathom_model::KvSlice<'_>,
+        pos: usize,
+        window: Option<usize>,
+        out: &mut [f32],
+    ) -> Result<(), fathom_model::AttendError> {
+        if layer == self.0 {
+            return Err("this layer's scanner failed".into());
+        }
+        Dense.attend(layer, q, k, v, pos, window, out)
+    }
+}
+
+/// A decode attention's error is the step's error, naming the layer: no fallback to dense.
+/// A cache made for another model is refused before anything is written to it.
+#[test]
+fn a_failing_attention_and_a_foreign_cache_are_errors() {
+    let Some(m) = common::load_with(ModelId::Smollm2_135m, WeightMode::Auto) else {
+        return;
+    };
+    let ids = m.tokenizer().encode(common::LONG_TEXT).unwrap();
+    let mut cache = m.new_cache(40);
+    m.prefill(&ids[..32], &mut cache, 32, None).unwrap();
+    match m.decode_step(ids[32], &mut cache, &mut FailsOn(5), None) {
+        Err(fathom_model::Error::Attention { layer, source }) => {
+            assert_eq!(layer, 5);
+            assert!(source.to_string().contains("scanner failed"));
+        }
+        other => panic!(
+            "expected Error::Attention on layer 5, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    let Some(gemma) = common::load_with(ModelId::Gemma3_270m, WeightMode::Auto) else {
+        return;
+    };
+    let mut other = gemma.new_cache(8);
+    let err = m.prefill(&ids[..4], &mut other, 4, None).unwrap_err();
+    assert!(err.to_string().contains("this model has"), "{err}");
+    assert_eq!(other.len(), 0);
+}
