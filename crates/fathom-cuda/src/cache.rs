@@ -255,7 +255,7 @@ impl CacheConfig {
                 ),
             ));
         }
-        if self.shape.group > 8 || self.shape.group * self.max_k > 8192 {
+        if self.shape.group > 8 || self.shape.group.saturating_mul(self.max_k) > 8192 {
             return Err(CudaError::invalid(
                 "max_k",
                 format!(
@@ -556,7 +556,14 @@ pub fn check_attend(
     if q.q == 0 || out == 0 {
         return Err(CudaError::invalid("attend", "null query or output pointer"));
     }
-    if params.sink + params.local > MAX_SINK_LOCAL {
+    check_select(cfg, params)
+}
+
+/// The selection's limits in this cache: `sink + local ≤ MAX_SINK_LOCAL` and
+/// `1 ≤ k ≤ max_k`. Part of [`check_attend`]; a caller that reserves and appends before its
+/// first attend (a model's decode step) runs it first, so a bad selection changes nothing.
+pub fn check_select(cfg: &CacheConfig, params: &fathom_plan::SelectParams) -> Result<()> {
+    if params.sink.saturating_add(params.local) > MAX_SINK_LOCAL {
         return Err(CudaError::invalid(
             "select",
             format!(
@@ -570,6 +577,32 @@ pub fn check_attend(
             "k",
             format!("{} (want 1..={}, the cache's max_k)", params.k, cfg.max_k),
         ));
+    }
+    Ok(())
+}
+
+/// Double Sparsity's channels of one head in a calibration: each below `dim` and none twice
+/// (the static plan sets depth 4 at each, so a channel past D would set one of the next head's).
+///
+/// # Errors
+/// The first channel out of range or repeated, naming the head.
+pub fn check_ds_channels(head: usize, channels: &[u16], dim: usize) -> Result<()> {
+    let mut seen = vec![false; dim];
+    for &c in channels {
+        let c = c as usize;
+        if c >= dim || std::mem::replace(&mut seen[c], true) {
+            return Err(CudaError::invalid(
+                "calibration",
+                format!(
+                    "head {head}: Double Sparsity channel {c} {} (D = {dim})",
+                    if c >= dim {
+                        "is out of range"
+                    } else {
+                        "is listed twice"
+                    }
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -915,6 +948,48 @@ mod tests {
                 e.contains("attend groups") && e.contains("1..=2"),
                 "{bad}: {e}"
             );
+        }
+    }
+
+    /// The selection's limits, Double Sparsity's channels and a hand-built method are checked
+    /// on the host, so a model's decode step can run them before its reserve.
+    #[test]
+    fn selections_channels_and_methods_are_checked_on_the_host() {
+        let c = cfg();
+        let p = |sink, local, k| fathom_plan::SelectParams { sink, local, k };
+        assert!(check_select(&c, &p(4, 32, 64)).is_ok());
+        for (bad, what) in [
+            (p(4, 32, 0), "k"),
+            (p(4, 32, 65), "max_k"),
+            (p(40, 40, 8), "sink 40"),
+            (p(usize::MAX - 10, 20, 8), "sink"),
+        ] {
+            let e = check_select(&c, &bad).unwrap_err().to_string();
+            assert!(e.contains(what), "{bad:?}: {e}");
+        }
+        assert!(check_ds_channels(0, &[0, 5, 127], 128).is_ok());
+        let e = check_ds_channels(1, &[3, 128], 128)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("head 1") && e.contains("128 is out of range"),
+            "{e}"
+        );
+        let e = check_ds_channels(0, &[3, 3], 128).unwrap_err().to_string();
+        assert!(e.contains("listed twice"), "{e}");
+        use crate::config::Method;
+        for ok in [Method::Fathom(48.0), Method::SparQ(16), Method::Exact] {
+            assert!(ok.validate(128).is_ok(), "{ok:?}");
+        }
+        for bad in [
+            Method::Fathom(f32::NAN),
+            Method::Fathom(-1.0),
+            Method::Fathom(1e9),
+            Method::SparQ(0),
+            Method::DoubleSparsity(129),
+            Method::Loki(0),
+        ] {
+            assert!(bad.validate(128).is_err(), "{bad:?}");
         }
     }
 

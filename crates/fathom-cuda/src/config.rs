@@ -157,6 +157,34 @@ impl Method {
         Method::try_from(spec)
     }
 
+    /// Checks a method built directly (its variants are public) against the grammar's ranges
+    /// at head dimension `dim`, as [`Method::parse`] does: a budget that is not a finite
+    /// number in range, or `r` of 0 or past D, would otherwise reach the kernels (a NaN
+    /// budget plans every depth 0, and the top-k of all-zero scores is silently positional).
+    ///
+    /// ```
+    /// use fathom_cuda::Method;
+    /// assert!(Method::Fathom(48.0).validate(128).is_ok());
+    /// assert!(Method::Fathom(f32::NAN).validate(128).is_err());
+    /// assert!(Method::SparQ(0).validate(128).is_err());
+    /// # Ok::<(), fathom_cuda::CudaError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// The grammar's range error, naming the method.
+    pub fn validate(&self, dim: usize) -> Result<()> {
+        let label = self.label();
+        let back = Method::parse(&label, dim)?;
+        // Display is the shortest round trip of the f32, so only an out-of-range value differs.
+        if back != *self {
+            return Err(CudaError::invalid(
+                "method",
+                format!("{label} does not read back as itself"),
+            ));
+        }
+        Ok(())
+    }
+
     /// The method in the shared grammar.
     pub fn spec(&self) -> MethodSpec {
         match *self {

@@ -390,8 +390,9 @@ pub struct PagedCache {
     plans_counted: u64,
     /// While capturing a graph: grids sized for the largest context, decode batches only.
     fixed_grids: bool,
-    /// While capturing: the plans counted before the capture began, and the batch's sessions.
-    capturing: Option<(u64, Vec<SessionId>)>,
+    /// While capturing: the plans counted before the capture began, the batch's sessions and
+    /// the settings counter when it began (a change before its end makes the capture stale).
+    capturing: Option<(u64, Vec<SessionId>, u64)>,
     /// How attends select ([`PagedCache::set_select_path`]).
     select: crate::cache::SelectPath,
     /// Head groups per attend ([`PagedCache::set_attend_groups`]), the second stream that
@@ -1233,6 +1234,7 @@ impl PagedCache {
                     format!("head {h}: σ² {x} is not a finite non-negative number"),
                 ));
             }
+            crate::cache::check_ds_channels(h, &hc.ds_channels, s.dim)?;
         }
         let pca = if self.cfg.pca_index {
             let mut u = Vec::with_capacity(s.kv_heads * s.dim * s.dim);
@@ -1286,8 +1288,10 @@ impl PagedCache {
         }
         self.calib.sigma2[layer] = Some(sigma2);
         self.calib.ds_channels[layer] = Some(heads.iter().map(|h| h.ds_channels.clone()).collect());
-        // A static plan made before this calibration is stale.
+        // A static plan made before this calibration is stale, and so is a graph captured
+        // before it (it reads the σ² and depth buffers just replaced).
         self.calib.statics.retain(|k, _| !k.starts_with("ds:"));
+        self.settings += 1;
         Ok(())
     }
 
@@ -1301,6 +1305,7 @@ impl PagedCache {
     /// tables.
     pub fn prepare(&mut self, method: crate::config::Method) -> Result<()> {
         use crate::config::Method as M;
+        method.validate(self.cfg.shape.dim)?;
         self.check_tables(method)?;
         let s = self.cfg.shape;
         let (hkv, d) = (s.kv_heads, s.dim);
@@ -1401,6 +1406,9 @@ impl PagedCache {
         use crate::config::Method as M;
         let s = self.cfg.shape;
         let (hkv, d) = (s.kv_heads, s.dim);
+        if let AttendMethod::Scan(m) = method {
+            m.validate(d)?;
+        }
         // Where this method's depths come from (checked before any launch).
         if let AttendMethod::Scan(m @ M::DoubleSparsity(_)) = method {
             if self.calib.ds_channels[layer].is_none() {
@@ -2444,7 +2452,7 @@ impl PagedCache {
             )
             .map_err(drv("begin_capture"))?;
         self.fixed_grids = true;
-        self.capturing = Some((self.plans_counted, batch.sessions()));
+        self.capturing = Some((self.plans_counted, batch.sessions(), self.settings));
         Ok(())
     }
 
@@ -2454,7 +2462,7 @@ impl PagedCache {
     /// No capture under way; a failed capture (a launch that may not be captured, a wait for
     /// the stream in between) or nothing captured.
     pub fn end_capture(&mut self) -> Result<DecodeGraph> {
-        let (plans0, sessions) = self
+        let (plans0, sessions, settings0) = self
             .capturing
             .take()
             .ok_or_else(|| CudaError::invalid("capture", "no capture under way"))?;
@@ -2468,6 +2476,12 @@ impl PagedCache {
         let graph = graph
             .map_err(drv("end_capture"))?
             .ok_or_else(|| CudaError::invalid("capture", "the step launched nothing"))?;
+        if self.settings != settings0 {
+            return Err(CudaError::invalid(
+                "capture",
+                "a setting of the cache changed during the capture: capture the step again",
+            ));
+        }
         Ok(DecodeGraph {
             graph,
             sessions,
@@ -2483,6 +2497,7 @@ impl PagedCache {
     /// A stale batch, or one whose sessions or token counts differ from the captured one's; a
     /// graph captured before a setting changed (it would run the old step).
     pub fn replay(&mut self, batch: &AppendBatch, graph: &DecodeGraph) -> Result<()> {
+        self.check_graph(graph)?;
         if batch.step != self.step
             || batch.sessions() != graph.sessions
             || batch.plans.iter().any(|p| p.tokens != 1)
@@ -2492,16 +2507,26 @@ impl PagedCache {
                 "the graph replays the decode step of the sessions it was captured for, after their current reserve",
             ));
         }
-        if graph.settings != self.settings {
-            // Its kernels were recorded with other settings (the host gather's buffers may
-            // even be freed): replaying it would run the old step, or read freed memory.
-            return Err(CudaError::invalid(
-                "replay",
-                "a setting of the cache changed since the capture (select path, head groups, scan loads, host gather, a static method's depths): capture the step again",
-            ));
-        }
         graph.graph.launch().map_err(drv("graph launch"))?;
         self.plans_counted += graph.plans;
+        Ok(())
+    }
+
+    /// Whether `graph` may still be replayed on this cache: refused when a setting changed
+    /// since its capture (its kernels were recorded with other settings, and buffers it reads,
+    /// such as the host gather's or a replaced calibration's, may be freed). A caller that
+    /// reserves before [`PagedCache::replay`] checks this first, so a stale graph changes
+    /// nothing.
+    ///
+    /// # Errors
+    /// The stale graph.
+    pub fn check_graph(&self, graph: &DecodeGraph) -> Result<()> {
+        if graph.settings != self.settings {
+            return Err(CudaError::invalid(
+                "replay",
+                "a setting of the cache changed since the capture (select path, head groups, scan loads, host gather, a calibration, a static method's depths): capture the step again",
+            ));
+        }
         Ok(())
     }
 

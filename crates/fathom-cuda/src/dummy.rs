@@ -512,6 +512,13 @@ impl PagedCache {
     pub fn end_capture(&mut self) -> Result<DecodeGraph> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Whether a captured step may still be replayed.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn check_graph(&self, _graph: &DecodeGraph) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Replays a captured decode step.
     ///
     /// # Errors

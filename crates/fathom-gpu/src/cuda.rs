@@ -767,7 +767,11 @@ impl GpuDecoder {
     fn window_decode(&self, batch: &AppendBatch, l: usize, rows: usize) -> Result<()> {
         let c = &self.cfg;
         let w = &self.work;
-        let win = c.layer_kinds[l].window().unwrap_or(self.window).max(1);
+        // No session holds more than max_tokens rows, so a wider window reads the same rows.
+        let win = c.layer_kinds[l]
+            .window()
+            .unwrap_or(self.window)
+            .clamp(1, self.dcfg.max_tokens);
         let counts: Vec<u32> = batch
             .plans
             .iter()
@@ -857,10 +861,17 @@ impl GpuDecoder {
             pos.push(self.cache.len(s)? as u32);
         }
         self.prepare(attention.method)?;
+        let mut global = false;
         for (l, kind) in self.cfg.layer_kinds.iter().enumerate() {
             if *kind == LayerKind::Global {
                 self.cache.check_method(attention.method, l)?;
+                global = true;
             }
+        }
+        // The first global layer's attend would refuse a bad selection only after the reserve
+        // and the appends of the layers before it: check it before anything changes.
+        if global {
+            fathom_cuda::cache::check_select(self.cache.config(), &attention.params)?;
         }
         let sessions: Vec<(SessionId, usize)> = batch.iter().map(|&(s, _)| (s, 1)).collect();
         let ab = self.cache.reserve(&sessions)?;
@@ -1006,6 +1017,7 @@ impl GpuDecoder {
                 "the batch's sessions are not the ones the graph was captured for",
             ));
         }
+        self.cache.check_graph(&graph.graph)?;
         let ab = self.decode_prologue(batch, &graph.attention)?;
         self.cache.replay(&ab, &graph.graph)?;
         self.read_sampled(batch.len())

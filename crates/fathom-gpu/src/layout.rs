@@ -169,9 +169,27 @@ impl DecoderConfig {
     /// their window from it).
     ///
     /// # Errors
-    /// Limits of 0, a chunk past `max_tokens`, a head dimension or group the cache does not
-    /// take (its own checks).
+    /// A model config with Hkv = 0, Hq not a multiple of Hkv or a layer-kind table of another
+    /// length; limits of 0, a chunk past `max_tokens`, a head dimension or group the cache does
+    /// not take (its own checks).
     pub fn cache_config(&self, model: &Config) -> Result<CacheConfig> {
+        // A caller-built Config (GpuDecoder::random) has not been through the GGUF loader's
+        // checks: the group and the per-layer tables below need these.
+        if model.n_kv_heads == 0
+            || model.n_heads % model.n_kv_heads != 0
+            || model.layer_kinds.len() != model.n_layers
+        {
+            return Err(GpuError::invalid(
+                "model config",
+                format!(
+                    "Hq = {}, Hkv = {}, {} layer kinds for {} layers (want Hkv ≥ 1 dividing Hq, one kind per layer)",
+                    model.n_heads,
+                    model.n_kv_heads,
+                    model.layer_kinds.len(),
+                    model.n_layers
+                ),
+            ));
+        }
         if self.max_sessions == 0 || self.max_tokens == 0 || self.max_batch == 0 {
             return Err(GpuError::invalid(
                 "decoder config",
@@ -185,7 +203,13 @@ impl DecoderConfig {
             ));
         }
         let per = self.max_tokens.div_ceil(self.page_tokens.max(1));
-        let pages = self.pages.unwrap_or(self.max_sessions * (per + 1));
+        let pages = match self.pages {
+            Some(p) => p,
+            None => self
+                .max_sessions
+                .checked_mul(per + 1)
+                .ok_or_else(|| GpuError::invalid("max_sessions", "sessions × pages overflow"))?,
+        };
         let cfg = CacheConfig {
             shape: ModelShape {
                 layers: model.n_layers,
@@ -328,6 +352,31 @@ mod tests {
             }
             assert_eq!(p.wd, w.down.data.iter().map(|&x| bf(x)).collect::<Vec<_>>());
         }
+    }
+
+    /// A caller-built model config is checked before its group or layer table is used.
+    #[test]
+    fn a_model_config_the_cache_cannot_serve_is_refused() {
+        let good = crate::presets::preset("qwen3-8b").expect("the Qwen3-8B preset");
+        let d = DecoderConfig::new(2, 4096);
+        assert!(d.cache_config(&good).is_ok());
+        let mut c = good.clone();
+        c.n_kv_heads = 0;
+        assert!(d
+            .cache_config(&c)
+            .unwrap_err()
+            .to_string()
+            .contains("Hkv = 0"));
+        let mut c = good.clone();
+        c.n_heads = c.n_kv_heads * 4 + 1;
+        assert!(d.cache_config(&c).is_err());
+        let mut c = good.clone();
+        c.layer_kinds.pop();
+        assert!(d
+            .cache_config(&c)
+            .unwrap_err()
+            .to_string()
+            .contains("layer kinds"));
     }
 
     #[test]

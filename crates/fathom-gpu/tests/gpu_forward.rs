@@ -176,6 +176,18 @@ fn bad_calls_are_refused_before_anything_changes() {
     };
     let e = bad(dec.decode(&[(s, 5)], &fathom));
     assert!(e.contains("σ²"), "{e}");
+    // A selection the cache refuses is refused before the reserve and layer 0's append.
+    for k in [0, 100_000] {
+        let mut a = dense();
+        a.params.k = k;
+        let e = bad(dec.decode(&[(s, 5)], &a));
+        assert!(e.contains("max_k"), "k = {k}: {e}");
+    }
+    let nan = Attention {
+        method: AttendMethod::Scan(Method::Fathom(f32::NAN)),
+        params: dense().params,
+    };
+    assert!(dec.decode(&[(s, 5)], &nan).is_err());
     assert_eq!(dec.len(s).unwrap(), 3, "nothing was appended");
     dec.free(s).unwrap();
     assert!(matches!(
