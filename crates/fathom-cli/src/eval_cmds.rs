@@ -100,6 +100,10 @@ pub struct EvalCommon {
 
 /// `fathom ruler`: RULER-style tasks with branched sparse decoding.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom ruler --model smollm2-135m --context 4096 --samples 5 --json ruler.json\n  \
+    fathom ruler --model gemma3-270m --context 8192 --k 256 --prompt chat --shape small --samples 20 --tasks niah_single,niah_multikey --methods dense,exact,fathom:48,sparq:32 --json ruler.json\n  \
+    fathom ruler --model gemma3-270m --context 32768 --k 512 --prompt chat --shape small,needle=passkey --samples 20 --device cuda --json ruler.json   # a cuda build")]
 pub struct RulerArgs {
     #[command(flatten)]
     pub common: EvalCommon,
@@ -158,6 +162,9 @@ pub struct RulerArgs {
 
 /// `fathom agent-steps`: teacher-forced step agreement on agent-transcript coding contexts.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom agent-steps --model smollm2-135m --context 8192 --sessions 3 --steps 32 --json agent.json\n  \
+    fathom agent-steps --model gemma3-270m --context 32768 --k 512 --sessions 16 --steps 64 --device cuda --row-cache 8192 --json agent.json   # a cuda build")]
 pub struct AgentStepsArgs {
     #[command(flatten)]
     pub common: EvalCommon,
@@ -199,6 +206,8 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
     if c.device == "cuda" {
         let names: Vec<String> = c.methods.split(',').map(|m| m.trim().to_string()).collect();
         crate::gpu_cmds::check_gpu_methods(&names)?;
+        // The GPU before the model, the calibration and the CPU work that precede its use.
+        drop(fathom_cuda::Gpu::open(0).context("--device cuda needs a GPU")?);
     }
     let fopts = FetchOptions {
         cache_dir: c.cache_dir.clone(),

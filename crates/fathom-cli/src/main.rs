@@ -75,6 +75,8 @@ enum Cmd {
 #[derive(Subcommand, Debug)]
 enum StoreCmd {
     /// Quantize a key tensor ([N, D] or [N, Hkv, D]; f32, f16 or bf16) into a store file.
+    #[command(after_help = "Examples:\n  \
+    fathom store quantize --keys keys.safetensors --tensor k --out keys.fks")]
     Quantize {
         /// Input safetensors file.
         #[arg(long)]
@@ -87,6 +89,8 @@ enum StoreCmd {
         out: PathBuf,
     },
     /// Write the T-plane prefix values of every key as tensor `keys` (f32, input's shape).
+    #[command(after_help = "Examples:\n  \
+    fathom store dequant --store keys.fks --planes 2 --out keys-2bit.safetensors   # the 2-bit quantizer of every key")]
     Dequant {
         /// Store file.
         #[arg(long)]
@@ -99,6 +103,9 @@ enum StoreCmd {
         out: PathBuf,
     },
     /// Print a store's shape and cost.
+    #[command(after_help = "Examples:\n  \
+    fathom store info --store keys.fks\n  \
+    fathom store info --store keys.fks --json")]
     Info {
         /// Store file.
         #[arg(long)]
@@ -110,6 +117,8 @@ enum StoreCmd {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom plan --weights importance.safetensors --tensor w --budget 48 --json")]
 struct PlanArgs {
     /// Safetensors file holding the importance.
     #[arg(long)]
@@ -126,6 +135,10 @@ struct PlanArgs {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom demo\n  \
+    fathom demo --budgets 32,48,64 --json demo.json --plot demo.png\n  \
+    fathom demo --synthetic --context 16384 --k 256   # the labelled synthetic workload")]
 struct DemoArgs {
     /// Use the labelled synthetic GQA workload instead of the embedded real capture.
     #[arg(long)]
@@ -153,6 +166,10 @@ struct DemoArgs {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom capture --model smollm2-135m --split calib --context 4096 --out calib-4k.safetensors\n  \
+    fathom calibrate --capture calib-4k.safetensors --out calib-4k.json\n  \
+    fathom calibrate --capture calib-4k.safetensors --out calib-4k.json --targets 32,48,64 --k 128")]
 struct CalibrateArgs {
     /// Calibration capture (docs/SPEC.md §8 safetensors).
     #[arg(long)]
@@ -177,6 +194,9 @@ struct CalibrateArgs {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom fidelity --capture eval-4k.safetensors --calib calib-4k.json --methods exact,fathom:48,sparq:32,ds:32 --json fid.json --plot fid.png\n  \
+    fathom fidelity --capture eval-4k.safetensors --calib calib-4k.json --methods fathom-sweep:24-136/8,sparq:16,sparq:32,ds:16,ds:32")]
 struct FidelityArgs {
     /// Evaluation capture (docs/SPEC.md §8 safetensors).
     #[arg(long)]
@@ -231,21 +251,48 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
         Err(e) => {
+            // The message and what it lists (the missing arguments, a bad value's choices),
+            // up to the usage lines.
             let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or("invalid arguments");
-            let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("error: {first} (see `fathom --help`)");
+            let msg = one_line(
+                text.lines()
+                    .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more"))
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty()),
+            );
+            let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
+            eprintln!("error: {msg} (see `fathom --help`)");
             return ExitCode::from(2);
         }
     };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let msg = format!("{e:#}").replace('\n', " ");
-            eprintln!("error: {msg}");
+            eprintln!("error: {}", error_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// Joins lines with single spaces.
+fn one_line<'a>(lines: impl Iterator<Item = &'a str>) -> String {
+    lines.collect::<Vec<_>>().join(" ")
+}
+
+/// An error and its causes on one line; a cause whose text the message already holds (a
+/// library error that prints its `source`) is not repeated.
+fn error_line(e: &anyhow::Error) -> String {
+    let mut msg = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !msg.contains(&text) {
+            if !msg.is_empty() {
+                msg.push_str(": ");
+            }
+            msg.push_str(&text);
+        }
+    }
+    one_line(msg.lines())
 }
 
 fn run(cli: Cli) -> Result<()> {

@@ -53,6 +53,9 @@ impl CacheArgs {
 
 /// `fathom generate`: greedy decoding with dense attention.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom generate --prompt \"The three primary colours are\" --max-tokens 16\n  \
+    fathom generate --model gemma3-270m --prompt \"def fibonacci(n):\" --max-tokens 64")]
 pub struct GenerateArgs {
     /// Model: smollm2-135m or gemma3-270m.
     #[arg(long, default_value = "smollm2-135m")]
@@ -128,6 +131,10 @@ pub struct CaptureArgs {
 
 /// `fathom fetch-models`: download and verify the pinned GGUFs.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom fetch-models\n  \
+    fathom fetch-models --model gemma3-270m --json\n  \
+    FATHOM_CACHE=/data/fathom fathom fetch-models --offline   # verify what is cached")]
 pub struct FetchModelsArgs {
     /// Only this model (default: all).
     #[arg(long)]
@@ -145,6 +152,9 @@ pub struct FetchModelsArgs {
 
 /// `fathom fetch-corpus`: build the pinned real-text corpora and their calib/eval splits.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom fetch-corpus\n  \
+    fathom fetch-corpus --corpus code --json")]
 pub struct FetchCorpusArgs {
     /// Only this corpus: prose or code (default: both).
     #[arg(long)]

@@ -57,6 +57,10 @@ fn capture_sources(p: &std::path::Path) -> Result<(ModelShape, RealSources)> {
 
 /// Arguments of `fathom offload-bench`.
 #[derive(clap::Args, Debug, Clone)]
+#[command(after_help = "Examples:\n  \
+    fathom offload-bench --engine cache --context 256k,1m --methods fathom:48,sparq:32,ds:32,exact --residency host --graph --rounds 5 --json offload-host.json\n  \
+    fathom offload-bench --engine cache --context 32k --methods fathom:48,sparq:32 --ragged 32k,64k,128k,512k --json ragged.json\n  \
+    fathom offload-bench --shape smollm2-135m --capture eval-4k.safetensors --context 64k --json real.json   # real keys, tiled")]
 pub struct OffloadBenchArgs {
     /// Model shape: qwen3-8b, llama3.1-8b, qwen2.5-7b or L,HKV,G,D.
     #[arg(long, default_value = "qwen3-8b")]

@@ -22,6 +22,10 @@ use crate::model_cmds::{load_model, CacheArgs};
 
 /// `fathom speed`.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    fathom speed\n  \
+    fathom speed --model gemma3-270m --context 2048,8192 --decode-steps 16 --json speed.json\n  \
+    fathom speed --no-llama   # fathom-model only")]
 pub struct SpeedArgs {
     /// Model: smollm2-135m or gemma3-270m.
     #[arg(long, default_value = "smollm2-135m")]

@@ -117,6 +117,14 @@ fn cases(fx: &Fx) -> Vec<Case> {
             out: out.map(PathBuf::from),
         })
     };
+    // clap's own errors keep what they list: the missing arguments, by name.
+    case(
+        "missing arguments",
+        "fidelity",
+        s(["fidelity"]),
+        "--capture <CAPTURE> --methods <METHODS>",
+        None,
+    );
     // A file where a directory is expected: unwritable even for root.
     let blocker = fx.put("blocker", b"a plain file");
     let unwritable = |name: &str| format!("{blocker}/{name}");
@@ -1023,6 +1031,15 @@ fn cases(fx: &Fx) -> Vec<Case> {
             "loki-f16:16",
             Some(out.clone()),
         );
+        // No GPU (CI, or a build without `cuda`): refused before the model loads, not after
+        // the calibration and the CPU work that precede the GPU's first use.
+        case(
+            "missing GPU",
+            cmd,
+            off(s([cmd, "--device", "cuda", "--json", &out])),
+            "needs a GPU",
+            Some(out.clone()),
+        );
     }
     // ---- `gpu-parity`: arguments first, then the device (none on CI, or no `cuda` build),
     // and `--device cuda` of the evaluation commands refuses what the cache does not run.
@@ -1376,6 +1393,23 @@ fn every_command_rejects_bad_input_cleanly() {
         cases.len(),
         failures.join("\n")
     );
+}
+
+/// A library error that prints its cause is not followed by the same cause again.
+#[test]
+fn a_cause_is_printed_once() {
+    let missing = std::env::temp_dir().join("fathom-no-such-capture.safetensors");
+    let (ok, _, err, _) = fathom(&s([
+        "fidelity",
+        "--capture",
+        missing.to_str().unwrap(),
+        "--methods",
+        "exact",
+    ]));
+    assert!(!ok);
+    let cause = std::io::Error::from(std::io::ErrorKind::NotFound).to_string();
+    let os = err.matches("os error 2").count();
+    assert_eq!(os, 1, "the cause {cause:?} is printed {os} times: {err}");
 }
 
 /// Every subcommand `fathom --help` lists is in the matrix (or says why it is not).

@@ -366,3 +366,84 @@ fn demo_defaults_to_the_embedded_real_capture() {
     let e: f64 = line.split('|').nth(3).unwrap().trim().parse().unwrap();
     assert!(e > 0.0 && e < 1.0, "{line}");
 }
+
+/// Splits an example line as a shell would for these simple cases: whitespace, double quotes,
+/// a trailing `# comment`, and leading `NAME=value` environment words.
+fn example_args(line: &str) -> Vec<String> {
+    let line = line.split("   #").next().unwrap_or(line);
+    let (mut out, mut cur, mut quoted) = (Vec::new(), String::new(), false);
+    for ch in line.chars() {
+        match ch {
+            '"' => quoted = !quoted,
+            c if c.is_whitespace() && !quoted => {
+                if !cur.is_empty() {
+                    out.push(std::mem::take(&mut cur));
+                }
+            }
+            c => cur.push(c),
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    let at = out
+        .iter()
+        .position(|w| w == "fathom")
+        .expect("an example runs fathom");
+    out.split_off(at + 1)
+}
+
+/// Every subcommand's help ends with examples, and every example's flags parse (each is run
+/// with `--help` appended: clap refuses an unknown flag or value before it prints the help).
+#[test]
+fn every_command_has_examples_that_parse() {
+    let (_, out, _) = fathom(&["--help"]);
+    let mut commands: Vec<Vec<String>> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .filter(|c| c != "help" && c != "store")
+        .map(|c| vec![c])
+        .collect();
+    for sub in ["quantize", "dequant", "info"] {
+        commands.push(vec!["store".into(), sub.into()]);
+    }
+    assert!(
+        commands.len() > 10,
+        "could not parse `fathom --help`:\n{out}"
+    );
+    let mut checked = 0;
+    for cmd in &commands {
+        let mut args: Vec<&str> = cmd.iter().map(String::as_str).collect();
+        args.push("--help");
+        let (ok, help, err) = fathom(&args);
+        assert!(ok, "{cmd:?} --help: {err}");
+        let examples: Vec<&str> = help
+            .lines()
+            .skip_while(|l| !l.starts_with("Examples:"))
+            .skip(1)
+            .map(str::trim)
+            .filter(|l| l.contains("fathom "))
+            .collect();
+        assert!(
+            !examples.is_empty(),
+            "`fathom {}` has no examples",
+            cmd.join(" ")
+        );
+        for ex in examples {
+            let words = example_args(ex);
+            let mut argv: Vec<&str> = words.iter().map(String::as_str).collect();
+            argv.push("--help");
+            let (ok, _, err) = fathom(&argv);
+            assert!(
+                ok,
+                "example of `fathom {}` does not parse: {ex}\n{err}",
+                cmd.join(" ")
+            );
+            checked += 1;
+        }
+    }
+    eprintln!("{checked} examples over {} commands parse", commands.len());
+}
