@@ -89,6 +89,17 @@ impl Capture {
         Self::from_file(TensorFile::from_bytes(name, bytes)?)
     }
 
+    /// A capture in bytes the caller owns (one about to be written), checked as
+    /// [`Capture::open`] checks a file; [`Capture::into_bytes`] gives the bytes back.
+    pub fn from_vec(name: &str, bytes: Vec<u8>) -> Result<Self, TensorError> {
+        Self::from_file(TensorFile::from_vec(name, bytes)?)
+    }
+
+    /// The capture's bytes (those given to [`Capture::from_vec`], without a copy).
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.file.into_bytes()
+    }
+
     fn from_file(file: TensorFile) -> Result<Self, TensorError> {
         let path = &file.path().to_path_buf();
         let meta = file.metadata()?;

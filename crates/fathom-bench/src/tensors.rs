@@ -103,6 +103,7 @@ pub struct TensorFile {
 enum Backing {
     Mapped(memmap2::Mmap),
     Static(&'static [u8]),
+    Owned(Vec<u8>),
 }
 
 impl std::ops::Deref for Backing {
@@ -111,6 +112,7 @@ impl std::ops::Deref for Backing {
         match self {
             Backing::Mapped(m) => m,
             Backing::Static(b) => b,
+            Backing::Owned(v) => v,
         }
     }
 }
@@ -143,6 +145,25 @@ impl TensorFile {
         };
         tf.st()?;
         Ok(tf)
+    }
+
+    /// Bytes the caller owns (a file about to be written), validated as
+    /// [`TensorFile::open`] does; `name` stands for the path in errors.
+    pub fn from_vec(name: &str, bytes: Vec<u8>) -> Result<Self, TensorError> {
+        let tf = Self {
+            path: PathBuf::from(name),
+            map: Backing::Owned(bytes),
+        };
+        tf.st()?;
+        Ok(tf)
+    }
+
+    /// The file's bytes, owned (moved out of [`TensorFile::from_vec`]'s buffer, else copied).
+    pub fn into_bytes(self) -> Vec<u8> {
+        match self.map {
+            Backing::Owned(v) => v,
+            other => other.to_vec(),
+        }
     }
 
     /// The path.

@@ -41,3 +41,18 @@ fn a_corrupt_embedded_buffer_is_a_typed_error() {
     let e = Capture::from_bytes("embedded fixture", cut).unwrap_err();
     assert!(e.to_string().contains("embedded fixture"), "{e}");
 }
+
+/// Owned bytes read as the embedded ones do, and come back unchanged; a truncated buffer is
+/// the same typed error.
+#[test]
+fn owned_bytes_read_back_and_are_given_back() {
+    let cap = Capture::from_vec("owned fixture", FIXTURE.to_vec()).expect("a valid capture");
+    assert_eq!(cap.info().layers, [4, 14, 24]);
+    assert_eq!(cap.layer(14).unwrap().k.len(), {
+        let i = cap.info();
+        i.n * i.hkv * i.d
+    });
+    assert_eq!(cap.into_bytes(), FIXTURE);
+    let e = Capture::from_vec("owned fixture", FIXTURE[..FIXTURE.len() / 2].to_vec()).unwrap_err();
+    assert!(e.to_string().contains("owned fixture"), "{e}");
+}
