@@ -1365,6 +1365,13 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Whether `method`'s static depth table is made and current ([`PagedCache::prepare`] has
+    /// nothing to do): false for the methods that plan per query (their `prepare` only checks),
+    /// and for Double Sparsity after a [`PagedCache::load_calibration`] dropped its table.
+    pub fn is_prepared(&self, method: crate::config::Method) -> bool {
+        self.calib.statics.contains_key(&method.label())
+    }
+
     /// Checks that `method` can attend layer `layer` (its static plan prepared, its
     /// calibration loaded) without launching anything: what [`PagedCache::attend`] checks
     /// first, for a caller that must refuse a step before it reserves or appends.

@@ -512,6 +512,10 @@ impl PagedCache {
     pub fn end_capture(&mut self) -> Result<DecodeGraph> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Whether a method's static depth table is made (never, in this build).
+    pub fn is_prepared(&self, _method: crate::config::Method) -> bool {
+        false
+    }
     /// Whether a captured step may still be replayed.
     ///
     /// # Errors

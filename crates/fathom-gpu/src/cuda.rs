@@ -15,7 +15,6 @@
 //! logits = Wlm · bf16(rmsnorm(x))
 //! ```
 
-use std::collections::HashSet;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -172,7 +171,6 @@ pub struct GpuDecoder {
     blocks: Vec<Block>,
     work: Work,
     window: usize,
-    prepared: HashSet<String>,
     /// Timing events of instrumented decode steps (`set_instrument`): per stage, the (start,
     /// end) pairs recorded since the last `take_stage_times`.
     timing: Option<Timing>,
@@ -437,7 +435,6 @@ impl GpuDecoder {
             blocks,
             work,
             window,
-            prepared: HashSet::new(),
             timing: None,
             blas_workspace: None,
         })
@@ -1154,11 +1151,11 @@ impl GpuDecoder {
     }
 
     fn prepare(&mut self, method: AttendMethod) -> Result<()> {
+        // Asked of the cache each time: a recalibration through `cache_mut` drops the static
+        // tables it made from the old calibration.
         if let AttendMethod::Scan(m) = method {
-            let label = m.label();
-            if !self.prepared.contains(&label) {
+            if !self.cache.is_prepared(m) {
                 self.cache.prepare(m)?;
-                self.prepared.insert(label);
             }
         }
         Ok(())
