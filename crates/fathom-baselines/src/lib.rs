@@ -40,4 +40,9 @@
 #![deny(missing_docs)]
 
 mod methods;
+
+/// The README's example is compiled and run as a doc test, so it cannot fall behind the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 pub use methods::*;

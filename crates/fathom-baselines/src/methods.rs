@@ -1,15 +1,19 @@
+use fathom_plan::calib::ds_order;
 use fathom_plan::method::MethodSpec;
 use fathom_plan::scan::scan;
-use fathom_plan::scanner::{rotated_store, HeadInput, HeadScanner, Held, Scanner, ScannerError};
+use fathom_plan::scanner::{
+    check_head_store, check_score_args, rotated_store, HeadInput, HeadScanner, Held, Scanner,
+    ScannerError,
+};
 use fathom_plan::{plan_bits, KeyTiles};
 use fathom_store::{BasisKind, StoreView};
 use half::f16;
 
+/// The `r` channels of largest weight, ties to the lower channel: the one ordering rule of
+/// `fathom_plan::calib::ds_order`, truncated.
 fn top_channels(weights: &[f64], r: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..weights.len()).collect();
-    // Largest first; ties by lower channel index.
-    idx.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(a.cmp(&b)));
-    idx.truncate(r.min(weights.len()));
+    let mut idx = ds_order(weights);
+    idx.truncate(r);
     idx
 }
 
@@ -61,6 +65,7 @@ impl Scanner for SparQ {
         input: &HeadInput<'a>,
     ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
         check_r("sparq", self.r, input.keys.dim)?;
+        check_head_store(input)?;
         Ok(Box::new(SparQHead {
             inner: StoreHead { store: input.store },
             r: self.r,
@@ -76,6 +81,7 @@ struct SparQHead<'a> {
 impl HeadScanner for SparQHead<'_> {
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
         let d = self.inner.store.dims().channels;
+        check_score_args(queries, g, d, out, self.inner.store.tokens())?;
         let w: Vec<f64> = (0..d)
             .map(|c| (0..g).map(|h| queries[h * d + c].abs() as f64).sum())
             .collect();
@@ -112,6 +118,7 @@ impl Scanner for SparQUnion {
         input: &HeadInput<'a>,
     ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
         check_r("sparq-union", self.r, input.keys.dim)?;
+        check_head_store(input)?;
         Ok(Box::new(SparQUnionHead {
             store: input.store,
             r: self.r,
@@ -128,6 +135,7 @@ impl HeadScanner for SparQUnionHead<'_> {
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
         let d = self.store.dims().channels;
         let n = self.store.tokens();
+        check_score_args(queries, g, d, out, n)?;
         let mut union = vec![0u8; d];
         for h in 0..g {
             let q = &queries[h * d..(h + 1) * d];
@@ -170,6 +178,7 @@ impl Scanner for DoubleSparsity {
     ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
         let d = input.keys.dim;
         check_r("ds", self.r, d)?;
+        check_head_store(input)?;
         let calib = input
             .calib
             .filter(|c| c.ds_channels.len() >= self.r)
@@ -201,6 +210,7 @@ impl HeadScanner for FixedHead<'_> {
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
         let view = self.store.view();
         let d = view.dims().channels;
+        check_score_args(queries, g, d, out, view.tokens())?;
         let mut q = vec![0f32; g * d];
         for h in 0..g {
             view.rotate_query(0, &queries[h * d..(h + 1) * d], &mut q[h * d..(h + 1) * d]);
@@ -324,6 +334,7 @@ impl HeadScanner for LokiF16Head {
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
         let (d, r) = (self.d, self.r);
         let n = self.coords.len() / r;
+        check_score_args(queries, g, d, out, n)?;
         for h in 0..g {
             let q = &queries[h * d..(h + 1) * d];
             let qr: Vec<f32> = (0..r)
@@ -363,6 +374,7 @@ impl Scanner for Thumbnail {
         &'a self,
         input: &HeadInput<'a>,
     ) -> Result<Box<dyn HeadScanner + 'a>, ScannerError> {
+        check_head_store(input)?;
         Ok(Box::new(FixedHead {
             store: Held::Borrowed(input.store),
             depths: vec![2; input.keys.dim],
@@ -522,6 +534,7 @@ struct PageHead {
 impl HeadScanner for PageHead {
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
         let (n, d) = (self.n, self.d);
+        check_score_args(queries, g, d, out, n)?;
         let np = n.div_ceil(self.page);
         for h in 0..g {
             let q: Vec<f64> = queries[h * d..(h + 1) * d]
@@ -599,6 +612,7 @@ impl Scanner for Exact {
 impl HeadScanner for ExactHead {
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
         let (n, d) = (self.tiles.rows(), self.tiles.dim());
+        check_score_args(queries, g, d, out, n)?;
         for h in 0..g {
             let q = &queries[h * d..(h + 1) * d];
             self.tiles.scores(q, &mut out[h * n..(h + 1) * n])?;

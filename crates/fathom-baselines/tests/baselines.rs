@@ -202,3 +202,119 @@ fn calibration_rotations_are_orthogonal_and_klt_scores_equal_raw() {
     let ev: f32 = f.calib.klt_sigma2.iter().sum();
     assert!((tr - ev).abs() < 1e-3 * tr, "{tr} vs {ev}");
 }
+
+/// Every method, Fathom's own included (docs/SPEC.md §4's list and `fathom:B`).
+fn every_method() -> Vec<Box<dyn Scanner>> {
+    let mut klt = Fathom::new(48.0);
+    klt.basis = fathom_plan::scanner::StoreBasis::Klt;
+    klt.label = "fathom-klt:48".into();
+    vec![
+        Box::new(Fathom::new(48.0)),
+        Box::new(klt),
+        Box::new(SparQ { r: 4 }),
+        Box::new(SparQUnion { r: 4 }),
+        Box::new(DoubleSparsity { r: 4 }),
+        Box::new(Loki { r: 4 }),
+        Box::new(LokiF16 { r: 4 }),
+        Box::new(Thumbnail),
+        Box::new(Landmark),
+        Box::new(Quest),
+        Box::new(Exact),
+        Box::new(Dense),
+    ]
+}
+
+/// Short or long query and score slices, and NaN or infinite queries, are typed errors from
+/// every `HeadScanner::score` (the shared `check_score_args`), never a panic or a silent
+/// `±∞` score; `out` is not written.
+#[test]
+fn every_scorer_rejects_bad_shapes_and_non_finite_queries() {
+    use fathom_plan::scanner::ScannerError;
+    use fathom_plan::PlanError;
+    let f = fixture(100, 16, 11);
+    let (n, d, g) = (100, 16, 2);
+    let mut rng = StdRng::seed_from_u64(12);
+    let q: Vec<f32> = (0..g * d).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    for m in every_method() {
+        let head = m.prepare(&f.input()).unwrap();
+        let name = m.name();
+        let mut out = vec![7f32; g * n];
+        // Baseline: the right shapes score.
+        head.score(&q, g, &mut out).unwrap();
+        let shape = |r: Result<f32, ScannerError>| {
+            assert!(
+                matches!(r, Err(ScannerError::Plan(PlanError::ShapeMismatch { .. }))),
+                "{name}: {r:?}"
+            )
+        };
+        shape(head.score(&q[..g * d - 1], g, &mut out));
+        shape(head.score(&q[..d], g, &mut out));
+        shape(head.score(&q, g, &mut out[..g * n - 1]));
+        shape(head.score(&q, g + 1, &mut vec![0f32; (g + 1) * n]));
+        let huge = usize::MAX / 2;
+        assert!(
+            matches!(
+                head.score(&q, huge, &mut out),
+                Err(ScannerError::Plan(PlanError::InvalidParameter {
+                    name: "g",
+                    ..
+                }))
+            ),
+            "{name}"
+        );
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut qb = q.clone();
+            qb[d + 3] = bad;
+            let mut out = vec![7f32; g * n];
+            let r = head.score(&qb, g, &mut out);
+            assert!(
+                matches!(
+                    r,
+                    Err(ScannerError::Plan(PlanError::NonFinite {
+                        what: "queries",
+                        index
+                    })) if index == d + 3
+                ),
+                "{name} {bad}: {r:?}"
+            );
+            assert!(out.iter().all(|&x| x == 7.0), "{name}: out written");
+        }
+    }
+}
+
+/// A store that is not the keys' store (another head count, another length, another `D`) is
+/// refused by every method that reads it; the methods that score from the keys alone ignore it.
+#[test]
+fn a_store_that_is_not_the_keys_store_is_refused() {
+    use fathom_plan::scanner::ScannerError;
+    let f = fixture(100, 16, 13);
+    let shorter = fixture(99, 16, 13);
+    let wider = fixture(100, 32, 13);
+    let two_heads = KeyStore::from_keys(
+        Dims {
+            heads: 2,
+            channels: 8,
+        },
+        &f.keys,
+        None,
+    )
+    .unwrap();
+    let reads_store =
+        |name: &str| ["fathom:48", "sparq:4", "sparq-union:4", "ds:4", "thumb2"].contains(&name);
+    for store in [shorter.store.view(), wider.store.view(), two_heads.view()] {
+        let input = HeadInput { store, ..f.input() };
+        for m in every_method() {
+            let name = m.name();
+            let r = m.prepare(&input);
+            if reads_store(&name) {
+                assert!(
+                    matches!(r, Err(ScannerError::Invalid(_))),
+                    "{name}: {:?}",
+                    r.err()
+                );
+            } else {
+                assert!(r.is_ok(), "{name}: {:?}", r.err());
+            }
+        }
+    }
+}

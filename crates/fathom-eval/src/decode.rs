@@ -24,13 +24,13 @@
 //! ([`Scanner::is_dense`]) run the model's own dense decode kernel on every layer, so dense
 //! branched decoding reproduces [`fathom_model::generate_greedy`] token for token.
 
-use fathom_bench::calib::head_calib;
 use fathom_model::attention::KvSlice;
 use fathom_model::{
     argmax, AttendError, AttentionHook, DecodeAttention, Dense, KvCache, LayerKind, Model,
 };
+use fathom_plan::calib::try_head_calib;
 use fathom_plan::scanner::{HeadCalib, Scanner};
-use fathom_plan::{KvView, SelectParams};
+use fathom_plan::{KvView, PlanError, SelectParams};
 use rayon::prelude::*;
 
 use crate::EvalError;
@@ -67,7 +67,7 @@ impl AttentionHook for QueryTail {
 /// Calibrates every global layer from one calibration document: `σ²`, the KLT, Loki's PCA
 /// basis and Double Sparsity's channels from the document's keys (its dense prefill KV cache)
 /// and the queries of its last `n_queries` positions (captured through an [`AttentionHook`]),
-/// with [`head_calib`]. The document is held out from every evaluated prompt (the corpus's
+/// with [`try_head_calib`]. The document is held out from every evaluated prompt (the corpus's
 /// calibration split), so the calibration is offline, as DS and Loki intend.
 pub fn calibrate(model: &Model, tokens: &[u32], n_queries: usize) -> Result<LayerCalib, EvalError> {
     let cfg = model.config();
@@ -80,9 +80,9 @@ pub fn calibrate(model: &Model, tokens: &[u32], n_queries: usize) -> Result<Laye
     };
     model.prefill(tokens, &mut cache, PREFILL_CHUNK, Some(&mut hook))?;
     let heads = (0..cfg.n_layers)
-        .map(|l| {
+        .map(|l| -> Result<Vec<HeadCalib>, PlanError> {
             if cfg.layer_kinds[l] != LayerKind::Global {
-                return Vec::new();
+                return Ok(Vec::new());
             }
             let k = cache.keys(l);
             (0..hkv)
@@ -93,11 +93,11 @@ pub fn calibrate(model: &Model, tokens: &[u32], n_queries: usize) -> Result<Laye
                     for row in hook.q[l].chunks_exact(hq * d) {
                         qs.extend_from_slice(&row[h * g * d..(h + 1) * g * d]);
                     }
-                    head_calib(&keys, &qs)
+                    try_head_calib(&keys, &qs)
                 })
                 .collect()
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     Ok(LayerCalib { heads })
 }
 

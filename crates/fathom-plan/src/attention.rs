@@ -42,7 +42,14 @@ impl<'a> KvView<'a> {
     }
 
     /// KV head `h` of an `[N, hkv, dim]` row-major tensor.
+    ///
+    /// # Panics
+    /// If `h ≥ hkv` (a programming error: the view would read the next token's heads).
     pub fn head(data: &'a [f32], hkv: usize, dim: usize, h: usize) -> Self {
+        assert!(
+            h < hkv,
+            "KvView::head: head {h} out of range ({hkv} KV heads)"
+        );
         KvView {
             data,
             stride: hkv * dim,
@@ -107,8 +114,9 @@ impl<'a> KvView<'a> {
 /// [`PlanError::ShapeMismatch`] if `q` or `out` do not match the views' `dim`;
 /// [`PlanError::IndexOutOfRange`] for a token past either view; [`PlanError::EmptySelection`]
 /// for an empty `idx`; [`PlanError::InvalidParameter`] for a non-finite scale or a softcap
-/// that is not positive and finite; [`PlanError::NonFinite`] if a logit is NaN or infinite
-/// (the index is the token).
+/// that is not positive and finite; [`PlanError::NonFinite`] if a logit is NaN or infinite, or
+/// a selected value row holds a NaN or an infinity (the index is the token), never a NaN
+/// output.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
@@ -363,8 +371,8 @@ impl KeyTiles {
         Ok(())
     }
 
-    /// Exact scores of every key for one query (the exact top-k oracle's, docs/SPEC.md §5):
-    /// `out[i] = (Σ_c f64(q_c)·f64(k_ic)) as f32`, summed in channel order.
+    /// Exact scores of every key for one query (the exact top-k oracle's, in docs/SPEC.md
+    /// §4's table): `out[i] = (Σ_c f64(q_c)·f64(k_ic)) as f32`, summed in channel order.
     ///
     /// # Errors
     /// [`PlanError::ShapeMismatch`] if `q.len() ≠ D` or `out.len() ≠ N`.
@@ -397,7 +405,7 @@ fn attend_iter(
     q: &[f32],
     keys: impl DotSource,
     values: KvView<'_>,
-    tokens: impl Iterator<Item = usize>,
+    tokens: impl Iterator<Item = usize> + Clone,
     scale: f32,
     softcap: Option<f32>,
     out: &mut [f32],
@@ -439,6 +447,7 @@ fn attend_iter(
     let mut max = f64::NEG_INFINITY;
     let mut sum = 0.0f64;
     let q64: Vec<f64> = q.iter().map(|&x| f64::from(x)).collect();
+    let all = tokens.clone();
     let mut tokens = tokens.peekable();
     while tokens.peek().is_some() {
         // Up to eight tokens at a time: their dot products are independent chains, so they
@@ -492,6 +501,19 @@ fn attend_iter(
     }
     if sum == 0.0 {
         return Err(PlanError::EmptySelection);
+    }
+    // A NaN or an infinity in a value row makes its accumulator non-finite (whatever its
+    // weight: 0·∞ is NaN), and finite f32 values cannot overflow an f64 sum; so one check
+    // here finds every bad row, and only then are the rows searched for the first one.
+    if acc.iter().any(|a| !a.is_finite()) {
+        let index = all
+            .into_iter()
+            .find(|&i| row_unchecked(&values, i).iter().any(|x| !x.is_finite()))
+            .unwrap_or(0);
+        return Err(PlanError::NonFinite {
+            what: "value row of token",
+            index,
+        });
     }
     for (o, a) in out.iter_mut().zip(&acc) {
         *o = (a / sum) as f32;
@@ -764,5 +786,45 @@ mod tests {
             })
         );
         assert_eq!(KvView::contiguous(&[], 3).rows(), 0);
+    }
+
+    /// A NaN or an infinity in a selected value row is an error naming the token, from every
+    /// entry point, even when its weight underflows to 0; never a NaN output with `Ok`.
+    #[test]
+    fn non_finite_values_are_errors() {
+        let keys = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 900.0, 0.0]; // [4, 2]
+        let k = KvView::contiguous(&keys, 2);
+        let q = [1.0, 0.0];
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut values = [1.0f32; 8];
+            values[2 * 2 + 1] = bad; // token 2, whose logit 0 is far below token 3's 900
+            let v = KvView::contiguous(&values, 2);
+            let want = Err(PlanError::NonFinite {
+                what: "value row of token",
+                index: 2,
+            });
+            let mut out = [7.0f32; 2];
+            assert_eq!(attend(&q, k, v, &[0, 2, 3], 1.0, None, &mut out), want);
+            assert_eq!(out, [7.0, 7.0], "out written");
+            assert_eq!(attend_dense(&q, k, v, 3, None, 1.0, None, &mut out), want);
+            let tiles = KeyTiles::new(k);
+            assert_eq!(
+                attend_dense_tiled(&q, &tiles, v, 3, None, 1.0, None, &mut out),
+                want
+            );
+            let mut dots = [0f64; 4];
+            tiles.dots(&q, &mut dots).unwrap();
+            assert_eq!(attend_dots(&dots, v, &[3, 2], 1.0, None, &mut out), want);
+            // A bad row that is not selected is not read.
+            attend(&q, k, v, &[0, 1, 3], 1.0, None, &mut out).unwrap();
+            assert!(out.iter().all(|x| x.is_finite()));
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "out of range")]
+    fn a_head_past_hkv_panics() {
+        let data = [0f32; 12];
+        let _ = KvView::head(&data, 2, 3, 2);
     }
 }

@@ -15,14 +15,46 @@
 //! let hc = head_calib(&view, &[1.0, 1.0]);
 //! assert_eq!(hc.sigma2, [1.0, 0.0]);
 //! assert_eq!(hc.ds_channels, [1, 0]); // mean|k| is 5 on channel 1
+//! // Bad input is a typed error from `try_head_calib`: here a ragged query list.
+//! assert!(fathom_plan::calib::try_head_calib(&view, &[1.0, 1.0, 1.0]).is_err());
 //! ```
 
 use crate::scanner::HeadCalib;
-use crate::KvView;
+use crate::{KvView, PlanError};
+
+/// The largest head dimension a calibration holds: Double Sparsity's channels are `u16`.
+pub const MAX_CALIB_DIM: usize = 1 << 16;
 
 /// Symmetric eigendecomposition by cyclic Jacobi rotations (f64). Returns eigenvalues and
 /// eigenvectors as columns of a row-major `[D][D]` matrix.
-pub fn jacobi_eigen(a: &[f64], d: usize) -> (Vec<f64>, Vec<f64>) {
+///
+/// # Errors
+/// [`PlanError::ShapeMismatch`] unless `a` is `D·D` long; [`PlanError::NonFinite`] for a NaN
+/// or an infinite entry (the rotations would spread it over every eigenvector).
+pub fn jacobi_eigen(a: &[f64], d: usize) -> Result<(Vec<f64>, Vec<f64>), PlanError> {
+    let want = d.checked_mul(d).ok_or(PlanError::InvalidParameter {
+        name: "d",
+        value: d as f64,
+        reason: "D·D overflows",
+    })?;
+    if a.len() != want {
+        return Err(PlanError::ShapeMismatch {
+            what: "matrix [D][D]",
+            expected: want,
+            got: a.len(),
+        });
+    }
+    if let Some(index) = a.iter().position(|x| !x.is_finite()) {
+        return Err(PlanError::NonFinite {
+            what: "matrix",
+            index,
+        });
+    }
+    Ok(jacobi_checked(a, d))
+}
+
+/// [`jacobi_eigen`] of a checked `D·D` finite matrix.
+fn jacobi_checked(a: &[f64], d: usize) -> (Vec<f64>, Vec<f64>) {
     let mut a = a.to_vec();
     // The eigenvectors are accumulated transposed (`vt[j][k] = V[k][j]`), so each rotation
     // updates two rows; the arithmetic is the same as on V's columns.
@@ -128,7 +160,9 @@ pub struct ChannelMoments {
 }
 
 /// [`ChannelMoments`] of `keys` (the one implementation of σ² for captures, synthetic
-/// sources and calibration).
+/// sources and calibration). No keys give zero moments; a NaN or an infinity in a key gives
+/// a non-finite moment of its channel (the data's own; [`try_head_calib`] refuses such keys
+/// before computing anything).
 pub fn channel_moments(keys: &KvView<'_>) -> ChannelMoments {
     let (n, d) = (keys.rows(), keys.dim);
     let (mut s, mut s2, mut sa) = (vec![0f64; d], vec![0f64; d], vec![0f64; d]);
@@ -153,7 +187,15 @@ pub fn channel_moments(keys: &KvView<'_>) -> ChannelMoments {
 }
 
 /// Double Sparsity's offline channel score `mean|q_c| · mean|k_c|` (docs/SPEC.md §4).
+///
+/// # Panics
+/// If the two lengths differ (a programming error: a shorter list would be scored silently).
 pub fn ds_scores(mean_abs_q: &[f64], mean_abs_k: &[f64]) -> Vec<f64> {
+    assert_eq!(
+        mean_abs_q.len(),
+        mean_abs_k.len(),
+        "ds_scores: one mean per channel in both"
+    );
     mean_abs_q
         .iter()
         .zip(mean_abs_k)
@@ -171,7 +213,64 @@ pub fn ds_order(scores: &[f64]) -> Vec<usize> {
 /// Statistics of one (layer, KV head) from its keys and its group's calibration queries
 /// (`[P·G][D]`): σ², the KLT and its eigenvalues, Loki's basis (the same centred PCA),
 /// the mean squared 64-token block maximum and Double Sparsity's channel order.
+///
+/// # Errors
+/// [`PlanError::InvalidParameter`] (`"D"`) for `D = 0` or `D > 65536` (the channels of
+/// [`HeadCalib::ds_channels`] are `u16`); [`PlanError::ShapeMismatch`] for no keys or a query
+/// list that is not whole rows of `D`; [`PlanError::NonFinite`] for a NaN or an infinity in a
+/// key (`"calibration keys"`, flat index `row·D + channel`) or a query.
+pub fn try_head_calib(keys: &KvView<'_>, queries: &[f32]) -> Result<HeadCalib, PlanError> {
+    let (n, d) = (keys.rows(), keys.dim);
+    if d == 0 || d > MAX_CALIB_DIM {
+        return Err(PlanError::InvalidParameter {
+            name: "D",
+            value: d as f64,
+            reason: "the head dimension must lie in 1..=65536",
+        });
+    }
+    if n == 0 {
+        return Err(PlanError::ShapeMismatch {
+            what: "calibration keys (at least one row)",
+            expected: 1,
+            got: 0,
+        });
+    }
+    if queries.len() % d != 0 {
+        return Err(PlanError::ShapeMismatch {
+            what: "calibration queries (whole rows of D)",
+            expected: queries.len() / d * d,
+            got: queries.len(),
+        });
+    }
+    for i in 0..n {
+        let row = keys.row(i).expect("i < rows");
+        if let Some(c) = row.iter().position(|x| !x.is_finite()) {
+            return Err(PlanError::NonFinite {
+                what: "calibration keys",
+                index: i * d + c,
+            });
+        }
+    }
+    if let Some(index) = queries.iter().position(|x| !x.is_finite()) {
+        return Err(PlanError::NonFinite {
+            what: "calibration queries",
+            index,
+        });
+    }
+    Ok(head_calib_checked(keys, queries))
+}
+
+/// [`try_head_calib`] for input known to be valid.
+///
+/// # Panics
+/// On any input [`try_head_calib`] refuses (a programming error here: the callers pass
+/// captures and keys already checked finite and shaped); the message is that error's.
 pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
+    try_head_calib(keys, queries).unwrap_or_else(|e| panic!("head_calib: {e}"))
+}
+
+/// The statistics of a checked input (`D` in range, at least one key, whole finite rows).
+fn head_calib_checked(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
     let (n, d) = (keys.rows(), keys.dim);
     let moments = channel_moments(keys);
     let mean = &moments.mean;
@@ -196,7 +295,7 @@ pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
         .map(|i| second[i] - mean[i / d] * mean[i % d])
         .collect();
     let sigma2: Vec<f32> = moments.variance.iter().map(|&v| v as f32).collect();
-    let (vals, vecs) = jacobi_eigen(&cov, d);
+    let (vals, vecs) = jacobi_checked(&cov, d);
     let (klt, klt_sigma2) = order_by_score(&vals, &vecs, queries, d);
     // Loki is ordinary PCA: the eigenvectors of the *centred* covariance, which are the KLT's.
     // (An uncentred basis spends its leading coordinates on the key mean, which adds the same
@@ -233,5 +332,80 @@ pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
         klt_sigma2,
         loki,
         ds_channels: ds.iter().map(|&c| c as u16).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every input the statistics cannot be computed from is a typed error: D = 0 (a division
+    /// by zero), D past u16 channels (they would wrap), ragged queries (silently truncated),
+    /// NaN or infinite keys and queries (NaN σ²), no keys, and a short or NaN Jacobi matrix.
+    #[test]
+    fn bad_calibration_input_is_a_typed_error() {
+        let keys = [1.0f32, 2.0, -1.0, 0.5, 3.0, -2.0];
+        let view = KvView::contiguous(&keys, 2);
+        assert!(try_head_calib(&view, &[1.0, 0.5]).is_ok());
+        let err = |k: &KvView<'_>, q: &[f32]| try_head_calib(k, q).unwrap_err();
+        assert!(matches!(
+            err(&KvView::contiguous(&keys, 0), &[]),
+            PlanError::InvalidParameter { name: "D", .. }
+        ));
+        let wide = vec![0.0f32; MAX_CALIB_DIM + 1];
+        assert!(matches!(
+            err(&KvView::contiguous(&wide, MAX_CALIB_DIM + 1), &[]),
+            PlanError::InvalidParameter { name: "D", .. }
+        ));
+        assert!(matches!(
+            err(&view, &[1.0, 0.5, 2.0]),
+            PlanError::ShapeMismatch {
+                expected: 2,
+                got: 3,
+                ..
+            }
+        ));
+        assert!(matches!(
+            err(&KvView::contiguous(&[], 2), &[]),
+            PlanError::ShapeMismatch { got: 0, .. }
+        ));
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut k = keys;
+            k[3] = bad;
+            assert_eq!(
+                err(&KvView::contiguous(&k, 2), &[]),
+                PlanError::NonFinite {
+                    what: "calibration keys",
+                    index: 3
+                }
+            );
+            assert_eq!(
+                err(&view, &[0.0, 1.0, bad, 0.0]),
+                PlanError::NonFinite {
+                    what: "calibration queries",
+                    index: 2
+                }
+            );
+        }
+        assert!(matches!(
+            jacobi_eigen(&[1.0, 0.0, 0.0], 2),
+            Err(PlanError::ShapeMismatch {
+                expected: 4,
+                got: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            jacobi_eigen(&[1.0, f64::NAN, f64::NAN, 1.0], 2),
+            Err(PlanError::NonFinite { index: 1, .. })
+        ));
+        let (vals, _) = jacobi_eigen(&[2.0, 0.0, 0.0, 1.0], 2).unwrap();
+        assert_eq!(vals, [2.0, 1.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "head_calib")]
+    fn head_calib_panics_with_the_error_on_bad_input() {
+        let _ = head_calib(&KvView::contiguous(&[f32::NAN, 1.0], 2), &[]);
     }
 }

@@ -1,4 +1,7 @@
-//! The crate's one error type.
+//! [`PlanError`], the error of planning, selection, attention and calibration. The scan, the
+//! scanners and the method grammar have their own: `scan::ScanError`,
+//! `scanner::ScannerError` (which wraps `PlanError`, `ScanError` and the store's errors) and
+//! `method::MethodError`.
 
 use thiserror::Error;
 

@@ -41,8 +41,13 @@ pub struct LayerBudgetParams {
     pub start: f32,
 }
 
+/// The most greedy steps [`allocate_layer_budgets`] takes: `L·(B̄ − start)/q` above it is
+/// refused (a quantum that small would loop for hours or exhaust memory, not refine anything).
+pub const MAX_LAYER_STEPS: f64 = 1e7;
+
 impl LayerBudgetParams {
-    /// Checks `L ≥ 1`, `q > 0`, `0 ≤ min ≤ start ≤ target ≤ max`, all finite.
+    /// Checks `L ≥ 1`, `q > 0`, `0 ≤ min ≤ start ≤ target ≤ max`, all finite, and at most
+    /// [`MAX_LAYER_STEPS`] greedy steps `L·(B̄ − start)/q`.
     ///
     /// # Errors
     /// [`PlanError::InvalidParameter`] naming the first constraint broken.
@@ -91,7 +96,19 @@ impl LayerBudgetParams {
                 "must not exceed max_budget",
             );
         }
+        if self.total_bits() / f64::from(self.quantum) > MAX_LAYER_STEPS {
+            return bad(
+                "quantum",
+                self.quantum,
+                "too small: L·(target_mean − start)/quantum exceeds 10^7 greedy steps",
+            );
+        }
         Ok(())
+    }
+
+    /// The bits the greedy steps hand out, `L·(B̄ − start)`, in `f64`.
+    fn total_bits(&self) -> f64 {
+        (f64::from(self.target_mean) - f64::from(self.start)) * self.layers as f64
     }
 }
 
@@ -121,7 +138,7 @@ pub fn allocate_layer_budgets(
     params.validate()?;
     let l = params.layers;
     let q = f64::from(params.quantum);
-    let total = f64::from(params.target_mean - params.start) * l as f64;
+    let total = params.total_bits();
     // Whole quanta that fit in the total, corrected for rounding of the division.
     let mut steps = (total / q).floor() as u64;
     while (steps + 1) as f64 * q <= total {
@@ -195,6 +212,40 @@ mod tests {
     /// Synthetic convex errors `a_l · 4^(−B/c)`.
     fn convex(a: &[f64], c: f64) -> impl FnMut(usize, f32) -> f64 + '_ {
         move |l, b| a[l] * 0.25f64.powf(f64::from(b) / c)
+    }
+
+    /// A quantum so small that the steps would overflow the count (or loop for hours) is an
+    /// error from `validate`, before `error` is called once.
+    #[test]
+    fn a_quantum_too_small_for_the_total_is_refused() {
+        for (layers, quantum) in [
+            (1, 1e-30f32),
+            (32, 1e-6),
+            (1, f32::MIN_POSITIVE),
+            (1_000_000, 1.0),
+        ] {
+            let p = LayerBudgetParams {
+                layers,
+                quantum,
+                ..params(1)
+            };
+            let mut calls = 0;
+            let r = allocate_layer_budgets(&p, |_, _| {
+                calls += 1;
+                0.0
+            });
+            assert!(
+                matches!(
+                    r,
+                    Err(PlanError::InvalidParameter {
+                        name: "quantum",
+                        ..
+                    })
+                ),
+                "L {layers} q {quantum}: {r:?}"
+            );
+            assert_eq!(calls, 0);
+        }
     }
 
     #[test]

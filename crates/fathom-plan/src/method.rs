@@ -5,7 +5,8 @@
 //! dense | exact | thumb2 | landmark | quest
 //! fathom:B | fathom-layer:B | fathom-uniform:B | fathom-raw:B | fathom-klt:B | fathom-blockmax:B
 //! sparq:R | sparq-union:R | ds:R | loki:R | loki-f16:R
-//! fathom-sweep:B1-B2/STEP            (a list item only: fathom:B1, fathom:B1+STEP, …, ≤ B2)
+//! fathom-sweep:B1-B2/STEP            (a list item only: fathom:B1, fathom:B1+STEP, …, ≤ B2;
+//!                                     at most MAX_SWEEP = 10 000 budgets)
 //! ```
 //!
 //! Ranges are checked at parse time against the head dimension `D`: a budget `B` is finite and
@@ -209,7 +210,8 @@ impl MethodSpec {
     }
 
     /// Parses a comma-separated list, expanding `fathom-sweep:B1-B2/STEP` into `fathom:B` for
-    /// `B = B1, B1 + STEP, …` up to `B2`. An empty list is an error.
+    /// `B = B1, B1 + STEP, …` up to `B2`. An empty list is an error, and so is a sweep of more
+    /// than [`MAX_SWEEP`] budgets.
     pub fn parse_list(list: &str, d: usize) -> Result<Vec<Self>, MethodError> {
         let mut out = Vec::new();
         for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -357,6 +359,9 @@ fn parse_budget(s: &str, d: usize) -> Result<f32, String> {
     Ok(b)
 }
 
+/// The most budgets one `fathom-sweep:B1-B2/STEP` item may expand to.
+pub const MAX_SWEEP: usize = 10_000;
+
 fn parse_sweep(item: &str, spec: &str, d: usize) -> Result<Vec<MethodSpec>, MethodError> {
     let err = |why: String| MethodError {
         item: item.to_string(),
@@ -377,7 +382,15 @@ fn parse_sweep(item: &str, spec: &str, d: usize) -> Result<Vec<MethodSpec>, Meth
             "need B1 ≤ B2 and STEP > 0 (got {b1}-{b2}/{step})"
         )));
     }
-    let n = ((b2 - b1) / step + 1e-4).floor() as usize + 1;
+    // In f64, so a tiny STEP neither saturates the cast nor wraps the `+ 1`; a sweep longer
+    // than MAX_SWEEP is refused rather than allocated.
+    let n = ((f64::from(b2) - f64::from(b1)) / f64::from(step) + 1e-4).floor() + 1.0;
+    if n > MAX_SWEEP as f64 {
+        return Err(err(format!(
+            "{b1}-{b2}/{step} is {n} budgets, more than the {MAX_SWEEP} a sweep may hold"
+        )));
+    }
+    let n = n as usize;
     Ok((0..n)
         .map(|i| MethodSpec::Fathom {
             variant: FathomVariant::Plan,
@@ -424,6 +437,10 @@ mod tests {
             "fathom-sweep:48-24/8",
             "fathom-sweep:24-48/0",
             "fathom-sweep:24-48/-8",
+            // A STEP so small the budget count saturates or wraps a usize, or is merely huge.
+            "fathom-sweep:0-272/1e-40",
+            "fathom-sweep:0-272/1e-30",
+            "fathom-sweep:0-272/0.01",
         ] {
             let e = MethodSpec::parse_list(bad, 64).unwrap_err();
             assert_eq!(e.item, bad, "{e}");
@@ -469,5 +486,10 @@ mod tests {
         assert_eq!(v[14].to_string(), "fathom:136");
         let v = MethodSpec::parse_list("fathom-sweep:24-30/8", 128).unwrap();
         assert_eq!(v.len(), 1);
+        // The largest sweep allowed, and one past it.
+        let v = MethodSpec::parse_list("fathom-sweep:0-4999.5/0.5", 2048).unwrap();
+        assert_eq!(v.len(), MAX_SWEEP);
+        assert_eq!(v[MAX_SWEEP - 1].to_string(), "fathom:4999.5");
+        assert!(MethodSpec::parse_list("fathom-sweep:0-5000/0.5", 2048).is_err());
     }
 }

@@ -6,7 +6,9 @@ use serde::{Deserialize, Serialize};
 /// one `d`, in `f64`.
 ///
 /// If `‖d‖ = 0` the ratio is undefined and the absolute error `‖a‖` is returned instead (0 when
-/// both are zero), so that a zero reference never yields NaN or infinity.
+/// both are zero), so that a zero reference never yields NaN or infinity. A NaN or an infinity
+/// in either input gives `+∞`: the approximation is as wrong as can be, and a `max` or a mean
+/// over errors shows it (a NaN would vanish in `f64::max`). The result is never NaN.
 ///
 /// ```
 /// assert_eq!(fathom_plan::relative_error(&[3.0, 4.0], &[0.0, 8.0]), 5.0 / 8.0);
@@ -16,6 +18,9 @@ use serde::{Deserialize, Serialize};
 /// If the lengths differ (a programming error).
 pub fn relative_error(approx: &[f32], dense: &[f32]) -> f64 {
     assert_eq!(approx.len(), dense.len(), "relative_error: lengths differ");
+    if approx.iter().chain(dense).any(|x| !x.is_finite()) {
+        return f64::INFINITY;
+    }
     let (mut num, mut den) = (0.0f64, 0.0f64);
     for (&a, &d) in approx.iter().zip(dense) {
         let (a, d) = (f64::from(a), f64::from(d));
@@ -89,6 +94,19 @@ mod tests {
         assert_eq!(relative_error(&[0.0, 0.0], &[0.0, 2.0]), 1.0);
         assert_eq!(relative_error(&[3.0, 4.0], &[0.0, 0.0]), 5.0);
         assert_eq!(relative_error(&[], &[]), 0.0);
+    }
+
+    /// The doc's promise: never NaN; a non-finite input is an infinite error.
+    #[test]
+    fn non_finite_inputs_give_infinity_never_nan() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert_eq!(relative_error(&[bad, 1.0], &[1.0, 1.0]), f64::INFINITY);
+            assert_eq!(relative_error(&[1.0, 1.0], &[1.0, bad]), f64::INFINITY);
+            assert_eq!(relative_error(&[bad], &[bad]), f64::INFINITY);
+        }
+        // Finite extremes stay finite.
+        let e = relative_error(&[f32::MAX, -f32::MAX], &[-f32::MAX, f32::MAX]);
+        assert_eq!(e, 2.0);
     }
 
     #[test]

@@ -583,9 +583,10 @@ fn check(
             })
         }
     };
-    shape("queries [g][D]", g * d, queries.len())?;
+    // An overflowing product matches no slice length (saturated, it is reported as such).
+    shape("queries [g][D]", g.saturating_mul(d), queries.len())?;
     shape("depths [D]", d, depths.len())?;
-    shape("scores [g][n]", g * view.tokens(), out_len)?;
+    shape("scores [g][n]", g.saturating_mul(view.tokens()), out_len)?;
     if let Some(c) = depths.iter().position(|&t| t as usize > PLANES) {
         return Err(ScanError::Depth {
             channel: c,
@@ -619,7 +620,7 @@ pub fn reference_scores(
     let d = view.dims().channels;
     let hn = view.dims().heads;
     let n = view.tokens();
-    check(view, head, queries, g, depths, g * n)?;
+    check(view, head, queries, g, depths, g.saturating_mul(n))?;
     let deq: Vec<Vec<f32>> = (0..=4)
         .map(|t| view.dequant_prefix(t).expect("t ≤ 4"))
         .collect();
@@ -642,6 +643,27 @@ pub fn reference_scores(
 mod tests {
     use super::*;
     use fathom_store::{Dims, KeyStore};
+
+    /// A group size whose `g·D` or `g·n` overflows is a shape error, not an overflow panic.
+    #[test]
+    fn an_overflowing_group_size_is_a_shape_error() {
+        let dims = Dims {
+            heads: 1,
+            channels: 4,
+        };
+        let store = KeyStore::from_keys(dims, &[0.5f32; 4 * 10], None).unwrap();
+        let v = store.view();
+        for g in [usize::MAX, usize::MAX / 4 + 1] {
+            assert!(matches!(
+                scan(&v, 0, &[0.0; 4], g, &[4; 4], &mut []),
+                Err(ScanError::Shape { .. })
+            ));
+            assert!(matches!(
+                reference_scores(&v, 0, &[0.0; 4], g, &[4; 4]),
+                Err(ScanError::Shape { .. })
+            ));
+        }
+    }
 
     /// The portable lanes agree with the f64 reference too (the native path is covered by
     /// `tests/scan.rs`), including a partial last block and more heads than one tile.

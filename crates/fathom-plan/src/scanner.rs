@@ -41,6 +41,76 @@ pub enum ScannerError {
     Invalid(String),
 }
 
+/// Checks the arguments of [`HeadScanner::score`] before any work: `queries` is `[g][d]`,
+/// `out` is `[g][n]` and every query entry is finite. Every scanner (Fathom's and each
+/// baseline's) calls it first, so a short slice is an error, never a panic, and a NaN or an
+/// infinite query is an error, never a silent `±∞`/NaN score.
+///
+/// # Errors
+/// [`ScannerError::Plan`] holding [`PlanError::ShapeMismatch`] for a length that is not
+/// `g·d` (queries) or `g·n` (scores), or [`PlanError::InvalidParameter`] (`g`) when those
+/// products overflow; [`PlanError::NonFinite`] (`"queries"`, the flat index) for a NaN or an
+/// infinity.
+pub fn check_score_args(
+    queries: &[f32],
+    g: usize,
+    d: usize,
+    out: &[f32],
+    n: usize,
+) -> Result<(), ScannerError> {
+    let (Some(gd), Some(gn)) = (g.checked_mul(d), g.checked_mul(n)) else {
+        return Err(PlanError::InvalidParameter {
+            name: "g",
+            value: g as f64,
+            reason: "g·D or g·n overflows",
+        }
+        .into());
+    };
+    for (what, expected, got) in [
+        ("queries [g][D]", gd, queries.len()),
+        ("scores [g][n]", gn, out.len()),
+    ] {
+        if expected != got {
+            return Err(PlanError::ShapeMismatch {
+                what,
+                expected,
+                got,
+            }
+            .into());
+        }
+    }
+    if let Some(index) = queries.iter().position(|x| !x.is_finite()) {
+        return Err(PlanError::NonFinite {
+            what: "queries",
+            index,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Checks that [`HeadInput::store`] is the store of [`HeadInput::keys`]: one head, `D`
+/// channels (`keys.dim`) and `N` tokens (`keys.rows()`). Every method that reads `store`
+/// calls it in [`Scanner::prepare`], so scores are never read from another head's (or a
+/// shorter, or a longer) store.
+///
+/// # Errors
+/// [`ScannerError::Invalid`] naming the mismatch.
+pub fn check_head_store(input: &HeadInput<'_>) -> Result<(), ScannerError> {
+    let dims = input.store.dims();
+    let (n, d) = (input.keys.rows(), input.keys.dim);
+    if dims.heads != 1 || dims.channels != d || input.store.tokens() != n {
+        return Err(ScannerError::Invalid(format!(
+            "the store ({} heads × {} channels, {} tokens) is not the store of the keys \
+             (1 head × {d} channels, {n} tokens)",
+            dims.heads,
+            dims.channels,
+            input.store.tokens()
+        )));
+    }
+    Ok(())
+}
+
 /// Per-(layer, KV head) calibration (computed by `fathom calibrate`).
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct HeadCalib {
@@ -67,7 +137,10 @@ pub struct HeadInput<'a> {
     pub layer: usize,
     /// Exact keys of this KV head (`N` rows of `D`), model channels.
     pub keys: KvView<'a>,
-    /// The 4-bit store of these keys in raw channels (one head).
+    /// The 4-bit store of these keys in raw channels: one head, `D` channels, `N` tokens
+    /// (checked by [`check_head_store`] in every method that reads it; the methods that score
+    /// from `keys` alone — Loki, landmark, Quest, exact, dense and Fathom in the KLT basis —
+    /// do not read it).
     pub store: StoreView<'a>,
     /// Calibration for this (layer, KV head), if any.
     pub calib: Option<&'a HeadCalib>,
@@ -102,6 +175,10 @@ pub trait Scanner: Send + Sync {
 pub trait HeadScanner: Send + Sync {
     /// Scores of all `n` keys for `g` queries (`[g][D]`, model channels) into `out`
     /// (`[g][n]`); returns the bits per token read for this query group.
+    ///
+    /// # Errors
+    /// Every implementation first checks its arguments with [`check_score_args`] (lengths,
+    /// finite queries); then the method's own errors.
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError>;
 }
 
@@ -119,7 +196,9 @@ pub enum StoreBasis {
 pub enum DepthRule {
     /// Reverse water-filling (docs/SPEC.md §3).
     WaterFill,
-    /// Ablation A4: the same active channels at one uniform depth, equal bytes.
+    /// Ablation A4 ([`uniform_depth_plan`]): one depth `t` for the `n_t` most important
+    /// channels of positive importance (not the water-filling plan's own active set), as many
+    /// as fit the budget: within 2% of `B` when there are enough channels, never over it.
     Uniform,
 }
 
@@ -137,7 +216,9 @@ pub enum ImportanceProxy {
 pub struct Fathom {
     /// Flat budget in bits per token per KV head.
     pub budget: f32,
-    /// Per-layer budgets (overrides `budget` where present).
+    /// Per-layer budgets: when `Some`, entry `l` is layer `l`'s budget and `budget` is not
+    /// used; a layer past the end of the list is an error ([`ScannerError::Invalid`] from
+    /// `prepare`), never a fall-back to `budget`.
     pub layer_budgets: Option<Vec<f32>>,
     /// Store basis.
     pub basis: StoreBasis,
@@ -237,6 +318,9 @@ impl Scanner for Fathom {
             what,
         };
         let calib = input.calib.ok_or_else(|| missing("sigma2"))?;
+        if self.basis == StoreBasis::Raw {
+            check_head_store(input)?;
+        }
         let (store, stat) = match (self.basis, self.proxy) {
             (StoreBasis::Raw, ImportanceProxy::Variance) => {
                 (Held::Borrowed(input.store), calib.sigma2.clone())
@@ -279,6 +363,7 @@ impl HeadScanner for FathomHead<'_> {
     fn score(&self, queries: &[f32], g: usize, out: &mut [f32]) -> Result<f32, ScannerError> {
         let view = self.store.view();
         let d = view.dims().channels;
+        check_score_args(queries, g, d, out, view.tokens())?;
         let mut q = vec![0f32; g * d];
         for h in 0..g {
             view.rotate_query(0, &queries[h * d..(h + 1) * d], &mut q[h * d..(h + 1) * d]);

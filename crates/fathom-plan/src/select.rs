@@ -73,19 +73,19 @@ pub fn select_per_head(
     params: &SelectParams,
     out: &mut Vec<u32>,
 ) -> Result<(), PlanError> {
+    if u32::try_from(pos).is_err() {
+        return Err(PlanError::InvalidParameter {
+            name: "pos",
+            value: pos as f64,
+            reason: "token indices must fit in u32",
+        });
+    }
     let n = pos + 1;
     if scores.len() < n {
         return Err(PlanError::ShapeMismatch {
             what: "scores length (at least pos + 1)",
             expected: n,
             got: scores.len(),
-        });
-    }
-    if u32::try_from(pos).is_err() {
-        return Err(PlanError::InvalidParameter {
-            name: "pos",
-            value: pos as f64,
-            reason: "token indices must fit in u32",
         });
     }
     let middle = params.middle(pos);
@@ -221,7 +221,13 @@ pub fn select_group(
     let n = scores.len() / g;
     (0..g)
         .map(|h| {
-            let mut out = Vec::with_capacity(params.sink + params.local + params.k);
+            // At most pos + 1 tokens are selected: a huge (valid) k must not size the buffer.
+            let most = params
+                .sink
+                .saturating_add(params.local)
+                .saturating_add(params.k)
+                .min(pos.saturating_add(1));
+            let mut out = Vec::with_capacity(most);
             select_per_head(pos, &scores[h * n..(h + 1) * n], params, &mut out).map_err(
                 |e| match e {
                     PlanError::NonFinite { what, index } => PlanError::NonFinite {
@@ -602,5 +608,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Huge (valid) sink, local and k: no buffer is sized by them (it would overflow the
+    /// capacity or abort the allocation); the set is every token, as `k ≥ middle` says.
+    #[test]
+    fn huge_params_select_everything_without_sizing_a_buffer_by_them() {
+        let scores = [3.0f32, 1.0, 2.0, 0.0, 5.0, 4.0];
+        for p in [
+            SelectParams {
+                sink: 0,
+                local: 0,
+                k: usize::MAX,
+            },
+            SelectParams {
+                sink: usize::MAX,
+                local: usize::MAX,
+                k: usize::MAX,
+            },
+            SelectParams {
+                sink: 1,
+                local: 1,
+                k: usize::MAX / 2,
+            },
+        ] {
+            let sets = select_group(4, &scores[..5], 1, &p).unwrap();
+            assert_eq!(sets, [vec![0, 1, 2, 3, 4]], "{p:?}");
+            assert!(sets[0].capacity() <= 5, "{p:?}");
+        }
+        // pos past u32 is a typed error (not an overflow of pos + 1).
+        let mut out = Vec::new();
+        assert!(matches!(
+            select_per_head(usize::MAX, &scores, &SelectParams::default(), &mut out),
+            Err(PlanError::InvalidParameter { name: "pos", .. })
+        ));
     }
 }

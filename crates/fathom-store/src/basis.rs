@@ -93,18 +93,47 @@ impl Basis {
     }
 
     /// The matrix of one head, row-major `[D][D]`.
+    ///
+    /// # Panics
+    /// If `head ≥ heads` (a programming error).
     pub fn matrix(&self, head: usize) -> &[f32] {
+        assert!(
+            head < self.heads,
+            "basis head {head} out of range ({} heads)",
+            self.heads
+        );
         let d2 = self.dim * self.dim;
         &self.mats[head * d2..(head + 1) * d2]
     }
 
+    /// Panics unless `x` and `out` are `D` long.
+    #[track_caller]
+    fn assert_vectors(&self, x: &[f32], out: &[f32]) {
+        assert!(
+            x.len() == self.dim && out.len() == self.dim,
+            "basis: x ({}) and out ({}) must be D = {} long",
+            x.len(),
+            out.len(),
+            self.dim
+        );
+    }
+
     /// `out = U_hᵀ x` (rotate a key or a query of head `head` into the store's basis).
+    ///
+    /// # Panics
+    /// If `head ≥ heads` or `x` or `out` is not `D` long (a programming error: a short
+    /// vector is never zero-padded, nor a short output cut, silently).
     pub fn rotate(&self, head: usize, x: &[f32], out: &mut [f32]) {
+        self.assert_vectors(x, out);
         rotate_with(self.matrix(head), self.dim, x, out)
     }
 
     /// `out = U_h x'` (rotate back to the model's channels).
+    ///
+    /// # Panics
+    /// As [`Basis::rotate`].
     pub fn unrotate(&self, head: usize, x: &[f32], out: &mut [f32]) {
+        self.assert_vectors(x, out);
         let u = self.matrix(head);
         let d = self.dim;
         for (i, o) in out.iter_mut().enumerate().take(d) {

@@ -50,9 +50,28 @@ pub enum StoreError {
         /// Tokens reserved.
         capacity: u64,
     },
+    /// The memory for a store could not be allocated (a capacity too large for this machine).
+    #[error("cannot allocate {bytes} bytes of {what}: out of memory (reserve a smaller capacity)")]
+    OutOfMemory {
+        /// What was being allocated.
+        what: &'static str,
+        /// The bytes asked for.
+        bytes: u128,
+    },
+    /// Header flags with a bit this format version does not define.
+    #[error("unknown store flags {flags:#x} (this build knows {known:#x})")]
+    UnknownFlags {
+        /// The flags.
+        flags: u32,
+        /// Every bit this build defines ([`crate::file::KNOWN_FLAGS`]).
+        known: u32,
+    },
     /// A prefix depth outside 0..=4.
     #[error("plane count {0} is out of range (0..=4)")]
     Planes(u32),
+    /// A code that is not a 4-bit code.
+    #[error("code {0} is not a 4-bit code (0..=15)")]
+    Code(u8),
     /// A basis that does not match the store (wrong size or non-finite entries).
     #[error("invalid basis: {0}")]
     Basis(String),

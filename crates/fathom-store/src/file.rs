@@ -31,12 +31,15 @@ use half::f16;
 use crate::basis::{Basis, BasisKind};
 use crate::error::{Result, StoreError};
 use crate::quant::{BLOCK, PLANES};
-use crate::store::{blocks_for, Dims, KeyStore, StoreView};
+use crate::store::{blocks_for, section_lens, zeroed, Dims, KeyStore, StoreView};
 
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"FATHOMKS";
 /// Header flag: the source tensor was rank 2 (`[N, D]`, one head).
 pub const FLAG_SQUEEZE_HEADS: u32 = 1;
+/// Every flag bit this build knows; a file with another bit set is refused by the loader, and
+/// [`KeyStore::save`] refuses to write one.
+pub const KNOWN_FLAGS: u32 = FLAG_SQUEEZE_HEADS;
 /// The format version this build writes and reads.
 pub const VERSION: u32 = 1;
 
@@ -173,6 +176,9 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
 }
 
 /// Serialises a view into the version-1 byte layout (compacting capacity to `nblocks`).
+///
+/// The view's flags are written as they are: a view of a store whose flags hold a bit outside
+/// [`KNOWN_FLAGS`] gives bytes the loader refuses ([`KeyStore::save`] checks first).
 pub fn to_bytes(v: &StoreView<'_>) -> Vec<u8> {
     let dims = v.dims();
     let nb = v.nblocks();
@@ -337,7 +343,7 @@ fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<Parsed<'a>> {
             header.tail_len, header.tokens
         )));
     }
-    if header.flags & !FLAG_SQUEEZE_HEADS != 0 {
+    if header.flags & !KNOWN_FLAGS != 0 {
         return Err(corrupt(format!("unknown flags {:#x}", header.flags)));
     }
     if BasisKind::from_u32(header.basis_kind).is_none() {
@@ -367,7 +373,19 @@ fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<Parsed<'a>> {
 
 impl KeyStore {
     /// Saves atomically (temporary file, fsync, rename) in format version 1.
+    ///
+    /// # Errors
+    /// [`StoreError::UnknownFlags`] if [`KeyStore::set_flags`] set a bit outside
+    /// [`KNOWN_FLAGS`] (the loader would refuse the file), checked before anything is written;
+    /// [`StoreError::Io`] for a failed write (the destination is then untouched).
     pub fn save(&self, path: &Path) -> Result<()> {
+        let flags = self.view().flags();
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(StoreError::UnknownFlags {
+                flags,
+                known: KNOWN_FLAGS,
+            });
+        }
         let bytes = to_bytes(&self.view());
         write_atomic(path, &bytes).map_err(io_err(path))
     }
@@ -379,6 +397,11 @@ impl KeyStore {
     }
 
     /// Loads a file, reserving room for at least `capacity_tokens` tokens.
+    ///
+    /// # Errors
+    /// The file errors of [`MappedStore::open`] (I/O, magic, version, sizes, checksum, corrupt
+    /// header); the capacity errors of [`KeyStore::with_capacity`] (sizes that overflow,
+    /// [`StoreError::OutOfMemory`]).
     pub fn load_with_capacity(path: &Path, capacity_tokens: usize) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(io_err(path))?;
         // Copy into an 8-aligned buffer.
@@ -394,8 +417,9 @@ impl KeyStore {
         let nb = h.nblocks as usize;
         let cap = nb.max(blocks_for(capacity_tokens as u64) as usize);
         let hc = dims.row();
-        let mut planes = vec![0u64; hc * PLANES * cap];
-        let mut scales = vec![f16::ZERO; hc * cap];
+        let (words, nscales) = section_lens(dims, cap)?;
+        let mut planes = zeroed(words, 0u64, "plane words")?;
+        let mut scales = zeroed(nscales, f16::ZERO, "block scales")?;
         // (No blocks, nothing to copy: skip the heads × channels loop; fuzz: store.)
         for i in 0..if nb == 0 { 0 } else { hc * PLANES } {
             planes[i * cap..i * cap + nb].copy_from_slice(&p.planes[i * nb..(i + 1) * nb]);

@@ -25,9 +25,9 @@
 //!
 //! # Thread safety
 //!
-//! Every public type is `Send + Sync`. [`KeyStore::append`] and [`KeyStore::set_flags`] take
-//! `&mut self`; everything else, including [`KeyStore::view`] and [`KeyStore::save`], takes
-//! `&self`. A store that is appended to while other threads scan therefore sits behind a lock
+//! Every public type is `Send + Sync`. [`KeyStore::append`], [`KeyStore::reserve`] and
+//! [`KeyStore::set_flags`] take `&mut self`; everything else, including [`KeyStore::view`]
+//! and [`KeyStore::save`], takes `&self`. A store that is appended to while other threads scan therefore sits behind a lock
 //! (e.g. `RwLock`): a [`StoreView`] (`Copy`, read-only) cannot outlive an append, so no scan
 //! sees a half-written block. [`MappedStore`] is immutable after [`MappedStore::open`] (the
 //! file must not be rewritten in place while mapped; [`write_atomic`] replaces files by

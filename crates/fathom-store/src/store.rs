@@ -69,6 +69,43 @@ pub fn blocks_for(tokens: u64) -> u64 {
     tokens.div_ceil(BLOCK as u64)
 }
 
+/// The lengths of the plane and scale arrays of a store of `dims` with room for `cap` blocks:
+/// `(heads·D·4·cap, heads·D·cap)`, the one size computation of [`KeyStore::with_capacity`],
+/// [`KeyStore::reserve`] and the file loader.
+///
+/// # Errors
+/// [`StoreError::Dims`] if a length, or its size in bytes, overflows (an allocation can never
+/// exceed `isize::MAX` bytes).
+pub(crate) fn section_lens(dims: Dims, cap: usize) -> Result<(usize, usize)> {
+    let hc = dims.row();
+    let words = hc.checked_mul(PLANES).and_then(|x| x.checked_mul(cap));
+    let scales = hc.checked_mul(cap);
+    let fits = |len: usize, size: usize| {
+        len.checked_mul(size)
+            .is_some_and(|b| b <= isize::MAX as usize)
+    };
+    match (words, scales) {
+        (Some(w), Some(s)) if fits(w, 8) && fits(s, 2) => Ok((w, s)),
+        _ => Err(StoreError::Dims(format!(
+            "a capacity of {cap} blocks of {} heads × {} channels overflows the address space",
+            dims.heads, dims.channels
+        ))),
+    }
+}
+
+/// `len` copies of `zero`, or [`StoreError::OutOfMemory`] (never an abort) when the allocator
+/// refuses: capacities come from callers (the Python binding passes the user's).
+pub(crate) fn zeroed<T: Copy>(len: usize, zero: T, what: &'static str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|_| StoreError::OutOfMemory {
+            what,
+            bytes: (len as u128) * std::mem::size_of::<T>() as u128,
+        })?;
+    v.resize(len, zero);
+    Ok(v)
+}
+
 /// A borrowed, read-only view of a store: what every scan reads.
 ///
 /// Built by [`KeyStore::view`] or by a memory-mapped file.
@@ -116,8 +153,19 @@ impl<'a> StoreView<'a> {
     }
     /// Rotates a query (or key) of `head` into the store's basis: `out = U_hᵀ x`.
     /// A raw store copies.
+    ///
+    /// # Panics
+    /// If `head ≥ heads` or `x` or `out` is not `D` long (a programming error: no other
+    /// head's matrix is read and no slice is zero-padded or cut silently).
     pub fn rotate_query(&self, head: usize, x: &[f32], out: &mut [f32]) {
         let d = self.dims.channels;
+        self.assert_head_channel(head, 0);
+        assert!(
+            x.len() == d && out.len() == d,
+            "rotate_query: x ({}) and out ({}) must be D = {d} long",
+            x.len(),
+            out.len()
+        );
         if self.basis_kind == BasisKind::Raw {
             out[..d].copy_from_slice(&x[..d]);
         } else {
@@ -139,9 +187,27 @@ impl<'a> StoreView<'a> {
         self.tail
     }
 
+    /// Panics unless `head < heads` and `channel < D` (the accessors' shared contract).
+    #[inline]
+    #[track_caller]
+    fn assert_head_channel(&self, head: usize, channel: usize) {
+        assert!(
+            head < self.dims.heads && channel < self.dims.channels,
+            "head {head} / channel {channel} out of range ({} heads × {} channels)",
+            self.dims.heads,
+            self.dims.channels
+        );
+    }
+
     /// The first `t` planes of channel `c` of head `h`: one contiguous run of
     /// `(t − 1)·cap + nblocks` words; plane `p` starts at offset `p·cap`.
+    ///
+    /// # Panics
+    /// If `head ≥ heads`, `channel ≥ D` or `t > 4` (a programming error: the run would be
+    /// another channel's words).
     pub fn channel_run(&self, head: usize, channel: usize, t: usize) -> &'a [u64] {
+        self.assert_head_channel(head, channel);
+        assert!(t <= PLANES, "channel_run: t = {t} planes (at most 4)");
         if t == 0 {
             return &[];
         }
@@ -150,19 +216,32 @@ impl<'a> StoreView<'a> {
     }
 
     /// Plane `p` of channel `c`, head `h`: `nblocks` words.
+    ///
+    /// # Panics
+    /// If `head ≥ heads`, `channel ≥ D` or `p ≥ 4` (a programming error).
     pub fn plane(&self, head: usize, channel: usize, p: usize) -> &'a [u64] {
+        self.assert_head_channel(head, channel);
+        assert!(p < PLANES, "plane: p = {p} (planes are 0..4)");
         let base = ((head * self.dims.channels + channel) * PLANES + p) * self.cap;
         &self.planes[base..base + self.nblocks()]
     }
 
     /// Scales of channel `c`, head `h`: `nblocks` fp16 values.
+    ///
+    /// # Panics
+    /// If `head ≥ heads` or `channel ≥ D` (a programming error).
     pub fn channel_scales(&self, head: usize, channel: usize) -> &'a [f16] {
+        self.assert_head_channel(head, channel);
         let base = (head * self.dims.channels + channel) * self.cap;
         &self.scales[base..base + self.nblocks()]
     }
 
     /// The 4-bit code of token `i`, head `h`, channel `c`, reassembled from the planes.
+    ///
+    /// # Panics
+    /// If `i ≥ tokens`, `head ≥ heads` or `channel ≥ D` (a programming error).
     pub fn code(&self, i: usize, head: usize, channel: usize) -> u8 {
+        assert!(i < self.tokens(), "code: token {i} of {}", self.tokens());
         let (b, bit) = (i / BLOCK, i % BLOCK);
         let mut q = 0u8;
         for p in 0..PLANES {
@@ -222,6 +301,11 @@ pub struct KeyStore {
 
 impl KeyStore {
     /// An empty store with room for `capacity_tokens` tokens (rounded up to whole blocks).
+    ///
+    /// # Errors
+    /// [`StoreError::Dims`] for zero or too large dimensions, or a capacity whose sizes
+    /// overflow; [`StoreError::OutOfMemory`] when the memory cannot be allocated;
+    /// [`StoreError::Basis`] for a basis of another shape.
     pub fn with_capacity(dims: Dims, capacity_tokens: usize, basis: Option<Basis>) -> Result<Self> {
         let dims = dims.validate()?;
         if let Some(b) = &basis {
@@ -236,17 +320,13 @@ impl KeyStore {
             }
         }
         let cap = blocks_for(capacity_tokens as u64) as usize;
-        let words = dims
-            .row()
-            .checked_mul(PLANES)
-            .and_then(|x| x.checked_mul(cap))
-            .ok_or_else(|| StoreError::Dims("capacity overflows".into()))?;
+        let (words, nscales) = section_lens(dims, cap)?;
         Ok(Self {
             dims,
             tokens: 0,
             cap,
-            planes: vec![0; words],
-            scales: vec![f16::ZERO; dims.row() * cap],
+            planes: zeroed(words, 0u64, "plane words")?,
+            scales: zeroed(nscales, f16::ZERO, "block scales")?,
             tail: Vec::new(),
             basis,
             flags: 0,
@@ -306,19 +386,19 @@ impl KeyStore {
     /// Grows the reserved capacity to at least `capacity_tokens` (rounded up to whole
     /// blocks), moving each channel run once; a no-op when the store is already that large.
     /// The stored words, scales and tail are unchanged, so the store reads the same.
+    ///
+    /// # Errors
+    /// As [`KeyStore::with_capacity`]; on error the store is unchanged.
     pub fn reserve(&mut self, capacity_tokens: usize) -> Result<()> {
         let cap = blocks_for(capacity_tokens as u64) as usize;
         if cap <= self.cap {
             return Ok(());
         }
         let hc = self.dims.row();
-        let words = hc
-            .checked_mul(PLANES)
-            .and_then(|x| x.checked_mul(cap))
-            .ok_or_else(|| StoreError::Dims("capacity overflows".into()))?;
+        let (words, nscales) = section_lens(self.dims, cap)?;
         let nb = blocks_for(self.tokens) as usize;
-        let mut planes = vec![0u64; words];
-        let mut scales = vec![f16::ZERO; hc * cap];
+        let mut planes = zeroed(words, 0u64, "plane words")?;
+        let mut scales = zeroed(nscales, f16::ZERO, "block scales")?;
         for i in 0..hc * PLANES {
             planes[i * cap..i * cap + nb]
                 .copy_from_slice(&self.planes[i * self.cap..i * self.cap + nb]);
@@ -383,7 +463,8 @@ impl KeyStore {
         let mut staged: Vec<(usize, Vec<f32>)> = Vec::new();
         let mut consumed = 0usize;
         let mut tokens = self.tokens as usize;
-        let mut tail = std::mem::take(&mut self.tail);
+        // A copy: on an error below, `self.tail` must still hold the partial block.
+        let mut tail = self.tail.clone();
         while consumed < m {
             let in_block = tokens % BLOCK;
             let take = (BLOCK - in_block).min(m - consumed);
@@ -439,6 +520,13 @@ impl KeyStore {
                                 channel: c,
                                 value: col[i],
                             },
+                            // A block is never longer than 64 rows, and the scale is computed
+                            // by `quantize_block` itself: kept typed regardless.
+                            QuantFault::TooLong | QuantFault::BadScale => StoreError::Shape {
+                                what: "block rows (at most 64 tokens)",
+                                expected: BLOCK,
+                                got: len,
+                            },
                         });
                     }
                 }
@@ -480,6 +568,8 @@ impl KeyStore {
     }
 
     /// Sets the header flags saved with the store (see [`crate::file::FLAG_SQUEEZE_HEADS`]).
+    /// Only the bits of [`crate::file::KNOWN_FLAGS`] may be saved: [`KeyStore::save`] refuses
+    /// any other with [`StoreError::UnknownFlags`] before writing.
     pub fn set_flags(&mut self, flags: u32) {
         self.flags = flags;
     }

@@ -154,10 +154,10 @@ proptest! {
     #[test]
     fn prop_prefix_of_code_is_t_bit_code(x in -2.0f32..2.0, m in 0.01f32..2.0) {
         let m16 = f16::from_f32(m);
-        let q = quant::encode(x, m16);
+        let q = quant::encode(x, m16).unwrap();
         for t in 1..=4u32 {
             let direct = direct_t_bit(x, m16.to_f32(), t);
-            prop_assert_eq!(quant::dequant(q, t, m16.to_f32()).to_bits(), direct.to_bits());
+            prop_assert_eq!(quant::dequant(q, t, m16.to_f32()).unwrap().to_bits(), direct.to_bits());
         }
     }
 
@@ -243,6 +243,23 @@ fn nan_and_inf_name_token_and_channel() {
     assert!(s.append(&keys[6 * 6..]).is_err());
     assert_eq!(s.tokens(), 6);
     assert_eq!(s.view().dequant_prefix(4).unwrap(), before);
+    // ... including the partial block's raw rows: the next append re-quantizes the block from
+    // them, so the store still equals one built at once, and it saves and loads.
+    assert_eq!(s.view().tail(), &keys[..6 * 6]);
+    let good = vec![0.25f32; 4 * 6];
+    s.append(&good).unwrap();
+    let mut all = keys[..6 * 6].to_vec();
+    all.extend_from_slice(&good);
+    let once = KeyStore::from_keys(dims, &all, None).unwrap();
+    assert_eq!(
+        s.view().dequant_prefix(4).unwrap(),
+        once.view().dequant_prefix(4).unwrap()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("after-a-failed-append.fks");
+    s.save(&path).unwrap();
+    let back = KeyStore::load(&path).unwrap();
+    assert_eq!(back.tokens(), 10);
 }
 
 fn orthogonal(rng: &mut StdRng, d: usize) -> Vec<f32> {
