@@ -819,7 +819,8 @@ pub fn check_rows(
 }
 
 /// The checks of a host-slice append before any copy: `k` and `v` hold `batch.rows` rows of
-/// `[Hkv][D]` and every element is finite.
+/// `[Hkv][D]`, every element is finite, every key's bf16 record fits the fp16 block scale
+/// (|bf16(k)| ≤ 65280, the largest bf16 below fp16's 65504) and every value's fits bf16.
 pub fn check_host_rows(cfg: &CacheConfig, batch: &AppendBatch, k: &[f32], v: &[f32]) -> Result<()> {
     let row = cfg.shape.kv_heads * cfg.shape.dim;
     for (what, x) in [("keys", k), ("values", v)] {
@@ -842,6 +843,28 @@ pub fn check_host_rows(cfg: &CacheConfig, batch: &AppendBatch, k: &[f32], v: &[f
                 "kv rows",
                 format!(
                     "{what}: {} at row {}, head {}, channel {} is not finite",
+                    x[i],
+                    i / row,
+                    i % row / cfg.shape.dim,
+                    i % cfg.shape.dim
+                ),
+            ));
+        }
+        // The records are bf16, and a key block's scale is the fp16 of its largest |bf16 key|:
+        // past either range the kernel would store an infinity or skip the block (a fault).
+        let stored = |e: f32| half::bf16::from_f32(e).to_f32();
+        let (limit, over): (&str, &dyn Fn(f32) -> bool) = if what == "keys" {
+            ("fp16 (a key block's scale, ±65504)", &|e| {
+                half::f16::from_f32(stored(e)).is_infinite()
+            })
+        } else {
+            ("bf16 (the stored record)", &|e| stored(e).is_infinite())
+        };
+        if let Some(i) = x.iter().position(|&e| over(e)) {
+            return Err(CudaError::invalid(
+                "kv rows",
+                format!(
+                    "{what}: {} at row {}, head {}, channel {} is past the range of {limit}",
                     x[i],
                     i / row,
                     i % row / cfg.shape.dim,
@@ -991,6 +1014,40 @@ mod tests {
         ] {
             assert!(bad.validate(128).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn host_rows_past_the_stored_ranges_are_refused() {
+        let c = cfg();
+        let mut s = crate::pages::CacheSessions::new(c.pages).unwrap();
+        let a = s.create().unwrap();
+        let batch = AppendBatch::new(s.reserve_many(&[(a, 1)]).unwrap(), 1);
+        let n = c.shape.kv_heads * c.shape.dim;
+        let (k, v) = (vec![0.5f32; n], vec![0.5f32; n]);
+        assert!(check_host_rows(&c, &batch, &k, &v).is_ok());
+        let mut big = k.clone();
+        // The largest bf16 below fp16's limit; 65504 itself rounds to the bf16 65536.
+        big[130] = 65_280.0;
+        assert!(check_host_rows(&c, &batch, &big, &v).is_ok());
+        big[130] = 65_504.0;
+        let e = check_host_rows(&c, &batch, &big, &v)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("keys") && e.contains("head 1, channel 2") && e.contains("fp16"),
+            "{e}"
+        );
+        let mut vbig = v.clone();
+        vbig[3] = 70_000.0;
+        assert!(
+            check_host_rows(&c, &batch, &k, &vbig).is_ok(),
+            "values are bf16 records"
+        );
+        vbig[3] = f32::MAX;
+        let e = check_host_rows(&c, &batch, &k, &vbig)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("values") && e.contains("bf16"), "{e}");
     }
 
     #[test]

@@ -862,6 +862,15 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Whether [`PagedCache::reserve`] of `batch` would succeed now (sessions, lengths, free
+    /// pages), changing nothing: a prompt reserved in chunks is checked whole first.
+    ///
+    /// # Errors
+    /// What the reserve would return.
+    pub fn check_reserve(&self, batch: &[(SessionId, usize)]) -> Result<()> {
+        Ok(self.sessions.check_reserve(batch)?)
+    }
+
     /// Grows every session of `batch = [(session, new_tokens)]` (all or nothing, each session
     /// at most once, at most `max_batch` sessions), performs the copy-on-write of shared
     /// partial pages in every layer's pool, and writes the device's tables and descriptors.

@@ -205,6 +205,13 @@ impl PagedCache {
     ) -> Result<crate::cache::AppendBatch> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Whether a reserve would succeed.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`].
+    pub fn check_reserve(&self, _batch: &[(crate::pages::SessionId, usize)]) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Appends one layer's K/V rows.
     ///
     /// # Errors

@@ -785,6 +785,17 @@ impl CacheSessions {
         &mut self,
         batch: &[(SessionId, usize)],
     ) -> Result<Vec<AppendPlan>, PageError> {
+        self.check_reserve(batch)?;
+        batch
+            .iter()
+            .map(|&(session, new_tokens)| self.reserve(session, new_tokens))
+            .collect()
+    }
+
+    /// Every check of [`CacheSessions::reserve_many`], changing nothing: whether the batch
+    /// would be reserved now. A caller that reserves one prompt in several chunks asks this
+    /// for the whole prompt first, so the pool cannot run out half-way through it.
+    pub fn check_reserve(&self, batch: &[(SessionId, usize)]) -> Result<(), PageError> {
         let mut needed = 0usize;
         for (i, &(session, new_tokens)) in batch.iter().enumerate() {
             if batch[..i].iter().any(|(s, _)| *s == session) {
@@ -799,10 +810,7 @@ impl CacheSessions {
                 capacity: self.pool.capacity(),
             });
         }
-        batch
-            .iter()
-            .map(|&(session, new_tokens)| self.reserve(session, new_tokens))
-            .collect()
+        Ok(())
     }
 
     /// Verifies every invariant of the module docs; `Err` names the first one broken.
@@ -925,6 +933,34 @@ mod tests {
             })
         ));
         assert!(PagePool::new(0).is_err());
+    }
+
+    /// `check_reserve` answers as `reserve_many` would and changes nothing.
+    #[test]
+    fn check_reserve_predicts_the_reserve_without_changing_state() {
+        let mut s = CacheSessions::new(cfg(128, 4, 2, 1024)).unwrap();
+        let (a, b) = (s.create().unwrap(), s.create().unwrap());
+        assert!(s.check_reserve(&[(a, 300), (b, 128)]).is_ok());
+        assert!(matches!(
+            s.check_reserve(&[(a, 300), (b, 200)]),
+            Err(PageError::PoolExhausted {
+                needed: 5,
+                free: 4,
+                ..
+            })
+        ));
+        assert!(matches!(
+            s.check_reserve(&[(a, 0)]),
+            Err(PageError::ZeroLengthAppend { .. })
+        ));
+        assert!(matches!(
+            s.check_reserve(&[(a, 1), (a, 1)]),
+            Err(PageError::DuplicateInBatch { .. })
+        ));
+        assert_eq!((s.len(a).unwrap(), s.len(b).unwrap()), (0, 0));
+        s.check().unwrap();
+        assert!(s.reserve_many(&[(a, 300), (b, 128)]).is_ok());
+        assert!(s.check_reserve(&[(b, 1)]).is_err(), "the pool is full now");
     }
 
     #[test]

@@ -1041,6 +1041,9 @@ impl GpuDecoder {
                 ),
             ));
         }
+        if tokens > 0 {
+            self.cache.check_reserve(&[(session, tokens)])?;
+        }
         let mut done = 0;
         while done < tokens {
             let m = chunk.min(tokens - done);
@@ -1192,6 +1195,8 @@ impl Decoder for GpuDecoder {
                 ),
             ));
         }
+        // The whole prompt's pages before its first chunk: no partial prompt on a full pool.
+        self.cache.check_reserve(&[(session, tokens.len())])?;
         let mut pos0 = n0;
         let mut last = 0;
         for chunk in tokens.chunks(self.dcfg.prefill_chunk) {

@@ -56,7 +56,7 @@ pub enum StoreError {
         /// What was being allocated.
         what: &'static str,
         /// The bytes asked for.
-        bytes: u128,
+        bytes: u64,
     },
     /// Header flags with a bit this format version does not define.
     #[error("unknown store flags {flags:#x} (this build knows {known:#x})")]

@@ -100,7 +100,7 @@ pub(crate) fn zeroed<T: Copy>(len: usize, zero: T, what: &'static str) -> Result
     v.try_reserve_exact(len)
         .map_err(|_| StoreError::OutOfMemory {
             what,
-            bytes: (len as u128) * std::mem::size_of::<T>() as u128,
+            bytes: (len as u64).saturating_mul(std::mem::size_of::<T>() as u64),
         })?;
     v.resize(len, zero);
     Ok(v)
