@@ -13,9 +13,10 @@ use std::path::PathBuf;
 
 mod gpu;
 
+use numpy::ndarray::{Dimension, Ix2, Ix3};
 use numpy::{
-    PyArray1, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
-    PyUntypedArrayMethods,
+    PyArray, PyArray1, PyArray3, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1,
+    PyReadonlyArray2, PyReadonlyArray3, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -50,6 +51,72 @@ fn finite<'a>(arg: &str, x: &'a [f32]) -> PyResult<&'a [f32]> {
     }
 }
 
+/// A count or index argument (`i64`, so that a negative one is a `ValueError` naming `arg`
+/// rather than pyo3's `OverflowError`).
+pub(crate) fn count(arg: &str, x: i64) -> PyResult<usize> {
+    usize::try_from(x).map_err(|_| bad(arg, format!("{x} is negative")))
+}
+
+/// The most tokens a store may be made for (2^40: far past any context, and small enough that
+/// the store's sizes cannot overflow).
+const MAX_CAPACITY: usize = 1 << 40;
+
+/// The machine's physical memory in bytes, where the system says (Linux).
+fn physical_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuses a store capacity that could never be allocated, before anything is: more than
+/// [`MAX_CAPACITY`] tokens, or bit planes and scales (`capacity·heads·D·(1/2 + 1/32)` bytes)
+/// beyond this machine's memory.
+fn store_capacity(arg: &str, capacity: usize, heads: usize, channels: usize) -> PyResult<()> {
+    if capacity > MAX_CAPACITY {
+        return Err(bad(
+            arg,
+            format!("{capacity} tokens is absurd (at most 2^40 = {MAX_CAPACITY})"),
+        ));
+    }
+    // 4 planes of one bit and a 2-byte scale per 64-token block, per (head, channel).
+    let blocks = capacity.div_ceil(64) as u128;
+    let bytes = blocks * heads as u128 * channels as u128 * (4 * 8 + 2);
+    let limit = physical_memory().map_or(isize::MAX as u128, u128::from);
+    if bytes > limit {
+        return Err(bad(
+            arg,
+            format!(
+                "{capacity} tokens of {heads} heads × {channels} channels need {:.1} GiB, \
+                 more than this machine's {:.1} GiB of memory",
+                bytes as f64 / (1u64 << 30) as f64,
+                limit as f64 / (1u64 << 30) as f64
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A float32 numpy array of `D`'s dimensions as it is (no conversion), or a `ValueError`
+/// naming `arg` and what it got.
+fn f32_array<'py, D: Dimension>(
+    arg: &str,
+    x: &Bound<'py, PyAny>,
+    want: &str,
+) -> PyResult<PyReadonlyArray<'py, f32, D>> {
+    if let Ok(a) = x.cast::<PyArray<f32, D>>() {
+        return a.try_readonly().map_err(|e| bad(arg, e));
+    }
+    let got = match x.cast::<PyUntypedArray>() {
+        Ok(u) => format!("a {} array of shape {:?}", u.dtype(), u.shape()),
+        Err(_) => format!("a {}", x.get_type().name()?),
+    };
+    Err(bad(
+        arg,
+        format!("{got}; want a float32 numpy array {want} (nothing is converted here)"),
+    ))
+}
+
 fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     arg: &str,
     a: &'a numpy::PyReadonlyArray<'_, T, D>,
@@ -71,13 +138,15 @@ impl KeyStoreHandle {
     /// tokens (at least N) before `append` must reallocate.
     #[staticmethod]
     #[pyo3(signature = (keys, capacity=None))]
-    fn from_keys(keys: PyReadonlyArray3<'_, f32>, capacity: Option<usize>) -> PyResult<Self> {
+    fn from_keys(keys: PyReadonlyArray3<'_, f32>, capacity: Option<i64>) -> PyResult<Self> {
         let s = keys.shape();
         let (n, heads, channels) = (s[0], s[1], s[2]);
+        let capacity = capacity.map(|c| count("capacity", c)).transpose()?;
+        let capacity = capacity.unwrap_or(n).max(n);
+        store_capacity("capacity", capacity, heads, channels)?;
         let x = finite("keys", contiguous("keys", &keys)?)?;
         let dims = Dims { heads, channels };
-        let mut inner =
-            KeyStore::with_capacity(dims, capacity.unwrap_or(n).max(n), None).map_err(lib_err)?;
+        let mut inner = KeyStore::with_capacity(dims, capacity, None).map_err(lib_err)?;
         inner.append(x).map_err(lib_err)?;
         Ok(Self { inner })
     }
@@ -139,8 +208,9 @@ impl KeyStoreHandle {
 
     /// Every key at the first `t` planes of every channel (`t` in 0..=4), `float32 [N, Hkv, D]`:
     /// exactly the t-bit quantizer of docs/SPEC.md §2.
-    fn dequant_prefix<'py>(&self, py: Python<'py>, t: u32) -> PyResult<Bound<'py, PyArray3<f32>>> {
+    fn dequant_prefix<'py>(&self, py: Python<'py>, t: i64) -> PyResult<Bound<'py, PyArray3<f32>>> {
         let d = self.inner.dims();
+        let t = u32::try_from(count("t", t)?).unwrap_or(u32::MAX);
         let v = self.inner.view().dequant_prefix(t).map_err(lib_err)?;
         PyArray1::from_vec(py, v).reshape([self.inner.tokens(), d.heads, d.channels])
     }
@@ -189,7 +259,7 @@ fn water_fill<'py>(
 fn write_capture(
     path: PathBuf,
     layers: &Bound<'_, PyDict>,
-    positions: Vec<usize>,
+    positions: Vec<i64>,
     model: String,
     qk_norm: bool,
     softcap: Option<f32>,
@@ -198,6 +268,15 @@ fn write_capture(
     metadata: Option<std::collections::BTreeMap<String, String>>,
 ) -> PyResult<()> {
     let dtype: Dtype = dtype.parse().map_err(|e| bad("dtype", e))?;
+    if let Some(c) = softcap {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(bad("softcap", format!("{c} (must be positive and finite)")));
+        }
+    }
+    let positions = positions
+        .into_iter()
+        .map(|p| count("positions", p))
+        .collect::<PyResult<Vec<_>>>()?;
     let kinds = layer_kinds
         .map(|ks| {
             ks.iter()
@@ -217,9 +296,10 @@ fn write_capture(
     }
     let mut owned: Vec<Tensor> = Vec::new();
     for (key, val) in layers.iter() {
-        let l: usize = key
+        let l: i64 = key
             .extract()
             .map_err(|_| bad("layers", "keys must be layer indices"))?;
+        let l = count("layers", l)?;
         let parts = val
             .cast::<PyDict>()
             .map_err(|_| bad("layers", format!("layer {l}: a dict of q, k, v (and o)")))?;
@@ -241,6 +321,7 @@ fn write_capture(
                 .extract()
                 .map_err(|_| bad(&arg, "must be a float32 array of 3 dimensions"))?;
             let x = finite(&arg, contiguous(&arg, &a)?)?.to_vec();
+            representable(&arg, &x, dtype)?;
             owned.push(Tensor {
                 arg,
                 name: tensor_name(l, part),
@@ -283,6 +364,17 @@ fn write_capture(
         ));
     }
     idx.sort_unstable();
+    if let (Some(k), Some(&last)) = (&kinds, idx.last()) {
+        if k.len() <= last {
+            return Err(bad(
+                "layer_kinds",
+                format!(
+                    "{} entries, but layer {last} is written (list the kind of every model layer)",
+                    k.len()
+                ),
+            ));
+        }
+    }
     let meta = CaptureMeta {
         model,
         positions,
@@ -306,8 +398,54 @@ fn write_capture(
         map.insert(k, v);
     }
     let bytes = fathom_capture::encode(&tensors, dtype, Some(map)).map_err(lib_err)?;
+    drop(tensors);
+    drop(owned);
+    // What is written is what the package's reader accepts: the bytes are parsed back with it
+    // (schema, shapes, metadata, every layer's values) before the atomic write.
+    let bytes = reads_back(&path.display().to_string(), bytes).map_err(|e| {
+        bad(
+            "layers",
+            format!("the capture would not read back, so nothing was written: {e}"),
+        )
+    })?;
     fathom_store::write_atomic(&path, &bytes)
         .map_err(|e| lib_err(format!("{}: {e}", path.display())))
+}
+
+/// Refuses values that the capture's `dtype` turns into infinities (past f16's ±65504, or
+/// bf16's ±3.39e38), naming `arg` and the element.
+fn representable(arg: &str, x: &[f32], dtype: Dtype) -> PyResult<()> {
+    let (name, inf): (&str, fn(f32) -> bool) = match dtype {
+        Dtype::F16 => ("f16", |v| half::f16::from_f32(v).is_infinite()),
+        Dtype::Bf16 => ("bf16", |v| half::bf16::from_f32(v).is_infinite()),
+        _ => return Ok(()),
+    };
+    // The conversions are monotonic in |v|: only the largest magnitude need be tried.
+    let Some((i, &v)) = x
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+    else {
+        return Ok(());
+    };
+    if inf(v) {
+        return Err(bad(
+            arg,
+            format!("element {i} is {v}, which {name} cannot hold (it would be stored as infinity); use dtype=\"f32\" or scale it"),
+        ));
+    }
+    Ok(())
+}
+
+/// Parses encoded capture bytes back with the package's reader ([`Capture`]: schema, shapes,
+/// metadata, then every layer's values, NaN and infinity refused) and gives them back, or the
+/// reader's verdict. `name` stands for the path in the reader's messages.
+fn reads_back(name: &str, bytes: Vec<u8>) -> Result<Vec<u8>, String> {
+    let cap = Capture::from_vec(name, bytes).map_err(|e| e.to_string())?;
+    for &l in &cap.info().layers {
+        cap.layer(l).map_err(|e| e.to_string())?;
+    }
+    Ok(cap.into_bytes())
 }
 
 /// Reads a docs/SPEC.md §8 capture: `(info, layers)`, `info` a dict of the capture-wide facts
@@ -357,17 +495,21 @@ fn read_capture<'py>(
 /// Runs the fidelity evaluation of a capture (what `fathom fidelity --json` writes) and
 /// returns the document as a JSON string.
 #[pyfunction]
-#[pyo3(signature = (capture, methods, k=None, calib=None, layers=None, basis="raw"))]
+#[pyo3(signature = (capture, methods, k=None, calib=None, layers=None, basis="auto"))]
 fn fidelity_json(
     py: Python<'_>,
     capture: PathBuf,
     methods: &str,
-    k: Option<usize>,
+    k: Option<i64>,
     calib: Option<PathBuf>,
-    layers: Option<Vec<usize>>,
+    layers: Option<Vec<i64>>,
     basis: &str,
 ) -> PyResult<String> {
     let basis: BasisChoice = basis.parse().map_err(|e| bad("basis", e))?;
+    let k = k.map(|k| count("k", k)).transpose()?;
+    let layers = layers
+        .map(|ls| ls.into_iter().map(|l| count("layers", l)).collect())
+        .transpose()?;
     let args = EvaluateArgs {
         capture: &capture,
         methods,
@@ -378,7 +520,10 @@ fn fidelity_json(
         study: Default::default(),
         command: format!("fathom.fidelity({}, {methods:?})", capture.display()),
     };
-    let (doc, _) = py.detach(|| evaluate(&args, &|_| {})).map_err(lib_err)?;
+    // The error as its message inside the closure (the library's error type is large).
+    let (doc, _) = py
+        .detach(|| evaluate(&args, &|_| {}).map_err(|e| e.to_string()))
+        .map_err(lib_err)?;
     let doc: fathom_results::Document = doc.into();
     serde_json::to_string(&doc).map_err(lib_err)
 }
@@ -393,9 +538,10 @@ fn calibrate(
     capture: PathBuf,
     out: PathBuf,
     targets: Vec<f32>,
-    k: Option<usize>,
+    k: Option<i64>,
     quantum: f32,
 ) -> PyResult<Option<String>> {
+    let k = k.map(|k| count("k", k)).transpose()?;
     let args = fathom_bench::evaluate::CalibrateArgs {
         capture: &capture,
         out: &out,
@@ -405,7 +551,9 @@ fn calibrate(
         command: format!("fathom.calibrate({}, {})", capture.display(), out.display()),
     };
     let cal = py
-        .detach(|| fathom_bench::evaluate::calibrate_file(&args, &|_, _, _| {}))
+        .detach(|| {
+            fathom_bench::evaluate::calibrate_file(&args, &|_, _, _| {}).map_err(|e| e.to_string())
+        })
         .map_err(lib_err)?;
     Ok(cal.basis_rule.map(|r| format!("{:?}", r.choice)))
 }
@@ -414,12 +562,16 @@ fn calibrate(
 /// sequence's keys and values per layer: `append` adds new tokens' rows `[m, Hkv, D]` (after
 /// RoPE and any QK-norm; only the new ones cross from the caller), and `attend` gives the
 /// attention output `[Hq, D]` of the last token's queries under the SPEC §5 protocol (sink +
-/// local + each query head's own top-k, exact softmax at `1/√D`).
+/// local + each query head's own top-k, exact softmax at `1/√D`). The constructor refuses
+/// what a step would fail on: a method that needs a calibration without one, a softcap that
+/// is not positive and finite, `k = sink = local = 0` for a sparse method, a negative count.
 #[pyclass(module = "fathom._fathom")]
 struct Decoder {
     inner: fathom_bench::decode::SparseDecoder,
     /// Per layer: keys and values `[n][Hkv][D]`.
     kv: Vec<(Vec<f32>, Vec<f32>)>,
+    hkv: usize,
+    dim: usize,
     row: usize,
 }
 
@@ -430,19 +582,32 @@ impl Decoder {
     #[allow(clippy::too_many_arguments)]
     fn new(
         method: &str,
-        layers: usize,
-        kv_heads: usize,
-        dim: usize,
-        k: usize,
-        capacity: usize,
-        sink: usize,
-        local: usize,
+        layers: i64,
+        kv_heads: i64,
+        dim: i64,
+        k: i64,
+        capacity: i64,
+        sink: i64,
+        local: i64,
         calib: Option<PathBuf>,
         basis: &str,
         softcap: Option<f32>,
     ) -> PyResult<Self> {
         use fathom_bench::fidelity::CalibSource;
+        let (layers, kv_heads, dim) = (
+            count("layers", layers)?,
+            count("kv_heads", kv_heads)?,
+            count("dim", dim)?,
+        );
+        let (k, capacity) = (count("k", k)?, count("capacity", capacity)?);
+        let (sink, local) = (count("sink", sink)?, count("local", local)?);
         let basis: BasisChoice = basis.parse().map_err(|e| bad("basis", e))?;
+        if let Some(c) = softcap {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(bad("softcap", format!("{c} (must be positive and finite)")));
+            }
+        }
+        store_capacity("capacity", capacity, kv_heads, dim)?;
         let cal = calib
             .as_ref()
             .map(|p| fathom_bench::calib::Calibration::load(p))
@@ -462,6 +627,20 @@ impl Decoder {
             return Err(bad(
                 "method",
                 format!("{method:?} names {} methods, want one", list.len()),
+            ));
+        }
+        // As the command line decides (`needs_calib`): a method outside the fixed-rule grammar
+        // (Fathom's plans) or one whose spec says so needs a calibration.
+        if cal.is_none() && list[0].spec().is_none_or(|s| s.needs_calibration()) {
+            return Err(bad(
+                "calib",
+                format!("method {method:?} needs a calibration (fathom.calibrate on a capture of the model)"),
+            ));
+        }
+        if !list[0].is_dense() && k + sink + local == 0 {
+            return Err(bad(
+                "k",
+                "k, sink and local are all 0: no token would be attended",
             ));
         }
         let heads = cal.as_ref().map(|c| {
@@ -488,6 +667,8 @@ impl Decoder {
         Ok(Self {
             inner,
             kv: vec![(Vec::new(), Vec::new()); layers],
+            hkv: kv_heads,
+            dim,
             row: kv_heads * dim,
         })
     }
@@ -495,10 +676,25 @@ impl Decoder {
     /// Appends tokens' keys and values `[m, Hkv, D]` to layer `layer`'s.
     fn append(
         &mut self,
-        layer: usize,
-        keys: PyReadonlyArray3<'_, f32>,
-        values: PyReadonlyArray3<'_, f32>,
+        layer: i64,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        let (hkv, dim) = (self.hkv, self.dim);
+        let want = format!("[m, Hkv = {hkv}, D = {dim}]");
+        let keys = f32_array::<Ix3>("keys", keys, &want)?;
+        let values = f32_array::<Ix3>("values", values, &want)?;
+        let (ksh, vsh) = (keys.shape(), values.shape());
+        if ksh[1..] != [hkv, dim] {
+            return Err(bad("keys", format!("shape {ksh:?}; want {want}")));
+        }
+        if vsh != ksh {
+            return Err(bad(
+                "values",
+                format!("shape {vsh:?}; want the keys' {ksh:?}"),
+            ));
+        }
+        let layer = count("layer", layer)?;
         let layers = self.kv.len();
         let (k, v) = self.kv.get_mut(layer).ok_or_else(|| {
             bad(
@@ -508,26 +704,15 @@ impl Decoder {
         })?;
         let ks = finite("keys", contiguous("keys", &keys)?)?;
         let vs = finite("values", contiguous("values", &values)?)?;
-        if ks.len() % self.row != 0 || vs.len() != ks.len() {
-            return Err(bad(
-                "keys",
-                format!(
-                    "shapes {:?} and {:?}; want [m, Hkv, D] with Hkv·D = {}, the same for both",
-                    keys.shape(),
-                    values.shape(),
-                    self.row
-                ),
-            ));
-        }
         k.extend_from_slice(ks);
         v.extend_from_slice(vs);
         Ok(())
     }
 
     /// Tokens held for layer `layer`.
-    fn tokens(&self, layer: usize) -> PyResult<usize> {
+    fn tokens(&self, layer: i64) -> PyResult<usize> {
         self.kv
-            .get(layer)
+            .get(count("layer", layer)?)
             .map(|(k, _)| k.len() / self.row)
             .ok_or_else(|| bad("layer", format!("{layer} is out of range")))
     }
@@ -537,11 +722,18 @@ impl Decoder {
     fn attend<'py>(
         &mut self,
         py: Python<'py>,
-        layer: usize,
-        q: PyReadonlyArray2<'py, f32>,
+        layer: i64,
+        q: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, numpy::PyArray2<f32>>> {
+        let (hkv, dim) = (self.hkv, self.dim);
+        let want = format!("[Hq, D = {dim}] with Hq a positive multiple of Hkv = {hkv}");
+        let q = f32_array::<Ix2>("q", q, &want)?;
         let (hq, d) = (q.shape()[0], q.shape()[1]);
+        if d != dim || hq == 0 || hq % hkv != 0 {
+            return Err(bad("q", format!("shape {:?}; want {want}", q.shape())));
+        }
         let n = self.tokens(layer)?;
+        let layer = count("layer", layer)?;
         if n == 0 {
             return Err(bad(
                 "layer",

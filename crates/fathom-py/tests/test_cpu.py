@@ -273,3 +273,194 @@ def test_decoder_bad_calls_are_errors():
         fathom.Decoder("sparq:99", 1, 2, 16, 8)
     with pytest.raises(ValueError, match="one"):
         fathom.Decoder("dense,exact", 1, 2, 16, 8)
+
+
+# Bad input is a ValueError naming the argument, before any work or write (review items).
+
+
+def test_an_absurd_capacity_is_a_value_error_before_anything_is_allocated():
+    small = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="capacity"):
+        fathom.KeyStore.from_keys(small, capacity=2**62)  # was a PanicException
+    with pytest.raises(ValueError, match="capacity"):
+        fathom.KeyStore.from_keys(small, capacity=2**41)
+    # 2^34 tokens of 8 × 128 channels: ~9 TB, past any machine's memory (was an abort).
+    with pytest.raises(ValueError, match="capacity.*memory"):
+        fathom.KeyStore.from_keys(np.zeros((4, 8, 128), np.float32), capacity=2**34)
+    with pytest.raises(ValueError, match="capacity"):
+        fathom.Decoder("exact", 1, 8, 128, 8, capacity=2**34)
+    assert fathom.KeyStore.from_keys(small, capacity=1000).tokens == 4
+
+
+def test_decoder_shapes_must_be_the_documented_ones():
+    dec = fathom.Decoder("dense", 1, 2, 16, 8)
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    with pytest.raises(ValueError, match="^keys: shape"):
+        dec.append(0, z(1, 4, 8), z(1, 4, 8))  # Hkv·D fits, the shape does not
+    with pytest.raises(ValueError, match="^values: shape"):
+        dec.append(0, z(2, 2, 16), z(1, 4, 16))
+    with pytest.raises(ValueError, match="^values: shape"):
+        dec.append(0, z(2, 2, 16), z(1, 2, 16))
+    assert dec.tokens(0) == 0
+    dec.append(0, np.ones((3, 2, 16), np.float32), np.ones((3, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="^q: shape"):
+        dec.attend(0, np.ones((8, 8), np.float32))  # D = 8 of a D = 16 decoder
+    with pytest.raises(ValueError, match="^q: shape"):
+        dec.attend(0, np.ones((3, 16), np.float32))  # Hq not a multiple of Hkv
+    with pytest.raises(ValueError, match="^q: shape"):
+        dec.attend(0, np.ones((0, 16), np.float32))
+    assert dec.attend(0, np.ones((4, 16), np.float32)).shape == (4, 16)
+
+
+def test_write_capture_writes_nothing_its_reader_would_refuse(tmp_path):
+    p = tmp_path / "c.safetensors"
+    r = np.random.default_rng(0)
+    q = r.standard_normal((1, 2, 16)).astype(np.float32)
+    k = r.standard_normal((10, 2, 16)).astype(np.float32)
+    one = {0: {"q": q, "k": k, "v": k}}
+    for bad in (float("nan"), -1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="softcap"):
+            fathom.write_capture(p, one, [5], "m", softcap=bad)
+    with pytest.raises(ValueError, match="layer_kinds"):
+        fathom.write_capture(p, {0: one[0], 3: one[0]}, [5], "m", layer_kinds=["global", "global"])
+    big = k.copy()
+    big[2, 1, 3] = 7.0e4  # past f16's 65504: stored as infinity, which the reader refuses
+    with pytest.raises(ValueError, match=r"layers\[0\]\.k.*f16"):
+        fathom.write_capture(p, {0: {"q": q, "k": big, "v": k}}, [5], "m", dtype="f16")
+    big[2, 1, 3] = 3.4e38  # past bf16's largest
+    with pytest.raises(ValueError, match=r"layers\[0\]\.k.*bf16"):
+        fathom.write_capture(p, {0: {"q": q, "k": big, "v": k}}, [5], "m")
+    assert not p.exists()
+    # What is written reads back: f32 holds 7e4, f16 the largest finite value.
+    big[2, 1, 3] = 7.0e4
+    fathom.write_capture(p, {0: {"q": q, "k": big, "v": k}}, [5], "m", dtype="f32", softcap=30.0)
+    info, layers = fathom.read_capture(p)
+    assert info["softcap"] == 30.0 and layers[0]["k"][2, 1, 3] == np.float32(7.0e4)
+    big[2, 1, 3] = 65504.0
+    fathom.write_capture(p, {0: {"q": q, "k": big, "v": k}}, [5], "m", dtype="f16")
+    assert fathom.read_capture(p)[1][0]["k"][2, 1, 3] == 65504.0
+
+
+def test_fidelity_defaults_to_the_basis_fathom_fidelity_uses(tmp_path):
+    # Keys of rank 4 in 64 channels: the KLT concentrates them, so the basis rule picks it
+    # and a Fathom plan reads differently in the raw channels.
+    r = np.random.default_rng(3)
+    n, hkv, g, d = 512, 2, 2, 64
+    positions = [200, 350, n - 1]
+    layers = {}
+    for l in (0, 1):
+        mix = r.standard_normal((hkv, 4, d)).astype(np.float32)
+        k = np.einsum("nhr,hrd->nhd", r.standard_normal((n, hkv, 4)), mix).astype(np.float32)
+        k += 0.01 * r.standard_normal(k.shape).astype(np.float32)
+        v = r.standard_normal((n, hkv, d)).astype(np.float32)
+        q = np.einsum("phr,hrd->phd", r.standard_normal((3, hkv * g, 4)),
+                      np.repeat(mix, g, axis=0)).astype(np.float32)
+        layers[l] = {"q": q, "k": k, "v": v}
+    p = tmp_path / "c.safetensors"
+    fathom.write_capture(p, layers, positions, "low-rank", dtype="f32")
+    cal = tmp_path / "cal.json"
+    assert fathom.calibrate(p, cal, targets=[16.0], k=32) == "Klt"
+    err = lambda doc: [m["error"] for m in doc["methods"]]  # noqa: E731
+    default = fathom.fidelity(p, "fathom:16", k=32, calib=cal)
+    assert err(default) == err(fathom.fidelity(p, "fathom:16", k=32, calib=cal, basis="auto"))
+    assert err(default) == err(fathom.fidelity(p, "fathom:16", k=32, calib=cal, basis="klt"))
+    assert err(default) != err(fathom.fidelity(p, "fathom:16", k=32, calib=cal, basis="raw"))
+
+
+def test_wrong_dtypes_and_negative_counts_are_value_errors_naming_the_argument(tmp_path):
+    dec = fathom.Decoder("dense", 2, 2, 16, 8)
+    f32 = np.ones((3, 2, 16), np.float32)
+    dec.append(0, f32, f32)
+    with pytest.raises(ValueError, match="q.*float64"):
+        dec.attend(0, np.ones((2, 16)))  # was a TypeError "cannot be cast"
+    with pytest.raises(ValueError, match="keys.*float64"):
+        dec.append(0, np.ones((3, 2, 16)), f32)
+    with pytest.raises(ValueError, match="values"):
+        dec.append(0, f32, [[1.0]])
+    for call in (lambda: dec.attend(-1, np.ones((2, 16), np.float32)),
+                 lambda: dec.append(-1, f32, f32), lambda: dec.tokens(-1)):
+        with pytest.raises(ValueError, match="layer.*negative"):
+            call()
+    s = fathom.KeyStore.from_keys(f32)
+    with pytest.raises(ValueError, match="t.*negative"):
+        s.dequant_prefix(-1)  # was an OverflowError
+    with pytest.raises(ValueError, match="capacity.*negative"):
+        fathom.KeyStore.from_keys(f32, capacity=-1)
+    with pytest.raises(ValueError, match="capacity"):
+        fathom.KeyStore.from_keys(f32, capacity=2.5)
+    for arg in ("layers", "kv_heads", "dim", "k", "capacity", "sink", "local"):
+        kw = dict(method="exact", layers=1, kv_heads=2, dim=16, k=8)
+        kw[arg] = -1
+        with pytest.raises(ValueError, match=f"{arg}.*negative"):
+            fathom.Decoder(**kw)
+    q = np.zeros((1, 2, 16), np.float32)
+    k = np.zeros((10, 2, 16), np.float32)
+    with pytest.raises(ValueError, match="positions.*negative"):
+        fathom.write_capture(tmp_path / "c.safetensors", {0: {"q": q, "k": k, "v": k}}, [-1], "m")
+    with pytest.raises(ValueError, match="layers.*negative"):
+        fathom.write_capture(tmp_path / "c.safetensors", {-1: {"q": q, "k": k, "v": k}}, [1], "m")
+    with pytest.raises(ValueError, match="k.*negative"):
+        fathom.fidelity(tmp_path / "c.safetensors", "exact", k=-1)
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_complex_and_non_numeric_arrays_are_refused():
+    with pytest.raises(ValueError, match="keys.*complex"):
+        fathom.KeyStore.from_keys(np.ones((4, 2, 8), np.complex64))  # was the real part
+    with pytest.raises(ValueError, match="queries.*complex"):
+        fathom.importance(np.ones((2, 8)) + 1j, np.ones(8))
+    with pytest.raises(ValueError, match="importance"):
+        fathom.water_fill(np.array(["1.0", "2.0"]), 4.0)  # strings are not numbers
+    # Integer and bool arrays are real: converted.
+    assert fathom.KeyStore.from_keys(np.ones((4, 2, 8), np.int64)).tokens == 4
+
+
+def test_a_decoder_that_would_fail_at_its_first_step_is_refused_at_construction():
+    for m in ("fathom:48", "ds:8", "loki:8"):
+        with pytest.raises(ValueError, match="calib"):
+            fathom.Decoder(m, 1, 2, 16, 8)
+    for bad in (float("nan"), 0.0, -5.0, float("inf")):
+        with pytest.raises(ValueError, match="softcap"):
+            fathom.Decoder("exact", 1, 2, 16, 8, softcap=bad)
+    with pytest.raises(ValueError, match="k, sink and local"):
+        fathom.Decoder("exact", 1, 2, 16, 0, sink=0, local=0)
+    # Dense attends every key whatever k is; softcap 30 is a softcap.
+    dense = fathom.Decoder("dense", 1, 2, 16, 0, sink=0, local=0, softcap=30.0)
+    dense.append(0, np.ones((3, 2, 16), np.float32), np.ones((3, 2, 16), np.float32))
+    np.testing.assert_allclose(dense.attend(0, np.ones((2, 16), np.float32)), 1.0, rtol=1e-6)
+
+
+def test_the_readme_device_log_counts_are_the_logs():
+    import re
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    text = " ".join(open(os.path.join(here, "..", "README.md")).read().split())
+    logs = os.path.join(here, "..", "..", "..", "results", "device", "py")
+    claims = re.findall(r"(pytest-device[\w.-]*\.log)`? \((\d+) passed(?:, (\d+) skipped)?", text)
+    assert claims, "the README names its device logs with their counts"
+    for name, passed, skipped in claims:
+        path = os.path.join(logs, name)
+        if not os.path.exists(path):
+            pytest.skip(f"{path} is not in this checkout")
+        last = re.findall(r"(\d+) passed(?:, (\d+) skipped)?", open(path).read())[-1]
+        assert (passed, skipped or "0") == (last[0], last[1] or "0"), name
+
+
+def test_fathom_hf_refuses_a_decoder_that_would_fail_before_generation():
+    from types import SimpleNamespace
+
+    import fathom.hf
+
+    config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, hidden_size=64)
+    with pytest.raises(ValueError, match="calib"):
+        fathom.hf.FathomAttention("fathom:48", k=8).check(config)
+    with pytest.raises(ValueError, match="k, sink and local"):
+        fathom.hf.FathomAttention("exact", k=0, sink=0, local=0).check(config)
+    with pytest.raises(ValueError, match="softcap"):
+        fathom.hf.FathomAttention("exact", k=8).check(SimpleNamespace(**vars(config), attn_logit_softcapping=0.0))
+    fathom.hf.FathomAttention("exact", k=8).check(config)
+    # The GPU path checks the same before it makes its cache (here: before any GPU is needed).
+    with pytest.raises(ValueError, match="calib"):
+        fathom.hf.FathomAttention("ds:8", k=8, device="cuda").check(
+            SimpleNamespace(**{**vars(config), "head_dim": 64}))

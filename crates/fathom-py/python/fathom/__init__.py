@@ -10,11 +10,12 @@ and the attention-fidelity harness (docs/SPEC.md in the repository).
 >>> bits <= 48.0
 True
 
-Arrays may be any real dtype and layout: they are converted to C-ordered float32 first
-(except for :class:`Decoder`, the per-step decode API, which takes float32 C-ordered arrays
-as they are, so that no step copies silently).
-Values that are not finite, or shapes that do not fit, raise ``ValueError`` naming the
-argument; the library's own errors (files, formats, method items, budgets) raise
+Arrays may be any real dtype (bool, integer or floating point) and layout: they are
+converted to C-ordered float32 first (except for :class:`Decoder`, the per-step decode API,
+which takes float32 C-ordered arrays as they are, so that no step copies silently; any other
+dtype is a ``ValueError``). Complex, string or object arrays, values that are not finite,
+shapes that do not fit, and counts that are negative or not integers raise ``ValueError``
+naming the argument; the library's own errors (files, formats, method items, budgets) raise
 ``fathom.FathomError`` (a ``ValueError``) with the library's message.
 
 The offloaded paged KV cache on torch CUDA tensors (DLPack, zero-copy, on the caller's
@@ -24,6 +25,7 @@ stream) is :mod:`fathom.gpu` (``fathom.gpu.GpuCache``).
 from __future__ import annotations
 
 import json
+import operator
 import os
 from typing import Mapping, Optional, Sequence
 
@@ -50,10 +52,27 @@ __version__ = _fathom.version()
 
 def _f32(x, name: str) -> np.ndarray:
     try:
-        a = np.asarray(x, dtype=np.float32)
+        a = np.asarray(x)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{name}: not a real array ({e})") from None
-    return np.ascontiguousarray(a)
+    if a.dtype.kind not in "biuf":
+        why = " (complex: its imaginary part would be dropped)" if a.dtype.kind == "c" else ""
+        raise ValueError(f"{name}: dtype {a.dtype} is not real numbers{why}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _count(x, name: str) -> int:
+    """A non-negative integer argument (``operator.index``: Python and numpy integers), or a
+    ``ValueError`` naming it."""
+    try:
+        v = operator.index(x)
+    except TypeError:
+        raise ValueError(f"{name}: {x!r} is not an integer") from None
+    if v < 0:
+        raise ValueError(f"{name}: {v} is negative")
+    if v >= 2**63:
+        raise ValueError(f"{name}: {v} is too large")
+    return v
 
 
 def _nd(x, ndim: int, name: str) -> np.ndarray:
@@ -76,9 +95,11 @@ class KeyStore:
     @classmethod
     def from_keys(cls, keys, capacity: Optional[int] = None) -> "KeyStore":
         """Quantizes ``keys`` ``[N, Hkv, D]`` into a new store with room for ``capacity``
-        tokens (at least N) before an :meth:`append` has to move the stored words."""
+        tokens (at least N) before an :meth:`append` has to move the stored words. A capacity
+        past 2^40 tokens, or whose store would not fit in this machine's memory, is a
+        ``ValueError``."""
         return cls(_fathom.KeyStoreHandle.from_keys(
-            _nd(keys, 3, "keys"), None if capacity is None else int(capacity)))
+            _nd(keys, 3, "keys"), None if capacity is None else _count(capacity, "capacity")))
 
     @classmethod
     def load(cls, path: os.PathLike | str) -> "KeyStore":
@@ -95,7 +116,7 @@ class KeyStore:
 
     def dequant_prefix(self, t: int) -> np.ndarray:
         """Every key at the first ``t`` planes (0..=4) of every channel, ``[N, Hkv, D]``."""
-        return self._h.dequant_prefix(int(t))
+        return self._h.dequant_prefix(_count(t, "t"))
 
     @property
     def tokens(self) -> int:
@@ -148,15 +169,18 @@ def write_capture(
     QK-norm inputs); ``positions[p]`` is the position of query row ``p`` (it attends to keys
     ``0..=positions[p]``); ``layer_kinds`` lists ``"global"`` or ``"local:W"`` for every
     model layer; ``dtype`` is ``"f32"``, ``"f16"`` or ``"bf16"``; ``metadata`` adds string
-    keys outside the schema's (provenance, say).
+    keys outside the schema's (provenance, say). ``softcap``, where given, is positive and
+    finite. Nothing is written that :func:`read_capture` would refuse: the encoded file is
+    read back first (a value that ``dtype`` would make infinite, past f16's ±65504, is a
+    ``ValueError`` naming its array).
     """
     conv = {}
     for l, parts in layers.items():
-        conv[int(l)] = {n: _nd(a, 3, f"layers[{l}].{n}") for n, a in parts.items()}
+        conv[_count(l, "layers")] = {n: _nd(a, 3, f"layers[{l}].{n}") for n, a in parts.items()}
     _fathom.write_capture(
         os.fspath(path),
         conv,
-        [int(p) for p in positions],
+        [_count(p, "positions") for p in positions],
         str(model),
         bool(qk_norm),
         None if softcap is None else float(softcap),
@@ -187,7 +211,7 @@ def calibrate(
     the rule chose (``"Raw"`` or ``"Klt"``). Fathom methods in :func:`fidelity` need it."""
     return _fathom.calibrate(
         os.fspath(capture), os.fspath(out), [float(t) for t in targets],
-        None if k is None else int(k), float(quantum))
+        None if k is None else _count(k, "k"), float(quantum))
 
 
 def fidelity(
@@ -197,20 +221,22 @@ def fidelity(
     k: Optional[int] = None,
     calib: Optional[os.PathLike | str] = None,
     layers: Optional[Sequence[int]] = None,
-    basis: str = "raw",
+    basis: str = "auto",
 ) -> dict:
     """Attention fidelity of every method of ``methods`` (the grammar of ``fathom fidelity
     --help``: ``"dense,exact,fathom:48,sparq:32,ds:32,loki:32,thumb2,landmark,quest"``) on a
     capture, under the selection protocol of docs/SPEC.md §5 (sink 4, local 32, top ``k``).
     Returns the document ``fathom fidelity --json`` writes, as a dict: per method its bits
-    per token and KV head and its mean relative error of the attention output."""
+    per token and KV head and its mean relative error of the attention output. ``basis`` is
+    the store basis of the Fathom methods, ``"raw"``, ``"klt"`` or ``"auto"`` (the default,
+    as ``fathom fidelity``'s: the calibration's basis rule, raw without one)."""
     return json.loads(
         _fathom.fidelity_json(
             os.fspath(capture),
             str(methods),
-            None if k is None else int(k),
+            None if k is None else _count(k, "k"),
             None if calib is None else os.fspath(calib),
-            None if layers is None else [int(x) for x in layers],
+            None if layers is None else [_count(x, "layers") for x in layers],
             basis,
         )
     )

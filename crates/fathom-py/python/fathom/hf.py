@@ -96,12 +96,19 @@ class FathomAttention:
         return self.gpu
 
     def check(self, config) -> None:
-        """Builds the decoder from the model's shape, so a bad method, k or calibration is an
-        error before generation starts."""
+        """Builds the decoder from the model's shape, so a bad method, k or calibration (or a
+        method that needs one without it, a softcap that is not positive) is an error before
+        generation starts."""
         text = _text_config(config)
         hkv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         d = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
         if self.device == "cuda":
+            # The CPU decoder's constructor refuses what would fail at the first step (a
+            # method that needs a calibration without one, k = sink = local = 0, a negative
+            # count) by the same rules; the cache has no softcap (refused in `_gpu`).
+            text = _text_config(config)
+            _fathom.Decoder(self.method, int(text.num_hidden_layers), hkv, d, self.k,
+                            self.capacity, self.sink, self.local, self.calib, "raw", None)
             self._gpu(config, hkv, d)
         else:
             self._decoder(config, hkv, d)
