@@ -315,6 +315,9 @@ struct AppendKernels {
     read_rows: CudaFunction,
 }
 
+/// The next [`PagedCache`]'s id.
+static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// An offloaded, paged KV cache for one model shape on one GPU.
 ///
 /// ```no_run
@@ -393,6 +396,8 @@ pub struct PagedCache {
     /// While capturing: the plans counted before the capture began, the batch's sessions and
     /// the settings counter when it began (a change before its end makes the capture stale).
     capturing: Option<(u64, Vec<SessionId>, u64)>,
+    /// This cache among the process's (a graph replays only on the cache that captured it).
+    id: u64,
     /// How attends select ([`PagedCache::set_select_path`]).
     select: crate::cache::SelectPath,
     /// Head groups per attend ([`PagedCache::set_attend_groups`]), the second stream that
@@ -655,6 +660,7 @@ impl PagedCache {
             plans_counted: 0,
             fixed_grids: false,
             capturing: None,
+            id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             select: crate::cache::SelectPath::Scores,
             groups: 1,
             scan_vec: 1,
@@ -764,6 +770,20 @@ impl PagedCache {
         &self.stream
     }
 
+    /// Refuses `what` while a capture is under way: a setting or a session made then would be
+    /// recorded into the graph instead of applied (or would free buffers the graph reads).
+    fn not_capturing(&self, what: &str) -> Result<()> {
+        if self.capturing.is_some() {
+            return Err(CudaError::invalid(
+                "capture",
+                format!(
+                    "{what} during a capture: call it before begin_capture or after end_capture"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn sync(&self) -> Result<()> {
         // A wait for a stream being captured would end the capture with a driver error: a
         // call that waits (reserve, fork, free, the readbacks) is refused by name instead.
@@ -779,6 +799,7 @@ impl PagedCache {
     /// A new, empty session (its slot's row cache emptied: it sees none of an old session's
     /// rows).
     pub fn create(&mut self) -> Result<SessionId> {
+        self.not_capturing("create")?;
         let s = self.sessions.create()?;
         self.reset_row_cache(s)?;
         Ok(s)
@@ -790,6 +811,7 @@ impl PagedCache {
     /// # Errors
     /// An unknown or freed session.
     pub fn reset_row_cache(&self, session: SessionId) -> Result<()> {
+        self.not_capturing("reset_row_cache")?;
         self.sessions.len(session)?;
         // The filtered select's estimates too: a new session (or a fork) starts on the score
         // path.
@@ -1216,6 +1238,7 @@ impl PagedCache {
         layer: usize,
         heads: &[fathom_plan::scanner::HeadCalib],
     ) -> Result<()> {
+        self.not_capturing("load_calibration")?;
         let s = self.cfg.shape;
         if layer >= s.layers {
             return Err(CudaError::invalid(
@@ -1314,6 +1337,7 @@ impl PagedCache {
     /// tables.
     pub fn prepare(&mut self, method: crate::config::Method) -> Result<()> {
         use crate::config::Method as M;
+        self.not_capturing("prepare")?;
         method.validate(self.cfg.shape.dim)?;
         self.check_tables(method)?;
         let s = self.cfg.shape;
@@ -2150,6 +2174,7 @@ impl PagedCache {
     /// # Errors
     /// A driver failure clearing the rows' modes (when switching to the score path).
     pub fn set_select_path(&mut self, path: crate::cache::SelectPath) -> Result<()> {
+        self.not_capturing("set_select_path")?;
         if path == crate::cache::SelectPath::Scores && self.select != path {
             // Every row back on the score path: the kernels that skip filtered rows read
             // these, and nothing writes them while the setting is off.
@@ -2181,6 +2206,7 @@ impl PagedCache {
     /// # Errors
     /// `groups` of 0 or more than the model's KV heads.
     pub fn set_attend_groups(&mut self, groups: usize) -> Result<()> {
+        self.not_capturing("set_attend_groups")?;
         crate::cache::check_attend_groups(&self.cfg, groups)?;
         crate::cache::check_host_gather(&self.cfg, self.host_gather(), groups)?;
         if self.groups != groups {
@@ -2204,6 +2230,7 @@ impl PagedCache {
     /// # Errors
     /// Any value but 1 or 2.
     pub fn set_scan_vector_words(&mut self, words: u32) -> Result<()> {
+        self.not_capturing("set_scan_vector_words")?;
         crate::cache::check_scan_vector_words(words)?;
         if self.scan_vec != words {
             self.settings += 1;
@@ -2246,9 +2273,7 @@ impl PagedCache {
     /// # Errors
     /// A driver failure waiting for the stream or reading an event.
     pub fn stage_times(&mut self) -> Result<AttendStages> {
-        self.stream
-            .synchronize()
-            .map_err(drv("synchronize for stage times"))?;
+        self.sync()?;
         let mut out = AttendStages {
             untimed: self.stage_untimed,
             ..AttendStages::default()
@@ -2405,7 +2430,7 @@ impl PagedCache {
         let Some(g) = &self.gather else {
             return Ok(None);
         };
-        self.stream.synchronize().map_err(drv("synchronize"))?;
+        self.sync()?;
         let mut st = [0u32; 4];
         // SAFETY: the state holds 4 u32; the stream is idle.
         unsafe { result::memcpy_dtoh_sync(&mut st, g.gstate.ptr) }
@@ -2443,7 +2468,10 @@ impl PagedCache {
     /// [`PagedCache::capture`] in two calls, for a caller whose step is not a closure over
     /// the cache (a model whose forward owns it): from here until [`PagedCache::end_capture`]
     /// everything queued on [`PagedCache::stream`] is recorded, not run, and attends size
-    /// their grids for `max_tokens`. Nothing in between may wait for the stream.
+    /// their grids for `max_tokens`. Nothing in between may wait for the stream, and the
+    /// calls that would change what the graph reads (a setting, a calibration, a `prepare`, a
+    /// new session) are refused by name. The graph replays only on this cache, and only while
+    /// its settings are those of the capture ([`PagedCache::check_graph`]).
     ///
     /// # Errors
     /// A batch that is not the current decode batch; a capture already under way; a driver
@@ -2500,6 +2528,7 @@ impl PagedCache {
         }
         Ok(DecodeGraph {
             graph,
+            cache: self.id,
             sessions,
             plans,
             settings: self.settings,
@@ -2537,6 +2566,12 @@ impl PagedCache {
     /// # Errors
     /// The stale graph.
     pub fn check_graph(&self, graph: &DecodeGraph) -> Result<()> {
+        if graph.cache != self.id {
+            return Err(CudaError::invalid(
+                "replay",
+                "the graph was captured on another cache (its kernels read that cache's buffers)",
+            ));
+        }
         if graph.settings != self.settings {
             return Err(CudaError::invalid(
                 "replay",
@@ -2662,6 +2697,8 @@ fn copy_ranges(
 /// A captured decode step ([`PagedCache::capture`]).
 pub struct DecodeGraph {
     graph: cudarc::driver::CudaGraph,
+    /// The cache that captured it ([`PagedCache`]'s id).
+    cache: u64,
     sessions: Vec<SessionId>,
     plans: u64,
     /// The cache's settings generation at the capture (a change since makes it stale).

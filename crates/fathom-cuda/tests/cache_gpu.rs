@@ -1214,7 +1214,7 @@ fn every_kind_of_host_pages_serves_the_same_bits() {
 /// rows − hits at 100 %, within 0.1 of the share otherwise) with no overflow, timeout or
 /// refused offset. HBM residency, head groups with the gather on (either order), a share of 0
 /// or 101 and a change of threads or share inside a capture are typed errors that change no
-/// setting.
+/// setting (as are the other settings and a new session inside a capture).
 #[test]
 fn the_host_gather_changes_no_bit() {
     let Some(gpu) = gpu() else { return };
@@ -1319,6 +1319,35 @@ fn the_host_gather_changes_no_bit() {
             .unwrap_err();
         assert!(e.to_string().contains("captured"), "{e}");
         assert_eq!(caches[1].host_gather_share(), 100);
+        // So are the other settings and a new session: each named, nothing recorded.
+        use fathom_cuda::cache::SelectPath;
+        let errs = [
+            (
+                "set_select_path",
+                caches[1].capture(&batch, |c| {
+                    c.set_select_path(SelectPath::Filtered {
+                        min_middle_tokens: 0,
+                        keep_scores: false,
+                    })
+                }),
+            ),
+            (
+                "set_attend_groups",
+                caches[1].capture(&batch, |c| c.set_attend_groups(1)),
+            ),
+            (
+                "create",
+                caches[1].capture(&batch, |c| c.create().map(|_| ())),
+            ),
+        ];
+        for (what, r) in errs {
+            let e = r.unwrap_err().to_string();
+            assert!(
+                e.contains(what) && e.contains("during a capture"),
+                "{what}: {e}"
+            );
+        }
+        assert_eq!(caches[1].select_path(), SelectPath::Scores);
     }
     let mut c = config(layers, hkv, d, 256, 16);
     c.residency = Residency::Hbm;
