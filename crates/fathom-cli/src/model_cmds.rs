@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use fathom_model::capture::{capture, CaptureDtype, CaptureOptions};
+use fathom_model::capture::{capture_with_progress, CaptureDtype, CaptureOptions};
 use fathom_model::corpus::{
     context_tokens, documents_from_file, fetch_corpus, load_split, text_tokens, CorpusKind,
     CorpusOptions, Split,
@@ -249,7 +249,11 @@ pub fn run_capture(a: CaptureArgs) -> Result<()> {
         layers: a.layers.clone(),
         chunk: a.chunk,
     };
-    let mut cap = capture(&model, id.name(), &tokens, &opts)?;
+    let pb = crate::bar(tokens.len() as u64, "prefill");
+    let mut cap = capture_with_progress(&model, id.name(), &tokens, &opts, &|done, _| {
+        pb.set_position(done as u64)
+    })?;
+    pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
     match (&a.text, &user_docs) {
         (Some(path), Some(docs)) => {

@@ -117,6 +117,18 @@ pub fn capture(
     tokens: &[u32],
     opts: &CaptureOptions,
 ) -> Result<Capture> {
+    capture_with_progress(model, model_name, tokens, opts, &|_, _| {})
+}
+
+/// [`capture`], calling `progress(done, total)` with the tokens prefilled after each chunk of
+/// `opts.chunk` (a 32k-token capture is minutes of prefill on a CPU).
+pub fn capture_with_progress(
+    model: &Model,
+    model_name: &str,
+    tokens: &[u32],
+    opts: &CaptureOptions,
+    progress: &dyn Fn(usize, usize),
+) -> Result<Capture> {
     let cfg = model.config();
     let n = tokens.len();
     if opts.positions == 0 || opts.positions > n {
@@ -146,7 +158,11 @@ pub fn capture(
         o: HashMap::new(),
     };
     let mut cache = model.new_cache(n);
-    model.prefill(tokens, &mut cache, opts.chunk, Some(&mut col))?;
+    let chunk = opts.chunk.max(1);
+    for (i, c) in tokens.chunks(chunk).enumerate() {
+        model.prefill(c, &mut cache, chunk, Some(&mut col))?;
+        progress((i * chunk + c.len()).min(n), n);
+    }
     let mut out = Vec::with_capacity(layers.len());
     for &l in &layers {
         out.push(LayerCapture {

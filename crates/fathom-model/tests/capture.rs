@@ -6,7 +6,9 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use fathom_model::capture::{capture, max_relative_o_error, CaptureDtype, CaptureOptions};
+use fathom_model::capture::{
+    capture, capture_with_progress, max_relative_o_error, CaptureDtype, CaptureOptions,
+};
 use safetensors::SafeTensors;
 
 fn f32s(st: &SafeTensors<'_>, name: &str) -> (Vec<f32>, Vec<usize>) {
@@ -75,7 +77,16 @@ fn fresh_smollm2_capture_is_consistent() {
         layers: Some(vec![4, 14, 24]),
         chunk: 256,
     };
-    let cap = capture(m, "smollm2-135m", &ids[..600], &opts).unwrap();
+    let seen = std::sync::Mutex::new(Vec::new());
+    let cap = capture_with_progress(m, "smollm2-135m", &ids[..600], &opts, &|done, total| {
+        seen.lock().unwrap().push((done, total))
+    })
+    .unwrap();
+    // One report per 256-token chunk, the last at the whole context.
+    assert_eq!(
+        seen.into_inner().unwrap(),
+        [(256, 600), (512, 600), (600, 600)]
+    );
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("c.safetensors");
     cap.write_safetensors(&p, CaptureDtype::F16).unwrap();
