@@ -398,7 +398,7 @@ mod tests {
             head_dim: d,
         };
         for window in [None, Some(5)] {
-            for t in [4usize, 37] {
+            for t in [1usize, 4, 37] {
                 let pos0 = n - t;
                 let q: Vec<f32> = (0..t * hq * d).map(|_| rnd()).collect();
                 let mut out = vec![0.0; t * hq * d];
