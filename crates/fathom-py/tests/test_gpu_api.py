@@ -60,6 +60,19 @@ def test_the_cache_needs_a_gpu_and_says_so():
                     block_tables=True)
 
 
+@pytest.mark.parametrize("arg", ["layers", "dim", "max_tokens", "page_tokens", "max_k",
+                                 "row_cache", "pages", "max_batch"])
+def test_a_negative_count_is_a_value_error_naming_it(arg):
+    kw = dict(layers=1, kv_heads=1, group=1, dim=64, max_sessions=1, max_tokens=64,
+              page_tokens=64)
+    kw[arg] = -3
+    with pytest.raises(ValueError, match=f"{arg}: -3 is negative"):
+        fg.GpuCache(**kw)
+    kw[arg] = 2.5
+    with pytest.raises(ValueError, match=f"{arg}: 2.5 is not an integer"):
+        fg.GpuCache(**kw)
+
+
 def test_torch_tensors_are_read_through_dlpack():
     torch = pytest.importorskip("torch")
     info = fg.dlpack_info(torch.zeros(2, 3, dtype=torch.bfloat16))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
-from . import _fathom
+from . import _count, _fathom
 
 Session = _fathom.Session
 Batch = _fathom.Batch
@@ -61,9 +61,16 @@ class GpuCache:
                  max_batch: Optional[int] = None, max_k: int = 512, row_cache: int = 0,
                  residency: str = "host", device: int = 0, pca_index: bool = False,
                  block_tables: bool = False):
-        self._c = _fathom.GpuCache(layers, kv_heads, group, dim, max_sessions, max_tokens,
-                                   pages, page_tokens, max_batch, max_k, row_cache, residency,
-                                   device, pca_index, block_tables)
+        n = {name: _count(x, name) for name, x in [
+            ("layers", layers), ("kv_heads", kv_heads), ("group", group), ("dim", dim),
+            ("max_sessions", max_sessions), ("max_tokens", max_tokens),
+            ("page_tokens", page_tokens), ("max_k", max_k), ("row_cache", row_cache),
+            ("device", device)]}
+        self._c = _fathom.GpuCache(
+            n["layers"], n["kv_heads"], n["group"], n["dim"], n["max_sessions"],
+            n["max_tokens"], None if pages is None else _count(pages, "pages"),
+            n["page_tokens"], None if max_batch is None else _count(max_batch, "max_batch"),
+            n["max_k"], n["row_cache"], residency, n["device"], pca_index, block_tables)
 
     def create(self) -> Session:
         """A new, empty session."""
@@ -84,13 +91,14 @@ class GpuCache:
     def reserve(self, batch: Sequence[Tuple[Session, int]]) -> Batch:
         """Grows a ragged batch ``[(session, new_tokens)]`` (all or nothing); valid for this
         step's appends and attends until the next reserve, fork or free."""
-        return self._c.reserve(list(batch))
+        return self._c.reserve([(s, _count(m, "new_tokens")) for s, m in batch])
 
     def load_sigma2(self, layer: int, sigma2) -> None:
         """One layer's channel variances ``[kv_heads, dim]`` (numpy float32), for ``fathom:B``."""
         import numpy as np
 
-        self._c.load_sigma2(layer, np.ascontiguousarray(sigma2, dtype=np.float32))
+        self._c.load_sigma2(_count(layer, "layer"),
+                            np.ascontiguousarray(sigma2, dtype=np.float32))
 
     def load_calibration(self, path) -> None:
         """Loads ``fathom calibrate``'s JSON: σ² (``fathom:B``) and Double Sparsity's channels
@@ -127,7 +135,7 @@ class GpuCache:
         """Splits each attend's KV heads into ``groups`` head groups (1 to ``kv_heads``): the
         cache's stream scans group i + 1 while a second stream runs group i's top-k, union,
         row fetch and attention. Outputs are the same bits for every setting."""
-        self._c.set_attend_groups(int(groups))
+        self._c.set_attend_groups(_count(groups, "groups"))
 
     @property
     def attend_groups(self) -> int:
@@ -137,7 +145,7 @@ class GpuCache:
     def set_scan_vector_words(self, words: int) -> None:
         """Plane words per global load of the scan: 1 (8 bytes, the default) or 2 (16 bytes
         where a page's blocks allow it). Outputs are the same bits either way."""
-        self._c.set_scan_vector_words(int(words))
+        self._c.set_scan_vector_words(_count(words, "words"))
 
     @property
     def scan_vector_words(self) -> int:
@@ -150,7 +158,7 @@ class GpuCache:
         the same bits either way. On the lent H200 host, bringing every miss is not faster;
         with ``set_host_gather_share(50)`` and 14 threads the 1M step is 5 % shorter
         (docs/SPEC.md §6.1, "Host gather")."""
-        self._c.set_host_gather(int(threads))
+        self._c.set_host_gather(_count(threads, "threads"))
 
     @property
     def host_gather(self) -> int:
@@ -160,7 +168,7 @@ class GpuCache:
     def set_host_gather_share(self, percent: int) -> None:
         """Percent of the misses the host gather brings (1 to 100; 100, the default, is all):
         the fetch reads the others itself while the threads copy, so the two run at once."""
-        self._c.set_host_gather_share(int(percent))
+        self._c.set_host_gather_share(_count(percent, "percent"))
 
     @property
     def host_gather_share(self) -> int:
@@ -192,7 +200,7 @@ class GpuCache:
         """Appends one layer's K and V ``[batch.rows, kv_heads, dim]`` (float32, float16 or
         bfloat16 CUDA tensors) to the batch's sessions: quantized and packed on the GPU (bit
         for bit the CPU store of the same bf16 keys) and written as bf16 records."""
-        self._c.append(batch, layer, k, v, _stream(stream))
+        self._c.append(batch, _count(layer, "layer"), k, v, _stream(stream))
 
     def attend(self, batch: Batch, layer: int, method: str, q, out, stream=None, k: int = 256,
                sink: int = 4, local: int = 32) -> None:
@@ -200,7 +208,8 @@ class GpuCache:
         ``q`` ``[len(batch), kv_heads·group, dim]`` into ``out`` (float32, same shape, written
         in place). Each query head attends exactly over its own sink + local + top-k set
         (docs/SPEC.md §5) chosen by ``method``, or over every token for ``"dense"``."""
-        self._c.attend(batch, layer, method, q, out, _stream(stream), k, sink, local)
+        self._c.attend(batch, _count(layer, "layer"), method, q, out, _stream(stream),
+                       _count(k, "k"), _count(sink, "sink"), _count(local, "local"))
 
 
 def dlpack_info(tensor) -> dict:
