@@ -31,7 +31,8 @@ use fathom_plan::scanner::{HeadCalib, HeadInput, Scanner};
 use fathom_plan::{
     attend, attend_dense, plan_bits, select_per_head, union_sorted, KvView, SelectParams,
 };
-use fathom_results::downstream::RowCacheTally;
+/// The tally type of [`DecodeStats::row_cache`] (the results documents' own).
+pub use fathom_results::downstream::RowCacheTally;
 use fathom_store::{Basis, BasisKind, Dims, KeyStore};
 use rayon::prelude::*;
 

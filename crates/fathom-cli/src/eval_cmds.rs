@@ -12,18 +12,19 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use fathom_eval::agent::{agreement, session};
-use fathom_eval::decode::{
-    calibrate, decode_branch, default_k, forced_branch, loki_r, LayerCalib, Prefill,
+use fathom_eval::agent::{AgentPlan, SessionRun};
+use fathom_eval::decode::{calibrate, default_k, LayerCalib};
+use fathom_eval::ruler::{
+    ChatTurn, Haystack, PromptFormat, RulerPlan, SampleRun, Task, TaskParams,
 };
-use fathom_eval::ruler::{generate, score, ChatTurn, Haystack, PromptFormat, Task, TaskParams};
+use fathom_eval::runner::{BatchedBackend, BoxError, Branching, Progress};
 use fathom_eval::words::WordList;
 use fathom_model::corpus::{
     context_tokens, documents_from_file, fetch_corpus, load_split, CorpusKind, CorpusOptions,
     Document, Split,
 };
 use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
-use fathom_model::{LoadOptions, Model, Tokenizer};
+use fathom_model::{LoadOptions, Model};
 use fathom_plan::scanner::Scanner;
 use fathom_plan::SelectParams;
 use fathom_results::downstream::{
@@ -314,24 +315,6 @@ fn calibration(
     Ok((Some(cal), Some(info)))
 }
 
-/// One sample's dense prefill on the CPU and its seconds, or, when the GPU already ran it
-/// (`gpu_seconds`), no prefill and the GPU's seconds.
-fn cpu_prefill(
-    s: &Setup,
-    ids: &[u32],
-    extra: usize,
-    calib: Option<&LayerCalib>,
-    with_loki: bool,
-    gpu_seconds: Option<f64>,
-) -> Result<(Option<Prefill>, f64)> {
-    if let Some(secs) = gpu_seconds {
-        return Ok((None, secs));
-    }
-    let t0 = Instant::now();
-    let pre = Prefill::new(&s.model, ids, extra, calib, with_loki)?;
-    Ok((Some(pre), t0.elapsed().as_secs_f64()))
-}
-
 fn bar(total: u64) -> ProgressBar {
     let pb = ProgressBar::new(total);
     pb.set_style(
@@ -339,12 +322,6 @@ fn bar(total: u64) -> ProgressBar {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     pb
-}
-
-/// [`fathom_eval::ruler::answer_ended`] on the decoded generation `ids`.
-fn answer_done(tok: &Tokenizer, ids: &[u32], several: bool) -> bool {
-    tok.decode(ids)
-        .is_ok_and(|t| fathom_eval::ruler::answer_ended(&t, several))
 }
 
 fn write_json(path: &Option<PathBuf>, doc: fathom_results::Document) -> Result<()> {
@@ -436,7 +413,89 @@ fn header(
     }
 }
 
-/// Runs `fathom ruler`.
+/// The CLI's progress on the run's bar: its message, its position, and with the bar hidden one
+/// line per sample (`line`); each record also goes to `OUT.partial` (`to_record`).
+fn on_progress<'a, R: 'a, T: serde::Serialize + 'a>(
+    pb: &'a ProgressBar,
+    json: &'a Option<PathBuf>,
+    line: impl Fn(&R) -> String + 'a,
+    to_record: impl Fn(&R) -> Result<T> + 'a,
+) -> impl FnMut(Progress<'_, R>) -> Result<(), BoxError> + 'a {
+    let mut records = Vec::new();
+    move |p| {
+        match p {
+            Progress::Working(m) => pb.set_message(m),
+            Progress::Branches(n) => pb.inc(n),
+            Progress::Done(r) => {
+                if pb.is_hidden() {
+                    eprintln!("{}", line(r));
+                }
+                records.push(to_record(r)?);
+                partial(json, &records)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A sample's record in the `ruler` document.
+fn ruler_record(r: &SampleRun) -> Result<RulerRecord> {
+    Ok(RulerRecord {
+        sample: serde_json::to_value(&r.sample)?,
+        prefill_seconds: r.prefill_seconds,
+        seconds: r.seconds,
+        methods: r
+            .methods
+            .iter()
+            .map(|m| {
+                (
+                    m.method.clone(),
+                    RulerGeneration {
+                        generation: m.generation.clone(),
+                        score: m.score,
+                        tokens: m.tokens,
+                        same_as_exact: m.same_as_exact,
+                        first_divergence_from_exact: m.first_divergence_from_exact,
+                        mean_bits: m.mean_bits,
+                        density: m.density,
+                        seconds: m.seconds,
+                    },
+                )
+            })
+            .collect(),
+    })
+}
+
+/// A session's record in the `agent-steps` document.
+fn agent_record(r: &SessionRun) -> Result<AgentRecord> {
+    Ok(AgentRecord {
+        session: serde_json::to_value(&r.session)?,
+        continuation: r.session.continuation.clone(),
+        prefill_seconds: r.prefill_seconds,
+        seconds: r.seconds,
+        methods: r
+            .methods
+            .iter()
+            .map(|m| {
+                (
+                    m.method.clone(),
+                    AgentSteps {
+                        agree_exact: m.agree_exact,
+                        agree_dense: m.agree_dense,
+                        top1_vs_truth: m.top1_vs_truth,
+                        steps_differing_from_exact: m.steps_differing_from_exact.clone(),
+                        argmax: m.argmax.clone(),
+                        mean_bits: m.mean_bits,
+                        density: m.density,
+                        seconds: m.seconds,
+                    },
+                )
+            })
+            .collect(),
+    })
+}
+
+/// Runs `fathom ruler`: [`fathom_eval::ruler::run`].
 pub fn run_ruler(a: RulerArgs) -> Result<()> {
     let t_all = Instant::now();
     let c = &a.common;
@@ -451,7 +510,6 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     if tasks.is_empty() || a.samples == 0 {
         bail!("nothing to run: give --tasks and --samples ≥ 1");
     }
-    let tok = s.model.tokenizer();
     let (docs, source) = eval_documents(c, CorpusKind::Prose, &s.corpus)?;
     let mut haystack = Haystack::new(docs.iter().map(|d| d.text.as_str()), &source)?;
     if a.haystack == "prose" {
@@ -459,7 +517,6 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     }
     let words = WordList::fetch(&s.corpus).context("fetching the RULER key word list")?;
     let (calib, calib_info) = calibration(&s, CorpusKind::Prose, c.context, c.calib_queries)?;
-    let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());
     let format = match a.prompt.as_str() {
         "chat" => {
             PromptFormat::Chat(ChatTurn::for_model(s.model_id.name()).with_context(|| {
@@ -482,23 +539,13 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         niah_noise: a.haystack == "noise",
     };
     let nm = s.methods.len();
+    let names: Vec<String> = s.methods.iter().map(|m| m.name()).collect();
     let pb = bar((tasks.len() * a.samples * nm) as u64);
-    let mut records = Vec::new();
-    // sums[task][method] = (score, agree-with-exact text, bits)
-    let mut sums = vec![vec![(0f64, 0usize, 0f64); nm]; tasks.len()];
-    // rows[task][method]: the row-cache tallies of its branches.
-    let mut rows = vec![vec![Vec::new(); nm]; tasks.len()];
-    let exact_i = s
-        .methods
-        .iter()
-        .position(|m| m.name() == "exact")
-        .context("exact missing")?;
-    let mut per_task_secs = vec![0f64; tasks.len()];
     let mut gpu = match c.device.as_str() {
         "cuda" => Some(crate::gpu_cmds::GpuEval::new(
             &s.path,
             s.model.config().head_dim,
-            &s.methods.iter().map(|m| m.name()).collect::<Vec<_>>(),
+            &names,
             s.params,
             c.context + a.max_new.unwrap_or(128).max(128) + 64,
             calib.as_ref(),
@@ -506,125 +553,38 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         )?),
         _ => None,
     };
-    for (ti, &task) in tasks.iter().enumerate() {
-        let samples = (0..a.samples)
-            .map(|i| generate(task, &tp, tok, &haystack, &words, i))
-            .collect::<Result<Vec<_>, _>>()?;
-        let several = samples.first().is_some_and(|x| x.gold.len() > 1);
-        let stop = |ids: &[u32]| !a.no_line_stop && answer_done(tok, ids, several);
-        // On the GPU every sample's prefill first, then each method's branches of a group of
-        // samples in one batch: `[sample][method]` = (branch, seconds), and each prefill's time.
-        let on_gpu = match gpu.as_mut() {
-            None => None,
-            Some(g) => {
-                pb.set_message(format!("{} (GPU, batched)", task.name()));
-                let prompts: Vec<&[u32]> = samples.iter().map(|x| &x.prompt_ids[..]).collect();
-                let max_new = samples.iter().map(|x| x.max_new).max().unwrap_or(1);
-                let r = g
-                    .greedy_batches(&prompts, max_new, tok.stop_tokens(), &stop)
-                    .with_context(|| format!("{} on the GPU", task.name()))?;
-                g.add_row_counters(&mut rows[ti]);
-                pb.inc((samples.len() * nm) as u64);
-                Some(r)
-            }
-        };
-        for (i, sample) in samples.iter().enumerate() {
-            let t0 = Instant::now();
-            let (pre, prefill_s) = cpu_prefill(
-                &s,
-                &sample.prompt_ids,
-                sample.max_new,
-                calib.as_ref(),
-                with_loki,
-                on_gpu.as_ref().map(|g| g.0[i]),
-            )?;
-            let mut outs = Vec::new();
-            for (mi, m) in s.methods.iter().enumerate() {
-                let tm = Instant::now();
-                let (br, secs) = match (&pre, &on_gpu) {
-                    (Some(pre), _) => {
-                        pb.set_message(format!("{} #{i} {}", task.name(), m.name()));
-                        let br = decode_branch(
-                            &s.model,
-                            pre,
-                            m.as_ref(),
-                            calib.as_ref(),
-                            s.params,
-                            sample.max_new,
-                            &stop,
-                        )
-                        .with_context(|| {
-                            format!("{} sample {i}, method {}", task.name(), m.name())
-                        })?;
-                        pb.inc(1);
-                        (br, tm.elapsed().as_secs_f64())
-                    }
-                    (None, Some((_, per))) => per[i][mi].clone(),
-                    (None, None) => bail!("no prefill for {} sample {i}", task.name()),
-                };
-                let text = tok.decode(&br.tokens)?;
-                let sc = score(&text, &sample.gold);
-                outs.push((m.name(), br, text, sc, secs));
-            }
-            let exact_tokens = outs[exact_i].1.tokens.clone();
-            let mut methods_json = BTreeMap::new();
-            for (mi, (name, br, text, sc, secs)) in outs.iter().enumerate() {
-                let same = br.tokens == exact_tokens;
-                let diverge = br
-                    .tokens
-                    .iter()
-                    .zip(&exact_tokens)
-                    .position(|(x, y)| x != y)
-                    .or_else(|| {
-                        (br.tokens.len() != exact_tokens.len())
-                            .then(|| br.tokens.len().min(exact_tokens.len()))
-                    });
-                sums[ti][mi].0 += sc;
-                sums[ti][mi].1 += same as usize;
-                sums[ti][mi].2 += br.stats.mean_bits();
-                rows[ti][mi].extend(br.stats.row_cache());
-                methods_json.insert(
-                    name.clone(),
-                    RulerGeneration {
-                        generation: text.clone(),
-                        score: *sc,
-                        tokens: br.tokens.len(),
-                        same_as_exact: same,
-                        first_divergence_from_exact: diverge,
-                        mean_bits: br.stats.mean_bits(),
-                        density: br.stats.density(),
-                        seconds: *secs,
-                    },
-                );
-            }
-            let secs = match &on_gpu {
-                Some(_) => prefill_s + outs.iter().map(|o| o.4).sum::<f64>(),
-                None => t0.elapsed().as_secs_f64(),
-            };
-            per_task_secs[ti] += secs;
-            if pb.is_hidden() {
-                let scores: Vec<String> =
-                    outs.iter().map(|o| format!("{} {:.2}", o.0, o.3)).collect();
-                eprintln!(
-                    "{} #{i}: {} tokens, prefill {prefill_s:.0} s, total {secs:.0} s; {}",
-                    task.name(),
-                    sample.prompt_tokens,
-                    scores.join(", ")
-                );
-            }
-            records.push(RulerRecord {
-                sample: serde_json::to_value(sample)?,
-                prefill_seconds: prefill_s,
-                seconds: secs,
-                methods: methods_json,
-            });
-            partial(&c.json, &records)?;
-        }
-    }
+    let plan = RulerPlan {
+        tasks: &tasks,
+        samples: a.samples,
+        params: &tp,
+        haystack: &haystack,
+        words: &words,
+        line_stop: !a.no_line_stop,
+    };
+    let line = |r: &SampleRun| {
+        let scores: Vec<String> = r
+            .methods
+            .iter()
+            .map(|m| format!("{} {:.2}", m.method, m.score))
+            .collect();
+        format!(
+            "{} #{}: {} tokens, prefill {:.0} s, total {:.0} s; {}",
+            r.sample.task.name(),
+            r.sample.index,
+            r.sample.prompt_tokens,
+            r.prefill_seconds,
+            r.seconds,
+            scores.join(", ")
+        )
+    };
+    let run = fathom_eval::ruler::run(
+        branching(&s, calib.as_ref()),
+        &plan,
+        gpu.as_mut().map(|g| g as &mut dyn BatchedBackend),
+        &mut on_progress(&pb, &c.json, line, ruler_record),
+    )?;
     pb.finish_and_clear();
     // Markdown table: task × method.
-    let names: Vec<String> = s.methods.iter().map(|m| m.name()).collect();
-    let n = a.samples as f64;
     println!(
         "RULER-style, {} at {} tokens, k = {}, {} samples per task (score = mean fraction of gold strings found; `a/b` after a score: samples whose generation equals exact top-k's)\n",
         s.model_id, c.context, s.params.k, a.samples
@@ -632,48 +592,41 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     println!("| task | {} |", names.join(" | "));
     println!("|---|{}", "---|".repeat(nm));
     let mut summary = BTreeMap::new();
-    for (ti, task) in tasks.iter().enumerate() {
-        let cells: Vec<String> = (0..nm)
-            .map(|mi| {
-                let (sc, same, _) = sums[ti][mi];
-                format!("{:.3} ({}/{})", sc / n, same, a.samples)
-            })
-            .collect();
-        println!("| {} | {} |", task.name(), cells.join(" | "));
-        let row: BTreeMap<String, TaskScore> = names
+    for t in &run.tasks {
+        let cells: Vec<String> = t
+            .methods
             .iter()
-            .enumerate()
-            .map(|(mi, m)| {
-                let (sc, same, bits) = sums[ti][mi];
+            .map(|m| format!("{:.3} ({}/{})", m.score, m.same_as_exact, a.samples))
+            .collect();
+        println!("| {} | {} |", t.task.name(), cells.join(" | "));
+        let row: BTreeMap<String, TaskScore> = t
+            .methods
+            .iter()
+            .map(|m| {
                 (
-                    m.clone(),
+                    m.method.clone(),
                     TaskScore {
-                        score: sc / n,
-                        same_as_exact: same,
-                        mean_bits: bits / n,
-                        row_cache: RowCacheTally::sum(rows[ti][mi].iter().copied()),
+                        score: m.score,
+                        same_as_exact: m.same_as_exact,
+                        mean_bits: m.mean_bits,
+                        row_cache: m.row_cache.clone(),
                     },
                 )
             })
             .collect();
         summary.insert(
-            task.name().to_string(),
+            t.task.name().to_string(),
             TaskSummary {
                 methods: row,
-                seconds: per_task_secs[ti],
+                seconds: t.seconds,
             },
         );
     }
     let mean_cells: Vec<String> = (0..nm)
-        .map(|mi| {
-            let t: f64 = sums.iter().map(|r| r[mi].0).sum::<f64>() / (n * tasks.len() as f64);
-            format!("{t:.3}")
-        })
+        .map(|mi| format!("{:.3}", run.mean_score(mi)))
         .collect();
     println!("| **mean** | {} |", mean_cells.join(" | "));
-    let over_tasks: Vec<Vec<RowCacheTally>> = (0..nm)
-        .map(|mi| RowCacheTally::sum(rows.iter().flat_map(|r| r[mi].iter().copied())))
-        .collect();
+    let over_tasks: Vec<Vec<RowCacheTally>> = (0..nm).map(|mi| run.row_cache(mi)).collect();
     print_row_cache(&names, &over_tasks, row_cache_source(gpu.as_ref()));
     let total = t_all.elapsed().as_secs_f64();
     println!("\nwall time {total:.0} s");
@@ -699,12 +652,26 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         words: Some(words.source.clone()),
         row_cache_source: row_cache_source(gpu.as_ref()),
         summary,
-        results: records,
+        results: run
+            .records
+            .iter()
+            .map(ruler_record)
+            .collect::<Result<_>>()?,
     };
     write_json(&c.json, doc.into())
 }
 
-/// Runs `fathom agent-steps`.
+/// What the library runs branch over: the setup's model, methods and selection rule.
+fn branching<'a>(s: &'a Setup, calib: Option<&'a LayerCalib>) -> Branching<'a> {
+    Branching {
+        model: &s.model,
+        methods: &s.methods,
+        calib,
+        params: s.params,
+    }
+}
+
+/// Runs `fathom agent-steps`: [`fathom_eval::agent::run`].
 pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     let t_all = Instant::now();
     let c = &a.common;
@@ -712,25 +679,11 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     if a.sessions == 0 || a.steps == 0 {
         bail!("nothing to run: give --sessions and --steps ≥ 1");
     }
-    let tok = s.model.tokenizer();
     let (docs, source) = eval_documents(c, CorpusKind::Code, &s.corpus)?;
     let (calib, calib_info) = calibration(&s, CorpusKind::Code, c.context, c.calib_queries)?;
-    let with_loki = s.methods.iter().any(|m| loki_r(m.as_ref()).is_some());
     let nm = s.methods.len();
     let names: Vec<String> = s.methods.iter().map(|m| m.name()).collect();
-    let exact_i = names
-        .iter()
-        .position(|m| m == "exact")
-        .context("exact missing")?;
-    let dense_i = names
-        .iter()
-        .position(|m| m == "dense")
-        .context("dense missing")?;
     let pb = bar((a.sessions * nm) as u64);
-    let mut records = Vec::new();
-    let mut sums = vec![(0f64, 0f64, 0f64, 0f64); nm];
-    // rows[method]: the row-cache tallies of its branches.
-    let mut rows = vec![Vec::new(); nm];
     let mut gpu = match c.device.as_str() {
         "cuda" => Some(crate::gpu_cmds::GpuEval::new(
             &s.path,
@@ -743,108 +696,26 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
         )?),
         _ => None,
     };
-    let all = (0..a.sessions)
-        .map(|i| session(&docs, tok, c.context, a.steps, c.seed, i))
-        .collect::<Result<Vec<_>, _>>()?;
-    let on_gpu = match gpu.as_mut() {
-        None => None,
-        Some(g) => {
-            pb.set_message("sessions (GPU, batched)");
-            let prompts: Vec<&[u32]> = all.iter().map(|x| &x.prompt_ids[..]).collect();
-            let forced: Vec<&[u32]> = all.iter().map(|x| &x.continuation[..]).collect();
-            let r = g.forced_batches(&prompts, &forced)?;
-            g.add_row_counters(&mut rows);
-            pb.inc((all.len() * nm) as u64);
-            Some(r)
-        }
+    let plan = AgentPlan {
+        docs: &docs,
+        context: c.context,
+        steps: a.steps,
+        seed: c.seed,
+        sessions: a.sessions,
     };
-    for (i, ses) in all.iter().enumerate() {
-        let t0 = Instant::now();
-        let (pre, prefill_s) = cpu_prefill(
-            &s,
-            &ses.prompt_ids,
-            a.steps,
-            calib.as_ref(),
-            with_loki,
-            on_gpu.as_ref().map(|g| g.0[i]),
-        )?;
-        let mut preds = Vec::new();
-        for (mi, m) in s.methods.iter().enumerate() {
-            let tm = Instant::now();
-            let got = match (&pre, &on_gpu) {
-                (Some(pre), _) => {
-                    pb.set_message(format!("session {i} {}", m.name()));
-                    let br = forced_branch(
-                        &s.model,
-                        pre,
-                        m.as_ref(),
-                        calib.as_ref(),
-                        s.params,
-                        &ses.continuation,
-                    )
-                    .with_context(|| format!("session {i}, method {}", m.name()))?;
-                    pb.inc(1);
-                    (br, tm.elapsed().as_secs_f64())
-                }
-                (None, Some((_, per))) => per[i][mi].clone(),
-                (None, None) => bail!("no prefill for session {i}"),
-            };
-            preds.push(got);
-        }
-        let truth = &ses.continuation[1..];
-        let mut mj = BTreeMap::new();
-        for (mi, (br, secs)) in preds.iter().enumerate() {
-            let ae = agreement(&br.tokens, &preds[exact_i].0.tokens);
-            let ad = agreement(&br.tokens, &preds[dense_i].0.tokens);
-            let top1 = agreement(&br.tokens[..truth.len()], truth);
-            let differ: Vec<usize> = br
-                .tokens
-                .iter()
-                .zip(&preds[exact_i].0.tokens)
-                .enumerate()
-                .filter(|(_, (x, y))| x != y)
-                .map(|(j, _)| j)
-                .collect();
-            sums[mi].0 += ae;
-            sums[mi].1 += ad;
-            sums[mi].2 += top1;
-            sums[mi].3 += br.stats.mean_bits();
-            rows[mi].extend(br.stats.row_cache());
-            mj.insert(
-                names[mi].clone(),
-                AgentSteps {
-                    agree_exact: ae,
-                    agree_dense: ad,
-                    top1_vs_truth: top1,
-                    steps_differing_from_exact: differ,
-                    argmax: br.tokens.clone(),
-                    mean_bits: br.stats.mean_bits(),
-                    density: br.stats.density(),
-                    seconds: *secs,
-                },
-            );
-        }
-        if pb.is_hidden() {
-            eprintln!(
-                "session {i}: {} tokens, prefill {prefill_s:.1} s",
-                ses.prompt_tokens
-            );
-        }
-        let secs = match &on_gpu {
-            Some(_) => prefill_s + preds.iter().map(|p| p.1).sum::<f64>(),
-            None => t0.elapsed().as_secs_f64(),
-        };
-        records.push(AgentRecord {
-            session: serde_json::to_value(ses)?,
-            continuation: ses.continuation.clone(),
-            prefill_seconds: prefill_s,
-            seconds: secs,
-            methods: mj,
-        });
-        partial(&c.json, &records)?;
-    }
+    let line = |r: &SessionRun| {
+        format!(
+            "session {}: {} tokens, prefill {:.1} s",
+            r.session.index, r.session.prompt_tokens, r.prefill_seconds
+        )
+    };
+    let run = fathom_eval::agent::run(
+        branching(&s, calib.as_ref()),
+        &plan,
+        gpu.as_mut().map(|g| g as &mut dyn BatchedBackend),
+        &mut on_progress(&pb, &c.json, line, agent_record),
+    )?;
     pb.finish_and_clear();
-    let n = a.sessions as f64;
     println!(
         "Agent-session step agreement, {} at {} tokens, k = {}, {} sessions × {} teacher-forced steps\n",
         s.model_id, c.context, s.params.k, a.sessions, a.steps
@@ -852,23 +723,19 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
     println!("| method | bits | agree w/ exact | agree w/ dense | top-1 vs truth |");
     println!("|---|---|---|---|---|");
     let mut summary = BTreeMap::new();
-    for (mi, m) in names.iter().enumerate() {
-        let (ae, ad, t1, bits) = sums[mi];
+    for m in &run.summary {
         println!(
-            "| {m} | {:.1} | {:.4} | {:.4} | {:.4} |",
-            bits / n,
-            ae / n,
-            ad / n,
-            t1 / n
+            "| {} | {:.1} | {:.4} | {:.4} | {:.4} |",
+            m.method, m.mean_bits, m.agree_exact, m.agree_dense, m.top1_vs_truth
         );
         summary.insert(
-            m.clone(),
+            m.method.clone(),
             AgentSummary {
-                agree_exact: ae / n,
-                agree_dense: ad / n,
-                top1_vs_truth: t1 / n,
-                mean_bits: bits / n,
-                row_cache: RowCacheTally::sum(rows[mi].iter().copied()),
+                agree_exact: m.agree_exact,
+                agree_dense: m.agree_dense,
+                top1_vs_truth: m.top1_vs_truth,
+                mean_bits: m.mean_bits,
+                row_cache: m.row_cache.clone(),
             },
         );
     }
@@ -884,7 +751,11 @@ pub fn run_agent_steps(a: AgentStepsArgs) -> Result<()> {
         code: Some(source),
         row_cache_source: row_cache_source(gpu.as_ref()),
         summary,
-        results: records,
+        results: run
+            .records
+            .iter()
+            .map(agent_record)
+            .collect::<Result<_>>()?,
     };
     write_json(&c.json, doc.into())
 }

@@ -19,6 +19,7 @@ use fathom_model::fetch::{fetch_model, ModelId};
 use fathom_model::{DenseWeights, LoadOptions, Model, WeightMode};
 use fathom_plan::method::MethodSpec;
 use fathom_plan::SelectParams;
+use fathom_results::downstream::RowCacheTally;
 
 use crate::model_cmds::CacheArgs;
 
@@ -283,17 +284,10 @@ impl GpuEval {
 
     /// Adds each method's row counters since the last call to `rows[method]` as one tally at
     /// this cache's size (none for a method that fetched no union, or without a row cache).
-    pub fn add_row_counters(
-        &mut self,
-        rows: &mut [Vec<fathom_results::downstream::RowCacheTally>],
-    ) {
+    pub fn add_row_counters(&mut self, rows: &mut [Vec<RowCacheTally>]) {
         for (acc, rc) in rows.iter_mut().zip(self.take_row_counters()) {
             if self.row_cache > 0 && rc.rows > 0 {
-                acc.push(fathom_results::downstream::RowCacheTally::new(
-                    self.row_cache,
-                    rc.rows,
-                    rc.hits,
-                ));
+                acc.push(RowCacheTally::new(self.row_cache, rc.rows, rc.hits));
             }
         }
     }
@@ -429,6 +423,45 @@ impl GpuEval {
                 ..Default::default()
             },
         }
+    }
+}
+
+/// The downstream runs' batched backend ([`fathom_eval::ruler::run`],
+/// [`fathom_eval::agent::run`]): [`GpuEval`]'s batches.
+impl fathom_eval::runner::BatchedBackend for GpuEval {
+    fn name(&self) -> &str {
+        "GPU"
+    }
+
+    fn greedy(
+        &mut self,
+        prompts: &[&[u32]],
+        max_new: usize,
+        stop_tokens: &[u32],
+        stop: &dyn Fn(&[u32]) -> bool,
+    ) -> Result<fathom_eval::runner::Batched, fathom_eval::runner::BoxError> {
+        let (prefill_seconds, branches) =
+            self.greedy_batches(prompts, max_new, stop_tokens, stop)?;
+        Ok(fathom_eval::runner::Batched {
+            prefill_seconds,
+            branches,
+        })
+    }
+
+    fn forced(
+        &mut self,
+        prompts: &[&[u32]],
+        forced: &[&[u32]],
+    ) -> Result<fathom_eval::runner::Batched, fathom_eval::runner::BoxError> {
+        let (prefill_seconds, branches) = self.forced_batches(prompts, forced)?;
+        Ok(fathom_eval::runner::Batched {
+            prefill_seconds,
+            branches,
+        })
+    }
+
+    fn add_row_counters(&mut self, rows: &mut [Vec<RowCacheTally>]) {
+        GpuEval::add_row_counters(self, rows)
     }
 }
 

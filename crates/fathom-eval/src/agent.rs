@@ -19,6 +19,9 @@ use serde::Serialize;
 
 use crate::EvalError;
 
+mod orchestrate;
+pub use orchestrate::{run, AgentPlan, AgentRun, MethodAgreement, SessionRun, StepAgreement};
+
 /// One session.
 #[derive(Debug, Clone, Serialize)]
 pub struct Session {

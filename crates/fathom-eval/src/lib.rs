@@ -7,7 +7,12 @@
 //! * [`ruler`]: RULER-style tasks (`niah_single`, `niah_multikey`, `niah_multivalue`,
 //!   `niah_multiquery`, `vt`, `fwe`) over real-text haystacks, and their scoring;
 //! * [`agent`]: agent-transcript coding contexts for teacher-forced step agreement;
-//! * [`words`]: the English word list the needle keys come from.
+//! * [`words`]: the English word list the needle keys come from;
+//! * [`ruler::run`] and [`agent::run`]: whole runs (`fathom ruler`, `fathom agent-steps`):
+//!   per sample every method's branch, scored against the gold strings or the true
+//!   continuation and compared with exact top-k's, with per-task (per-method) summaries and
+//!   row-cache tallies; on the CPU, or through a [`runner::BatchedBackend`] (the GPU's);
+//! * [`runner`]: what those runs share.
 //!
 //! ```no_run
 //! use fathom_eval::{decode::{decode_branch, Prefill}, ruler::{generate, Task, TaskParams}};
@@ -31,6 +36,7 @@
 pub mod agent;
 pub mod decode;
 pub mod ruler;
+pub mod runner;
 pub mod words;
 
 /// Errors of the evaluation.
@@ -62,4 +68,16 @@ pub enum EvalError {
     /// Bad input (too short a context, an empty corpus, …).
     #[error("{0}")]
     Invalid(String),
+    /// A batched backend or a progress callback failed ([`runner`]): its own error.
+    #[error(transparent)]
+    Caller(runner::BoxError),
+    /// Work on one sample, method or batch of a run failed; `what` names it.
+    #[error("{what}")]
+    In {
+        /// What failed (`niah_single sample 3, method sparq:32`).
+        what: String,
+        /// The cause.
+        #[source]
+        source: runner::BoxError,
+    },
 }

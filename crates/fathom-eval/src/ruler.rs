@@ -62,6 +62,11 @@ use serde::Serialize;
 use crate::words::WordList;
 use crate::EvalError;
 
+mod orchestrate;
+pub use orchestrate::{
+    run, MethodGeneration, MethodScore, RulerPlan, RulerRun, SampleRun, TaskRun,
+};
+
 /// A task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -4,9 +4,11 @@
 use std::sync::OnceLock;
 
 use fathom_baselines::{Dense, Exact, Loki, SparQ};
-use fathom_eval::agent::{agreement, session};
+use fathom_bench::decode::RowCacheTally;
+use fathom_eval::agent::{self, agreement, session, AgentPlan};
 use fathom_eval::decode::{calibrate, decode_branch, forced_branch, Prefill};
-use fathom_eval::ruler::{generate, needle, score, Haystack, Task, TaskParams};
+use fathom_eval::ruler::{self, generate, needle, score, Haystack, RulerPlan, Task, TaskParams};
+use fathom_eval::runner::{Batched, BatchedBackend, BoxError, Branching, Progress};
 use fathom_eval::words::WordList;
 use fathom_model::corpus::{CorpusOptions, Document};
 use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
@@ -683,4 +685,229 @@ fn the_chat_format_keeps_ruler_structure_inside_the_models_turn() {
             assert!(chat.prompt.ends_with("mentioned in the provided text are"));
         }
     }
+}
+
+/// A [`BatchedBackend`] that decodes its batches on the CPU, one prompt at a time, as the runs
+/// do without one: the batched path must score its branches exactly as the CPU path does.
+struct CpuBatches<'a> {
+    b: Branching<'a>,
+    rows_reported: usize,
+}
+
+impl BatchedBackend for CpuBatches<'_> {
+    fn name(&self) -> &str {
+        "test CPU"
+    }
+
+    fn greedy(
+        &mut self,
+        prompts: &[&[u32]],
+        max_new: usize,
+        stop_tokens: &[u32],
+        stop: &dyn Fn(&[u32]) -> bool,
+    ) -> Result<Batched, BoxError> {
+        assert_eq!(stop_tokens, self.b.model.tokenizer().stop_tokens());
+        let mut out = Batched::default();
+        for p in prompts {
+            let pre = Prefill::new(self.b.model, p, max_new, self.b.calib, false)?;
+            out.prefill_seconds.push(0.0);
+            let per = self
+                .b
+                .methods
+                .iter()
+                .map(|m| {
+                    decode_branch(
+                        self.b.model,
+                        &pre,
+                        m.as_ref(),
+                        self.b.calib,
+                        self.b.params,
+                        max_new,
+                        stop,
+                    )
+                    .map(|br| (br, 0.0))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            out.branches.push(per);
+        }
+        Ok(out)
+    }
+
+    fn forced(&mut self, prompts: &[&[u32]], forced: &[&[u32]]) -> Result<Batched, BoxError> {
+        let mut out = Batched::default();
+        for (p, f) in prompts.iter().zip(forced) {
+            let pre = Prefill::new(self.b.model, p, f.len(), self.b.calib, false)?;
+            out.prefill_seconds.push(0.0);
+            let per = self
+                .b
+                .methods
+                .iter()
+                .map(|m| {
+                    forced_branch(
+                        self.b.model,
+                        &pre,
+                        m.as_ref(),
+                        self.b.calib,
+                        self.b.params,
+                        f,
+                    )
+                    .map(|br| (br, 0.0))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            out.branches.push(per);
+        }
+        Ok(out)
+    }
+
+    fn add_row_counters(&mut self, rows: &mut [Vec<RowCacheTally>]) {
+        assert_eq!(rows.len(), self.b.methods.len());
+        self.rows_reported += 1;
+    }
+}
+
+/// Counts a run's progress reports: branches done and records.
+fn counting<'a, R>(
+    branches: &'a mut u64,
+    done: &'a mut usize,
+) -> impl FnMut(Progress<'_, R>) -> Result<(), BoxError> + 'a {
+    move |p| {
+        match p {
+            Progress::Working(m) => assert!(!m.is_empty()),
+            Progress::Branches(n) => *branches += n,
+            Progress::Done(_) => *done += 1,
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn whole_runs_score_batched_branches_as_their_own() {
+    let Some(m) = model() else { return };
+    let Some(words) = words() else { return };
+    let methods: Vec<Box<dyn Scanner>> =
+        vec![Box::new(Dense), Box::new(Exact), Box::new(SparQ { r: 16 })];
+    let b = Branching {
+        model: m,
+        methods: &methods,
+        calib: None,
+        params: SelectParams {
+            sink: 4,
+            local: 32,
+            k: 16,
+        },
+    };
+    // RULER: one task, two samples of 6 tokens each.
+    let tp = TaskParams {
+        tokens_to_generate: Some(6),
+        ..params(512)
+    };
+    let hay = haystack();
+    let plan = RulerPlan {
+        tasks: &[Task::NiahSingle],
+        samples: 2,
+        params: &tp,
+        haystack: &hay,
+        words: &words,
+        line_stop: true,
+    };
+    let (mut branches, mut done) = (0, 0);
+    let cpu = ruler::run(b, &plan, None, &mut counting(&mut branches, &mut done)).expect("run");
+    assert_eq!((branches, done), (6, 2));
+    let mut backend = CpuBatches {
+        b,
+        rows_reported: 0,
+    };
+    let (mut branches, mut done) = (0, 0);
+    let batched = ruler::run(
+        b,
+        &plan,
+        Some(&mut backend),
+        &mut counting(&mut branches, &mut done),
+    )
+    .expect("batched run");
+    assert_eq!((branches, done, backend.rows_reported), (6, 2, 1));
+    assert_eq!(cpu.records.len(), 2);
+    for (x, y) in cpu.records.iter().zip(&batched.records) {
+        assert_eq!(x.sample.prompt_ids, y.sample.prompt_ids);
+        let names: Vec<&str> = x.methods.iter().map(|g| g.method.as_str()).collect();
+        assert_eq!(names, ["dense", "exact", "sparq:16"]);
+        for (g, h) in x.methods.iter().zip(&y.methods) {
+            assert_eq!(
+                (
+                    &g.generation,
+                    g.score,
+                    g.same_as_exact,
+                    g.first_divergence_from_exact
+                ),
+                (
+                    &h.generation,
+                    h.score,
+                    h.same_as_exact,
+                    h.first_divergence_from_exact
+                )
+            );
+            assert!(g.tokens >= 1 && g.tokens <= 6);
+        }
+        assert!(x.methods[1].same_as_exact);
+    }
+    let t = &cpu.tasks[0];
+    assert_eq!(t.task, Task::NiahSingle);
+    for (mi, s) in t.methods.iter().enumerate() {
+        let same = cpu
+            .records
+            .iter()
+            .filter(|r| r.methods[mi].same_as_exact)
+            .count();
+        assert_eq!(s.same_as_exact, same);
+        assert_eq!(s.score, s.score_sum / 2.0);
+        assert_eq!(cpu.mean_score(mi), s.score);
+        let s2 = &batched.tasks[0].methods[mi];
+        assert_eq!(
+            (s.score, s.same_as_exact, &s.row_cache),
+            (s2.score, s2.same_as_exact, &s2.row_cache)
+        );
+    }
+    assert!(t.methods[0].row_cache.is_empty(), "dense fetches no union");
+    assert!(
+        !t.methods[2].row_cache.is_empty(),
+        "sparq's modelled row cache"
+    );
+    // Agent steps: one session of 8 forced steps over made-up code.
+    let docs: Vec<Document> = (0..4)
+        .map(|i| Document {
+            path: format!("django/mod{i}.py"),
+            sha256: String::new(),
+            text: (0..60)
+                .map(|j| format!("def f_{i}_{j}(x):\n    return x + {j}\n"))
+                .collect(),
+        })
+        .collect();
+    let plan = AgentPlan {
+        docs: &docs,
+        context: 640,
+        steps: 8,
+        seed: 1,
+        sessions: 1,
+    };
+    let (mut branches, mut done) = (0, 0);
+    let cpu = agent::run(b, &plan, None, &mut counting(&mut branches, &mut done)).expect("agent");
+    assert_eq!((branches, done), (3, 1));
+    let batched = agent::run(b, &plan, Some(&mut backend), &mut |_| Ok(())).expect("agent batched");
+    let r = &cpu.records[0];
+    assert_eq!(r.session.continuation.len(), 8);
+    for (mi, (s, t)) in r
+        .methods
+        .iter()
+        .zip(&batched.records[0].methods)
+        .enumerate()
+    {
+        assert_eq!(s.argmax.len(), 8);
+        assert_eq!((&s.argmax, s.agree_exact), (&t.argmax, t.agree_exact));
+        assert_eq!(cpu.summary[mi].agree_exact, s.agree_exact);
+    }
+    assert_eq!(r.methods[0].agree_dense, 1.0);
+    assert_eq!(r.methods[1].agree_exact, 1.0);
+    // A progress callback's error stops the run and comes back as the caller's.
+    let err = agent::run(b, &plan, None, &mut |_| Err("stop here".into())).expect_err("stops");
+    assert!(matches!(err, fathom_eval::EvalError::Caller(_)) && err.to_string() == "stop here");
 }
