@@ -396,6 +396,12 @@ pub struct PagedCache {
     /// While capturing: the plans counted before the capture began, the batch's sessions and
     /// the settings counter when it began (a change before its end makes the capture stale).
     capturing: Option<(u64, Vec<SessionId>, u64)>,
+    /// Per layer, the step whose rows its last append wrote (0: none yet): an attend or a row
+    /// read of a layer not yet appended in the batch's step would read slots nobody wrote.
+    appended_at: Vec<u64>,
+    /// The layers appended inside the capture under way (recorded, not yet run: they count
+    /// for the capture's own attends, and for the live cache only when the graph replays).
+    capture_appended: Vec<bool>,
     /// This cache among the process's (a graph replays only on the cache that captured it).
     id: u64,
     /// How attends select ([`PagedCache::set_select_path`]).
@@ -660,6 +666,8 @@ impl PagedCache {
             plans_counted: 0,
             fixed_grids: false,
             capturing: None,
+            appended_at: vec![0; s.layers],
+            capture_appended: vec![false; s.layers],
             id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             select: crate::cache::SelectPath::Scores,
             groups: 1,
@@ -778,6 +786,25 @@ impl PagedCache {
                 "capture",
                 format!(
                     "{what} during a capture: call it before begin_capture or after end_capture"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `layer` was appended in `batch`'s step (in the capture under way, inside one): the
+    /// kernels read the step's new rows, which only that append writes. After the layer and
+    /// stale-batch checks, so `layer` is in range.
+    fn check_appended(&self, batch: &AppendBatch, layer: usize, what: &'static str) -> Result<()> {
+        let done = match self.capturing {
+            Some(_) => self.capture_appended[layer],
+            None => self.appended_at[layer] == batch.step,
+        };
+        if !done {
+            return Err(CudaError::invalid(
+                what,
+                format!(
+                    "layer {layer} has not been appended in this step: append the step's K/V rows of the layer first (its new tokens' slots hold nothing yet)"
                 ),
             ));
         }
@@ -1083,6 +1110,11 @@ impl PagedCache {
             )?;
         }
         self.calib.appended[layer] = true;
+        if self.capturing.is_some() {
+            self.capture_appended[layer] = true;
+        } else {
+            self.appended_at[layer] = batch.step;
+        }
         if fused == 1 {
             return Ok(());
         }
@@ -1154,6 +1186,7 @@ impl PagedCache {
         v_out: u64,
     ) -> Result<()> {
         crate::cache::check_read_rows(&self.cfg, batch, self.step, layer, cap, k_out, v_out)?;
+        self.check_appended(batch, layer, "read_rows")?;
         let s = self.cfg.shape;
         let geom = self.geom(layer);
         let (descs, tables, pool) = (
@@ -1527,6 +1560,7 @@ impl PagedCache {
         use crate::cache::AttendMethod;
         use crate::config::Method as M;
         crate::cache::check_attend(&self.cfg, batch, self.step, layer, params, q, out)?;
+        self.check_appended(batch, layer, "attend")?;
         let s = self.cfg.shape;
         let (hkv, hq, d) = (s.kv_heads, s.kv_heads * s.group, s.dim);
         let nb = self.batch_len;
@@ -2497,6 +2531,7 @@ impl PagedCache {
             .map_err(drv("begin_capture"))?;
         self.fixed_grids = true;
         self.capturing = Some((self.plans_counted, batch.sessions(), self.settings));
+        self.capture_appended.fill(false);
         Ok(())
     }
 
@@ -2532,6 +2567,10 @@ impl PagedCache {
             sessions,
             plans,
             settings: self.settings,
+            appended: std::mem::replace(
+                &mut self.capture_appended,
+                vec![false; self.cfg.shape.layers],
+            ),
         })
     }
 
@@ -2553,6 +2592,11 @@ impl PagedCache {
             ));
         }
         graph.graph.launch().map_err(drv("graph launch"))?;
+        for (at, &done) in self.appended_at.iter_mut().zip(&graph.appended) {
+            if done {
+                *at = batch.step;
+            }
+        }
         self.plans_counted += graph.plans;
         Ok(())
     }
@@ -2703,6 +2747,8 @@ pub struct DecodeGraph {
     plans: u64,
     /// The cache's settings generation at the capture (a change since makes it stale).
     settings: u64,
+    /// The layers the step appends (a replay writes their rows for the batch it replays).
+    appended: Vec<bool>,
 }
 
 impl std::fmt::Debug for DecodeGraph {

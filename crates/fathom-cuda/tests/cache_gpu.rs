@@ -369,17 +369,59 @@ fn bad_calls_are_typed_errors_before_any_launch() {
     let e = cache.reserve(&[(b, 1)]).unwrap_err().to_string();
     assert!(e.contains("generation"), "freed session: {e}");
     assert_eq!(cache.faults().unwrap(), vec![0, 0], "nothing was launched");
+    // An attend or a row read of a layer not yet appended in the batch's step would read the
+    // new tokens' empty slots: refused by name, before any launch.
+    let batch = cache.reserve(&[(a, 1)]).unwrap();
+    cache
+        .append_host(&batch, 0, &vec![0.5; row], &vec![0.5; row])
+        .unwrap();
+    let q = vec![0.1f32; 2 * 4 * 64];
+    let am = fathom_cuda::cache::AttendMethod::Dense;
+    let params = fathom_plan::SelectParams {
+        sink: 4,
+        local: 32,
+        k: 8,
+    };
+    let e = cache
+        .attend_host(&batch, 1, am, &params, &q)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("layer 1 has not been appended"), "{e}");
+    let e = cache.read_rows(&batch, 1, 8, 1, 1).unwrap_err().to_string();
+    assert!(e.contains("layer 1 has not been appended"), "{e}");
+    assert!(cache.attend_host(&batch, 0, am, &params, &q).is_ok());
 }
 
+/// A key whose block scale overflows fp16: from host slices it is refused before any copy
+/// (`check_host_rows`); from device memory, which the host does not read, the kernel skips the
+/// channel block and counts a fault (never a silent store).
 #[test]
 fn a_key_past_fp16_range_is_a_counted_fault_not_a_silent_store() {
+    use cudarc::driver::DevicePtr;
     let Some(gpu) = gpu() else { return };
     let mut cache = PagedCache::new(&gpu, config(1, 1, 64, 128, 4)).unwrap();
     let a = cache.create().unwrap();
     let batch = cache.reserve(&[(a, 1)]).unwrap();
     let mut k = vec![0.25f32; 64];
     k[5] = 1e6; // finite, but its block scale overflows fp16
-    cache.append_host(&batch, 0, &k, &vec![0.0; 64]).unwrap();
+    let e = cache
+        .append_host(&batch, 0, &k, &vec![0.0; 64])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("channel 5") && e.contains("fp16"), "{e}");
+    assert_eq!(cache.faults().unwrap(), vec![0], "nothing was launched");
+    let stream = gpu.stream().clone();
+    let (kd, vd) = (
+        stream.clone_htod(&k).unwrap(),
+        stream.clone_htod(&vec![0.0f32; 64]).unwrap(),
+    );
+    let kv = KvRows {
+        k: kd.device_ptr(&stream).0,
+        v: vd.device_ptr(&stream).0,
+        dtype: KvDtype::F32,
+        rows: 1,
+    };
+    cache.append(&batch, 0, &kv).unwrap();
     assert_eq!(
         cache.faults().unwrap(),
         vec![1],
