@@ -397,7 +397,6 @@ fn bad_calls_are_typed_errors_before_any_launch() {
 /// channel block and counts a fault (never a silent store).
 #[test]
 fn a_key_past_fp16_range_is_a_counted_fault_not_a_silent_store() {
-    use cudarc::driver::DevicePtr;
     let Some(gpu) = gpu() else { return };
     let mut cache = PagedCache::new(&gpu, config(1, 1, 64, 128, 4)).unwrap();
     let a = cache.create().unwrap();
@@ -410,23 +409,27 @@ fn a_key_past_fp16_range_is_a_counted_fault_not_a_silent_store() {
         .to_string();
     assert!(e.contains("channel 5") && e.contains("fp16"), "{e}");
     assert_eq!(cache.faults().unwrap(), vec![0], "nothing was launched");
-    let stream = gpu.stream().clone();
-    let (kd, vd) = (
-        stream.clone_htod(&k).unwrap(),
-        stream.clone_htod(&vec![0.0f32; 64]).unwrap(),
-    );
-    let kv = KvRows {
-        k: kd.device_ptr(&stream).0,
-        v: vd.device_ptr(&stream).0,
-        dtype: KvDtype::F32,
-        rows: 1,
-    };
-    cache.append(&batch, 0, &kv).unwrap();
-    assert_eq!(
-        cache.faults().unwrap(),
-        vec![1],
-        "one channel block refused"
-    );
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::DevicePtr;
+        let stream = gpu.stream().clone();
+        let (kd, vd) = (
+            stream.clone_htod(&k).unwrap(),
+            stream.clone_htod(&vec![0.0f32; 64]).unwrap(),
+        );
+        let kv = KvRows {
+            k: kd.device_ptr(&stream).0,
+            v: vd.device_ptr(&stream).0,
+            dtype: KvDtype::F32,
+            rows: 1,
+        };
+        cache.append(&batch, 0, &kv).unwrap();
+        assert_eq!(
+            cache.faults().unwrap(),
+            vec![1],
+            "one channel block refused"
+        );
+    }
 }
 
 /// f32 accumulation of ≤ D = 256 products on the GPU against f64 on the CPU: |error| ≤
