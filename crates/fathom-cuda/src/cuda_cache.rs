@@ -396,6 +396,9 @@ pub struct PagedCache {
     /// While capturing: the plans counted before the capture began, the batch's sessions and
     /// the settings counter when it began (a change before its end makes the capture stale).
     capturing: Option<(u64, Vec<SessionId>, u64)>,
+    /// The batch the last reserve returned: its fields are public, so the calls that launch
+    /// with the reserve's descriptors check that what they are given is that batch, unchanged.
+    current: Option<AppendBatch>,
     /// Per layer, the step whose rows its last append wrote (0: none yet): an attend or a row
     /// read of a layer not yet appended in the batch's step would read slots nobody wrote.
     appended_at: Vec<u64>,
@@ -666,6 +669,7 @@ impl PagedCache {
             plans_counted: 0,
             fixed_grids: false,
             capturing: None,
+            current: None,
             appended_at: vec![0; s.layers],
             capture_appended: vec![false; s.layers],
             id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -796,6 +800,7 @@ impl PagedCache {
     /// kernels read the step's new rows, which only that append writes. After the layer and
     /// stale-batch checks, so `layer` is in range.
     fn check_appended(&self, batch: &AppendBatch, layer: usize, what: &'static str) -> Result<()> {
+        self.check_current(batch, what)?;
         let done = match self.capturing {
             Some(_) => self.capture_appended[layer],
             None => self.appended_at[layer] == batch.step,
@@ -806,6 +811,19 @@ impl PagedCache {
                 format!(
                     "layer {layer} has not been appended in this step: append the step's K/V rows of the layer first (its new tokens' slots hold nothing yet)"
                 ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `batch` is the last reserve's, unchanged (after the stale-step check, which names a
+    /// stale one): the kernels use the reserve's descriptors, and the host sizes grids and
+    /// buffers from the batch, so an edited copy would size them for other sessions or rows.
+    fn check_current(&self, batch: &AppendBatch, what: &'static str) -> Result<()> {
+        if self.current.as_ref() != Some(batch) {
+            return Err(CudaError::invalid(
+                what,
+                "the batch is not the one the cache's last reserve returned (its plans, rows or offsets were changed)",
             ));
         }
         Ok(())
@@ -986,6 +1004,7 @@ impl PagedCache {
             .map(|p| p.end_token().div_ceil(BLOCK_TOKENS) - p.first_token / BLOCK_TOKENS)
             .max()
             .unwrap_or(0);
+        self.current = Some(out.clone());
         Ok(out)
     }
 
@@ -1050,6 +1069,7 @@ impl PagedCache {
     /// row count that differs from the batch's, a null pointer.
     pub fn append(&mut self, batch: &AppendBatch, layer: usize, kv: &KvRows) -> Result<()> {
         check_rows(&self.cfg, batch, self.step, layer, kv)?;
+        self.check_current(batch, "append")?;
         if self.fixed_grids && self.batch_max_m != 1 {
             return Err(CudaError::invalid(
                 "append",
@@ -2582,6 +2602,7 @@ impl PagedCache {
     /// graph captured before a setting changed (it would run the old step).
     pub fn replay(&mut self, batch: &AppendBatch, graph: &DecodeGraph) -> Result<()> {
         self.check_graph(graph)?;
+        self.check_current(batch, "replay")?;
         if batch.step != self.step
             || batch.sessions() != graph.sessions
             || batch.plans.iter().any(|p| p.tokens != 1)

@@ -390,6 +390,14 @@ fn bad_calls_are_typed_errors_before_any_launch() {
     let e = cache.read_rows(&batch, 1, 8, 1, 1).unwrap_err().to_string();
     assert!(e.contains("layer 1 has not been appended"), "{e}");
     assert!(cache.attend_host(&batch, 0, am, &params, &q).is_ok());
+    // A copy of the batch with other offsets is not the reserve's, even at its step.
+    let mut forged = batch.clone();
+    forged.row0 = vec![5];
+    let e = cache
+        .attend_host(&forged, 0, am, &params, &q)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("last reserve returned"), "{e}");
 }
 
 /// A key whose block scale overflows fp16: from host slices it is refused before any copy
