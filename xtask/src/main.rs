@@ -928,6 +928,7 @@ mod tests {
                     "fathom-bench",
                     "fathom-model",
                     "fathom-plan",
+                    "fathom-results",
                     "fathom-store",
                 ],
             ),

@@ -28,9 +28,8 @@ use fathom_model::{LoadOptions, Model};
 use fathom_plan::scanner::Scanner;
 use fathom_plan::SelectParams;
 use fathom_results::downstream::{
-    AgentDoc, AgentRecord, AgentSteps, AgentSummary, CalibrationInfo, RowCacheTally, RulerDoc,
-    RulerGeneration, RulerRecord, RunHeader, SelectRecord, TaskScore, TaskSummary,
-    ROW_CACHE_MEASURED, ROW_CACHE_MODELLED,
+    AgentDoc, AgentRecord, AgentSummary, CalibrationInfo, RowCacheTally, RulerDoc, RulerRecord,
+    RunHeader, SelectRecord, TaskScore, TaskSummary, ROW_CACHE_MEASURED, ROW_CACHE_MODELLED,
 };
 use fathom_store::write_atomic;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -447,21 +446,7 @@ fn ruler_record(r: &SampleRun) -> Result<RulerRecord> {
         methods: r
             .methods
             .iter()
-            .map(|m| {
-                (
-                    m.method.clone(),
-                    RulerGeneration {
-                        generation: m.generation.clone(),
-                        score: m.score,
-                        tokens: m.tokens,
-                        same_as_exact: m.same_as_exact,
-                        first_divergence_from_exact: m.first_divergence_from_exact,
-                        mean_bits: m.mean_bits,
-                        density: m.density,
-                        seconds: m.seconds,
-                    },
-                )
-            })
+            .map(|m| (m.method.clone(), m.result.clone()))
             .collect(),
     })
 }
@@ -476,21 +461,7 @@ fn agent_record(r: &SessionRun) -> Result<AgentRecord> {
         methods: r
             .methods
             .iter()
-            .map(|m| {
-                (
-                    m.method.clone(),
-                    AgentSteps {
-                        agree_exact: m.agree_exact,
-                        agree_dense: m.agree_dense,
-                        top1_vs_truth: m.top1_vs_truth,
-                        steps_differing_from_exact: m.steps_differing_from_exact.clone(),
-                        argmax: m.argmax.clone(),
-                        mean_bits: m.mean_bits,
-                        density: m.density,
-                        seconds: m.seconds,
-                    },
-                )
-            })
+            .map(|m| (m.method.clone(), m.result.clone()))
             .collect(),
     })
 }
@@ -565,7 +536,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         let scores: Vec<String> = r
             .methods
             .iter()
-            .map(|m| format!("{} {:.2}", m.method, m.score))
+            .map(|m| format!("{} {:.2}", m.method, m.result.score))
             .collect();
         format!(
             "{} #{}: {} tokens, prefill {:.0} s, total {:.0} s; {}",

@@ -832,6 +832,7 @@ fn whole_runs_score_batched_branches_as_their_own() {
         let names: Vec<&str> = x.methods.iter().map(|g| g.method.as_str()).collect();
         assert_eq!(names, ["dense", "exact", "sparq:16"]);
         for (g, h) in x.methods.iter().zip(&y.methods) {
+            let (g, h) = (&g.result, &h.result);
             assert_eq!(
                 (
                     &g.generation,
@@ -848,7 +849,7 @@ fn whole_runs_score_batched_branches_as_their_own() {
             );
             assert!(g.tokens >= 1 && g.tokens <= 6);
         }
-        assert!(x.methods[1].same_as_exact);
+        assert!(x.methods[1].result.same_as_exact);
     }
     let t = &cpu.tasks[0];
     assert_eq!(t.task, Task::NiahSingle);
@@ -856,7 +857,7 @@ fn whole_runs_score_batched_branches_as_their_own() {
         let same = cpu
             .records
             .iter()
-            .filter(|r| r.methods[mi].same_as_exact)
+            .filter(|r| r.methods[mi].result.same_as_exact)
             .count();
         assert_eq!(s.same_as_exact, same);
         assert_eq!(s.score, s.score_sum / 2.0);
@@ -901,12 +902,13 @@ fn whole_runs_score_batched_branches_as_their_own() {
         .zip(&batched.records[0].methods)
         .enumerate()
     {
+        let (s, t) = (&s.result, &t.result);
         assert_eq!(s.argmax.len(), 8);
         assert_eq!((&s.argmax, s.agree_exact), (&t.argmax, t.agree_exact));
         assert_eq!(cpu.summary[mi].agree_exact, s.agree_exact);
     }
-    assert_eq!(r.methods[0].agree_dense, 1.0);
-    assert_eq!(r.methods[1].agree_exact, 1.0);
+    assert_eq!(r.methods[0].result.agree_dense, 1.0);
+    assert_eq!(r.methods[1].result.agree_exact, 1.0);
     // A progress callback's error stops the run and comes back as the caller's.
     let err = agent::run(b, &plan, None, &mut |_| Err("stop here".into())).expect_err("stops");
     assert!(matches!(err, fathom_eval::EvalError::Caller(_)) && err.to_string() == "stop here");

@@ -10,6 +10,7 @@ use crate::decode::forced_branch;
 use crate::runner::{report, BatchedBackend, Branching, OnProgress, Progress};
 use crate::EvalError;
 use fathom_bench::decode::RowCacheTally;
+use fathom_results::downstream::AgentSteps;
 
 /// Which sessions an agent-session run builds ([`session`]).
 #[derive(Debug, Clone, Copy)]
@@ -26,27 +27,16 @@ pub struct AgentPlan<'a> {
     pub sessions: usize,
 }
 
-/// One method's teacher-forced predictions for one session.
+/// One method's agreement over one session: the method and its result, the results
+/// document's own type ([`AgentSteps`]: agreement with exact top-k, dense and the truth
+/// ([`agreement`]), the steps that differ from exact's, the argmax after each forced token,
+/// bits, density, seconds).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepAgreement {
     /// The method.
     pub method: String,
-    /// Fraction of steps whose argmax equals exact top-k's ([`agreement`]).
-    pub agree_exact: f64,
-    /// Fraction of steps whose argmax equals dense attention's.
-    pub agree_dense: f64,
-    /// Fraction of steps whose argmax is the true next token.
-    pub top1_vs_truth: f64,
-    /// Steps whose argmax differs from exact top-k's.
-    pub steps_differing_from_exact: Vec<usize>,
-    /// The argmax after each forced token.
-    pub argmax: Vec<u32>,
-    /// Mean scan bits per token per KV head.
-    pub mean_bits: f64,
-    /// Mean fraction of visible keys attended on global layers.
-    pub density: f64,
-    /// Seconds of the branch (a batched backend's: the batch's share).
-    pub seconds: f64,
+    /// Its agreement and statistics.
+    pub result: AgentSteps,
 }
 
 /// One session's results.
@@ -169,14 +159,16 @@ pub fn run(
             rows[mi].extend(br.stats.row_cache());
             methods.push(StepAgreement {
                 method: names[mi].clone(),
-                agree_exact: ae,
-                agree_dense: ad,
-                top1_vs_truth: top1,
-                steps_differing_from_exact: differ,
-                argmax: br.tokens.clone(),
-                mean_bits: br.stats.mean_bits(),
-                density: br.stats.density(),
-                seconds: *secs,
+                result: AgentSteps {
+                    agree_exact: ae,
+                    agree_dense: ad,
+                    top1_vs_truth: top1,
+                    steps_differing_from_exact: differ,
+                    argmax: br.tokens.clone(),
+                    mean_bits: br.stats.mean_bits(),
+                    density: br.stats.density(),
+                    seconds: *secs,
+                },
             });
         }
         let secs = match &batched {

@@ -8,6 +8,7 @@ use crate::runner::{report, BatchedBackend, Branching, OnProgress, Progress};
 use crate::words::WordList;
 use crate::EvalError;
 use fathom_bench::decode::RowCacheTally;
+use fathom_results::downstream::RulerGeneration;
 
 /// What a RULER-style run generates and how its branches stop.
 #[derive(Debug, Clone, Copy)]
@@ -28,28 +29,15 @@ pub struct RulerPlan<'a> {
     pub line_stop: bool,
 }
 
-/// One method's generation for one sample.
+/// One method's generation for one sample: the method and its result, the results
+/// document's own type ([`RulerGeneration`]: generation, [`score`] against the gold strings,
+/// tokens, agreement with exact top-k, bits, density, seconds).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MethodGeneration {
     /// The method.
     pub method: String,
-    /// The decoded generation.
-    pub generation: String,
-    /// Its [`score`] against the sample's gold strings.
-    pub score: f64,
-    /// Tokens generated.
-    pub tokens: usize,
-    /// The generated tokens equal exact top-k's.
-    pub same_as_exact: bool,
-    /// The first position where they differ from exact top-k's (one ending before the other
-    /// differs at the shorter's length); `None` when equal.
-    pub first_divergence_from_exact: Option<usize>,
-    /// Mean scan bits per token per KV head.
-    pub mean_bits: f64,
-    /// Mean fraction of visible keys attended on global layers.
-    pub density: f64,
-    /// Seconds of the branch (a batched backend's: the batch's share).
-    pub seconds: f64,
+    /// What it generated and how it scored.
+    pub result: RulerGeneration,
 }
 
 /// One sample's results.
@@ -219,18 +207,20 @@ pub fn run(
                 rows[ti][mi].extend(br.stats.row_cache());
                 methods.push(MethodGeneration {
                     method: names[mi].clone(),
-                    generation: text,
-                    score: sc,
-                    tokens: br.tokens.len(),
-                    same_as_exact: same,
-                    first_divergence_from_exact: diverge,
-                    mean_bits: br.stats.mean_bits(),
-                    density: br.stats.density(),
-                    seconds: *secs,
+                    result: RulerGeneration {
+                        generation: text,
+                        score: sc,
+                        tokens: br.tokens.len(),
+                        same_as_exact: same,
+                        first_divergence_from_exact: diverge,
+                        mean_bits: br.stats.mean_bits(),
+                        density: br.stats.density(),
+                        seconds: *secs,
+                    },
                 });
             }
             let secs = match &batched {
-                Some(_) => prefill_s + methods.iter().map(|m| m.seconds).sum::<f64>(),
+                Some(_) => prefill_s + methods.iter().map(|m| m.result.seconds).sum::<f64>(),
                 None => t0.elapsed().as_secs_f64(),
             };
             per_task_secs[ti] += secs;
