@@ -339,7 +339,9 @@ static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 /// let mut cache = PagedCache::new(&gpu, cfg)?;
 /// let (a, b) = (cache.create()?, cache.create()?);
 /// let batch = cache.reserve(&[(a, 100), (b, 300)])?; // a prefill of two lengths
-/// # let (k, v) = (0u64, 0u64);
+/// // K and V of the 400 new rows, [400][Hkv][D] bf16 each, in device memory (a model's
+/// // projections; here left to the caller):
+/// # let (k, v): (u64, u64) = unimplemented!();
 /// cache.append(&batch, 0, &KvRows { k, v, dtype: KvDtype::Bf16, rows: batch.rows })?;
 /// # Ok::<(), fathom_cuda::CudaError>(())
 /// ```
@@ -2275,7 +2277,7 @@ impl PagedCache {
         self.groups
     }
 
-    /// Plane words per global load of the scan (docs/SPEC.md §6.1; issue 16 item 2, to be
+    /// Plane words per global load of the scan (docs/SPEC.md §6.1; a setting so that it is
     /// settled by measurement): 1 (the default) reads one 8-byte word of a plane run per load,
     /// 2 two adjacent words (16 bytes, aligned) where a page holds an even number of 64-token
     /// blocks, half the load instructions for the same bytes. The scores are the same bits

@@ -1,5 +1,7 @@
-//! The backend without the `cuda` feature: the same types, every entry point returns
-//! [`CudaError::NotCompiledWithCuda`].
+//! The backend without the `cuda` feature: the same types; every entry point that would touch
+//! a device returns [`CudaError::NotCompiledWithCuda`] (a `Gpu` cannot be opened, so no cache
+//! or session exists to call the others on; the host-side checks shared with the real backend
+//! live in `cache.rs` and `pages.rs`).
 
 use crate::config::{Method, SessionConfig};
 use crate::error::{CudaError, Result};

@@ -11,8 +11,9 @@
 //! Kernels are `.cu` files under `kernels/`, embedded with `include_str!` and compiled by
 //! NVRTC for the device's compute capability at first use (modules cached per `(G, D)`).
 //!
-//! Without the `cuda` feature the same types exist and every entry point returns
-//! [`CudaError::NotCompiledWithCuda`]; with it and no driver or device, [`CudaError::NoDevice`].
+//! Without the `cuda` feature the same types exist and every entry point that would touch a
+//! device returns [`CudaError::NotCompiledWithCuda`]; with it and no driver or device,
+//! [`CudaError::NoDevice`].
 //!
 //! # The paged cache a model drives (docs/SPEC.md §6.1)
 //!

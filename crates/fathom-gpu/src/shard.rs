@@ -1,4 +1,4 @@
-//! Spreading a model over several GPUs of one host (docs/SPEC.md §9; issue "Several GPUs"):
+//! Spreading a model over several GPUs of one host (docs/SPEC.md §9):
 //! pure CPU and unit-tested, so the plans are checked before any device or NCCL is touched.
 //!
 //! **Tensor parallelism over the heads** (Megatron's split): GPU `r` of `T` owns KV heads
