@@ -196,18 +196,25 @@ impl Calibration {
     }
 }
 
-pub use fathom_plan::calib::{head_calib, jacobi_eigen};
+pub use fathom_plan::calib::{head_calib, jacobi_eigen, try_head_calib};
 
-/// [`head_calib`] of KV head `h` of one captured layer: its keys, and the queries of its
-/// group at every captured position.
-fn layer_head_calib(info: &CaptureInfo, data: &LayerData, h: usize) -> HeadCalib {
+/// [`try_head_calib`] of KV head `h` of one captured layer: its keys, and the queries of its
+/// group at every captured position (a non-finite value is an error naming the layer).
+fn layer_head_calib(
+    info: &CaptureInfo,
+    data: &LayerData,
+    h: usize,
+) -> Result<HeadCalib, FidelityError> {
     let (hkv, d, g, hq) = (info.hkv, info.d, info.g(), info.hq);
     let keys = KvView::head(&data.k, hkv, d, h);
     let mut qs = Vec::new();
     for p in 0..info.positions.len() {
         qs.extend_from_slice(&data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d]);
     }
-    head_calib(&keys, &qs)
+    try_head_calib(&keys, &qs).map_err(|source| FidelityError::Protocol {
+        layer: data.index,
+        source,
+    })
 }
 
 impl Calibration {
@@ -247,15 +254,22 @@ impl Calibration {
     /// A statistics-only calibration of an in-memory workload (per-head σ², bases and DS
     /// channels from each layer's own keys and the queries of its positions; no per-layer
     /// budgets, no basis rule). `capture` names where the workload came from.
-    pub fn statistics_only(src: &crate::fidelity::InMemory, capture: &str) -> Calibration {
+    ///
+    /// # Errors
+    /// A layer whose keys or queries are not finite, or of a head dimension the statistics do
+    /// not take ([`fathom_plan::calib::try_head_calib`]).
+    pub fn statistics_only(
+        src: &crate::fidelity::InMemory,
+        capture: &str,
+    ) -> Result<Calibration, CalibError> {
         let info = &src.info;
         let hkv = info.hkv;
         let heads = src
             .layers
             .iter()
             .map(|data| (0..hkv).map(|h| layer_head_calib(info, data, h)).collect())
-            .collect();
-        Calibration::statistics(info, capture, heads)
+            .collect::<Result<_, _>>()?;
+        Ok(Calibration::statistics(info, capture, heads))
     }
 
     /// A calibration of `info`'s shape holding `heads` and no budgets or basis rule yet.
@@ -310,7 +324,7 @@ pub fn calibrate(
             let hs: Vec<HeadCalib> = (0..hkv)
                 .into_par_iter()
                 .map(|h| layer_head_calib(&info, &data, h))
-                .collect();
+                .collect::<Result<_, _>>()?;
             progress("statistics", done.fetch_add(1, Ordering::Relaxed) + 1, nl);
             Ok((data, hs))
         })

@@ -13,7 +13,7 @@ const D: usize = 32;
 const HKV: usize = 2;
 
 fn calibration(src: &InMemory) -> Calibration {
-    Calibration::statistics_only(src, "synthetic, cut after the position")
+    Calibration::statistics_only(src, "synthetic, cut after the position").unwrap()
 }
 
 fn methods() -> Vec<Box<dyn Scanner>> {

@@ -67,7 +67,8 @@ fn no_truncated_calibration_loads() {
     let cal = Calibration::statistics_only(
         &fathom_bench::fidelity::InMemory { info, layers },
         "synthetic",
-    );
+    )
+    .unwrap();
     let bytes = serde_json::to_vec(&cal).unwrap();
     assert!(bytes.len() > 8 * 4096, "{} bytes", bytes.len());
     let dir = tempfile::tempdir().unwrap();
@@ -84,4 +85,29 @@ fn no_truncated_calibration_loads() {
     std::fs::write(&p, &bytes).unwrap();
     assert!(Calibration::load(&p).is_ok());
     eprintln!("durability: {} truncated calibrations rejected", offs.len());
+}
+
+/// A workload with a non-finite key gives a typed error naming its layer, not a calibration of
+/// NaN statistics (and not a panic).
+#[test]
+fn a_non_finite_workload_is_not_calibrated() {
+    let (info, mut layers) = generate(&SyntheticParams {
+        layers: 2,
+        hkv: 2,
+        g: 2,
+        d: 32,
+        n: 128,
+        p: 4,
+        channel_sigma: 1.0,
+        seed: 5,
+    });
+    let bad = layers[1].index;
+    layers[1].k[77] = f32::NAN;
+    let e = Calibration::statistics_only(
+        &fathom_bench::fidelity::InMemory { info, layers },
+        "synthetic",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains(&format!("layer {bad}")), "{e}");
 }

@@ -17,7 +17,7 @@ fn dense_has_zero_error_and_exact_beats_fathom_on_synthetic() {
         ..Default::default()
     });
     let src = InMemory { info, layers };
-    let cal = fathom_bench::calib::Calibration::statistics_only(&src, "synthetic");
+    let cal = fathom_bench::calib::Calibration::statistics_only(&src, "synthetic").unwrap();
     let methods: Vec<Box<dyn Scanner>> =
         vec![Box::new(Dense), Box::new(Exact), Box::new(Fathom::new(8.0))];
     let mut p = FidelityParams::default();

@@ -518,7 +518,7 @@ fn demo(a: DemoArgs) -> Result<()> {
         } else {
             "embedded real capture (SmolLM2-135M, Python 3.11 docs, eval split)"
         },
-    );
+    )?;
     let list = std::iter::once("exact".to_string())
         .chain(a.budgets.iter().map(|b| format!("fathom:{b}")))
         .chain(["sparq:16".to_string(), "sparq:32".to_string()])
