@@ -2604,7 +2604,6 @@ impl PagedCache {
     /// graph captured before a setting changed (it would run the old step).
     pub fn replay(&mut self, batch: &AppendBatch, graph: &DecodeGraph) -> Result<()> {
         self.check_graph(graph)?;
-        self.check_current(batch, "replay")?;
         if batch.step != self.step
             || batch.sessions() != graph.sessions
             || batch.plans.iter().any(|p| p.tokens != 1)
@@ -2614,6 +2613,7 @@ impl PagedCache {
                 "the graph replays the decode step of the sessions it was captured for, after their current reserve",
             ));
         }
+        self.check_current(batch, "replay")?;
         graph.graph.launch().map_err(drv("graph launch"))?;
         for (at, &done) in self.appended_at.iter_mut().zip(&graph.appended) {
             if done {
