@@ -768,6 +768,106 @@ impl AppendBatch {
     }
 }
 
+/// What a cache knows of its current step on the host: the batch its last reserve returned
+/// and, per layer, whether that step's rows are written. The paged cache's rule, pure CPU so
+/// that it is unit-tested without a GPU:
+///
+/// * a call that launches with the reserve's descriptors gets that batch, unchanged
+///   ([`AppendBatch`]'s fields are public; an edited copy would size grids and buffers for
+///   other rows);
+/// * an attend or a row read of a layer reads the step's new rows, which only that layer's
+///   append writes: refused until the append ran (or, inside a capture, was recorded before
+///   it); a captured step's appends count for the batch it is replayed for.
+#[derive(Debug, Clone)]
+pub struct StepLedger {
+    current: Option<AppendBatch>,
+    /// Per layer, the step whose rows its last append wrote (0: none; steps start at 1).
+    appended_at: Vec<u64>,
+    /// Per layer, appended inside the capture under way (recorded, not yet run).
+    captured: Option<Vec<bool>>,
+}
+
+impl StepLedger {
+    /// A cache of `layers` layers, nothing reserved.
+    pub fn new(layers: usize) -> StepLedger {
+        StepLedger {
+            current: None,
+            appended_at: vec![0; layers],
+            captured: None,
+        }
+    }
+
+    /// The reserve returned `batch`.
+    pub fn reserved(&mut self, batch: &AppendBatch) {
+        self.current = Some(batch.clone());
+    }
+
+    /// `batch` is the last reserve's, unchanged.
+    ///
+    /// # Errors
+    /// Any other batch, naming `what`.
+    pub fn check_current(&self, batch: &AppendBatch, what: &'static str) -> Result<()> {
+        if self.current.as_ref() != Some(batch) {
+            return Err(CudaError::invalid(
+                what,
+                "the batch is not the one the cache's last reserve returned (its plans, rows or offsets were changed)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `layer`'s append for `batch` was launched (or recorded, inside a capture).
+    pub fn appended(&mut self, batch: &AppendBatch, layer: usize) {
+        match &mut self.captured {
+            Some(c) => c[layer] = true,
+            None => self.appended_at[layer] = batch.step,
+        }
+    }
+
+    /// `batch` is the current one and `layer` was appended in its step (inside a capture:
+    /// earlier in the capture). `layer` is in range (checked before, with the stale step).
+    ///
+    /// # Errors
+    /// Another batch, or a layer not yet appended, naming `what`.
+    pub fn check_read(&self, batch: &AppendBatch, layer: usize, what: &'static str) -> Result<()> {
+        self.check_current(batch, what)?;
+        let done = match &self.captured {
+            Some(c) => c[layer],
+            None => self.appended_at[layer] == batch.step,
+        };
+        if !done {
+            return Err(CudaError::invalid(
+                what,
+                format!(
+                    "layer {layer} has not been appended in this step: append the step's K/V rows of the layer first (its new tokens' slots hold nothing yet)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A capture begins: appends from here are recorded, not run.
+    pub fn begin_capture(&mut self) {
+        self.captured = Some(vec![false; self.appended_at.len()]);
+    }
+
+    /// The capture ends (successfully or not): the layers it appended, for its graph.
+    pub fn end_capture(&mut self) -> Vec<bool> {
+        self.captured
+            .take()
+            .unwrap_or_else(|| vec![false; self.appended_at.len()])
+    }
+
+    /// A graph whose step appends `layers` was replayed for `batch`.
+    pub fn replayed(&mut self, batch: &AppendBatch, layers: &[bool]) {
+        for (at, &done) in self.appended_at.iter_mut().zip(layers) {
+            if done {
+                *at = batch.step;
+            }
+        }
+    }
+}
+
 /// The layer exists and `batch` is the cache's current reserve.
 fn check_step(
     cfg: &CacheConfig,
@@ -1014,6 +1114,55 @@ mod tests {
         ] {
             assert!(bad.validate(128).is_err(), "{bad:?}");
         }
+    }
+
+    /// The ledger's rule: the current batch only, unchanged; a layer read only after its
+    /// append in the same step; captured appends count inside the capture and, at replay,
+    /// for the replayed batch; a new reserve starts over.
+    #[test]
+    fn the_step_ledger_refuses_reads_before_appends_and_edited_batches() {
+        let c = cfg();
+        let mut s = crate::pages::CacheSessions::new(c.pages).unwrap();
+        let a = s.create().unwrap();
+        let mut led = StepLedger::new(2);
+        let b1 = AppendBatch::new(s.reserve_many(&[(a, 1)]).unwrap(), 1);
+        assert!(
+            led.check_current(&b1, "append").is_err(),
+            "nothing reserved yet"
+        );
+        led.reserved(&b1);
+        led.check_current(&b1, "append").unwrap();
+        let e = led.check_read(&b1, 0, "attend").unwrap_err().to_string();
+        assert!(e.contains("layer 0 has not been appended"), "{e}");
+        led.appended(&b1, 0);
+        led.check_read(&b1, 0, "attend").unwrap();
+        assert!(led.check_read(&b1, 1, "read_rows").is_err());
+        let mut edited = b1.clone();
+        edited.rows += 1;
+        let e = led
+            .check_read(&edited, 0, "attend")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("last reserve returned"), "{e}");
+        // The next step: layer 0's append of step 1 does not count for step 2.
+        let b2 = AppendBatch::new(s.reserve_many(&[(a, 1)]).unwrap(), 2);
+        led.reserved(&b2);
+        assert!(led.check_read(&b2, 0, "attend").is_err());
+        assert!(led.check_current(&b1, "append").is_err(), "the old batch");
+        // A capture: its appends count for its own reads, not for the live cache.
+        led.begin_capture();
+        assert!(led.check_read(&b2, 1, "attend").is_err());
+        led.appended(&b2, 1);
+        led.check_read(&b2, 1, "attend").unwrap();
+        let captured = led.end_capture();
+        assert_eq!(captured, vec![false, true]);
+        assert!(
+            led.check_read(&b2, 1, "attend").is_err(),
+            "recorded, not run"
+        );
+        led.replayed(&b2, &captured);
+        led.check_read(&b2, 1, "attend").unwrap();
+        assert!(led.check_read(&b2, 0, "attend").is_err());
     }
 
     #[test]

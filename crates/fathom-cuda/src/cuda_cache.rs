@@ -398,15 +398,9 @@ pub struct PagedCache {
     /// While capturing: the plans counted before the capture began, the batch's sessions and
     /// the settings counter when it began (a change before its end makes the capture stale).
     capturing: Option<(u64, Vec<SessionId>, u64)>,
-    /// The batch the last reserve returned: its fields are public, so the calls that launch
-    /// with the reserve's descriptors check that what they are given is that batch, unchanged.
-    current: Option<AppendBatch>,
-    /// Per layer, the step whose rows its last append wrote (0: none yet): an attend or a row
-    /// read of a layer not yet appended in the batch's step would read slots nobody wrote.
-    appended_at: Vec<u64>,
-    /// The layers appended inside the capture under way (recorded, not yet run: they count
-    /// for the capture's own attends, and for the live cache only when the graph replays).
-    capture_appended: Vec<bool>,
+    /// The current batch and which layers its step has appended
+    /// ([`crate::cache::StepLedger`]: the rule, unit-tested on the CPU).
+    ledger: crate::cache::StepLedger,
     /// This cache among the process's (a graph replays only on the cache that captured it).
     id: u64,
     /// How attends select ([`PagedCache::set_select_path`]).
@@ -671,9 +665,7 @@ impl PagedCache {
             plans_counted: 0,
             fixed_grids: false,
             capturing: None,
-            current: None,
-            appended_at: vec![0; s.layers],
-            capture_appended: vec![false; s.layers],
+            ledger: crate::cache::StepLedger::new(s.layers),
             id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             select: crate::cache::SelectPath::Scores,
             groups: 1,
@@ -793,39 +785,6 @@ impl PagedCache {
                 format!(
                     "{what} during a capture: call it before begin_capture or after end_capture"
                 ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// `layer` was appended in `batch`'s step (in the capture under way, inside one): the
-    /// kernels read the step's new rows, which only that append writes. After the layer and
-    /// stale-batch checks, so `layer` is in range.
-    fn check_appended(&self, batch: &AppendBatch, layer: usize, what: &'static str) -> Result<()> {
-        self.check_current(batch, what)?;
-        let done = match self.capturing {
-            Some(_) => self.capture_appended[layer],
-            None => self.appended_at[layer] == batch.step,
-        };
-        if !done {
-            return Err(CudaError::invalid(
-                what,
-                format!(
-                    "layer {layer} has not been appended in this step: append the step's K/V rows of the layer first (its new tokens' slots hold nothing yet)"
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// `batch` is the last reserve's, unchanged (after the stale-step check, which names a
-    /// stale one): the kernels use the reserve's descriptors, and the host sizes grids and
-    /// buffers from the batch, so an edited copy would size them for other sessions or rows.
-    fn check_current(&self, batch: &AppendBatch, what: &'static str) -> Result<()> {
-        if self.current.as_ref() != Some(batch) {
-            return Err(CudaError::invalid(
-                what,
-                "the batch is not the one the cache's last reserve returned (its plans, rows or offsets were changed)",
             ));
         }
         Ok(())
@@ -1006,7 +965,7 @@ impl PagedCache {
             .map(|p| p.end_token().div_ceil(BLOCK_TOKENS) - p.first_token / BLOCK_TOKENS)
             .max()
             .unwrap_or(0);
-        self.current = Some(out.clone());
+        self.ledger.reserved(&out);
         Ok(out)
     }
 
@@ -1071,7 +1030,7 @@ impl PagedCache {
     /// row count that differs from the batch's, a null pointer.
     pub fn append(&mut self, batch: &AppendBatch, layer: usize, kv: &KvRows) -> Result<()> {
         check_rows(&self.cfg, batch, self.step, layer, kv)?;
-        self.check_current(batch, "append")?;
+        self.ledger.check_current(batch, "append")?;
         if self.fixed_grids && self.batch_max_m != 1 {
             return Err(CudaError::invalid(
                 "append",
@@ -1132,11 +1091,7 @@ impl PagedCache {
             )?;
         }
         self.calib.appended[layer] = true;
-        if self.capturing.is_some() {
-            self.capture_appended[layer] = true;
-        } else {
-            self.appended_at[layer] = batch.step;
-        }
+        self.ledger.appended(batch, layer);
         if fused == 1 {
             return Ok(());
         }
@@ -1208,7 +1163,7 @@ impl PagedCache {
         v_out: u64,
     ) -> Result<()> {
         crate::cache::check_read_rows(&self.cfg, batch, self.step, layer, cap, k_out, v_out)?;
-        self.check_appended(batch, layer, "read_rows")?;
+        self.ledger.check_read(batch, layer, "read_rows")?;
         let s = self.cfg.shape;
         let geom = self.geom(layer);
         let (descs, tables, pool) = (
@@ -1582,7 +1537,7 @@ impl PagedCache {
         use crate::cache::AttendMethod;
         use crate::config::Method as M;
         crate::cache::check_attend(&self.cfg, batch, self.step, layer, params, q, out)?;
-        self.check_appended(batch, layer, "attend")?;
+        self.ledger.check_read(batch, layer, "attend")?;
         let s = self.cfg.shape;
         let (hkv, hq, d) = (s.kv_heads, s.kv_heads * s.group, s.dim);
         let nb = self.batch_len;
@@ -2553,7 +2508,7 @@ impl PagedCache {
             .map_err(drv("begin_capture"))?;
         self.fixed_grids = true;
         self.capturing = Some((self.plans_counted, batch.sessions(), self.settings));
-        self.capture_appended.fill(false);
+        self.ledger.begin_capture();
         Ok(())
     }
 
@@ -2571,6 +2526,8 @@ impl PagedCache {
             .stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
         self.fixed_grids = false;
+        // The capture is over whatever follows: the layers it appended go with its graph.
+        let appended = self.ledger.end_capture();
         // Nothing ran while capturing: the plans are counted when the graph is replayed.
         let plans = self.plans_counted - plans0;
         self.plans_counted = plans0;
@@ -2589,10 +2546,7 @@ impl PagedCache {
             sessions,
             plans,
             settings: self.settings,
-            appended: std::mem::replace(
-                &mut self.capture_appended,
-                vec![false; self.cfg.shape.layers],
-            ),
+            appended,
         })
     }
 
@@ -2613,13 +2567,9 @@ impl PagedCache {
                 "the graph replays the decode step of the sessions it was captured for, after their current reserve",
             ));
         }
-        self.check_current(batch, "replay")?;
+        self.ledger.check_current(batch, "replay")?;
         graph.graph.launch().map_err(drv("graph launch"))?;
-        for (at, &done) in self.appended_at.iter_mut().zip(&graph.appended) {
-            if done {
-                *at = batch.step;
-            }
-        }
+        self.ledger.replayed(batch, &graph.appended);
         self.plans_counted += graph.plans;
         Ok(())
     }
