@@ -1096,7 +1096,7 @@ extern "C" __global__ void paged_fetch(const AppendDesc* __restrict__ descs, con
 // resources (IOMMU translations, host cores), so a split adds their rates, and the staging
 // reads take the link bandwidth the fetch's translation-bound reads leave idle.
 // gstate (HBM): [count, epoch, faults, timeouts]; count is zeroed before each list.
-// The mailbox (pinned, mapped): [epoch, count, layer, pad]; done [chunks] u32 (pinned).
+// The mailbox (pinned, mapped): [epoch, count, layer, pending epoch]; done [chunks] u32 (pinned).
 
 // One thread per union row: a miss of the host's share (the row cache's tags as paged_fetch
 // reads them: nothing changes them in between) gets the next list slot j. A list past its
@@ -1135,12 +1135,16 @@ __device__ __forceinline__ u64 global_ns() {
     return t;
 }
 
-// One thread: the next epoch, and the request the host threads wait for (count and layer
-// before the epoch, in that order at system scope).
+// One thread: the next epoch, and the request the host threads wait for, at system scope in
+// this order: the epoch to the pending word, count and layer, then the epoch (a seqlock: a
+// host thread that read the epoch, the fields and then a pending word equal to the epoch read
+// one request, never a newer count under an older epoch; host_gather.rs `Shared::request`).
 extern "C" __global__ void paged_gather_publish(AttendGeom a, u32* __restrict__ gstate, u32 gcap,
                                                 volatile u32* __restrict__ mailbox) {
     const u32 e = gstate[GS_EPOCH] + 1u;
     gstate[GS_EPOCH] = e;
+    mailbox[3] = e;
+    __threadfence_system();
     mailbox[1] = min(gstate[GS_COUNT], gcap);
     mailbox[2] = a.layer;
     __threadfence_system();

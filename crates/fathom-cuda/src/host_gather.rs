@@ -14,9 +14,11 @@
 //! captured decode step replays with the gather in it.
 //!
 //! The protocol, whose invariants the tests below hold on plain memory:
-//! - the device writes `count` and `layer`, then the epoch, each at system scope; a thread
-//!   reads the epoch (acquire), then `count` and `layer`, then the epoch again, and retries if
-//!   it moved (a consistent request, or none);
+//! - the device writes the new epoch to the pending word, then `count` and `layer`, then the
+//!   epoch, each at system scope; a thread reads the epoch (acquire), then `count` and `layer`,
+//!   then the pending word, and retries unless it equals the epoch (a seqlock: fields of a
+//!   newer request are written after its pending epoch, so a thread that read any of them
+//!   sees that newer pending word; re-reading the epoch itself would not tell);
 //! - epochs only grow, and the device publishes epoch `e + 1` only after every chunk of `e`
 //!   was marked `e`, so a mark equal to the current epoch is this request's, never an old one;
 //! - chunks are claimed through one atomic word `(epoch << 32) | next`: a thread holding an
@@ -49,10 +51,12 @@ pub const GATHER_CHUNK: usize = 32;
 /// Records a thread's prefetches run ahead of its copies (DRAM latency over a record's copy).
 const PREFETCH: usize = 8;
 
-/// The mailbox's words (`u32`): the epoch, the request's record count, its layer.
+/// The mailbox's words (`u32`): the epoch, the request's record count, its layer, and the
+/// epoch being written (equal to the epoch once a request is whole).
 const MB_EPOCH: usize = 0;
 const MB_COUNT: usize = 1;
 const MB_LAYER: usize = 2;
+const MB_PENDING: usize = 3;
 /// Words of the mailbox.
 pub(crate) const MAILBOX_WORDS: usize = 4;
 
@@ -235,7 +239,7 @@ impl Shared {
             return None;
         }
         let (count, layer) = (self.mb(MB_COUNT) as usize, self.mb(MB_LAYER) as usize);
-        (self.mb(MB_EPOCH) == e).then_some((e, count.min(self.cap), layer))
+        (self.mb(MB_PENDING) == e).then_some((e, count.min(self.cap), layer))
     }
 
     /// The next chunk of epoch `e` (of `chunks`), or none left for this thread.
@@ -248,8 +252,9 @@ impl Shared {
         take(&self.marked, e, usize::MAX).map_or(0, |i| i + 1)
     }
 
-    /// Copies chunk `c` of a request of `count` records at `layer`, then marks it `e`.
-    fn copy_chunk(&self, e: u32, c: usize, count: usize, layer: usize) {
+    /// Copies chunk `c` of a request of `count` records at `layer` into its staging slots
+    /// (the caller counts it, then marks it with [`Shared::mark_done`]).
+    fn copy_chunk(&self, c: usize, count: usize, layer: usize) {
         let (j0, j1) = (c * GATHER_CHUNK, ((c + 1) * GATHER_CHUNK).min(count));
         let rb = self.rec_bytes;
         let (base, len) = self.bases.get(layer).copied().unwrap_or((0, 0));
@@ -284,6 +289,11 @@ impl Shared {
             self.bad.fetch_add(bad, Ordering::Relaxed);
         }
         self.records.fetch_add((j1 - j0) as u64, Ordering::Relaxed);
+    }
+
+    /// Marks chunk `c` done with epoch `e` (release: its staging slots and every count made
+    /// before it are visible to whoever sees the mark).
+    fn mark_done(&self, e: u32, c: usize) {
         // SAFETY: c < chunks ≤ cap / GATHER_CHUNK (rounded up): `done` holds it.
         unsafe { atomic32(self.done, c) }.store(e, Ordering::Release);
     }
@@ -302,6 +312,11 @@ fn take(word: &AtomicU64, e: u32, limit: usize) -> Option<usize> {
             }
             (cur + 1, next)
         } else if e.wrapping_sub(ce) as i32 > 0 {
+            if limit == 0 {
+                // An empty request has nothing to take (a take here would mark chunk 0 with
+                // an epoch the device never waits for, over a newer request's mark).
+                return None;
+            }
             ((u64::from(e) << 32) | 1, 0)
         } else {
             return None;
@@ -358,20 +373,24 @@ fn worker(s: &Shared) {
         last = Instant::now();
         let chunks = count.div_ceil(GATHER_CHUNK);
         let mut any = false;
+        // Every count of a chunk is made before its done mark: the device publishes the next
+        // epoch only after seeing every mark, so no count of epoch `e` can land in `e + 1`'s
+        // (where `mark_one` would drop it), and a reader who saw the marks sees the counts.
         while let Some(c) = s.claim(e, chunks) {
+            if !any {
+                s.requests.fetch_add(1, Ordering::Relaxed);
+                any = true;
+            }
             let t = Instant::now();
-            s.copy_chunk(e, c, count, layer);
+            s.copy_chunk(c, count, layer);
             s.copy_ns
                 .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            any = true;
             if s.mark_one(e) == chunks {
                 s.request_ns
                     .fetch_add(last.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 s.completed.fetch_add(1, Ordering::Relaxed);
             }
-        }
-        if any {
-            s.requests.fetch_add(1, Ordering::Relaxed);
+            s.mark_done(e, c);
         }
     }
 }
@@ -545,6 +564,7 @@ impl HostGatherSim {
         let mb = self.mailbox.as_mut_ptr();
         // SAFETY: the mailbox holds MAILBOX_WORDS words.
         unsafe {
+            atomic32(mb, MB_PENDING).store(e, Ordering::Release);
             atomic32(mb, MB_COUNT).store(n as u32, Ordering::Release);
             atomic32(mb, MB_LAYER).store(req.layer as u32, Ordering::Release);
             atomic32(mb, MB_EPOCH).store(e, Ordering::Release);
@@ -621,17 +641,21 @@ mod tests {
                 }
                 total += n as u64;
                 nonempty += u64::from(n > 0);
+                // The counts are made before the marks, so they are exact as soon as the
+                // request is served (read after every request: a count made after its mark
+                // would be missed here, or dropped into the next epoch).
+                let st = sim.stats();
+                assert_eq!(
+                    (st.records, st.bad_offsets, st.completed),
+                    (total, 0, nonempty),
+                    "{threads} threads: each request completed once, after {n} records"
+                );
+                assert!(
+                    (nonempty..=nonempty * threads as u64).contains(&st.requests),
+                    "{threads} threads: {} requests served for {nonempty}",
+                    st.requests
+                );
             }
-            let st = sim.stats();
-            assert_eq!(
-                (st.records, st.bad_offsets),
-                (total, 0),
-                "{threads} threads"
-            );
-            assert_eq!(
-                st.completed, nonempty,
-                "{threads} threads: each request completed once"
-            );
         }
     }
 
@@ -695,6 +719,44 @@ mod tests {
         drop(sim);
     }
 
+    /// A request is read only whole: fields written under a newer pending epoch (the count
+    /// of request 2 while the epoch still says 1) are not taken as request 1's, and the
+    /// request is read once its epoch catches up (the mailbox's rule, without threads).
+    #[test]
+    fn a_request_being_written_is_not_read() {
+        let mut mb = [0u32; MAILBOX_WORDS];
+        let mut done = [0u32; 4];
+        let list = [0u64; 128];
+        let mut staging = vec![0u8; 128];
+        let mut s = |mb: &[u32; MAILBOX_WORDS]| {
+            // SAFETY: the arrays have the sizes asked for and outlive the value (dropped at
+            // the end of each statement).
+            unsafe {
+                Shared::new(
+                    mb.as_ptr(),
+                    done.as_mut_ptr(),
+                    list.as_ptr(),
+                    staging.as_mut_ptr(),
+                    128,
+                    1,
+                    vec![],
+                )
+            }
+            .request(0)
+        };
+        mb[MB_EPOCH] = 1;
+        mb[MB_PENDING] = 1;
+        mb[MB_COUNT] = 40;
+        assert_eq!(s(&mb), Some((1, 40, 0)), "a whole request");
+        // Request 2 is being written: its count is there, its epoch not yet.
+        mb[MB_PENDING] = 2;
+        mb[MB_COUNT] = 100;
+        mb[MB_LAYER] = 3;
+        assert_eq!(s(&mb), None, "count 100 is request 2's, not request 1's");
+        mb[MB_EPOCH] = 2;
+        assert_eq!(s(&mb), Some((2, 100, 3)));
+    }
+
     /// A thread holding an old epoch claims nothing of a newer one, and claims run out at the
     /// request's chunk count (the claim word's rule, without threads).
     #[test]
@@ -719,6 +781,7 @@ mod tests {
             (s.claim(1, 3), s.claim(1, 3), s.claim(1, 3), s.claim(1, 3)),
             (Some(0), Some(1), Some(2), None)
         );
+        assert_eq!(s.claim(2, 0), None, "an empty request has no chunk 0");
         assert_eq!(s.claim(2, 1), Some(0), "a newer epoch starts at chunk 0");
         assert_eq!(s.claim(1, 3), None, "an old epoch claims nothing");
         assert_eq!(s.claim(2, 1), None);
