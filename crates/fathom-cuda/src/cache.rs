@@ -768,16 +768,24 @@ impl AppendBatch {
     }
 }
 
-/// What a cache knows of its current step on the host: the batch its last reserve returned
-/// and, per layer, whether that step's rows are written. The paged cache's rule, pure CPU so
-/// that it is unit-tested without a GPU:
+/// What a cache knows of its current step on the host: the batch its last reserve returned,
+/// per layer whether that step's rows are written, and per session and layer how many of its
+/// rows are written. The paged cache's rule, pure CPU so that it is unit-tested without a GPU:
 ///
 /// * a call that launches with the reserve's descriptors gets that batch, unchanged
 ///   ([`AppendBatch`]'s fields are public; an edited copy would size grids and buffers for
 ///   other rows);
 /// * an attend or a row read of a layer reads the step's new rows, which only that layer's
 ///   append writes: refused until the append ran (or, inside a capture, was recorded before
-///   it); a captured step's appends count for the batch it is replayed for.
+///   it); a captured step's appends count for the batch it is replayed for;
+/// * a reserve grows a session in every layer at once, so a step that failed between its
+///   reserve and its last append leaves rows no append wrote: `written[s][l]`, the rows of
+///   session `s` whose layer-`l` slots an append wrote (a prefix: appends write at the end),
+///   then stays below the session's length. An append must start at the written prefix and
+///   an attend, row read or export must find the whole session written, so such a session
+///   is refused by name in that layer (never read), and a reserve refuses to grow it (its
+///   batch's other sessions would be left unwritten too), until it is freed. A fork inherits
+///   its parent's prefix.
 #[derive(Debug, Clone)]
 pub struct StepLedger {
     current: Option<AppendBatch>,
@@ -785,6 +793,8 @@ pub struct StepLedger {
     appended_at: Vec<u64>,
     /// Per layer, appended inside the capture under way (recorded, not yet run).
     captured: Option<Vec<bool>>,
+    /// Per live session, per layer: the rows written (a prefix of the session).
+    written: std::collections::HashMap<SessionId, Vec<usize>>,
 }
 
 impl StepLedger {
@@ -794,6 +804,126 @@ impl StepLedger {
             current: None,
             appended_at: vec![0; layers],
             captured: None,
+            written: std::collections::HashMap::new(),
+        }
+    }
+
+    /// `session` was created (empty: nothing written).
+    pub fn created(&mut self, session: SessionId) {
+        self.written
+            .insert(session, vec![0; self.appended_at.len()]);
+    }
+
+    /// `child` was forked from `parent` (it holds the parent's rows, written as far as the
+    /// parent's were).
+    pub fn forked(&mut self, parent: SessionId, child: SessionId) {
+        let w = self.written_of(parent);
+        self.written.insert(child, w);
+    }
+
+    /// `session` was freed.
+    pub fn freed(&mut self, session: SessionId) {
+        self.written.remove(&session);
+    }
+
+    /// Per layer, the rows of `session` its appends wrote (0s for a session this ledger was
+    /// not told of).
+    pub fn written_of(&self, session: SessionId) -> Vec<usize> {
+        self.written
+            .get(&session)
+            .cloned()
+            .unwrap_or_else(|| vec![0; self.appended_at.len()])
+    }
+
+    fn written_at(&self, session: SessionId, layer: usize) -> usize {
+        self.written
+            .get(&session)
+            .and_then(|w| w.get(layer).copied())
+            .unwrap_or(0)
+    }
+
+    /// Every row of `session`'s first `len` in `layer` was written by an append.
+    ///
+    /// # Errors
+    /// Rows no append wrote (a step that failed after its reserve), naming the session, the
+    /// layer, the rows and `what`.
+    pub fn check_written(
+        &self,
+        session: SessionId,
+        layer: usize,
+        len: usize,
+        what: &'static str,
+    ) -> Result<()> {
+        let w = self.written_at(session, layer);
+        if w < len {
+            return Err(unwritten(what, session, layer, w, len));
+        }
+        Ok(())
+    }
+
+    /// The sessions of a reserve, with their lengths before it, may grow: none holds rows no
+    /// append wrote in a layer that appends have written. A reserve grows every session of
+    /// its batch in every layer, and the batch's appends would then be refused for such a
+    /// session's sake, leaving the others with unwritten rows too. Layers no append ever
+    /// wrote are exempt (a caller that keeps some layers elsewhere, as the Python package
+    /// does for Gemma 3's sliding-window layers).
+    ///
+    /// # Errors
+    /// The first such session, naming it, the layer, the rows and `what`.
+    pub fn check_grow(&self, sessions: &[(SessionId, usize)], what: &'static str) -> Result<()> {
+        for &(session, len) in sessions {
+            for (layer, &at) in self.appended_at.iter().enumerate() {
+                if at > 0 {
+                    self.check_written(session, layer, len, what)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An append of `layer` for `batch` may launch: the batch is the current one, unchanged,
+    /// and each session's rows before its new ones are written in `layer`.
+    ///
+    /// # Errors
+    /// Another batch, or a session with rows no append wrote, naming `what`.
+    pub fn check_append(
+        &self,
+        batch: &AppendBatch,
+        layer: usize,
+        what: &'static str,
+    ) -> Result<()> {
+        self.check_current(batch, what)?;
+        self.check_prefixes(batch, &[layer], what)
+    }
+
+    /// Each session of `batch` has its rows before the new ones written in each of `layers`.
+    fn check_prefixes(
+        &self,
+        batch: &AppendBatch,
+        layers: &[usize],
+        what: &'static str,
+    ) -> Result<()> {
+        for p in &batch.plans {
+            for &l in layers {
+                self.check_written(p.session, l, p.first_token, what)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows `batch`'s append of `layer` wrote.
+    fn mark_written(&mut self, batch: &AppendBatch, layer: usize) {
+        let layers = self.appended_at.len();
+        for p in &batch.plans {
+            let w = self
+                .written
+                .entry(p.session)
+                .or_insert_with(|| vec![0; layers]);
+            if let Some(w) = w.get_mut(layer) {
+                if *w >= p.first_token {
+                    *w = (*w).max(p.first_token + p.tokens);
+                }
+            }
         }
     }
 
@@ -820,7 +950,10 @@ impl StepLedger {
     pub fn appended(&mut self, batch: &AppendBatch, layer: usize) {
         match &mut self.captured {
             Some(c) => c[layer] = true,
-            None => self.appended_at[layer] = batch.step,
+            None => {
+                self.appended_at[layer] = batch.step;
+                self.mark_written(batch, layer);
+            }
         }
     }
 
@@ -843,6 +976,15 @@ impl StepLedger {
                 ),
             ));
         }
+        for p in &batch.plans {
+            // Inside a capture the step's own rows are the recorded append's; the rows before
+            // them must be written already.
+            let len = match &self.captured {
+                Some(_) => p.first_token,
+                None => p.first_token + p.tokens,
+            };
+            self.check_written(p.session, layer, len, what)?;
+        }
         Ok(())
     }
 
@@ -858,14 +1000,48 @@ impl StepLedger {
             .unwrap_or_else(|| vec![false; self.appended_at.len()])
     }
 
+    /// A graph whose step appends `layers` may be replayed for `batch`: the batch is the
+    /// current one and, in every layer the graph appends, each session's rows before its new
+    /// ones are written.
+    ///
+    /// # Errors
+    /// As [`StepLedger::check_append`], naming `what`.
+    pub fn check_replay(
+        &self,
+        batch: &AppendBatch,
+        layers: &[bool],
+        what: &'static str,
+    ) -> Result<()> {
+        self.check_current(batch, what)?;
+        let appended: Vec<usize> = (0..layers.len()).filter(|&l| layers[l]).collect();
+        self.check_prefixes(batch, &appended, what)
+    }
+
     /// A graph whose step appends `layers` was replayed for `batch`.
     pub fn replayed(&mut self, batch: &AppendBatch, layers: &[bool]) {
-        for (at, &done) in self.appended_at.iter_mut().zip(layers) {
+        for (l, &done) in layers.iter().enumerate().take(self.appended_at.len()) {
             if done {
-                *at = batch.step;
+                self.appended_at[l] = batch.step;
+                self.mark_written(batch, l);
             }
         }
     }
+}
+
+/// The error for rows `written..len` of `session`'s `layer` that no append wrote.
+fn unwritten(
+    what: &'static str,
+    session: SessionId,
+    layer: usize,
+    written: usize,
+    len: usize,
+) -> CudaError {
+    CudaError::invalid(
+        what,
+        format!(
+            "{session} has rows {written}..{len} of layer {layer} that no append wrote (a step failed between its reserve and its appends): its layer-{layer} slots hold nothing; free the session"
+        ),
+    )
 }
 
 /// The layer exists and `batch` is the cache's current reserve.
@@ -1137,6 +1313,7 @@ mod tests {
         led.appended(&b1, 0);
         led.check_read(&b1, 0, "attend").unwrap();
         assert!(led.check_read(&b1, 1, "read_rows").is_err());
+        led.appended(&b1, 1);
         let mut edited = b1.clone();
         edited.rows += 1;
         let e = led
@@ -1163,6 +1340,95 @@ mod tests {
         led.replayed(&b2, &captured);
         led.check_read(&b2, 1, "attend").unwrap();
         assert!(led.check_read(&b2, 0, "attend").is_err());
+    }
+
+    /// A step that failed between its reserve and its appends leaves rows no append wrote:
+    /// that session is refused by name in that layer from then on (append, read, replay,
+    /// export), its other layers and other sessions go on, a fork inherits the hole, a free
+    /// forgets it; captured appends write their rows only when replayed.
+    #[test]
+    fn rows_no_append_wrote_are_never_read() {
+        let c = cfg();
+        let mut s = crate::pages::CacheSessions::new(c.pages).unwrap();
+        let mut led = StepLedger::new(2);
+        let (a, b) = (s.create().unwrap(), s.create().unwrap());
+        led.created(a);
+        led.created(b);
+        let mut step = 0;
+        let mut reserve = |s: &mut crate::pages::CacheSessions,
+                           led: &mut StepLedger,
+                           batch: &[(SessionId, usize)]| {
+            step += 1;
+            let ab = AppendBatch::new(s.reserve_many(batch).unwrap(), step);
+            led.reserved(&ab);
+            ab
+        };
+        // Step 1: a prompt of 3 tokens for a, 2 for b; layer 1 fails for both.
+        let b1 = reserve(&mut s, &mut led, &[(a, 3), (b, 2)]);
+        led.check_append(&b1, 0, "append").unwrap();
+        led.appended(&b1, 0);
+        led.check_read(&b1, 0, "attend").unwrap();
+        assert_eq!(led.written_of(a), vec![3, 0]);
+        // Step 2: layer 0 goes on; layer 1 is refused for a by name, before any launch.
+        let b2 = reserve(&mut s, &mut led, &[(a, 1)]);
+        led.check_append(&b2, 0, "append").unwrap();
+        led.appended(&b2, 0);
+        led.check_read(&b2, 0, "attend").unwrap();
+        let e = led.check_append(&b2, 1, "append").unwrap_err().to_string();
+        assert!(
+            e.contains("session 0") && e.contains("rows 0..3 of layer 1 that no append wrote"),
+            "{e}"
+        );
+        // Appended anyway (a caller that ignored the error): the hole stays, reads refuse.
+        led.appended(&b2, 1);
+        assert_eq!(led.written_of(a), vec![4, 0]);
+        let e = led.check_read(&b2, 1, "attend").unwrap_err().to_string();
+        assert!(e.contains("rows 0..4 of layer 1"), "{e}");
+        assert!(led.check_written(a, 1, 4, "export").is_err());
+        led.check_written(a, 0, 4, "export").unwrap();
+        // A reserve refuses to grow it (its batch's appends would be refused, leaving a new
+        // session's rows unwritten too); the new session alone grows.
+        let c2 = s.create().unwrap();
+        led.created(c2);
+        let e = led
+            .check_grow(&[(c2, 0), (a, s.len(a).unwrap())], "reserve")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("session 0") && e.contains("rows 0..4 of layer 1"),
+            "{e}"
+        );
+        led.check_grow(&[(c2, 0)], "reserve").unwrap();
+        // A fork inherits the hole; a free forgets the session; a new one starts whole.
+        let f = s.fork(a).unwrap();
+        led.forked(a, f);
+        assert_eq!(led.written_of(f), vec![4, 0]);
+        s.free(a).unwrap();
+        led.freed(a);
+        let n = s.create().unwrap();
+        led.created(n);
+        assert_eq!(led.written_of(n), vec![0, 0]);
+        // Captured appends write nothing until replayed; a replay over a hole is refused.
+        let b3 = reserve(&mut s, &mut led, &[(n, 1)]);
+        led.begin_capture();
+        led.check_append(&b3, 0, "append").unwrap();
+        led.appended(&b3, 0);
+        led.check_read(&b3, 0, "attend").unwrap();
+        let g = led.end_capture();
+        assert_eq!(led.written_of(n), vec![0, 0], "recorded, not run");
+        led.check_replay(&b3, &g, "replay").unwrap();
+        led.replayed(&b3, &g);
+        assert_eq!(led.written_of(n), vec![1, 0]);
+        let b4 = reserve(&mut s, &mut led, &[(b, 1)]);
+        let e = led
+            .check_replay(&b4, &[true, true], "replay")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("session 1") && e.contains("rows 0..2 of layer 1"),
+            "{e}"
+        );
+        led.check_replay(&b4, &[true, false], "replay").unwrap();
     }
 
     #[test]

@@ -807,6 +807,7 @@ impl PagedCache {
     pub fn create(&mut self) -> Result<SessionId> {
         self.not_capturing("create")?;
         let s = self.sessions.create()?;
+        self.ledger.created(s);
         self.reset_row_cache(s)?;
         Ok(s)
     }
@@ -854,6 +855,7 @@ impl PagedCache {
     pub fn fork(&mut self, parent: SessionId) -> Result<SessionId> {
         self.sync()?;
         let child = self.sessions.fork(parent)?;
+        self.ledger.forked(parent, child);
         self.reset_row_cache(child)?;
         self.write_table(child)?;
         let bytes = tail_elems(&self.cfg) * 2;
@@ -873,6 +875,7 @@ impl PagedCache {
     pub fn free(&mut self, session: SessionId) -> Result<()> {
         self.sync()?;
         self.sessions.free(session)?;
+        self.ledger.freed(session);
         self.step += 1;
         Ok(())
     }
@@ -896,7 +899,18 @@ impl PagedCache {
     /// # Errors
     /// What the reserve would return.
     pub fn check_reserve(&self, batch: &[(SessionId, usize)]) -> Result<()> {
-        Ok(self.sessions.check_reserve(batch)?)
+        self.sessions.check_reserve(batch)?;
+        self.check_grow(batch)
+    }
+
+    /// No session of `batch` holds rows no append wrote ([`crate::cache::StepLedger::check_grow`];
+    /// unknown sessions are left to the reserve's own checks).
+    fn check_grow(&self, batch: &[(SessionId, usize)]) -> Result<()> {
+        let lens: Vec<(SessionId, usize)> = batch
+            .iter()
+            .filter_map(|&(s, _)| self.sessions.len(s).ok().map(|n| (s, n)))
+            .collect();
+        self.ledger.check_grow(&lens, "reserve")
     }
 
     /// Grows every session of `batch = [(session, new_tokens)]` (all or nothing, each session
@@ -904,6 +918,12 @@ impl PagedCache {
     /// partial pages in every layer's pool, and writes the device's tables and descriptors.
     /// Waits for the stream first. The returned batch is valid for this step's
     /// [`PagedCache::append`] calls, one per layer, until the next `reserve`.
+    ///
+    /// # Errors
+    /// A batch of 0 or more than `max_batch` sessions, a session twice, unknown or freed, past
+    /// `max_tokens`, not enough free pages; a session holding rows no append wrote (a step
+    /// that failed after its reserve; [`crate::cache::StepLedger::check_grow`]). Nothing is
+    /// changed.
     pub fn reserve(&mut self, batch: &[(SessionId, usize)]) -> Result<AppendBatch> {
         if batch.is_empty() || batch.len() > self.cfg.max_batch {
             return Err(CudaError::invalid(
@@ -921,6 +941,7 @@ impl PagedCache {
                 format!("{m} new tokens for {s}"),
             ));
         }
+        self.check_grow(batch)?;
         self.sync()?;
         let plans = self.sessions.reserve_many(batch)?;
         // Checks are done; the rest writes host memory the GPU is not reading (synchronised).
@@ -1027,10 +1048,13 @@ impl PagedCache {
     ///
     /// # Errors
     /// Checked before the launch ([`check_rows`]): a layer out of range, a stale batch, a
-    /// row count that differs from the batch's, a null pointer.
+    /// row count that differs from the batch's, a null pointer; a batch other than the last
+    /// reserve's, or a session whose earlier rows in `layer` no append wrote (a step that
+    /// failed after its reserve: such a session is refused until it is freed;
+    /// [`crate::cache::StepLedger`]).
     pub fn append(&mut self, batch: &AppendBatch, layer: usize, kv: &KvRows) -> Result<()> {
         check_rows(&self.cfg, batch, self.step, layer, kv)?;
-        self.ledger.check_current(batch, "append")?;
+        self.ledger.check_append(batch, layer, "append")?;
         if self.fixed_grids && self.batch_max_m != 1 {
             return Err(CudaError::invalid(
                 "append",
@@ -1091,23 +1115,23 @@ impl PagedCache {
             )?;
         }
         self.calib.appended[layer] = true;
-        self.ledger.appended(batch, layer);
-        if fused == 1 {
-            return Ok(());
+        if fused == 0 {
+            let mut b = self.stream.launch_builder(&self.kernels.records);
+            b.arg(&descs)
+                .arg(&tables)
+                .arg(&pool)
+                .arg(&geom)
+                .arg(&tails)
+                .arg(&kv.k)
+                .arg(&kv.v)
+                .arg(&dtype)
+                .arg(&layer_u);
+            let grid = (self.batch_max_m as u32, s.kv_heads as u32, nb);
+            // SAFETY: as above.
+            unsafe { b.launch(cfg(grid, s.dim as u32)) }.map_err(drv("launch append_records"))?;
         }
-        let mut b = self.stream.launch_builder(&self.kernels.records);
-        b.arg(&descs)
-            .arg(&tables)
-            .arg(&pool)
-            .arg(&geom)
-            .arg(&tails)
-            .arg(&kv.k)
-            .arg(&kv.v)
-            .arg(&dtype)
-            .arg(&layer_u);
-        let grid = (self.batch_max_m as u32, s.kv_heads as u32, nb);
-        // SAFETY: as above.
-        unsafe { b.launch(cfg(grid, s.dim as u32)) }.map_err(drv("launch append_records"))?;
+        // Written once every launch of the append is queued.
+        self.ledger.appended(batch, layer);
         Ok(())
     }
 
@@ -2555,7 +2579,8 @@ impl PagedCache {
     ///
     /// # Errors
     /// A stale batch, or one whose sessions or token counts differ from the captured one's; a
-    /// graph captured before a setting changed (it would run the old step).
+    /// graph captured before a setting changed (it would run the old step); a session whose
+    /// earlier rows no append wrote in a layer the graph appends.
     pub fn replay(&mut self, batch: &AppendBatch, graph: &DecodeGraph) -> Result<()> {
         self.check_graph(graph)?;
         if batch.step != self.step
@@ -2567,7 +2592,7 @@ impl PagedCache {
                 "the graph replays the decode step of the sessions it was captured for, after their current reserve",
             ));
         }
-        self.ledger.check_current(batch, "replay")?;
+        self.ledger.check_replay(batch, &graph.appended, "replay")?;
         graph.graph.launch().map_err(drv("graph launch"))?;
         self.ledger.replayed(batch, &graph.appended);
         self.plans_counted += graph.plans;
@@ -2628,12 +2653,26 @@ impl PagedCache {
         Ok(std::borrow::Cow::Owned(self.layout.join_split(&kb, &rb)?))
     }
 
+    /// `session`'s length, after checking that `layer` exists and that appends wrote every
+    /// row of the session in it ([`crate::cache::StepLedger`]).
+    fn check_whole(&self, session: SessionId, layer: usize, what: &'static str) -> Result<usize> {
+        let n = self.sessions.len(session)?;
+        if layer >= self.cfg.shape.layers {
+            return Err(CudaError::invalid(
+                "layer",
+                format!("{layer} (the cache has {} layers)", self.cfg.shape.layers),
+            ));
+        }
+        self.ledger.check_written(session, layer, n, what)?;
+        Ok(n)
+    }
+
     /// Waits for the stream, then one layer's store of `session` in `fathom-store`'s layout
     /// (what the tests compare with `KeyStore` bit for bit).
     pub fn export(&self, session: SessionId, layer: usize) -> Result<PagedExport> {
+        let n = self.check_whole(session, layer, "export")?;
         self.sync()?;
         let pool = self.pool_bytes(layer)?;
-        let n = self.sessions.len(session)?;
         export_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }
 
@@ -2655,6 +2694,7 @@ impl PagedCache {
                 format!("layer {layer}: no PCA basis was loaded, so its index was never written"),
             ));
         }
+        let n = self.check_whole(session, layer, "export_pca")?;
         self.sync()?;
         let keys: std::borrow::Cow<'_, [u8]> = match pca {
             Mem::Host(h) => std::borrow::Cow::Borrowed(h.as_bytes()),
@@ -2662,16 +2702,15 @@ impl PagedCache {
         };
         let records = vec![0u8; self.layout.pages() * self.layout.split_page_bytes().1 as usize];
         let pool = self.layout.join_split(&keys, &records)?;
-        let n = self.sessions.len(session)?;
         export_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }
 
     /// Waits for the stream, then one layer's K|V records of `session`,
     /// `[head][token][K | V]` bf16.
     pub fn records(&self, session: SessionId, layer: usize) -> Result<Vec<bf16>> {
+        let n = self.check_whole(session, layer, "records")?;
         self.sync()?;
         let pool = self.pool_bytes(layer)?;
-        let n = self.sessions.len(session)?;
         records_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }
 }

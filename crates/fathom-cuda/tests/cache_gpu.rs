@@ -369,6 +369,21 @@ fn bad_calls_are_typed_errors_before_any_launch() {
     let e = cache.reserve(&[(b, 1)]).unwrap_err().to_string();
     assert!(e.contains("generation"), "freed session: {e}");
     assert_eq!(cache.faults().unwrap(), vec![0, 0], "nothing was launched");
+    // Session a's step above failed after its reserve (no layer was appended): its rows 0..2
+    // hold nothing, so from here on it is refused by name in every layer, never read.
+    let batch = cache.reserve(&[(a, 1)]).unwrap();
+    let e = cache
+        .append_host(&batch, 0, &vec![0.5; row], &vec![0.5; row])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rows 0..2 of layer 0 that no append wrote"),
+        "{e}"
+    );
+    let e = cache.export(a, 1).unwrap_err().to_string();
+    assert!(e.contains("rows 0..3 of layer 1"), "{e}");
+    cache.free(a).unwrap();
+    let a = cache.create().unwrap();
     // An attend or a row read of a layer not yet appended in the batch's step would read the
     // new tokens' empty slots: refused by name, before any launch.
     let batch = cache.reserve(&[(a, 1)]).unwrap();
@@ -398,6 +413,42 @@ fn bad_calls_are_typed_errors_before_any_launch() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("last reserve returned"), "{e}");
+    // That step never appended layer 1: in the next step, layer 0 goes on, layer 1 is refused
+    // (its row 0 holds nothing), and a fork inherits the hole.
+    let batch = cache.reserve(&[(a, 1)]).unwrap();
+    let e = cache
+        .append_host(&batch, 1, &vec![0.5; row], &vec![0.5; row])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rows 0..1 of layer 1 that no append wrote"),
+        "{e}"
+    );
+    cache
+        .append_host(&batch, 0, &vec![0.5; row], &vec![0.5; row])
+        .unwrap();
+    assert!(cache.attend_host(&batch, 0, am, &params, &q).is_ok());
+    let child = cache.fork(a).unwrap();
+    assert_eq!(cache.export(child, 0).unwrap().tokens, 2);
+    let e = cache.records(child, 1).unwrap_err().to_string();
+    assert!(e.contains("rows 0..2 of layer 1"), "{e}");
+    // Once layer 1 holds appends, a reserve refuses to grow a session with a hole there (the
+    // batch's appends would be refused, leaving its other sessions unwritten too).
+    cache.free(child).unwrap();
+    let c = cache.create().unwrap();
+    let batch = cache.reserve(&[(c, 1)]).unwrap();
+    for l in 0..2 {
+        cache
+            .append_host(&batch, l, &vec![0.5; row], &vec![0.5; row])
+            .unwrap();
+    }
+    let e = cache.reserve(&[(c, 1), (a, 1)]).unwrap_err().to_string();
+    assert!(
+        e.contains("rows 0..2 of layer 1 that no append wrote"),
+        "{e}"
+    );
+    assert_eq!(cache.len(c).unwrap(), 1, "a refused reserve grows nothing");
+    assert!(cache.reserve(&[(c, 1)]).is_ok());
 }
 
 /// A key whose block scale overflows fp16: from host slices it is refused before any copy

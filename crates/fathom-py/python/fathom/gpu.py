@@ -90,7 +90,10 @@ class GpuCache:
 
     def reserve(self, batch: Sequence[Tuple[Session, int]]) -> Batch:
         """Grows a ragged batch ``[(session, new_tokens)]`` (all or nothing); valid for this
-        step's appends and attends until the next reserve, fork or free."""
+        step's appends and attends until the next reserve, fork or free. Append every layer
+        the cache attends in each step: a session whose step failed between its reserve and
+        an append holds rows no append wrote, and is refused by name (by reserves, appends and
+        attends of that layer) until it is freed."""
         return self._c.reserve([(s, _count(m, "new_tokens")) for s, m in batch])
 
     def load_sigma2(self, layer: int, sigma2) -> None:
