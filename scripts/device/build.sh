@@ -24,10 +24,6 @@ done
 for e in cache_bench paged_decode graph_step every_method row_sweep; do cp "$CARGO_TARGET_DIR"/release/examples/$e .devbin/; done
 cp "$CARGO_TARGET_DIR"/release/fathom .devbin/
 strip .devbin/*
-# The device has no fonts: the plots' labels use this one (engine.sh sets FATHOM_FONT).
-for f in /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf "${FATHOM_FONT:-}"; do
-  [ -f "$f" ] && cp "$f" .devbin/font.ttf && break
-done
 if [ -z "${NO_WHEEL:-}" ]; then
   wheels=$(mktemp -d)
   (cd crates/fathom-py && CARGO_TARGET_DIR=${PY_TARGET_DIR:-/tmp/tgt-py} maturin build --release -o "$wheels")

@@ -7,7 +7,6 @@
 # Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log.
 set -u
 B=.devbin
-[ -f $B/font.ttf ] && export FATHOM_FONT=$PWD/$B/font.ttf
 export FATHOM_CACHE=$HOME/.cache/fathom
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 SM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:16,ds:32,loki:16,loki:32,thumb2,landmark,quest"

@@ -11,7 +11,6 @@
 # compares $B with CHANGE=DIR, default .devbin2/).
 set -u
 B=${B:-.devbin}
-[ -f $B/font.ttf ] && export FATHOM_FONT=$PWD/$B/font.ttf
 export FATHOM_REQUIRE_GPU=1
 mode=$1; shift
 case $mode in

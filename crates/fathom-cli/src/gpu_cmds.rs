@@ -906,8 +906,8 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
                 "random weights"
             }
         );
-        // The measurement is written already: a plot that cannot be drawn (no font on this
-        // machine, say: set FATHOM_FONT) is a warning, not a lost run.
+        // The measurement is written already: a plot that cannot be drawn (an unwritable
+        // path, say) is a warning, not a lost run.
         if let Err(e) = fathom_report::plot::tokens_vs_batch(&pts, &title, p) {
             eprintln!("warning: plot {}: {e}", p.display());
         }

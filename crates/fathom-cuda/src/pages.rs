@@ -886,7 +886,7 @@ mod tests {
     use super::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
-    use std::collections::HashMap;
+    use std::collections::{BTreeMap, HashMap};
 
     fn cfg(page_tokens: usize, pages: usize, max_sessions: usize, max_tokens: usize) -> PageConfig {
         PageConfig {
@@ -1164,7 +1164,8 @@ mod tests {
             let mut rng = StdRng::seed_from_u64(0x5EED + seed as u64);
             let mut s = CacheSessions::new(cfg(p, pages, max_sessions, max_tokens)).unwrap();
             let mut content: HashMap<PageId, Vec<u64>> = HashMap::new(); // slot -> tag
-            let mut expect: HashMap<SessionId, Vec<u64>> = HashMap::new();
+                                                                         // Ordered, so the seed alone fixes which session each operation picks.
+            let mut expect: BTreeMap<SessionId, Vec<u64>> = BTreeMap::new();
             let mut dead: Vec<SessionId> = Vec::new();
             let mut next_tag = 1u64;
             let (mut copies, mut exhausted, mut full) = (0, 0, 0);

@@ -97,7 +97,7 @@ fn implausible_sizes_are_errors_not_huge_allocations() {
     let c = read_gguf(&mut Cursor::new(b)).unwrap();
     assert!(Config::from_gguf(&c).is_err());
     let _ = Tokenizer::from_gguf(&c);
-    assert!(t.elapsed().as_secs() < 5);
+    assert!(t.elapsed().as_secs() < 20, "{:?}", t.elapsed());
 }
 
 #[test]

@@ -14,23 +14,11 @@ fn draw<E: std::fmt::Display>(e: E) -> ReportError {
     ReportError::Plot(e.to_string())
 }
 
-const FONTS: &[&str] = &[
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/TTF/DejaVuSans.ttf",
-];
-
+/// Registers the labels' font: DejaVu Sans, embedded in the binary (the `dejavu` crate), so a
+/// plot needs no font installed on any OS.
 fn register_font() -> Result<()> {
-    let path = std::env::var("FATHOM_FONT")
-        .ok()
-        .or_else(|| FONTS.iter().find(|p| Path::new(p).exists()).map(|s| s.to_string()))
-        .ok_or_else(|| ReportError::Plot("no TrueType font found for plot labels (install Debian's fonts-dejavu-core or set FATHOM_FONT)".into()))?;
-    let bytes =
-        std::fs::read(&path).map_err(|e| ReportError::Plot(format!("reading font {path}: {e}")))?;
-    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
-        .map_err(|_| ReportError::Plot(format!("font {path} could not be loaded")))?;
-    Ok(())
+    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+        .map_err(|_| ReportError::Plot("the embedded DejaVu Sans could not be loaded".into()))
 }
 
 /// Distinct colours (Okabe–Ito plus extras), so neighbouring families never look alike.

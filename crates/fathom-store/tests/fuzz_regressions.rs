@@ -46,7 +46,8 @@ fn an_empty_store_claiming_huge_shapes_is_rejected() {
             matches!(MappedStore::open(&p), Err(StoreError::CorruptHeader { .. })),
             "{h} × {c}"
         );
-        assert!(t.elapsed().as_secs() < 2);
+        // Generous for a loaded CI machine; work per channel would take far longer.
+        assert!(t.elapsed().as_secs() < 10);
     }
     // The fuzzer's input (a libFuzzer timeout): 1 head × 7 995 394 channels, no tokens. Within
     // the bound, so a valid empty store, but loading it must not do work per channel.
@@ -54,7 +55,7 @@ fn an_empty_store_claiming_huge_shapes_is_rejected() {
     let t = std::time::Instant::now();
     assert_eq!(KeyStore::load(&p).unwrap().tokens(), 0);
     assert!(MappedStore::open(&p).is_ok());
-    assert!(t.elapsed().as_secs_f64() < 1.0, "{:?}", t.elapsed());
+    assert!(t.elapsed().as_secs_f64() < 3.0, "{:?}", t.elapsed());
     // The bound is the in-memory one: 2¹² × 2¹² channels with no tokens is still a store.
     std::fs::write(&p, header_only(1 << 12, 1 << 12)).unwrap();
     assert_eq!(KeyStore::load(&p).unwrap().tokens(), 0);
