@@ -54,18 +54,21 @@ const PCA_KEYS: usize = 4096;
 
 /// Loki's PCA basis of KV head `h` of a source layer (`fathom_plan::calib::head_calib` over its
 /// first [`PCA_KEYS`] keys and 64 of its queries).
-fn pca_basis(src: &LayerSource, h: usize) -> Vec<f32> {
+///
+/// # Errors
+/// Keys or queries the calibration refuses (non-finite, say), typed.
+fn pca_basis(src: &LayerSource, h: usize) -> Result<Vec<f32>> {
     let (hkv, d) = (src.store.dims().heads, src.store.dims().channels);
     let n = (src.keys.len() / (hkv * d)).min(PCA_KEYS);
     let g = src.queries(0).len() / (hkv * d);
     let qs: Vec<f32> = (0..64)
         .flat_map(|p| src.queries(p)[h * g * d..(h + 1) * g * d].to_vec())
         .collect();
-    fathom_plan::calib::head_calib(
+    Ok(fathom_plan::calib::try_head_calib(
         &fathom_plan::KvView::head(&src.keys[..n * hkv * d], hkv, d, h),
         &qs,
-    )
-    .loki
+    )?
+    .loki)
 }
 
 /// Times every method of `c` through [`PagedCache`] for each run of session lengths
@@ -103,7 +106,7 @@ pub(crate) fn run(
         sources
             .iter()
             .map(|src| (0..hkv).map(|h| pca_basis(src, h)).collect())
-            .collect()
+            .collect::<Result<_>>()?
     } else {
         Vec::new()
     };
