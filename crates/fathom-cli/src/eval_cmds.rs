@@ -68,7 +68,8 @@ pub struct EvalCommon {
     /// Write every per-sample result here (atomically).
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Cache directory (default: `$FATHOM_CACHE`, else `~/.cache/fathom`).
+    /// Cache directory (default: `$FATHOM_CACHE`, else `~/.cache/fathom`; on Windows
+    /// `%LOCALAPPDATA%\fathom`).
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
     /// Never download; use only what is cached.

@@ -26,7 +26,8 @@ use fathom_model::{argmax, Dense, LoadOptions, Model, WeightMode};
 /// Where models and corpora are cached (shared by the subcommands).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct CacheArgs {
-    /// Cache directory (default: `$FATHOM_CACHE`, else `~/.cache/fathom`).
+    /// Cache directory (default: `$FATHOM_CACHE`, else `~/.cache/fathom`; on Windows
+    /// `%LOCALAPPDATA%\fathom`).
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
     /// Never download; use only what is cached.

@@ -65,13 +65,14 @@ fn llama(
         json!({"ids": ids, "n_predict": steps, "n_ctx": ids.len() + steps + 8, "threads": threads});
     let path = std::env::temp_dir().join(format!("fathom-speed-{}.json", std::process::id()));
     std::fs::write(&path, req.to_string()).context("writing the llama.cpp request")?;
-    let out = std::process::Command::new("python3")
+    let python = fathom_model::fetch::default_python();
+    let out = std::process::Command::new(&python)
         .arg("-c")
         .arg(LLAMA_SCRIPT)
         .arg(model_path)
         .arg(&path)
         .output()
-        .context("running python3 for llama.cpp")?;
+        .with_context(|| format!("running {python} for llama.cpp"))?;
     let _ = std::fs::remove_file(&path);
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);

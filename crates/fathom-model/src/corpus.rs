@@ -277,7 +277,7 @@ impl Default for CorpusOptions {
         CorpusOptions {
             cache_dir: None,
             offline: false,
-            python: "python3".into(),
+            python: crate::fetch::default_python(),
         }
     }
 }

@@ -159,22 +159,61 @@ impl Default for FetchOptions {
     fn default() -> Self {
         FetchOptions {
             cache_dir: None,
-            python: "python3".into(),
+            python: default_python(),
             offline: false,
             remove_wheels: true,
         }
     }
 }
 
-/// `$FATHOM_CACHE`, else `$HOME/.cache/fathom`, else `.fathom-cache`.
+/// `$FATHOM_CACHE`, else `$HOME/.cache/fathom`, else (Windows) `%LOCALAPPDATA%\fathom`, else
+/// `.fathom-cache`.
 pub fn default_cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("FATHOM_CACHE") {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    if let Some(d) = var("FATHOM_CACHE") {
         return PathBuf::from(d);
     }
-    match std::env::var_os("HOME") {
-        Some(h) => PathBuf::from(h).join(".cache").join("fathom"),
+    if let Some(h) = var("HOME") {
+        return PathBuf::from(h).join(".cache").join("fathom");
+    }
+    match var("LOCALAPPDATA") {
+        Some(d) => PathBuf::from(d).join("fathom"),
         None => PathBuf::from(".fathom-cache"),
     }
+}
+
+/// The Python interpreter that runs pip: `$FATHOM_PYTHON`, else the first of `python3`,
+/// `python` and `py` (Windows' launcher) whose `--version` runs, else `python3` (whose
+/// failure to start is then reported by name). Probed once per process.
+///
+/// ```
+/// let py = fathom_model::fetch::default_python();
+/// assert!(!py.is_empty());
+/// ```
+pub fn default_python() -> String {
+    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            if let Some(p) = std::env::var("FATHOM_PYTHON")
+                .ok()
+                .filter(|p| !p.is_empty())
+            {
+                return p;
+            }
+            ["python3", "python", "py"]
+                .into_iter()
+                .find(|p| {
+                    std::process::Command::new(p)
+                        .arg("--version")
+                        .stdout(std::process::Stdio::null())
+                        .stderr(std::process::Stdio::null())
+                        .status()
+                        .is_ok_and(|s| s.success())
+                })
+                .unwrap_or("python3")
+                .to_string()
+        })
+        .clone()
 }
 
 /// The path a model has in the cache once fetched (it may not exist yet).

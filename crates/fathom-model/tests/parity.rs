@@ -51,7 +51,8 @@ fn reference(model_path: &std::path::Path, prompts: &[(String, Vec<u32>)]) -> Op
     let req_path = dir.path().join("req.json");
     std::fs::write(&req_path, req.to_string()).unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/llamacpp_ref.py");
-    let out = match Command::new("python3")
+    let python = fathom_model::fetch::default_python();
+    let out = match Command::new(&python)
         .arg(script)
         .arg(model_path)
         .arg(&req_path)
@@ -59,7 +60,7 @@ fn reference(model_path: &std::path::Path, prompts: &[(String, Vec<u32>)]) -> Op
     {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("SKIP: cannot run python3: {e}");
+            eprintln!("SKIP: cannot run {python}: {e}");
             return None;
         }
     };

@@ -155,16 +155,24 @@ pub fn attend_dense(
     softcap: Option<f32>,
     out: &mut [f32],
 ) -> Result<(), PlanError> {
-    let first = match window {
-        Some(w) => (upto_inclusive + 1).saturating_sub(w),
-        None => 0,
-    };
-    let end = if window == Some(0) {
-        first
-    } else {
-        upto_inclusive + 1
-    };
-    attend_iter(q, keys, values, first..end, scale, softcap, out)
+    attend_iter(
+        q,
+        keys,
+        values,
+        dense_range(upto_inclusive, window),
+        scale,
+        softcap,
+        out,
+    )
+}
+
+/// The tokens dense attention reads: `0..=upto`, or its last `window` (`Some(0)`: none, which
+/// [`attend_iter`] refuses as an empty selection).
+fn dense_range(upto_inclusive: usize, window: Option<usize>) -> std::ops::Range<usize> {
+    match window {
+        Some(w) => (upto_inclusive + 1).saturating_sub(w)..upto_inclusive + 1,
+        None => 0..upto_inclusive + 1,
+    }
 }
 
 /// [`attend_dense`] with the keys read from [`KeyTiles`]: the same output, bit for bit,
@@ -183,16 +191,15 @@ pub fn attend_dense_tiled(
     softcap: Option<f32>,
     out: &mut [f32],
 ) -> Result<(), PlanError> {
-    let first = match window {
-        Some(w) => (upto_inclusive + 1).saturating_sub(w),
-        None => 0,
-    };
-    let end = if window == Some(0) {
-        first
-    } else {
-        upto_inclusive + 1
-    };
-    attend_iter(q, keys, values, first..end, scale, softcap, out)
+    attend_iter(
+        q,
+        keys,
+        values,
+        dense_range(upto_inclusive, window),
+        scale,
+        softcap,
+        out,
+    )
 }
 
 /// [`attend`] with the exact dot products already computed: `dots[i] = Σ_c f64(q_c)·f64(k_ic)`
