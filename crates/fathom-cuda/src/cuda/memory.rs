@@ -4,6 +4,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdeviceptr};
+#[cfg(target_os = "linux")]
 use rayon::prelude::*;
 
 use super::drv;
