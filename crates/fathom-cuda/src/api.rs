@@ -102,6 +102,8 @@ pub trait KvCache: Sized {
     fn fork(&mut self, parent: crate::pages::SessionId) -> Result<crate::pages::SessionId>;
     /// Frees a session.
     fn free(&mut self, session: crate::pages::SessionId) -> Result<()>;
+    /// Shortens a session to `len` tokens in every layer (docs/SPEC.md §6.1, "Truncate").
+    fn truncate(&mut self, session: crate::pages::SessionId, len: usize) -> Result<()>;
     /// Grows the sessions of a batch (all or nothing).
     fn reserve(
         &mut self,
@@ -210,6 +212,9 @@ impl KvCache for crate::PagedCache {
     }
     fn free(&mut self, session: crate::pages::SessionId) -> Result<()> {
         crate::PagedCache::free(self, session)
+    }
+    fn truncate(&mut self, session: crate::pages::SessionId, len: usize) -> Result<()> {
+        crate::PagedCache::truncate(self, session, len)
     }
     fn reserve(
         &mut self,

@@ -826,6 +826,21 @@ impl StepLedger {
         self.written.remove(&session);
     }
 
+    /// `session` was cut to `len` tokens: no layer holds written rows past it.
+    pub fn truncated(&mut self, session: SessionId, len: usize) {
+        if let Some(w) = self.written.get_mut(&session) {
+            w.iter_mut().for_each(|x| *x = (*x).min(len));
+        }
+    }
+
+    /// The layers some append has written (the ones [`StepLedger::check_grow`] holds
+    /// sessions to), in order.
+    pub fn appended_layers(&self) -> Vec<usize> {
+        (0..self.appended_at.len())
+            .filter(|&l| self.appended_at[l] > 0)
+            .collect()
+    }
+
     /// Per layer, the rows of `session` its appends wrote (0s for a session this ledger was
     /// not told of).
     pub fn written_of(&self, session: SessionId) -> Vec<usize> {
@@ -872,10 +887,8 @@ impl StepLedger {
     /// The first such session, naming it, the layer, the rows and `what`.
     pub fn check_grow(&self, sessions: &[(SessionId, usize)], what: &'static str) -> Result<()> {
         for &(session, len) in sessions {
-            for (layer, &at) in self.appended_at.iter().enumerate() {
-                if at > 0 {
-                    self.check_written(session, layer, len, what)?;
-                }
+            for layer in self.appended_layers() {
+                self.check_written(session, layer, len, what)?;
             }
         }
         Ok(())
@@ -1039,7 +1052,7 @@ fn unwritten(
     CudaError::invalid(
         what,
         format!(
-            "{session} has rows {written}..{len} of layer {layer} that no append wrote (a step failed between its reserve and its appends): its layer-{layer} slots hold nothing; free the session"
+            "{session} has rows {written}..{len} of layer {layer} that no append wrote (a step failed between its reserve and its appends): its layer-{layer} slots hold nothing; truncate the session to its written rows, or free it"
         ),
     )
 }

@@ -880,6 +880,99 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Shortens `session` to `len` tokens in every layer (docs/SPEC.md §6.1, "Truncate"): a
+    /// rejected speculative draft, a step rolled back, or a session whose step failed after
+    /// its reserve cut back to the rows its appends wrote. Pages past the end are released (a
+    /// fork keeps what it shares). Where `len` falls inside a 64-token block, the block's
+    /// quantization still holds the dropped tokens, so its `len mod 64` kept rows are read
+    /// from their records, the session is cut to the block's start and they are appended
+    /// again: the store is then the store of the first `len` keys bit for bit, as the CPU
+    /// reference's [`crate::paged_ref::PagedStoreRef::truncate`] is. The session's row cache
+    /// is emptied (its slots may hold dropped rows). Waits for the stream; a batch reserved
+    /// before is stale afterwards.
+    ///
+    /// # Errors
+    /// Refused before any change: a capture under way; an unknown or freed session; `len`
+    /// past its length; rows below `len` that no append wrote, in a layer appends have
+    /// written (truncate to the rows written instead); no free page for the re-append's
+    /// copy-on-write of a page a fork shares; a device allocation for the kept rows.
+    pub fn truncate(&mut self, session: SessionId, len: usize) -> Result<()> {
+        self.not_capturing("truncate")?;
+        self.sessions.check_truncate(session, len)?;
+        let layers = self.ledger.appended_layers();
+        for &l in &layers {
+            self.ledger.check_written(session, l, len, "truncate")?;
+        }
+        let r = len % BLOCK_TOKENS;
+        let base = len - r;
+        let row = self.cfg.shape.kv_heads * self.cfg.shape.dim;
+        // The kept rows of the partial block, every appended layer's, `[layer][r][Hkv][D]`.
+        let kept = if r > 0 && !layers.is_empty() {
+            let bytes = layers.len() * r * row * 4;
+            Some(DevBuf::new(2 * bytes, "truncate's kept rows")?)
+        } else {
+            None
+        };
+        self.sync()?;
+        if let Some(buf) = &kept {
+            let d: &mut [AppendDesc] = cast_mut(self.descs.as_mut_bytes());
+            d[0] = AppendDesc {
+                slot: session.slot() as u32,
+                n0: len as u32,
+                m: 0,
+                row0: 0,
+            };
+            // SAFETY: pinned host buffers of exactly the destinations' sizes; the stream is
+            // idle (synchronised above), and the next reserve waits for it before rewriting
+            // them.
+            unsafe {
+                result::memcpy_htod_async(
+                    self.tables_dev.ptr,
+                    self.tables.as_bytes(),
+                    self.stream.cu_stream(),
+                )
+                .map_err(drv("memcpy_htod page tables"))?;
+                result::memcpy_htod_async(
+                    self.descs_dev.ptr,
+                    self.descs.as_bytes(),
+                    self.stream.cu_stream(),
+                )
+                .map_err(drv("memcpy_htod append descriptors"))?;
+            }
+            let bytes = (layers.len() * r * row * 4) as u64;
+            for (i, &l) in layers.iter().enumerate() {
+                let off = (i * r * row * 4) as u64;
+                // Tokens len − r .. len of the one descriptor, which ends at `len`.
+                self.launch_read_rows(l, r, 1, buf.ptr + off, buf.ptr + bytes + off)?;
+            }
+        }
+        // Checked above: nothing below fails but a driver. Without kept rows to append again
+        // (a block edge, or no layer ever appended) the cut is at `len` itself.
+        let cut = if kept.is_some() { base } else { len };
+        self.sessions.truncate(session, cut)?;
+        self.ledger.truncated(session, cut);
+        self.step += 1;
+        if let Some(buf) = &kept {
+            let bytes = (layers.len() * r * row * 4) as u64;
+            let batch = self.reserve(&[(session, r)])?;
+            for (i, &l) in layers.iter().enumerate() {
+                let off = (i * r * row * 4) as u64;
+                let kv = KvRows {
+                    k: buf.ptr + off,
+                    v: buf.ptr + bytes + off,
+                    dtype: crate::cache::KvDtype::F32,
+                    rows: r,
+                };
+                self.append(&batch, l, &kv)?;
+            }
+            // The appends read the kept rows: they finish before the buffer is freed.
+            self.sync()?;
+        } else {
+            self.write_table(session)?;
+        }
+        self.reset_row_cache(session)
+    }
+
     fn write_table(&mut self, session: SessionId) -> Result<()> {
         let table: Vec<u32> = self
             .sessions
@@ -1188,6 +1281,20 @@ impl PagedCache {
     ) -> Result<()> {
         crate::cache::check_read_rows(&self.cfg, batch, self.step, layer, cap, k_out, v_out)?;
         self.ledger.check_read(batch, layer, "read_rows")?;
+        self.launch_read_rows(layer, cap, self.batch_len, k_out, v_out)
+    }
+
+    /// Launches `read_rows` over the first `nb` descriptors on the device (checked by the
+    /// caller: `layer` exists, the descriptors and tables are uploaded, the outputs hold
+    /// `nb · cap · Hkv · D` f32 each).
+    fn launch_read_rows(
+        &self,
+        layer: usize,
+        cap: usize,
+        nb: usize,
+        k_out: u64,
+        v_out: u64,
+    ) -> Result<()> {
         let s = self.cfg.shape;
         let geom = self.geom(layer);
         let (descs, tables, pool) = (
@@ -1204,11 +1311,7 @@ impl PagedCache {
             .arg(&cap_u)
             .arg(&k_out)
             .arg(&v_out);
-        let grid = (
-            cap.div_ceil(READ_ROWS) as u32,
-            s.kv_heads as u32,
-            self.batch_len as u32,
-        );
+        let grid = (cap.div_ceil(READ_ROWS) as u32, s.kv_heads as u32, nb as u32);
         // SAFETY: descriptors, tables and the pool are the cache's own (rows < each session's
         // length, pages < the pool's); the caller's buffers hold batch · cap · Hkv · D f32 (its
         // documented contract; the pointers are checked non-null).

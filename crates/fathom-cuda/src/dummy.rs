@@ -197,6 +197,13 @@ impl PagedCache {
     pub fn free(&mut self, _session: crate::pages::SessionId) -> Result<()> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Shortens a session.
+    ///
+    /// # Errors
+    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
+    pub fn truncate(&mut self, _session: crate::pages::SessionId, _len: usize) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Grows the sessions of a batch.
     ///
     /// # Errors

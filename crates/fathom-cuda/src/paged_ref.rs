@@ -175,6 +175,52 @@ impl PagedStoreRef {
         Ok(self.sessions.free(session)?)
     }
 
+    /// Shortens `session` to `len` tokens (docs/SPEC.md §6.1, "Truncate"), as a device
+    /// backend must: where `len` falls inside a 64-token block, that block's quantization
+    /// holds the dropped tokens too, so its `r = len mod 64` kept tokens are read back from
+    /// their K|V records, the session is truncated to the block's start `len − r`, and they
+    /// are appended again (the block is then written whole from exactly those bf16 keys and
+    /// values: the same records, and the store of the first `len` keys bit for bit). Pages
+    /// past the end are released ([`CacheSessions::truncate`]); a kept page a fork shares is
+    /// copied before the re-append writes it.
+    ///
+    /// # Errors
+    /// An unknown or stale session, `len` past its length, or a pool that could not hold the
+    /// re-append's copy-on-write page (checked first, on a copy of the page tables): nothing
+    /// changes.
+    pub fn truncate(&mut self, session: SessionId, len: usize) -> Result<()> {
+        self.sessions.check_truncate(session, len)?;
+        let base = len - len % BLOCK;
+        let (k, v) = self.rows(session, base, len)?;
+        self.sessions.truncate(session, base)?;
+        if len > base {
+            self.append(session, &k, &v)?;
+        }
+        Ok(())
+    }
+
+    /// The K and V of tokens `from..to` of `session`, `[token][Hkv][D]` f32 each (the stored
+    /// bf16 values, exactly).
+    fn rows(&self, session: SessionId, from: usize, to: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let lay = self.layout;
+        let Dims { heads, channels: d } = lay.dims();
+        let m = to.saturating_sub(from);
+        let (mut k, mut v) = (vec![0f32; m * heads * d], vec![0f32; m * heads * d]);
+        for i in 0..m {
+            let (page, slot) = self.sessions.locate(session, from + i)?;
+            for h in 0..heads {
+                let off = lay.record_offset(page, slot, h)?;
+                for c in 0..d {
+                    let at = (i * heads + h) * d + c;
+                    let e = |j: usize| get::<2>(&self.pool, off + 2 * j as u64);
+                    k[at] = bf16::from_le_bytes(e(c)?).to_f32();
+                    v[at] = bf16::from_le_bytes(e(d + c)?).to_f32();
+                }
+            }
+        }
+        Ok((k, v))
+    }
+
     /// Appends `m` tokens: `keys` and `values` are `[m][Hkv][D]` row-major f32 (rounded to
     /// bf16 for the records; the store quantizes the rounded keys). Returns the plan it
     /// followed.

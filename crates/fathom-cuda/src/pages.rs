@@ -39,6 +39,16 @@
 //! if no one else shares it), appends into it in place. So an append by one never writes a
 //! page the other can see, and a fork that is never appended to costs no copy.
 //!
+//! # Truncation
+//!
+//! [`CacheSessions::truncate`] shortens a session to `n' ≤ n_s` tokens (a rejected
+//! speculative draft, a step rolled back): the pages past `⌈n'/P⌉` lose this session's
+//! reference (freed where it was the last), and nothing is written. A page kept as the new
+//! partial last page may be shared (a fork made before the truncation still reads it whole):
+//! the next append sees `r(last) > 1` and copies it first, as after a fork, so invariant 4
+//! holds. Slots past `n'` keep stale contents until appends overwrite them, as a reused page's
+//! do.
+//!
 //! ```
 //! use fathom_cuda::{CacheSessions, PageConfig};
 //!
@@ -211,6 +221,16 @@ pub enum PageError {
         token: usize,
         /// The session's length.
         len: usize,
+    },
+    /// A truncation to more tokens than the session holds.
+    #[error("{session} holds {len} tokens: it cannot be truncated to {requested}")]
+    TruncatePastEnd {
+        /// The session.
+        session: SessionId,
+        /// Its length now.
+        len: usize,
+        /// The length asked for.
+        requested: usize,
     },
     /// A broken invariant (a bug; reported by [`CacheSessions::check`]).
     #[error("page-table invariant broken: {0}")]
@@ -681,6 +701,58 @@ impl CacheSessions {
         Ok(())
     }
 
+    /// Shortens the session to `len` tokens: the pages past `⌈len/P⌉` are released (a page
+    /// another session shares stays with it). Writes nothing (module docs, "Truncation").
+    ///
+    /// # Errors
+    /// An unknown or stale id; `len` past the session's length. Nothing changes.
+    pub fn truncate(&mut self, id: SessionId, len: usize) -> Result<(), PageError> {
+        let n = self.state(id)?.len;
+        if len > n {
+            return Err(PageError::TruncatePastEnd {
+                session: id,
+                len: n,
+                requested: len,
+            });
+        }
+        let keep = self.cfg.pages_for(len);
+        let slot = &mut self.slots[id.slot()];
+        let Some(st) = slot.session.as_mut() else {
+            return Err(PageError::Invariant(format!("{id} vanished")));
+        };
+        let dropped = st.table.split_off(keep);
+        st.len = len;
+        for p in dropped {
+            self.pool.release(p)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a backend's truncation of `id` to `len` would succeed now, changing nothing:
+    /// the truncation to the start of `len`'s 64-token block, then the re-append of its
+    /// `len mod 64` kept tokens, whose copy-on-write of a shared page needs a free page
+    /// (docs/SPEC.md §6.1, "Truncate"; checked on a copy of the tables).
+    ///
+    /// # Errors
+    /// What [`CacheSessions::truncate`] or the re-append's reserve would return.
+    pub fn check_truncate(&self, id: SessionId, len: usize) -> Result<(), PageError> {
+        let n = self.state(id)?.len;
+        if len > n {
+            return Err(PageError::TruncatePastEnd {
+                session: id,
+                len: n,
+                requested: len,
+            });
+        }
+        let r = len % BLOCK_TOKENS;
+        if r == 0 {
+            return Ok(());
+        }
+        let mut dry = self.clone();
+        dry.truncate(id, len - r)?;
+        dry.check_reserve(&[(id, r)])
+    }
+
     /// Grows the session by `new_tokens` and says where they go.
     ///
     /// Adds `⌈(n + m)/P⌉ − ⌈n/P⌉` fresh pages at the end of the table (existing pages never
@@ -1147,7 +1219,45 @@ mod tests {
         }
     }
 
-    /// Random create / fork / reserve / free against a shadow model: page contents are tags
+    /// A truncation releases the pages past the new end and writes nothing; a kept page a
+    /// fork still shares is copied before the truncated session writes it; past the end is
+    /// an error that changes nothing.
+    #[test]
+    fn truncate_releases_pages_and_copies_a_shared_page_before_writing_it() {
+        let mut s = CacheSessions::new(cfg(128, 8, 4, 4096)).unwrap();
+        let a = s.create().unwrap();
+        s.reserve(a, 300).unwrap(); // 3 pages
+        let b = s.fork(a).unwrap();
+        let before = s.clone();
+        assert!(matches!(
+            s.truncate(a, 301),
+            Err(PageError::TruncatePastEnd {
+                len: 300,
+                requested: 301,
+                ..
+            })
+        ));
+        assert_eq!(s, before, "a refused truncation changes nothing");
+        s.truncate(a, 200).unwrap(); // back into page 1, which b shares
+        assert_eq!(
+            (s.len(a).unwrap(), s.page_table(a).unwrap().len()),
+            (200, 2)
+        );
+        assert_eq!(s.free_pages(), 5, "page 2 stays with b");
+        let plan = s.reserve(a, 10).unwrap();
+        let c = plan
+            .copy
+            .expect("the shared page is copied before a writes it");
+        assert_eq!((c.src, c.tokens), (s.page_table(b).unwrap()[1], 72));
+        assert_eq!(plan.first_token, 200);
+        s.truncate(b, 0).unwrap();
+        assert_eq!(s.page_table(b).unwrap().len(), 0);
+        assert_eq!(s.free_pages(), 8 - 2, "only a's two pages remain");
+        s.truncate(a, 210).unwrap(); // its own length: nothing to do
+        s.check().unwrap();
+    }
+
+    /// Random create / fork / reserve / truncate / free against a shadow model: page contents are tags
     /// of the token written, every session must read back its own tokens through its page
     /// table, no plan may write a page with count > 1, and a failed call changes nothing.
     #[test]
@@ -1168,7 +1278,7 @@ mod tests {
             let mut expect: BTreeMap<SessionId, Vec<u64>> = BTreeMap::new();
             let mut dead: Vec<SessionId> = Vec::new();
             let mut next_tag = 1u64;
-            let (mut copies, mut exhausted, mut full) = (0, 0, 0);
+            let (mut copies, mut exhausted, mut full, mut truncations) = (0, 0, 0, 0);
             for _ in 0..3000 {
                 let live: Vec<SessionId> = expect.keys().copied().collect();
                 let pick = |rng: &mut StdRng| live[rng.gen_range(0..live.len())];
@@ -1190,6 +1300,24 @@ mod tests {
                         expect.remove(&id);
                         dead.push(id);
                     })
+                } else if op == 4 && rng.gen_bool(0.3) {
+                    // Mostly a short rollback (a draft's tokens, a block, a page), sometimes
+                    // anywhere in the session, sometimes one past its end.
+                    let id = pick(&mut rng);
+                    let n = expect[&id].len();
+                    let to = match rng.gen_range(0..10) {
+                        0 => n + 1,
+                        1 => rng.gen_range(0..=n),
+                        _ => n.saturating_sub([0, 1, 3, 63, 64, 65, 200][rng.gen_range(0..7)]),
+                    };
+                    let r = s.truncate(id, to).map(|()| {
+                        expect.get_mut(&id).unwrap().truncate(to);
+                        truncations += 1;
+                    });
+                    if to > n {
+                        assert!(matches!(r, Err(PageError::TruncatePastEnd { .. })));
+                    }
+                    r
                 } else if op == 3 && !dead.is_empty() {
                     let id = dead[rng.gen_range(0..dead.len())];
                     let r = s.reserve(id, 1).map(|_| ());
@@ -1250,8 +1378,8 @@ mod tests {
                 }
             }
             assert!(
-                copies > 0 && exhausted > 0,
-                "seed {seed}: {copies} copies, {exhausted} exhausted, {full} full"
+                copies > 0 && exhausted > 0 && truncations > 0,
+                "seed {seed}: {copies} copies, {exhausted} exhausted, {full} full, {truncations} truncations"
             );
             for id in expect.keys().copied().collect::<Vec<_>>() {
                 s.free(id).unwrap();

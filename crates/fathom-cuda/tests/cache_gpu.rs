@@ -268,6 +268,127 @@ fn forks_diverge(gpu: &fathom_cuda::Gpu, residency: Residency) {
     cache.sessions().check().unwrap();
 }
 
+/// Truncations (inside a block, at a block edge, across pages, to 0) keep every layer's store
+/// and records equal to the CPU store of the kept keys and values, bit for bit, in every
+/// residency; a fork made before a truncation keeps its own tokens; dense attention of the
+/// truncated session equals that of a session that only ever held the kept rows; and a
+/// session whose step failed after its reserve is healed by a truncation to its written rows.
+#[test]
+fn truncations_keep_the_store_of_the_kept_keys() {
+    let Some(gpu) = gpu() else { return };
+    for residency in [Residency::Host, Residency::Hbm, Residency::IndexHbm] {
+        let mut rng = StdRng::seed_from_u64(19);
+        let cfg = CacheConfig {
+            residency,
+            ..config(2, 2, 128, 128, 96)
+        };
+        let row = 2 * 128;
+        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+        let a = cache.create().unwrap();
+        let mut shadows = vec![vec![Shadow::default(); 2]; 8];
+        let slot = |s: SessionId| s.slot();
+        step(&mut cache, &mut rng, &[(a, 300)], &mut shadows, &slot);
+        let b = cache.fork(a).unwrap();
+        shadows[b.slot()] = shadows[a.slot()].clone();
+        let cut = |shadows: &mut Vec<Vec<Shadow>>, s: SessionId, to: usize| {
+            for sh in &mut shadows[s.slot()] {
+                sh.k.truncate(to * row);
+                sh.v.truncate(to * row);
+            }
+        };
+        for i in 0..24 {
+            let n = cache.len(a).unwrap();
+            match i % 4 {
+                0 | 2 => {
+                    let to = match i % 8 {
+                        0 => n - 3,
+                        2 => n - n % 64,
+                        4 => n - 70,
+                        _ => n - (n % 64) - 1,
+                    };
+                    cache.truncate(a, to).unwrap();
+                    cut(&mut shadows, a, to);
+                }
+                _ => {
+                    let m = [1, 5, 63, 64, 65][i % 5];
+                    step(&mut cache, &mut rng, &[(a, m)], &mut shadows, &slot);
+                }
+            }
+            let what = format!("{residency:?} op {i}");
+            check(&cache, a, &shadows[a.slot()], &what);
+            check(&cache, b, &shadows[b.slot()], &format!("the fork, {what}"));
+        }
+        let e = cache
+            .truncate(a, cache.len(a).unwrap() + 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot be truncated"), "{e}");
+        // Dense attention of the truncated session equals that of a session that only ever
+        // held its rows (nothing of the dropped rows is read).
+        let n = cache.len(a).unwrap();
+        let c = cache.create().unwrap();
+        let ab = cache.reserve(&[(c, n)]).unwrap();
+        for (l, sh) in shadows[a.slot()].iter().enumerate() {
+            cache.append_host(&ab, l, &sh.k, &sh.v).unwrap();
+        }
+        shadows[c.slot()] = shadows[a.slot()].clone();
+        check(&cache, c, &shadows[c.slot()], "the rebuilt session");
+        // One more token, the same for both, then the same query: the outputs (over the
+        // scanned planes, the row cache and the records) are the same bits.
+        let ab = cache.reserve(&[(a, 1), (c, 1)]).unwrap();
+        let knew: Vec<f32> = (0..row).map(|i| ((i % 13) as f32 - 6.0) / 7.0).collect();
+        let vnew: Vec<f32> = (0..row).map(|i| ((i % 11) as f32 - 5.0) / 3.0).collect();
+        let k2 = [knew.as_slice(), knew.as_slice()].concat();
+        let v2 = [vnew.as_slice(), vnew.as_slice()].concat();
+        for l in 0..2 {
+            cache.append_host(&ab, l, &k2, &v2).unwrap();
+        }
+        for s in [a, c] {
+            for sh in &mut shadows[s.slot()] {
+                sh.k.extend_from_slice(&knew);
+                sh.v.extend_from_slice(&vnew);
+            }
+        }
+        let q1: Vec<f32> = (0..2 * 4 * 128)
+            .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+            .collect();
+        let q = [q1.as_slice(), q1.as_slice()].concat();
+        for m in ["dense", "exact", "sparq:16"] {
+            let am = fathom_cuda::cache::AttendMethod::parse(m, 128).unwrap();
+            if let fathom_cuda::cache::AttendMethod::Scan(sm) = am {
+                cache.prepare(sm).unwrap();
+            }
+            for l in 0..2 {
+                let out = cache.attend_host(&ab, l, am, &small_select(), &q).unwrap();
+                let (oa, oc) = out.split_at(out.len() / 2);
+                assert_eq!(
+                    oa, oc,
+                    "{residency:?} {m} layer {l}: the truncated session reads only its rows"
+                );
+            }
+        }
+        // A step that failed after its reserve (layer 1 never appended): refused until a
+        // truncation to the written rows heals it.
+        let ab = cache.reserve(&[(b, 2)]).unwrap();
+        let sh = &shadows[b.slot()][0];
+        let (k, v) = (sh.k[..2 * row].to_vec(), sh.v[..2 * row].to_vec());
+        cache.append_host(&ab, 0, &k, &v).unwrap();
+        let nb = cache.len(b).unwrap();
+        let e = cache.truncate(b, nb).unwrap_err().to_string();
+        assert!(e.contains("no append wrote"), "{e}");
+        cache.truncate(b, nb - 2).unwrap();
+        step(&mut cache, &mut rng, &[(b, 3)], &mut shadows, &slot);
+        check(
+            &cache,
+            b,
+            &shadows[b.slot()],
+            &format!("{residency:?}: healed"),
+        );
+        assert_eq!(cache.faults().unwrap(), vec![0, 0]);
+        cache.sessions().check().unwrap();
+    }
+}
+
 #[test]
 fn a_freed_and_reused_session_sees_none_of_the_old_data() {
     let Some(gpu) = gpu() else { return };

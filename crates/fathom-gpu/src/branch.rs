@@ -300,6 +300,12 @@ mod tests {
         fn len(&self, s: SessionId) -> Result<usize> {
             Ok(self.sessions.len(s).map_err(fathom_cuda::CudaError::from)?)
         }
+        fn truncate(&mut self, s: SessionId, len: usize) -> Result<()> {
+            Ok(self
+                .sessions
+                .truncate(s, len)
+                .map_err(fathom_cuda::CudaError::from)?)
+        }
         fn prefill(&mut self, s: SessionId, tokens: &[u32]) -> Result<Vec<f32>> {
             self.sessions
                 .reserve_many(&[(s, tokens.len())])

@@ -1182,6 +1182,10 @@ impl Decoder for GpuDecoder {
         Ok(self.cache.len(session)?)
     }
 
+    fn truncate(&mut self, session: SessionId, len: usize) -> Result<()> {
+        Ok(self.cache.truncate(session, len)?)
+    }
+
     fn prefill(&mut self, session: SessionId, tokens: &[u32]) -> Result<Vec<f32>> {
         layout::check_tokens(&self.cfg, tokens)?;
         let n0 = self.cache.len(session)?;

@@ -27,6 +27,9 @@ pub trait Decoder {
     fn free(&mut self, session: SessionId) -> Result<()>;
     /// Tokens in a session.
     fn len(&self, session: SessionId) -> Result<usize>;
+    /// Shortens a session to its first `len` tokens (a rejected speculative draft, a rolled
+    /// back step), in every layer; the next token goes at position `len`.
+    fn truncate(&mut self, session: SessionId, len: usize) -> Result<()>;
     /// Appends `tokens` to a session with dense causal attention, in chunks; returns the
     /// last token's logits `[vocab]`.
     fn prefill(&mut self, session: SessionId, tokens: &[u32]) -> Result<Vec<f32>>;

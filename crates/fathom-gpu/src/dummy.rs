@@ -137,6 +137,9 @@ impl Decoder for GpuDecoder {
     fn len(&self, _session: SessionId) -> Result<usize> {
         Err(CudaError::NotCompiledWithCuda.into())
     }
+    fn truncate(&mut self, _session: SessionId, _len: usize) -> Result<()> {
+        Err(CudaError::NotCompiledWithCuda.into())
+    }
     fn prefill(&mut self, _session: SessionId, _tokens: &[u32]) -> Result<Vec<f32>> {
         Err(CudaError::NotCompiledWithCuda.into())
     }

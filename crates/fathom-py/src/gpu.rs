@@ -402,6 +402,11 @@ impl GpuCache {
         self.cache.len(session.id).map_err(gpu_err)
     }
 
+    /// Shortens a session to its first `len` tokens in every layer.
+    fn truncate(&mut self, session: &Session, len: usize) -> PyResult<()> {
+        self.cache.truncate(session.id, len).map_err(gpu_err)
+    }
+
     /// Grows a ragged batch `[(session, new_tokens)]` (all or nothing).
     fn reserve(&mut self, batch: Vec<(Session, usize)>) -> PyResult<Batch> {
         let b: Vec<(SessionId, usize)> = batch.iter().map(|(s, n)| (s.id, *n)).collect();

@@ -85,6 +85,36 @@ def test_append_and_dense_attend_match_torch(dtype):
         assert ((out2 - want).norm() / want.norm()).item() < 1e-3
 
 
+def test_a_truncated_session_attends_as_one_that_held_only_its_rows():
+    """A rejected draft rolled back: the truncated session's exact and dense outputs equal
+    those of a session that only ever held the kept rows (nothing dropped is read)."""
+    torch.manual_seed(1)
+    hkv, g, d = 2, 4, 128
+    cache = fg.GpuCache(layers=1, kv_heads=hkv, group=g, dim=d, max_sessions=2, max_tokens=4096,
+                        max_k=1024)
+    n, keep = 700, 645
+    k = torch.randn(n, hkv, d, device="cuda")
+    v = torch.randn(n, hkv, d, device="cuda")
+    a, c = cache.create(), cache.create()
+    cache.append(cache.reserve([(a, n)]), 0, k, v)
+    with pytest.raises(Exception, match="cannot be truncated"):
+        cache.truncate(a, n + 1)
+    cache.truncate(a, keep)
+    assert cache.len(a) == keep
+    cache.append(cache.reserve([(c, keep)]), 0, k[:keep], v[:keep])
+    b = cache.reserve([(a, 1), (c, 1)])
+    k1 = torch.randn(1, hkv, d, device="cuda")
+    v1 = torch.randn(1, hkv, d, device="cuda")
+    cache.append(b, 0, torch.cat([k1, k1]), torch.cat([v1, v1]))
+    q1 = torch.randn(1, hkv * g, d, device="cuda")
+    q = torch.cat([q1, q1])
+    for method in ["dense", "exact"]:
+        out = torch.empty_like(q)
+        cache.attend(b, 0, method, q, out, k=64)
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], out[1]), method
+
+
 def test_mismatches_raise_value_errors_and_launch_nothing():
     cache = fg.GpuCache(layers=1, kv_heads=2, group=4, dim=64, max_sessions=2, max_tokens=1024)
     s = cache.create()

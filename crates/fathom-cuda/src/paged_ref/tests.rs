@@ -485,3 +485,84 @@ fn failed_appends_change_nothing() {
     assert_store(&store, child, &kc, "child");
     assert_store(&store, id, &k, "parent");
 }
+
+/// Decode with rollbacks, as speculative decoding does: random appends and truncations (to
+/// a block edge, inside a block, inside the last block, across pages, to 0) keep the store
+/// equal to `KeyStore` of the kept keys and the records equal to the kept rows, bit for bit,
+/// after each call; a fork made before a truncation keeps reading its own tokens, and the
+/// truncated side copies the page they share before writing it.
+#[test]
+fn truncations_keep_the_store_of_the_kept_keys() {
+    for (case, &(d, heads, p)) in [(64usize, 1usize, 128usize), (128, 2, 256), (64, 3, 4096)]
+        .iter()
+        .enumerate()
+    {
+        let mut rng = StdRng::seed_from_u64(0x7A11 + case as u64);
+        let dims = Dims { heads, channels: d };
+        let row = dims.row();
+        let mut store = PagedStoreRef::new(dims, cfg(p, 64, 3, 1 << 16)).unwrap();
+        let id = store.create().unwrap();
+        let (mut keys, mut vals) = (Vec::new(), Vec::new());
+        let mut fork: Option<(SessionId, Vec<f32>, Vec<f32>)> = None;
+        let (mut inside, mut edges) = (0, 0);
+        for step in 0..120 {
+            let n = keys.len() / row;
+            if rng.gen_bool(0.35) && n > 0 {
+                let to = match rng.gen_range(0..6) {
+                    0 => n - n % 64,
+                    1 => 0,
+                    2 => rng.gen_range(0..=n),
+                    _ => n.saturating_sub(rng.gen_range(1..=8)),
+                };
+                if rng.gen_bool(0.2) && fork.is_none() {
+                    // A fork before the truncation: it shares the pages being cut.
+                    let f = store.fork(id).unwrap();
+                    fork = Some((f, keys.clone(), vals.clone()));
+                }
+                let before = store.pool_bytes().to_vec();
+                let e = store.truncate(id, n + 1).unwrap_err().to_string();
+                assert!(e.contains("cannot be truncated"), "{e}");
+                assert_eq!(
+                    store.pool_bytes(),
+                    &before[..],
+                    "a refused truncation writes nothing"
+                );
+                store.truncate(id, to).unwrap();
+                if to % 64 == 0 {
+                    edges += 1;
+                } else {
+                    inside += 1;
+                }
+                keys.truncate(to * row);
+                vals.truncate(to * row);
+            } else {
+                let m = CHUNKS[rng.gen_range(0..CHUNKS.len())];
+                let (k, v) = (bf16_keys(&mut rng, m, row), values(&mut rng, m, row));
+                store.append(id, &k, &v).unwrap();
+                keys.extend(k);
+                vals.extend(v);
+            }
+            let what = format!(
+                "D={d} Hkv={heads} P={p} step {step}, {} tokens",
+                keys.len() / row
+            );
+            assert_eq!(
+                store.sessions().len(id).unwrap() * row,
+                keys.len(),
+                "{what}"
+            );
+            assert_store(&store, id, &keys, &what);
+            assert_records(&store, id, &keys, &vals);
+            if let Some((f, fk, fv)) = &fork {
+                assert_store(&store, *f, fk, &format!("the fork, {what}"));
+                assert_records(&store, *f, fk, fv);
+            }
+            store.sessions().check().unwrap();
+        }
+        assert!(
+            inside > 5 && edges > 2,
+            "{inside} inside a block, {edges} at an edge"
+        );
+        assert!(fork.is_some(), "a fork was cut under");
+    }
+}

@@ -88,6 +88,15 @@ class GpuCache:
         """Tokens in a session."""
         return self._c.len(session)
 
+    def truncate(self, session: Session, length: int) -> None:
+        """Shortens a session to its first ``length`` tokens in every layer: a rejected
+        speculative draft, a rolled-back step, or a session whose step failed after its
+        reserve cut back to the rows its appends wrote. The store is then exactly the store of
+        the kept keys (a block the cut falls inside is re-quantized from their records), pages
+        past the end are released (a fork keeps what it shares), and the session's row cache
+        is emptied. A batch reserved before is stale afterwards."""
+        self._c.truncate(session, _count(length, "length"))
+
     def reserve(self, batch: Sequence[Tuple[Session, int]]) -> Batch:
         """Grows a ragged batch ``[(session, new_tokens)]`` (all or nothing); valid for this
         step's appends and attends until the next reserve, fork or free. Append every layer
