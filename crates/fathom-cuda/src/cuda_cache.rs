@@ -922,23 +922,7 @@ impl PagedCache {
                 m: 0,
                 row0: 0,
             };
-            // SAFETY: pinned host buffers of exactly the destinations' sizes; the stream is
-            // idle (synchronised above), and the next reserve waits for it before rewriting
-            // them.
-            unsafe {
-                result::memcpy_htod_async(
-                    self.tables_dev.ptr,
-                    self.tables.as_bytes(),
-                    self.stream.cu_stream(),
-                )
-                .map_err(drv("memcpy_htod page tables"))?;
-                result::memcpy_htod_async(
-                    self.descs_dev.ptr,
-                    self.descs.as_bytes(),
-                    self.stream.cu_stream(),
-                )
-                .map_err(drv("memcpy_htod append descriptors"))?;
-            }
+            self.upload_tables()?;
             let bytes = (layers.len() * r * row * 4) as u64;
             for (i, &l) in layers.iter().enumerate() {
                 let off = (i * r * row * 4) as u64;
@@ -971,6 +955,29 @@ impl PagedCache {
             self.write_table(session)?;
         }
         self.reset_row_cache(session)
+    }
+
+    /// Queues the copies of the host page tables and append descriptors to the device, on
+    /// the stream. The caller synchronised the stream before writing either (no copy of an
+    /// earlier step still reads them), and whoever writes them next waits for it first.
+    fn upload_tables(&self) -> Result<()> {
+        // SAFETY: both sources are pinned host buffers of exactly the destinations' sizes, not
+        // written again before the stream has run these copies (see above).
+        unsafe {
+            result::memcpy_htod_async(
+                self.tables_dev.ptr,
+                self.tables.as_bytes(),
+                self.stream.cu_stream(),
+            )
+            .map_err(drv("memcpy_htod page tables"))?;
+            result::memcpy_htod_async(
+                self.descs_dev.ptr,
+                self.descs.as_bytes(),
+                self.stream.cu_stream(),
+            )
+            .map_err(drv("memcpy_htod append descriptors"))?;
+        }
+        Ok(())
     }
 
     fn write_table(&mut self, session: SessionId) -> Result<()> {
@@ -1055,22 +1062,7 @@ impl PagedCache {
                 row0: out.row0[i] as u32,
             };
         }
-        // SAFETY: both sources are pinned host buffers of exactly the destinations' sizes, not
-        // written again before the next reserve, which waits for the stream first.
-        unsafe {
-            result::memcpy_htod_async(
-                self.tables_dev.ptr,
-                self.tables.as_bytes(),
-                self.stream.cu_stream(),
-            )
-            .map_err(drv("memcpy_htod page tables"))?;
-            result::memcpy_htod_async(
-                self.descs_dev.ptr,
-                self.descs.as_bytes(),
-                self.stream.cu_stream(),
-            )
-            .map_err(drv("memcpy_htod append descriptors"))?;
-        }
+        self.upload_tables()?;
         self.batch_len = out.plans.len();
         self.batch_max_m = out.plans.iter().map(|p| p.tokens).max().unwrap_or(0);
         self.batch_max_blocks = out

@@ -707,14 +707,7 @@ impl CacheSessions {
     /// # Errors
     /// An unknown or stale id; `len` past the session's length. Nothing changes.
     pub fn truncate(&mut self, id: SessionId, len: usize) -> Result<(), PageError> {
-        let n = self.state(id)?.len;
-        if len > n {
-            return Err(PageError::TruncatePastEnd {
-                session: id,
-                len: n,
-                requested: len,
-            });
-        }
+        self.check_cut(id, len)?;
         let keep = self.cfg.pages_for(len);
         let slot = &mut self.slots[id.slot()];
         let Some(st) = slot.session.as_mut() else {
@@ -728,14 +721,8 @@ impl CacheSessions {
         Ok(())
     }
 
-    /// Whether a backend's truncation of `id` to `len` would succeed now, changing nothing:
-    /// the truncation to the start of `len`'s 64-token block, then the re-append of its
-    /// `len mod 64` kept tokens, whose copy-on-write of a shared page needs a free page
-    /// (docs/SPEC.md §6.1, "Truncate"; checked on a copy of the tables).
-    ///
-    /// # Errors
-    /// What [`CacheSessions::truncate`] or the re-append's reserve would return.
-    pub fn check_truncate(&self, id: SessionId, len: usize) -> Result<(), PageError> {
+    /// `id` is live and holds at least `len` tokens.
+    fn check_cut(&self, id: SessionId, len: usize) -> Result<(), PageError> {
         let n = self.state(id)?.len;
         if len > n {
             return Err(PageError::TruncatePastEnd {
@@ -744,6 +731,18 @@ impl CacheSessions {
                 requested: len,
             });
         }
+        Ok(())
+    }
+
+    /// Whether a backend's truncation of `id` to `len` would succeed now, changing nothing:
+    /// the truncation to the start of `len`'s 64-token block, then the re-append of its
+    /// `len mod 64` kept tokens, whose copy-on-write of a shared page needs a free page
+    /// (docs/SPEC.md §6.1, "Truncate"; checked on a copy of the tables).
+    ///
+    /// # Errors
+    /// What [`CacheSessions::truncate`] or the re-append's reserve would return.
+    pub fn check_truncate(&self, id: SessionId, len: usize) -> Result<(), PageError> {
+        self.check_cut(id, len)?;
         let r = len % BLOCK_TOKENS;
         if r == 0 {
             return Ok(());
