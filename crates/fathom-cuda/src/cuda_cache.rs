@@ -891,69 +891,107 @@ impl PagedCache {
     /// is emptied (its slots may hold dropped rows). Waits for the stream; a batch reserved
     /// before is stale afterwards.
     ///
+    /// A cut to the session's own length does nothing. The kept rows are appended again as
+    /// they are stored: a key whose channel block faulted at its first append (past fp16)
+    /// faults again and is counted again.
+    ///
     /// # Errors
     /// Refused before any change: a capture under way; an unknown or freed session; `len`
     /// past its length; rows below `len` that no append wrote, in a layer appends have
     /// written (truncate to the rows written instead); no free page for the re-append's
-    /// copy-on-write of a page a fork shares; a device allocation for the kept rows.
+    /// copy-on-write of a page a fork shares; a device allocation for the kept rows. A driver
+    /// failure while appending the kept rows again leaves the session cut to the block's
+    /// start, and the error says so.
     pub fn truncate(&mut self, session: SessionId, len: usize) -> Result<()> {
         self.not_capturing("truncate")?;
-        self.sessions.check_truncate(session, len)?;
+        let n = self.sessions.len(session)?;
+        if len == n {
+            return Ok(());
+        }
         let layers = self.ledger.appended_layers();
+        let r = len % BLOCK_TOKENS;
+        let base = len - r;
+        if r == 0 || layers.is_empty() {
+            // Nothing to append again (a block edge, or no layer ever appended): a plain cut,
+            // which checks the length itself.
+            self.sessions.truncate(session, len)?;
+            return self.cut_done(session, len);
+        }
+        self.sessions.check_truncate(session, len)?;
         for &l in &layers {
             self.ledger.check_written(session, l, len, "truncate")?;
         }
-        let r = len % BLOCK_TOKENS;
-        let base = len - r;
+        // The kept rows of the partial block, every appended layer's, `[layer][r][Hkv][D]`
+        // for K, then the same for V, in the grow-only staging buffer `append_host` uses
+        // (it waits for the stream before it writes there).
         let row = self.cfg.shape.kv_heads * self.cfg.shape.dim;
-        // The kept rows of the partial block, every appended layer's, `[layer][r][Hkv][D]`.
-        let kept = if r > 0 && !layers.is_empty() {
-            let bytes = layers.len() * r * row * 4;
-            Some(DevBuf::new(2 * bytes, "truncate's kept rows")?)
-        } else {
-            None
-        };
-        self.sync()?;
-        if let Some(buf) = &kept {
-            let d: &mut [AppendDesc] = cast_mut(self.descs.as_mut_bytes());
-            d[0] = AppendDesc {
-                slot: session.slot() as u32,
-                n0: len as u32,
-                m: 0,
-                row0: 0,
-            };
-            self.upload_tables()?;
-            let bytes = (layers.len() * r * row * 4) as u64;
-            for (i, &l) in layers.iter().enumerate() {
-                let off = (i * r * row * 4) as u64;
-                // Tokens len − r .. len of the one descriptor, which ends at `len`.
-                self.launch_read_rows(l, r, 1, buf.ptr + off, buf.ptr + bytes + off)?;
-            }
+        let bytes = layers.len() * r * row * 4;
+        if self
+            .staging
+            .as_ref()
+            .is_none_or(|(_, cap)| *cap < 2 * bytes)
+        {
+            self.sync()?;
+            self.staging = Some((DevBuf::new(2 * bytes, "append staging")?, 2 * bytes));
         }
-        // Checked above: nothing below fails but a driver. Without kept rows to append again
-        // (a block edge, or no layer ever appended) the cut is at `len` itself.
-        let cut = if kept.is_some() { base } else { len };
-        self.sessions.truncate(session, cut)?;
-        self.ledger.truncated(session, cut);
+        let buf = self.staging.as_ref().map_or(0, |(b, _)| b.ptr);
+        self.sync()?;
+        // Any batch reserved before is stale from here (descriptor 0 is rewritten below).
         self.step += 1;
-        if let Some(buf) = &kept {
-            let bytes = (layers.len() * r * row * 4) as u64;
+        let d: &mut [AppendDesc] = cast_mut(self.descs.as_mut_bytes());
+        d[0] = AppendDesc {
+            slot: session.slot() as u32,
+            n0: len as u32,
+            m: 0,
+            row0: 0,
+        };
+        self.upload_tables()?;
+        for (i, &l) in layers.iter().enumerate() {
+            let off = (i * r * row * 4) as u64;
+            // Tokens len − r .. len of the one descriptor, which ends at `len`.
+            self.launch_read_rows(l, r, 1, buf + off, buf + bytes as u64 + off)?;
+        }
+        // Checked above: nothing below fails but the driver.
+        self.sessions.truncate(session, base)?;
+        self.ledger.truncated(session, base);
+        let again = (|| {
             let batch = self.reserve(&[(session, r)])?;
             for (i, &l) in layers.iter().enumerate() {
                 let off = (i * r * row * 4) as u64;
                 let kv = KvRows {
-                    k: buf.ptr + off,
-                    v: buf.ptr + bytes + off,
+                    k: buf + off,
+                    v: buf + bytes as u64 + off,
                     dtype: crate::cache::KvDtype::F32,
                     rows: r,
                 };
                 self.append(&batch, l, &kv)?;
             }
-            // The appends read the kept rows: they finish before the buffer is freed.
-            self.sync()?;
-        } else {
-            self.write_table(session)?;
+            Ok::<(), CudaError>(())
+        })();
+        if let Err(e) = again {
+            // Never a session with rows no append wrote: back to the block's start, said so.
+            self.sessions.truncate(session, base)?;
+            self.ledger.truncated(session, base);
+            self.cut_done(session, base)?;
+            return Err(CudaError::invalid(
+                "truncate",
+                format!(
+                    "{session} was cut to {base} tokens, but its kept rows {base}..{len} could not be appended again ({e}): it now holds {base} tokens"
+                ),
+            ));
         }
+        self.cut_done(session, len)
+    }
+
+    /// After a cut of `session` to `len` tokens: its table on the host, a new step (any batch
+    /// reserved before is stale), and its row cache emptied (its slots may hold dropped rows,
+    /// whose positions new tokens will take).
+    fn cut_done(&mut self, session: SessionId, len: usize) -> Result<()> {
+        self.ledger.truncated(session, len);
+        // The host table is pinned memory an upload may still be reading.
+        self.sync()?;
+        self.write_table(session)?;
+        self.step += 1;
         self.reset_row_cache(session)
     }
 

@@ -190,6 +190,9 @@ impl PagedStoreRef {
     /// changes.
     pub fn truncate(&mut self, session: SessionId, len: usize) -> Result<()> {
         self.sessions.check_truncate(session, len)?;
+        if len == self.sessions.len(session)? {
+            return Ok(());
+        }
         let base = len - len % BLOCK;
         let (k, v) = self.rows(session, base, len)?;
         self.sessions.truncate(session, base)?;

@@ -737,14 +737,15 @@ impl CacheSessions {
     /// Whether a backend's truncation of `id` to `len` would succeed now, changing nothing:
     /// the truncation to the start of `len`'s 64-token block, then the re-append of its
     /// `len mod 64` kept tokens, whose copy-on-write of a shared page needs a free page
-    /// (docs/SPEC.md §6.1, "Truncate"; checked on a copy of the tables).
+    /// (docs/SPEC.md §6.1, "Truncate"; checked on a copy of the tables). A cut to the
+    /// session's own length does nothing, and succeeds.
     ///
     /// # Errors
     /// What [`CacheSessions::truncate`] or the re-append's reserve would return.
     pub fn check_truncate(&self, id: SessionId, len: usize) -> Result<(), PageError> {
         self.check_cut(id, len)?;
         let r = len % BLOCK_TOKENS;
-        if r == 0 {
+        if r == 0 || len == self.state(id)?.len {
             return Ok(());
         }
         let mut dry = self.clone();

@@ -278,11 +278,18 @@ fn truncations_keep_the_store_of_the_kept_keys() {
     let Some(gpu) = gpu() else { return };
     for residency in [Residency::Host, Residency::Hbm, Residency::IndexHbm] {
         let mut rng = StdRng::seed_from_u64(19);
+        // With a row cache: attends between the cuts cache rows whose positions later tokens
+        // take, which the cut must forget.
         let cfg = CacheConfig {
             residency,
+            row_cache: 64,
             ..config(2, 2, 128, 128, 96)
         };
         let row = 2 * 128;
+        let sparq = fathom_cuda::cache::AttendMethod::parse("sparq:16", 128).unwrap();
+        let q1: Vec<f32> = (0..2 * 4 * 128)
+            .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+            .collect();
         let mut cache = PagedCache::new(&gpu, cfg).unwrap();
         let a = cache.create().unwrap();
         let mut shadows = vec![vec![Shadow::default(); 2]; 8];
@@ -311,7 +318,12 @@ fn truncations_keep_the_store_of_the_kept_keys() {
                 }
                 _ => {
                     let m = [1, 5, 63, 64, 65][i % 5];
-                    step(&mut cache, &mut rng, &[(a, m)], &mut shadows, &slot);
+                    let ab = step(&mut cache, &mut rng, &[(a, m)], &mut shadows, &slot);
+                    for l in 0..2 {
+                        cache
+                            .attend_host(&ab, l, sparq, &small_select(), &q1)
+                            .unwrap();
+                    }
                 }
             }
             let what = format!("{residency:?} op {i}");
@@ -374,7 +386,8 @@ fn truncations_keep_the_store_of_the_kept_keys() {
         let (k, v) = (sh.k[..2 * row].to_vec(), sh.v[..2 * row].to_vec());
         cache.append_host(&ab, 0, &k, &v).unwrap();
         let nb = cache.len(b).unwrap();
-        let e = cache.truncate(b, nb).unwrap_err().to_string();
+        cache.truncate(b, nb).unwrap(); // its own length: nothing to do
+        let e = cache.truncate(b, nb - 1).unwrap_err().to_string();
         assert!(e.contains("no append wrote"), "{e}");
         cache.truncate(b, nb - 2).unwrap();
         step(&mut cache, &mut rng, &[(b, 3)], &mut shadows, &slot);
