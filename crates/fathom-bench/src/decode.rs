@@ -187,6 +187,13 @@ pub fn sparse_step(
         .enumerate()
         .map(|(h, (o, st))| -> Result<HeadTally, FidelityError> {
             let have = st.raw.tokens();
+            if have > n {
+                // The store runs ahead of the keys: the KV cache was cut back under this
+                // attention, and its rows past the cut are not the store's any more.
+                return Err(FidelityError::Invalid(format!(
+                    "layer {layer}, KV head {h}: the head store holds {have} keys but the cache {n}: the cache was truncated under this attention; make a new one from the cut cache"
+                )));
+            }
             if have < n {
                 let rows: Vec<f32> = (have..n)
                     .flat_map(|i| &keys[(i * hkv + h) * d..(i * hkv + h + 1) * d])
@@ -545,6 +552,13 @@ mod tests {
                     .is_err(),
                 "short keys"
             );
+            // A position behind the stores (the cache cut back under the decoder) is refused,
+            // not scored against the stores' keys past the cut.
+            let e = stepped
+                .attend(1, &q, &keys, &vals, n0 - 5, &mut out)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("truncated under this attention"), "{e}");
         }
     }
 

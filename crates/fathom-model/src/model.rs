@@ -268,7 +268,9 @@ impl KvCache {
         self.slice(&self.v[layer], self.len)
     }
     /// Forget tokens from `len` on (e.g. to branch several decodes from one prefill, clone the
-    /// cache instead; truncating is for re-running a suffix).
+    /// cache instead; truncating is for re-running a suffix). State a decode attention built
+    /// over the cache does not follow the cut: `fathom-eval`'s sparse attention refuses a
+    /// cache shorter than its stores, so make a new one after truncating.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
