@@ -29,7 +29,7 @@ fn fixture(n: usize, d: usize, seed: u64) -> Fixture {
     )
     .unwrap();
     let qs: Vec<f32> = (0..8 * d).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-    let calib = fathom_plan::calib::head_calib(&KvView::contiguous(&keys, d), &qs);
+    let calib = fathom_plan::calib::head_calib(&KvView::contiguous(&keys, d), &qs).unwrap();
     Fixture {
         keys,
         store,

@@ -196,9 +196,9 @@ impl Calibration {
     }
 }
 
-pub use fathom_plan::calib::{head_calib, jacobi_eigen, try_head_calib};
+pub use fathom_plan::calib::{head_calib, jacobi_eigen};
 
-/// [`try_head_calib`] of KV head `h` of one captured layer: its keys, and the queries of its
+/// [`head_calib`] of KV head `h` of one captured layer: its keys, and the queries of its
 /// group at every captured position (a non-finite value is an error naming the layer).
 fn layer_head_calib(
     info: &CaptureInfo,
@@ -211,7 +211,7 @@ fn layer_head_calib(
     for p in 0..info.positions.len() {
         qs.extend_from_slice(&data.q[(p * hq + h * g) * d..(p * hq + (h + 1) * g) * d]);
     }
-    try_head_calib(&keys, &qs).map_err(|source| FidelityError::Protocol {
+    head_calib(&keys, &qs).map_err(|source| FidelityError::Protocol {
         layer: data.index,
         source,
     })
@@ -257,7 +257,7 @@ impl Calibration {
     ///
     /// # Errors
     /// A layer whose keys or queries are not finite, or of a head dimension the statistics do
-    /// not take ([`fathom_plan::calib::try_head_calib`]).
+    /// not take ([`fathom_plan::calib::head_calib`]).
     pub fn statistics_only(
         src: &crate::fidelity::InMemory,
         capture: &str,

@@ -612,7 +612,7 @@ mod tests {
                 .collect();
             let qs: Vec<f32> = (0..8 * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let view = KvView::contiguous(&keys, d);
-            let hc = head_calib(&view, &qs);
+            let hc = head_calib(&view, &qs).unwrap();
             let dims = Dims {
                 heads: 1,
                 channels: d,

@@ -91,7 +91,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cq: Vec<f32> = (0..16 * g * d).map(|_| rq.gen_range(-1.0..1.0)).collect();
     let heads: Vec<_> = (0..hkv)
         .map(|h| head_calib(&KvView::head(&ck, hkv, d, h), &cq))
-        .collect();
+        .collect::<Result<_, _>>()?;
     for l in 0..shape.layers {
         cache.load_calibration(l, &heads)?;
     }

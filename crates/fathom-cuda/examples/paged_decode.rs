@@ -67,7 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let qs: Vec<f32> = (0..8 * g * d).map(|_| w.rnd()).collect();
         let heads: Vec<_> = (0..hkv)
             .map(|h| head_calib(&KvView::head(&kb, hkv, d, h), &qs))
-            .collect();
+            .collect::<Result<_, _>>()?;
         cache.load_calibration(l, &heads)?;
         calibs.push(heads);
     }

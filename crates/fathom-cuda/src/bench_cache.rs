@@ -64,7 +64,7 @@ fn pca_basis(src: &LayerSource, h: usize) -> Result<Vec<f32>> {
     let qs: Vec<f32> = (0..64)
         .flat_map(|p| src.queries(p)[h * g * d..(h + 1) * g * d].to_vec())
         .collect();
-    Ok(fathom_plan::calib::try_head_calib(
+    Ok(fathom_plan::calib::head_calib(
         &fathom_plan::KvView::head(&src.keys[..n * hkv * d], hkv, d, h),
         &qs,
     )?

@@ -732,7 +732,9 @@ fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
                 let kb: Vec<f32> = shadows[ids[0].slot()][l].k.iter().map(|&x| bf(x)).collect();
                 let qs: Vec<f32> = (0..16 * g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 (0..hkv)
-                    .map(|h| fathom_plan::calib::head_calib(&KvView::head(&kb, hkv, d, h), &qs))
+                    .map(|h| {
+                        fathom_plan::calib::head_calib(&KvView::head(&kb, hkv, d, h), &qs).unwrap()
+                    })
                     .collect()
             })
             .collect();
@@ -1633,10 +1635,7 @@ fn a_million_token_session_matches_the_cpu_reference() {
     // Calibration from the first 8192 keys and random queries.
     let head: Vec<f32> = shadows[0][0].k[..8192 * d].iter().map(|&x| bf(x)).collect();
     let qs: Vec<f32> = (0..16 * g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let calib = vec![fathom_plan::calib::head_calib(
-        &KvView::head(&head, hkv, d, 0),
-        &qs,
-    )];
+    let calib = vec![fathom_plan::calib::head_calib(&KvView::head(&head, hkv, d, 0), &qs).unwrap()];
     cache.load_calibration(0, &calib).unwrap();
     let params = SelectParams {
         sink: 4,
@@ -1869,7 +1868,10 @@ fn drawn_calibration(
         .collect();
     let qs: Vec<f32> = (0..16 * g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
     (0..hkv)
-        .map(|h| fathom_plan::calib::head_calib(&fathom_plan::KvView::head(&keys, hkv, d, h), &qs))
+        .map(|h| {
+            fathom_plan::calib::head_calib(&fathom_plan::KvView::head(&keys, hkv, d, h), &qs)
+                .unwrap()
+        })
         .collect()
 }
 

@@ -28,7 +28,7 @@ use fathom_model::attention::KvSlice;
 use fathom_model::{
     argmax, AttendError, AttentionHook, DecodeAttention, Dense, KvCache, LayerKind, Model,
 };
-use fathom_plan::calib::try_head_calib;
+use fathom_plan::calib::head_calib;
 use fathom_plan::scanner::{HeadCalib, Scanner};
 use fathom_plan::{KvView, PlanError, SelectParams};
 use rayon::prelude::*;
@@ -67,7 +67,7 @@ impl AttentionHook for QueryTail {
 /// Calibrates every global layer from one calibration document: `σ²`, the KLT, Loki's PCA
 /// basis and Double Sparsity's channels from the document's keys (its dense prefill KV cache)
 /// and the queries of its last `n_queries` positions (captured through an [`AttentionHook`]),
-/// with [`try_head_calib`]. The document is held out from every evaluated prompt (the corpus's
+/// with [`head_calib`]. The document is held out from every evaluated prompt (the corpus's
 /// calibration split), so the calibration is offline, as DS and Loki intend.
 pub fn calibrate(model: &Model, tokens: &[u32], n_queries: usize) -> Result<LayerCalib, EvalError> {
     let cfg = model.config();
@@ -93,7 +93,7 @@ pub fn calibrate(model: &Model, tokens: &[u32], n_queries: usize) -> Result<Laye
                     for row in hook.q[l].chunks_exact(hq * d) {
                         qs.extend_from_slice(&row[h * g * d..(h + 1) * g * d]);
                     }
-                    try_head_calib(&keys, &qs)
+                    head_calib(&keys, &qs)
                 })
                 .collect()
         })

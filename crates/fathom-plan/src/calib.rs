@@ -12,11 +12,12 @@
 //! let view = KvView::contiguous(&keys, 2);
 //! let m = channel_moments(&view);
 //! assert_eq!(m.variance, [1.0, 0.0]);
-//! let hc = head_calib(&view, &[1.0, 1.0]);
+//! let hc = head_calib(&view, &[1.0, 1.0])?;
 //! assert_eq!(hc.sigma2, [1.0, 0.0]);
 //! assert_eq!(hc.ds_channels, [1, 0]); // mean|k| is 5 on channel 1
-//! // Bad input is a typed error from `try_head_calib`: here a ragged query list.
-//! assert!(fathom_plan::calib::try_head_calib(&view, &[1.0, 1.0, 1.0]).is_err());
+//! // Bad input is a typed error from `head_calib`: here a ragged query list.
+//! assert!(fathom_plan::calib::head_calib(&view, &[1.0, 1.0, 1.0]).is_err());
+//! # Ok::<(), fathom_plan::PlanError>(())
 //! ```
 
 use crate::scanner::HeadCalib;
@@ -161,7 +162,7 @@ pub struct ChannelMoments {
 
 /// [`ChannelMoments`] of `keys` (the one implementation of σ² for captures, synthetic
 /// sources and calibration). No keys give zero moments; a NaN or an infinity in a key gives
-/// a non-finite moment of its channel (the data's own; [`try_head_calib`] refuses such keys
+/// a non-finite moment of its channel (the data's own; [`head_calib`] refuses such keys
 /// before computing anything).
 pub fn channel_moments(keys: &KvView<'_>) -> ChannelMoments {
     let (n, d) = (keys.rows(), keys.dim);
@@ -219,7 +220,7 @@ pub fn ds_order(scores: &[f64]) -> Vec<usize> {
 /// [`HeadCalib::ds_channels`] are `u16`); [`PlanError::ShapeMismatch`] for no keys or a query
 /// list that is not whole rows of `D`; [`PlanError::NonFinite`] for a NaN or an infinity in a
 /// key (`"calibration keys"`, flat index `row·D + channel`) or a query.
-pub fn try_head_calib(keys: &KvView<'_>, queries: &[f32]) -> Result<HeadCalib, PlanError> {
+pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> Result<HeadCalib, PlanError> {
     let (n, d) = (keys.rows(), keys.dim);
     if d == 0 || d > MAX_CALIB_DIM {
         return Err(PlanError::InvalidParameter {
@@ -258,15 +259,6 @@ pub fn try_head_calib(keys: &KvView<'_>, queries: &[f32]) -> Result<HeadCalib, P
         });
     }
     Ok(head_calib_checked(keys, queries))
-}
-
-/// [`try_head_calib`] for input known to be valid.
-///
-/// # Panics
-/// On any input [`try_head_calib`] refuses (a programming error here: the callers pass
-/// captures and keys already checked finite and shaped); the message is that error's.
-pub fn head_calib(keys: &KvView<'_>, queries: &[f32]) -> HeadCalib {
-    try_head_calib(keys, queries).unwrap_or_else(|e| panic!("head_calib: {e}"))
 }
 
 /// The statistics of a checked input (`D` in range, at least one key, whole finite rows).
@@ -346,8 +338,8 @@ mod tests {
     fn bad_calibration_input_is_a_typed_error() {
         let keys = [1.0f32, 2.0, -1.0, 0.5, 3.0, -2.0];
         let view = KvView::contiguous(&keys, 2);
-        assert!(try_head_calib(&view, &[1.0, 0.5]).is_ok());
-        let err = |k: &KvView<'_>, q: &[f32]| try_head_calib(k, q).unwrap_err();
+        assert!(head_calib(&view, &[1.0, 0.5]).is_ok());
+        let err = |k: &KvView<'_>, q: &[f32]| head_calib(k, q).unwrap_err();
         assert!(matches!(
             err(&KvView::contiguous(&keys, 0), &[]),
             PlanError::InvalidParameter { name: "D", .. }
@@ -401,11 +393,5 @@ mod tests {
         ));
         let (vals, _) = jacobi_eigen(&[2.0, 0.0, 0.0, 1.0], 2).unwrap();
         assert_eq!(vals, [2.0, 1.0]);
-    }
-
-    #[test]
-    #[should_panic(expected = "head_calib")]
-    fn head_calib_panics_with_the_error_on_bad_input() {
-        let _ = head_calib(&KvView::contiguous(&[f32::NAN, 1.0], 2), &[]);
     }
 }
