@@ -1444,6 +1444,154 @@ mod tests {
         led.check_replay(&b4, &[true, false], "replay").unwrap();
     }
 
+    /// The written-prefix rule against the ground truth, at several sizes: random creates,
+    /// forks, frees, reserves, appends of some layers only (failed steps), truncations and
+    /// reads, with a bitmap of the rows each append really wrote beside the ledger. Sound: a
+    /// read, append or reserve the ledger allows never touches a row no append wrote (a read
+    /// of a layer needs all its rows; an append the rows before its new ones; a reserve every
+    /// written layer's rows). Complete on healthy sessions: a read of a layer appended in the
+    /// step, whose rows are all written, is allowed. (Checked by mutation: dropping the
+    /// truncation's clamp, the append's prefix check or the reserve's check fails this test;
+    /// the read's own prefix check is defence in depth behind the other two.)
+    #[test]
+    // `l` indexes the ground truth's inner vectors and names the layer checked.
+    #[allow(clippy::needless_range_loop)]
+    fn the_written_prefix_never_lets_an_unwritten_row_be_read() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        use std::collections::BTreeMap;
+        for (seed, layers, sessions, pages) in
+            [(1u64, 1usize, 2usize, 8usize), (2, 2, 4, 8), (3, 4, 4, 32)]
+        {
+            let mut c = cfg();
+            c.shape.layers = layers;
+            c.pages.max_sessions = sessions;
+            c.pages.pages = pages;
+            let mut rng = StdRng::seed_from_u64(0x1ED6 + seed);
+            let mut s = crate::pages::CacheSessions::new(c.pages).unwrap();
+            let mut led = StepLedger::new(layers);
+            // Ground truth: per live session, per layer, which rows an append wrote.
+            let mut rows: BTreeMap<SessionId, Vec<Vec<bool>>> = BTreeMap::new();
+            let mut batch: Option<AppendBatch> = None;
+            let mut step = 0u64;
+            let (mut refused, mut allowed_reads) = (0, 0);
+            for _ in 0..3000 {
+                let live: Vec<SessionId> = rows.keys().copied().collect();
+                let pick = |rng: &mut StdRng| live[rng.gen_range(0..live.len())];
+                match rng.gen_range(0..12) {
+                    0 => {
+                        if let Ok(id) = s.create() {
+                            led.created(id);
+                            rows.insert(id, vec![Vec::new(); layers]);
+                        }
+                    }
+                    1 if !live.is_empty() => {
+                        let p = pick(&mut rng);
+                        if let Ok(id) = s.fork(p) {
+                            led.forked(p, id);
+                            let r = rows[&p].clone();
+                            rows.insert(id, r);
+                        }
+                    }
+                    2 if !live.is_empty() && rng.gen_bool(0.3) => {
+                        let id = pick(&mut rng);
+                        s.free(id).unwrap();
+                        led.freed(id);
+                        rows.remove(&id);
+                        batch = None;
+                    }
+                    3 if !live.is_empty() => {
+                        // A truncation (the plain cut; a backend's re-append is appends).
+                        let id = pick(&mut rng);
+                        let n = s.len(id).unwrap();
+                        let to = n.saturating_sub(rng.gen_range(0..=70));
+                        s.truncate(id, to).unwrap();
+                        led.truncated(id, to);
+                        rows.get_mut(&id)
+                            .unwrap()
+                            .iter_mut()
+                            .for_each(|r| r.truncate(to));
+                        batch = None;
+                    }
+                    4..=6 if !live.is_empty() => {
+                        let mut want: Vec<(SessionId, usize)> = Vec::new();
+                        for _ in 0..rng.gen_range(1..=live.len()) {
+                            let id = pick(&mut rng);
+                            if want.iter().all(|(x, _)| *x != id) {
+                                want.push((id, [1, 1, 3, 64, 65][rng.gen_range(0..5)]));
+                            }
+                        }
+                        let lens: Vec<(SessionId, usize)> = want
+                            .iter()
+                            .map(|&(id, _)| (id, s.len(id).unwrap()))
+                            .collect();
+                        let ok = led.check_grow(&lens, "reserve").is_ok();
+                        if ok {
+                            // Sound: every written layer holds all of each session's rows.
+                            for &(id, _) in &lens {
+                                for l in led.appended_layers() {
+                                    assert!(rows[&id][l].iter().all(|&w| w), "reserve over a hole");
+                                }
+                            }
+                            if let Ok(plans) = s.reserve_many(&want) {
+                                step += 1;
+                                let b = AppendBatch::new(plans, step);
+                                led.reserved(&b);
+                                for p in &b.plans {
+                                    for r in rows.get_mut(&p.session).unwrap() {
+                                        r.resize(p.first_token + p.tokens, false);
+                                    }
+                                }
+                                batch = Some(b);
+                            }
+                        } else {
+                            refused += 1;
+                        }
+                    }
+                    7..=9 => {
+                        // An append of one layer (a failed step skips some).
+                        let Some(b) = &batch else { continue };
+                        let l = rng.gen_range(0..layers);
+                        if led.check_append(b, l, "append").is_ok() {
+                            for p in &b.plans {
+                                let r = &mut rows.get_mut(&p.session).unwrap()[l];
+                                assert!(
+                                    r[..p.first_token].iter().all(|&w| w),
+                                    "append over a hole"
+                                );
+                                r[p.first_token..p.first_token + p.tokens].fill(true);
+                            }
+                            led.appended(b, l);
+                        } else {
+                            refused += 1;
+                        }
+                    }
+                    _ => {
+                        let Some(b) = &batch else { continue };
+                        for l in 0..layers {
+                            let whole = b
+                                .plans
+                                .iter()
+                                .all(|p| rows[&p.session][l].iter().all(|&w| w));
+                            let fresh = led.appended_at[l] == b.step;
+                            match led.check_read(b, l, "attend") {
+                                Ok(()) => {
+                                    assert!(whole, "a read of rows no append wrote");
+                                    allowed_reads += 1;
+                                }
+                                Err(_) => assert!(!(whole && fresh), "a healthy read refused"),
+                            }
+                        }
+                    }
+                }
+                s.check().unwrap();
+            }
+            assert!(
+                refused > 20 && allowed_reads > 20,
+                "seed {seed}: {refused} refused, {allowed_reads} reads"
+            );
+        }
+    }
+
     #[test]
     fn host_rows_past_the_stored_ranges_are_refused() {
         let c = cfg();
