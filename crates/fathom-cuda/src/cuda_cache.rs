@@ -2267,33 +2267,27 @@ impl PagedCache {
             CudaError::invalid("batch index", format!("{b} of {}", batch.plans.len()))
         })?;
         let n = p.end_token();
-        let depths: Vec<u8> = self.work.depths.read(self.cfg.max_batch * hkv * d)?;
-        let scores: Vec<f32> = self
-            .work
-            .scores
-            .read(self.cfg.max_batch * hq * self.cfg.pages.max_tokens)?;
-        let winners: Vec<u32> = self
-            .work
-            .winners
-            .read(self.cfg.max_batch * hq * self.cfg.max_k)?;
-        let counts: Vec<u32> = self.work.counts.read(self.cfg.max_batch * hq)?;
+        // Session b's rows only (the score buffer holds max_batch · Hq · max_tokens).
+        let depths: Vec<u8> = self.work.depths.read_at(b * hkv * d, hkv * d)?;
         let mt = self.cfg.pages.max_tokens;
+        let scores: Vec<f32> = self.work.scores.read_at(b * hq * mt, hq * mt)?;
+        let mk = self.cfg.max_k;
+        let winners: Vec<u32> = self.work.winners.read_at(b * hq * mk, hq * mk)?;
+        let counts: Vec<u32> = self.work.counts.read_at(b * hq, hq)?;
         let mut sc = Vec::with_capacity(hq * n);
         for r in 0..hq {
-            let row = (b * hq + r) * mt;
-            sc.extend_from_slice(&scores[row..row + n]);
+            sc.extend_from_slice(&scores[r * mt..r * mt + n]);
         }
         let win = (0..hq)
             .map(|r| {
-                let row = (b * hq + r) * self.cfg.max_k;
-                let mut v = winners[row..row + counts[b * hq + r] as usize].to_vec();
+                let mut v = winners[r * mk..r * mk + counts[r] as usize].to_vec();
                 v.sort_unstable();
                 v
             })
             .collect();
         let _ = g;
         Ok(AttendDebug {
-            depths: depths[b * hkv * d..(b + 1) * hkv * d].to_vec(),
+            depths,
             scores: sc,
             winners: win,
         })

@@ -44,10 +44,22 @@ impl DevBuf {
         Ok(b)
     }
     pub(crate) fn read<T: Copy + Default>(&self, len: usize) -> Result<Vec<T>> {
-        assert!(len * std::mem::size_of::<T>() <= self.bytes.max(16));
+        self.read_at(0, len)
+    }
+
+    /// `len` elements of `T` from element `first` on.
+    ///
+    /// # Panics
+    /// A range past the allocation (a caller's bug: every caller sizes it from the buffer's
+    /// own layout).
+    pub(crate) fn read_at<T: Copy + Default>(&self, first: usize, len: usize) -> Result<Vec<T>> {
+        let size = std::mem::size_of::<T>();
+        assert!((first + len) * size <= self.bytes.max(16));
         let mut v = vec![T::default(); len];
-        // SAFETY: reads `len` elements that lie inside the allocation (asserted above).
-        unsafe { result::memcpy_dtoh_sync(&mut v, self.ptr) }.map_err(drv("memcpy_dtoh"))?;
+        // SAFETY: reads `len` elements from element `first`, inside the allocation (asserted
+        // above).
+        unsafe { result::memcpy_dtoh_sync(&mut v, self.ptr + (first * size) as u64) }
+            .map_err(drv("memcpy_dtoh"))?;
         Ok(v)
     }
 }
