@@ -1,6 +1,7 @@
 //! Decoding through the paged cache: two sessions of different lengths are prefilled in one
 //! ragged batch, then decoded for 16 steps, each step appending one token per session to
-//! every layer and attending with `fathom:48`; every output is checked against the CPU
+//! every layer and attending with `fathom:48`, with the second session rolled back by 3 tokens
+//! half-way (`truncate`, as a rejected speculative draft); every output is checked against the CPU
 //! reference of the same protocol (`fathom-plan`: importance, water-filling, the bit-plane
 //! scan, each query head's own top-k, exact attention). Keys, values and queries are a
 //! labelled synthetic workload (seeded uniform numbers), not model activations.
@@ -78,7 +79,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let method = AttendMethod::Scan(Method::Fathom(48.0));
     let (mut worst, mut heads, mut differ) = (0f64, 0usize, 0usize);
-    for _step in 0..16 {
+    for step in 0..16 {
+        if step == 8 {
+            // A speculative draft of 3 tokens rejected: session b rolls back, inside a block.
+            let n = cache.len(b)? - 3;
+            cache.truncate(b, n)?;
+            for l in 0..2 {
+                w.keys[1][l].truncate(n * row);
+                w.vals[1][l].truncate(n * row);
+            }
+        }
         let ab = w.feed(&mut cache, &[(0, 1), (1, 1)], [a, b])?;
         for (l, layer_calib) in calibs.iter().enumerate() {
             let q: Vec<f32> = (0..2 * hkv * g * d).map(|_| w.rnd()).collect();
@@ -144,7 +154,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let (bits, plans) = cache.plan_bits()?;
     println!(
-        "sessions of {} and {} tokens after 16 decode steps; fathom:48 read {bits:.1} bits per token and KV head over {plans} plans; {differ} of {heads} query-head selections differ from the CPU's (near-ties); worst relative error of the others against the CPU reference {worst:.2e}",
+        "sessions of {} and {} tokens after 16 decode steps (the second rolled back by 3); fathom:48 read {bits:.1} bits per token and KV head over {plans} plans; {differ} of {heads} query-head selections differ from the CPU's (near-ties); worst relative error of the others against the CPU reference {worst:.2e}",
         cache.len(a)?,
         cache.len(b)?
     );

@@ -23,8 +23,9 @@
 //! from device memory (quantized and packed on the GPU, bit-exact with `fathom-store`), and
 //! attends each layer's queries with any method of the grammar; each query head attends over
 //! its own sink + local + top-k set. This example (`examples/paged_decode.rs`) prefills two
-//! sessions of different lengths and decodes 16 steps, checking every output against the CPU
-//! reference; without a GPU it prints why and returns.
+//! sessions of different lengths and decodes 16 steps, rolling one back by 3 tokens half-way
+//! (`truncate`), checking every output against the CPU reference; without a GPU it prints why
+//! and returns.
 //!
 //! ```
 #![doc = include_str!("../examples/paged_decode.rs")]
