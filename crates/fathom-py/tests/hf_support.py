@@ -6,14 +6,20 @@ import os
 import pytest
 
 
-def need(name, required_by="FATHOM_REQUIRE_GPU", why="CI has no torch; the device does"):
-    """Imports `name`, or skips the calling test module with the reason; with `required_by`
-    set to 1 (FATHOM_REQUIRE_GPU=1 on the device, where torch and transformers are) a missing
-    module is a failure instead."""
+# Where torch and transformers must be: the device (FATHOM_REQUIRE_GPU=1) and CI, which
+# installs CPU torch and transformers (FATHOM_REQUIRE_TORCH=1, set by .ci/run).
+TORCH = ("FATHOM_REQUIRE_GPU", "FATHOM_REQUIRE_TORCH")
+
+
+def need(name, required_by=TORCH, why="pip install torch transformers; .ci/run installs them"):
+    """Imports `name`, or skips the calling test (module) with the reason; with any of the
+    `required_by` variables set to 1 a missing module is a failure instead, so that no run
+    which promises the packages skips for want of one."""
     try:
         return importlib.import_module(name)
     except ImportError:
-        if os.environ.get(required_by) == "1":
+        required_by = (required_by,) if isinstance(required_by, str) else required_by
+        if any(os.environ.get(v) == "1" for v in required_by):
             raise
         pytest.skip(f"{name} is not installed ({why})", allow_module_level=True)
 

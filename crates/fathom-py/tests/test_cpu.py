@@ -417,8 +417,11 @@ def test_complex_and_non_numeric_arrays_are_refused():
 
 def test_a_decoder_that_would_fail_at_its_first_step_is_refused_at_construction():
     for m in ("fathom:48", "ds:8", "loki:8"):
-        with pytest.raises(ValueError, match="calib"):
+        # A missing argument is bad input: a plain ValueError naming it, not the library's
+        # FathomError (which an unknown or out-of-range method item is).
+        with pytest.raises(ValueError, match="^calib: ") as e:
             fathom.Decoder(m, 1, 2, 16, 8)
+        assert not isinstance(e.value, fathom.FathomError)
     for bad in (float("nan"), 0.0, -5.0, float("inf")):
         with pytest.raises(ValueError, match="softcap"):
             fathom.Decoder("exact", 1, 2, 16, 8, softcap=bad)

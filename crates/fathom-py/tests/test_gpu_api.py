@@ -8,6 +8,7 @@ import pytest
 
 import fathom
 import fathom.gpu as fg
+from hf_support import need
 
 
 def test_dlpack_reads_a_numpy_tensor_without_copying():
@@ -74,7 +75,7 @@ def test_a_negative_count_is_a_value_error_naming_it(arg):
 
 
 def test_torch_tensors_are_read_through_dlpack():
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     info = fg.dlpack_info(torch.zeros(2, 3, dtype=torch.bfloat16))
     assert info["dtype"] == "bfloat16" and info["shape"] == [2, 3] and info["contiguous"]
     assert not fg.dlpack_info(torch.zeros(4, 5).T)["contiguous"]

@@ -1,15 +1,18 @@
 """The GPU API on the device: torch CUDA tensors in, attention out, zero-copy, against torch's
-own attention over the same bf16 K/V. Skips without torch or a GPU (as on CI); with
-FATHOM_REQUIRE_GPU=1 (the device runs) a missing GPU fails instead."""
+own attention over the same bf16 K/V. Skips without a GPU (as on CI, which has CPU torch), or
+without torch where no run asks for it; with FATHOM_REQUIRE_GPU=1 (the device runs) a missing
+GPU or torch fails instead."""
 
 import math
 import os
 
 import pytest
 
-torch = pytest.importorskip("torch")
-import fathom
-import fathom.gpu as fg
+from hf_support import need
+
+torch = need("torch")
+import fathom  # noqa: E402
+import fathom.gpu as fg  # noqa: E402
 
 if not torch.cuda.is_available():
     if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
@@ -276,7 +279,7 @@ def test_every_method_on_the_gpu_equals_the_cpu_decoder(tmp_path, method, cpu_me
 
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_hf_generation_on_the_gpu_cache_gives_the_models_own_tokens(qk_norm):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     import fathom.hf
 
     torch.manual_seed(5)

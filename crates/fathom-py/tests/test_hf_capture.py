@@ -1,8 +1,9 @@
 """`fathom.capture` on randomly initialised small Hugging Face models (no hub weights): the
 captured q, k, v reproduce the model's own attention output o (docs/SPEC.md §8), for a
 Qwen3-style model (QK-norm), a Llama-style one and a Gemma 3-style one (sliding-window layers,
-an attention scale that is not 1/√D). Needs torch and transformers: CI has neither, so there
-these tests skip with the reason; with FATHOM_REQUIRE_GPU=1 (the device) a missing one fails.
+an attention scale that is not 1/√D). Needs torch and transformers: CI installs CPU builds of
+both; where neither FATHOM_REQUIRE_TORCH=1 (CI) nor FATHOM_REQUIRE_GPU=1 (the device) asks for
+them, these tests skip with the reason, and where one does a missing package fails.
 """
 
 import math

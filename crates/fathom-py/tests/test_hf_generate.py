@@ -1,7 +1,8 @@
 """`fathom.hf.generate` on randomly initialised small Hugging Face models: dense through
 Fathom's decoder gives HF's own tokens; exact top-k that keeps every key is dense; a Fathom
 budget reads at most its bits; bad calls fail before generation. Needs torch and
-transformers (skipped in CI with the reason; with FATHOM_REQUIRE_GPU=1 a missing one fails).
+transformers (CI installs both; with FATHOM_REQUIRE_TORCH=1 or FATHOM_REQUIRE_GPU=1 a missing
+one fails, elsewhere it skips with the reason).
 """
 
 import pytest
@@ -68,14 +69,22 @@ def test_fathom_with_a_calibration_of_the_same_model_reads_at_most_its_budget(tm
     print(f"fathom:48 k=32: {agree:.2f} of {NEW} tokens as dense, {att.mean_bits:.1f} bits, density {att.density:.3f}")
 
 
-def test_bad_calls_fail_before_generation(tmp_path):
+def test_bad_calls_fail_before_generation(tmp_path, monkeypatch):
     model = qwen3().eval()
     ids = torch.randint(0, 300, (1, PROMPT))
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("model.generate ran; the bad call should have failed before it")
+
+    monkeypatch.setattr(model, "generate", no_generation)
+    # The library's refusal (a method item past the grammar's limits) is fathom.FathomError.
     with pytest.raises(fathom.FathomError, match="sparq:9999"):
         fathom.hf.generate(model, ids, "sparq:9999", k=16)
-    with pytest.raises(fathom.FathomError, match="sigma2|calibration"):
-        # Fathom plans need σ²: the decoder is built before generation; the first scan fails.
+    # A missing argument is bad input, as the package README says: a plain ValueError naming
+    # it (Fathom plans need a calibration; the decoder is built before generation and refuses).
+    with pytest.raises(ValueError, match="^calib: method \"fathom:48\" needs a calibration") as e:
         fathom.hf.generate(model, ids, "fathom:48", k=16, max_new_tokens=2)
+    assert not isinstance(e.value, fathom.FathomError)
     with pytest.raises(ValueError, match="batch"):
         fathom.hf.generate(model, ids.repeat(2, 1), "dense", k=16)
     with pytest.raises(ValueError, match="one"):
