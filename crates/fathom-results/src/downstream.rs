@@ -245,10 +245,28 @@ pub struct RulerDoc {
     /// [`ROW_CACHE_MEASURED`]); absent in earlier files, which have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub row_cache_source: Option<String>,
+    /// The probes that chose this run's task shape and haystack, on seeds this run does not
+    /// use (docs/SPEC.md §7: choose on tuning seeds, evaluate on fresh ones); absent where
+    /// none was recorded (every file before the field; the evaluation seed is the header's
+    /// `seed`, each sample's own seed is in its `sample`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tuning: Option<Tuning>,
     /// Per task.
     pub summary: BTreeMap<String, TaskSummary>,
     /// Per sample.
     pub results: Vec<RulerRecord>,
+}
+
+/// The task-shape probes a RULER run was tuned on (docs/SPEC.md §7).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tuning {
+    /// The probes' base seed (never the run's own `seed`).
+    pub seed: u64,
+    /// Samples per task of each probe (sample `i` of task `t` drew the seed
+    /// `fathom_eval::ruler::sample_seed(seed, t, i)`, `i < samples_per_task`).
+    pub samples_per_task: usize,
+    /// What the probes chose: the run's `--shape` and `--haystack`.
+    pub chose: String,
 }
 
 /// One method's result on one agent session.

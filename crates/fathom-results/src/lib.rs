@@ -44,6 +44,7 @@ pub mod calibration;
 pub mod decode_bench;
 pub mod downstream;
 pub mod fidelity;
+pub mod judged;
 pub mod offload;
 pub mod parity;
 pub mod speed;
