@@ -13,6 +13,10 @@
 //! in `[0, 4.25·D]` (docs/SPEC.md §3's `max_budget`), a channel count `R` is in `1..=D`. So
 //! `sparq:-3`, `sparq:0`, `fathom:-1` and `fathom:NaN` are errors where they were typed.
 //!
+//! A budget (and a sweep's ends and step) may be given per channel, `xc` = `x·D` bits
+//! (docs/SPEC.md §4): `fathom:0.375c` is `fathom:48` at D = 128 and `fathom:24` at D = 64. It
+//! resolves at parse time, so the method's label is the budget in bits.
+//!
 //! ```
 //! use fathom_plan::method::{Family, MethodSpec};
 //! let m: MethodSpec = MethodSpec::parse("ds:32", 128)?;
@@ -144,7 +148,8 @@ pub enum MethodSpec {
 /// Every method name the grammar knows, for error messages and help.
 pub const GRAMMAR: &str = "dense, exact, fathom:B, fathom-layer:B, fathom-uniform:B, \
 fathom-sweep:B1-B2/STEP, fathom-raw:B, fathom-klt:B, fathom-blockmax:B, sparq:R, sparq-union:R, \
-ds:R, loki:R, loki-f16:R, thumb2, landmark, quest";
+ds:R, loki:R, loki-f16:R, thumb2, landmark, quest (B in bits, or per channel as xc = x·D bits: \
+fathom:0.375c)";
 
 impl MethodSpec {
     /// Parses one method at head dimension `d` (`fathom-sweep` is a list item: see
@@ -346,14 +351,33 @@ pub fn fmt_budget(b: f32) -> String {
     }
 }
 
+/// Bits from `B` (bits) or `xc` (`x` bits per channel: `B = x·D`, docs/SPEC.md §4), not yet
+/// range-checked. The one rule for budgets, sweep ends and sweep steps.
+fn parse_bits(s: &str, d: usize, what: &str) -> Result<f32, String> {
+    let (num, per_channel) = match s.strip_suffix('c') {
+        Some(x) => (x, true),
+        None => (s, false),
+    };
+    let x: f32 = num.parse().map_err(|_| {
+        format!("{what} {s:?} is not a number of bits (48) or of bits per channel (0.375c)")
+    })?;
+    if per_channel && !x.is_finite() {
+        return Err(format!("{what} {s:?}: {x} bits per channel is not finite"));
+    }
+    Ok(if per_channel { x * d as f32 } else { x })
+}
+
 fn parse_budget(s: &str, d: usize) -> Result<f32, String> {
-    let b: f32 = s
-        .parse()
-        .map_err(|_| format!("budget {s:?} is not a number"))?;
+    let b = parse_bits(s, d, "budget")?;
     let max = max_budget(d);
     if !b.is_finite() || !(0.0..=max).contains(&b) {
+        let per = if s.ends_with('c') {
+            format!(" ({s} at D = {d})")
+        } else {
+            String::new()
+        };
         return Err(format!(
-            "budget {b} bits is out of range [0, {max}] (4.25 × D, D = {d})"
+            "budget {b} bits{per} is out of range [0, {max}] (4.25 × D, D = {d}; per channel [0, 4.25]c)"
         ));
     }
     Ok(b)
@@ -374,9 +398,7 @@ fn parse_sweep(item: &str, spec: &str, d: usize) -> Result<Vec<MethodSpec>, Meth
         parse_budget(b1, d).map_err(err)?,
         parse_budget(b2, d).map_err(err)?,
     );
-    let step: f32 = step
-        .parse()
-        .map_err(|_| err(format!("STEP {step:?} is not a number")))?;
+    let step = parse_bits(step, d, "STEP").map_err(err)?;
     if !(step.is_finite() && step > 0.0) || b2 < b1 {
         return Err(err(format!(
             "need B1 ≤ B2 and STEP > 0 (got {b1}-{b2}/{step})"
@@ -477,6 +499,56 @@ mod tests {
         assert_eq!(p("sparq-union:8").family(), Family::SparQ);
         assert_eq!(p("loki-f16:8").loki_r(), Some(8));
         assert_eq!(p("ds:8").loki_r(), None);
+    }
+
+    /// `xc` is `x·D` bits for every Fathom form, checked as bits are; a malformed one names
+    /// the item and the problem.
+    #[test]
+    fn budgets_per_channel() {
+        let p = |s: &str, d| MethodSpec::parse(s, d).map(|m| m.to_string());
+        assert_eq!(p("fathom:0.375c", 128).unwrap(), "fathom:48");
+        assert_eq!(p("fathom:0.375c", 64).unwrap(), "fathom:24");
+        assert_eq!(p("fathom:0.375c", 256).unwrap(), "fathom:96");
+        assert_eq!(p("fathom-layer:0.5c", 64).unwrap(), "fathom-layer:32");
+        assert_eq!(p("fathom:4.25c", 64).unwrap(), "fathom:272");
+        let v = MethodSpec::parse_list("fathom-sweep:0.25c-0.5c/0.125c", 128).unwrap();
+        let names: Vec<String> = v.iter().map(|m| m.to_string()).collect();
+        assert_eq!(names, ["fathom:32", "fathom:48", "fathom:64"]);
+        for (bad, says) in [
+            ("fathom:4.5c", "per channel [0, 4.25]c"),
+            ("fathom:-0.1c", "out of range"),
+            ("fathom:c", "not a number"),
+            ("fathom:0.3cc", "not a number"),
+            ("fathom:infc", "not finite"),
+            ("fathom-sweep:0.1c-0.2c/0c", "STEP > 0"),
+        ] {
+            let e = MethodSpec::parse_list(bad, 64).unwrap_err();
+            assert_eq!(e.item, bad);
+            assert!(e.why.contains(says), "{bad}: {e}");
+        }
+        assert!(
+            MethodSpec::parse("sparq:0.25c", 64).is_err(),
+            "R stays a count"
+        );
+    }
+
+    /// Seeded property: at every D, `fathom:xc` parses to the budget `x·D` exactly when `x·D`
+    /// parses as bits, and to the same method.
+    #[test]
+    fn per_channel_equals_bits_times_d() {
+        use crate::testutil::runner;
+        use proptest::prelude::*;
+        for d in [32usize, 64, 128, 256] {
+            runner(200)
+                .run(&(0u32..=4400), |x| {
+                    let x = x as f32 / 1000.0;
+                    let per = MethodSpec::parse(&format!("fathom:{x}c"), d);
+                    let bits = MethodSpec::parse(&format!("fathom:{}", x * d as f32), d);
+                    prop_assert_eq!(per.ok(), bits.ok());
+                    Ok(())
+                })
+                .unwrap();
+        }
     }
 
     #[test]
