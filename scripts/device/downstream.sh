@@ -22,7 +22,7 @@ run() {  # run NAME ARGS...
 }
 case $1 in
 ruler)
-  # The first GPU runs (results/downstream/gpu/ruler-*-8k.json, ...-32k.json.partial): shape
+  # The first GPU runs (results/downstream/gpu/ruler-*-8k.json, ...-32k-interrupted.json): shape
   # `small`. The committed runs at the tuned shape are `tune` then `eval` (a Gemma 3 32k run
   # of every method takes two calls: TASKS=... eval, then merge_ruler.py).
   samples=${2:-20}

@@ -343,7 +343,9 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
         not_measured(s, "device results");
         return;
     }
-    for o in dev {
+    let (current, history): (Vec<_>, Vec<_>) =
+        dev.into_iter().partition(|o| inp.is_current(&o.path));
+    for o in current {
         let v = &o.doc;
         let label = if o.path.components().any(|c| c.as_os_str() == "device") {
             "committed device results from an earlier device run (not re-run by this report)"
@@ -364,150 +366,51 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
         ));
         // Rounds (`--rounds`): one row per setting (round 1's entry), its GPU ms the median
         // over rounds, each speedup the mean with its interval over rounds.
-        let rounds = fathom_results::offload::round_ratios(&v.results);
         let n_rounds = v.results.iter().map(|r| r.round + 1).max().unwrap_or(1);
         if n_rounds > 1 {
             s.push_str(&format!("Timed in {n_rounds} rounds that interleave the methods; each speedup is the mean over rounds with its 95 % Student-t interval, the GPU ms the median over rounds, and a verdict needs the whole interval on one side of the target.\n\n"));
         }
         s.push_str("| context | residency | setting | fathom:48 GPU ms | speedup vs 136-bit scans | step / link floor | planner share | verdict |\n|---:|---|---|---:|---|---:|---:|---|\n");
-        for r in v
-            .results
-            .iter()
-            .filter(|r| r.method == "fathom:48" && r.round == 0)
-        {
-            let groups: Vec<_> = rounds
-                .iter()
-                .filter(|g| {
-                    g.context == r.context
-                        && g.residency == r.residency
-                        && g.setting == r.setting()
-                        && g.method == r.method
-                })
-                .map(|g| (g.against.clone(), crate::intervals::Interval::of(&g.ratios)))
-                .collect();
-            let gpu_ms = {
-                let mut ms: Vec<f64> = v
-                    .results
-                    .iter()
-                    .filter(|x| {
-                        x.method == r.method
-                            && x.context == r.context
-                            && x.residency == r.residency
-                            && x.setting() == r.setting()
-                    })
-                    .map(|x| x.gpu_ms)
-                    .collect();
-                ms.sort_by(f64::total_cmp);
-                ms[ms.len() / 2]
-            };
-            // The lowest speedup (or, over rounds, the lowest interval: its bounds).
-            let (min, min_lo, min_hi) = if groups.is_empty() {
-                let m = r
-                    .speedup_vs_136
-                    .values()
-                    .copied()
-                    .fold(f64::INFINITY, f64::min);
-                (m, m, m)
-            } else {
-                let lo = groups
-                    .iter()
-                    .map(|(_, i)| i.lo)
-                    .fold(f64::INFINITY, f64::min);
-                let hi = groups
-                    .iter()
-                    .map(|(_, i)| i.hi)
-                    .fold(f64::INFINITY, f64::min);
-                let m = groups
-                    .iter()
-                    .map(|(_, i)| i.mean)
-                    .fold(f64::INFINITY, f64::min);
-                (m, lo, hi)
-            };
-            // A cache-engine context is the batch's total; the targets are for one session.
-            let one_session =
-                v.engine == OffloadEngine::Step || v.batch <= 1 && r.context <= 1 << 20;
-            let ragged = v.engine == OffloadEngine::Cache && !one_session;
-            let target = speedup_target(&v.shape_label, r.context).filter(|_| !ragged);
-            let verdict = match (r.residency.as_str(), target) {
-                _ if r.speedup_vs_136.is_empty() => {
-                    "— (no 136-bit scan under this setting in the run)".into()
-                }
-                ("host", Some(t)) if min_lo >= t => format!("meets the {t}× target"),
-                ("host", Some(t)) if min_hi < t || groups.is_empty() => {
-                    format!("misses the {t}× target at {min:.2}×")
-                }
-                ("host", Some(t)) => format!(
-                    "the {t}× target lies inside the interval ({min:.2}× [{min_lo:.2}, {min_hi:.2}]): neither met nor missed at 95 %"
-                ),
-                ("hbm", _) if min <= TARGETS.hbm_parity => {
-                    "not faster in HBM, as the paper found".into()
-                }
-                ("hbm", _) => format!("{min:.2}× in HBM (the paper found no speedup there)"),
-                _ if ragged => "— (a ragged batch: no single-session target)".into(),
-                _ => "—".into(),
-            };
+        for row in crate::step::fathom48_rows(v) {
+            let r = row.result;
             // The cache engine's runs before stage timing have no per-stage times.
-            let planner = match v.engine {
-                OffloadEngine::Cache if r.stage_ms.is_empty() => "— (not staged)".into(),
-                _ => format!("{:.2}%", 100.0 * r.planner_share),
+            let planner = match row.planner_share {
+                Some(x) => format!("{:.2}%", 100.0 * x),
+                None => "— (not staged)".into(),
             };
-            // What the run varied: the select path and head groups (cache engine), or the
-            // pipelining and gather grid (step engine).
-            let setting = match v.engine {
-                OffloadEngine::Cache => {
-                    format!(
-                        "{}, {} head group{}{}{}",
-                        if r.select.is_empty() {
-                            "scores"
-                        } else {
-                            r.select.as_str()
-                        },
-                        r.groups,
-                        if r.groups == 1 { "" } else { "s" },
-                        if r.scan_vector_words == 2 {
-                            ", 16-byte scan loads"
-                        } else {
-                            ""
-                        },
-                        if r.graph {
-                            ", one CUDA graph per step"
-                        } else {
-                            ""
-                        },
-                    ) + &if r.host_gather > 0 {
-                        format!(
-                            ", misses gathered by {} host threads{}",
-                            r.host_gather,
-                            crate::sections::share_note(r.host_gather_share)
-                        )
-                    } else {
-                        String::new()
-                    }
-                }
-                OffloadEngine::Step => {
-                    format!("groups {}, gather CTAs {}", r.groups, r.gather_ctas)
-                }
-            };
-            let speedups = if groups.is_empty() {
+            let speedups = if row.rounds.is_empty() {
                 r.speedup_vs_136
                     .iter()
                     .map(|(k, x)| format!("{k} {x:.2}×"))
                     .collect::<Vec<_>>()
                     .join(", ")
             } else {
-                groups
+                row.rounds
                     .iter()
                     .map(|(k, i)| format!("{k} {:.2}× [{:.2}, {:.2}]", i.mean, i.lo, i.hi))
                     .collect::<Vec<_>>()
                     .join(", ")
             };
             s.push_str(&format!(
-                "| {} | {} | {setting} | {:.2} | {} | {} | {planner} | {verdict} |\n",
+                "| {} | {} | {} | {:.2} | {} | {} | {planner} | {} |\n",
                 r.context,
                 r.residency,
-                gpu_ms,
+                row.setting,
+                row.gpu_ms,
                 speedups,
                 r.floor_ratio.map_or("—".into(), |x| format!("{x:.2}")),
+                row.verdict,
+            ));
+        }
+        s.push('\n');
+    }
+    if !history.is_empty() {
+        s.push_str("Earlier runs and A/B studies (history: each is superseded by the runs above or records one change; its folder's README says what it measured). Per file, fathom:48's lowest speedup against the 136-bit scans at each context and residency, best setting:\n\n");
+        for o in history {
+            s.push_str(&format!(
+                "- `{}`: {}\n",
+                inp.rel(&o.path),
+                crate::step::best_per_context(&o.doc)
             ));
         }
         s.push('\n');

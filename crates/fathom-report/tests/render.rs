@@ -61,7 +61,7 @@ fn doc(study: Study, k: usize, saving: f64, lower_bound: bool) -> FidelityDoc {
 
 fn render(dir: &Path, stages: Option<&Path>) -> String {
     let inp = fathom_report::collect(dir, stages, dir).unwrap();
-    fathom_report::render(&inp)
+    fathom_report::render(&inp, &fathom_report::Stamp::default())
 }
 
 #[test]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Old against new equal-error savings, setting by setting.
 
-Usage: python3 results/compare_equal_error.py OLD_DIR NEW_DIR [--json OUT]
+Usage: python3 scripts/analysis/compare_equal_error.py OLD_DIR NEW_DIR [--json OUT]
 
 OLD_DIR and NEW_DIR are result trees of `cargo xtask repro` (`results/quick`, `results/full`),
 for example an older commit's tree extracted with `git archive`. Every `<setting>/fidelity.json`

@@ -7,7 +7,7 @@ calibration files made by builds from before it did, so that no summary lags its
 calibration.json (per-head σ², KLT, Loki and Double Sparsity data; tens of MB) is not
 committed; its summary (basis rule, per-layer budgets, shape, and the command that made it,
 taken from the run's stages.jsonl) is, and `fathom report` reads it for the basis-rule claim.
-usage: python3 results/summarize_calibration.py results/full
+usage: python3 scripts/analysis/summarize_calibration.py results/full
 """
 import json
 import pathlib
