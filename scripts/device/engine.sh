@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls of the engine (issue 14). Binaries built here by scripts/device/build.sh, i.e.
+# Device calls of the engine. Binaries built here by scripts/device/build.sh, i.e.
 #   CARGO_TARGET_DIR=/tmp/tgt-cuda RUSTFLAGS="-C target-cpu=x86-64-v3" \
 #     cargo test -p fathom-cuda --features cuda --release --no-run
 #   ... cargo build --release -p fathom-cuda --features cuda --example paged_decode ...
@@ -69,7 +69,7 @@ gather)
   grep -E "^ *[0-9]+ +host +fathom:48" $OUT/offload-gather-host.txt | head -20
   ;;
 filtered)
-  # The filtered select (docs/SPEC.md §5, issue 16), first device runs: its device test, then
+  # The filtered select (docs/SPEC.md §5), first device runs: its device test, then
   # the score path, the filtered select (failed rows rescan) and the filtered select with
   # scores kept, in one run per residency (256k and 1M, the methods the targets name). The
   # JSON's `select`, `filtered_share` and `fallback_rate` say which path each entry timed.
@@ -84,8 +84,8 @@ filtered)
   done
   ;;
 groups)
-  # Head groups per attend and 16-byte scan loads (set_attend_groups, set_scan_vector_words;
-  # issue 16 items 2 and 3): the device tests that decide correctness (every setting
+  # Head groups per attend and 16-byte scan loads (set_attend_groups, set_scan_vector_words):
+  # the device tests that decide correctness (every setting
   # bit-identical to one group of 8-byte loads; 2^20 tokens against the CPU reference), then
   # one run per residency timing 1, 2, 4 and 8 groups × 8- and 16-byte loads over fathom:48
   # and the two 136-bit scans, at 256k and 1M. `groups [RESIDENCY...]` (default host hbm);
@@ -104,7 +104,7 @@ groups)
   done
   ;;
 decode)
-  # decode NAME ARGS...: one `fathom decode-bench` run (issue 17) with the given arguments,
+  # decode NAME ARGS...: one `fathom decode-bench` run with the given arguments,
   # JSON, text and plot under $OUT/NAME.*.
   name=$1; shift
   /usr/bin/time -f "wall %e s" timeout ${DECODE_TIMEOUT:-280} $B/fathom decode-bench "$@" \
@@ -113,7 +113,7 @@ decode)
   grep -E "^B=|capacity|Error|error" $OUT/$name.txt | head -30
   ;;
 graph)
-  # The whole decode step as one CUDA graph (issue 17 item 2): its device test (replays sample
+  # The whole decode step as one CUDA graph: its device test (replays sample
   # what plain launches sample, host and split residency), then decode-bench with and without
   # the graph at 8 x 64k (the target's B = 8): the host overhead per step is the difference of
   # the step times of the two entries of each method.
@@ -123,7 +123,7 @@ graph)
     --row-cache 8192 --graph --methods fathom:48,sparq:32
   ;;
 rowsweep)
-  # rowsweep SLOTS...: the row cache's size (issue 16), one offload-bench run per setting,
+  # rowsweep SLOTS...: the row cache's size, one offload-bench run per setting,
   # fathom:48 at 256k and 1M, host residency; hit rate and step per setting (8192, the
   # default, is in the `filtered` runs). Text output goes to one log (8 files come back).
   for rows in "$@"; do
@@ -156,7 +156,7 @@ py)
   rm -rf $lib
   ;;
 model)
-  # model MODEL...: the GPU forward (issue 15) on real models staged by
+  # model MODEL...: the GPU forward on real models staged by
   # scripts/device/stage_model.sh in the calls just before (join checks every sha256), with
   # the real-text corpus's pinned sdist carried in .stage/sources/: the fathom-gpu device tests
   # and `fathom gpu-parity` (8 prompts × 32 greedy tokens) per model.
@@ -252,7 +252,7 @@ ncuappend)
   done
   ;;
 ncuhbm)
-  # One 1M layer's kernels with the whole cache in HBM (issue 16's 1M HBM target), fathom:48
+  # One 1M layer's kernels with the whole cache in HBM (the 1M HBM target), fathom:48
   # against sparq:32: two layers of the third step each, 10 matching kernels per layer.
   for m in fathom:48 sparq:32; do
     timeout 200 ncu --cache-control none --clock-control none -k regex:'paged_|attend_queries|fathom_plan' \
@@ -276,7 +276,7 @@ ncu1m)
   done
   ;;
 ncuscan)
-  # The 1M HBM scan kernel alone under Nsight Compute's full set (issue 16's 1M HBM target):
+  # The 1M HBM scan kernel alone under Nsight Compute's full set (the 1M HBM target):
   # its instruction mix, stall reasons and pipe use, fathom:48 against sparq:32, one launch of
   # the second step each.
   for m in fathom:48 sparq:32; do
@@ -288,7 +288,7 @@ ncuscan)
   done
   ;;
 sharesweep)
-  # decode-bench at one batch shape with the host gather's share swept (issue 17): one run per
+  # decode-bench at one batch shape with the host gather's share swept: one run per
   # share, fathom:48 and the whole step as a graph; SHARES lists them (0: the gather off).
   # sharesweep NAME ARGS... (the decode-bench arguments without --host-gather/--host-share)
   name=$1; shift
@@ -300,7 +300,7 @@ sharesweep)
   done
   ;;
 ncudecode)
-  # Where an 8 x 64k decode layer's attention goes (issue 17: the split host gather does not
+  # Where an 8 x 64k decode layer's attention goes (the split host gather does not
   # shorten it there): the durations of about four layers' attend kernels of fathom:48's second
   # step, plain launches, random-weight Qwen3-8B shape.
   timeout 300 ncu --cache-control none --clock-control none -k regex:'paged_' \
