@@ -3,7 +3,6 @@
 use fathom_results::fidelity::Study;
 use fathom_results::offload::{OffloadEngine, OffloadStudy};
 
-use crate::intervals::{paired, Interval};
 use crate::tables::{method_table, saving_cell};
 use crate::Inputs;
 
@@ -131,7 +130,7 @@ pub const CLAIMS: &[Claim] = &[
         id: "Claim 5",
         title: "RULER-style tasks match exact top-k decoding",
         paper: || {
-            "downstream parity with the exact top-k oracle on RULER-style tasks for every per-token scan. Score = fraction of gold strings in the greedy generation; `same as exact` = samples whose score equals exact top-k's.".into()
+            "downstream parity with the exact top-k oracle on RULER-style tasks for every per-token scan. Score = fraction of gold strings in the greedy generation; `identical to exact` = generations token-identical to exact top-k's.".into()
         },
         render: ruler_parity,
     },
@@ -430,274 +429,17 @@ fn command_tail(cmd: &str) -> String {
 }
 
 /// Mean dense score below which a RULER task says nothing about sparse methods
-/// (docs/SPEC.md §7).
-pub const DENSE_CAN_DO: f64 = 0.5;
+/// (docs/SPEC.md §7; the one constant is `fathom_results::judged::stats`'s).
+pub const DENSE_CAN_DO: f64 = fathom_results::judged::stats::DENSE_CAN_DO;
 
-/// How a run's branches ended, in words: the end of the answer (a list's blank line for a
-/// task of several values), the first line for every task (files before `stop`), or only a
-/// stop token and `tokens_to_generate` (RULER's).
-fn stop_rule(v: &fathom_results::downstream::RulerDoc) -> &'static str {
-    match (v.line_stop, v.stop.as_deref()) {
-        (false, _) => "stop token or tokens_to_generate (RULER's)",
-        (true, Some("answer")) => "end of the answer (first line; a list's first blank line)",
-        (true, _) => "first line (earlier rule: cuts a list after its first value)",
-    }
-}
-
-/// Claim 5: every task's score per method, and every departure from exact top-k.
+/// Claim 5: every RULER run judged against exact top-k at the declared margin
+/// ([`crate::downstream::ruler_claim`]).
 pub fn ruler_parity(inp: &Inputs, s: &mut String) {
-    if inp.ruler.is_empty() {
-        not_measured(s, "RULER results");
-        return;
-    }
-    for r in &inp.ruler {
-        let v = &r.doc;
-        let methods = &v.header.methods;
-        s.push_str(&format!(
-            "`{}` ({}, context {}, {} sample(s) per task; prompt: {}; task shape: {}; stop: {}; haystack: {}; keys: {}):\n\n",
-            inp.rel(&r.path),
-            v.header.model,
-            v.header.context,
-            v.samples_per_task,
-            v.prompt.as_deref().unwrap_or("ruler"),
-            v.shape.as_deref().unwrap_or("ruler"),
-            stop_rule(v),
-            crate::sections::text_source(
-                Some(&v.haystack),
-                v.words
-                    .as_deref()
-                    .is_some_and(|w| w.contains("wonderwords"))
-            ),
-            v.words.as_deref().unwrap_or("?")
-        ));
-        s.push_str(&format!(
-            "| task | {} |\n|---|{}\n",
-            methods.join(" | "),
-            "---:|".repeat(methods.len())
-        ));
-        let mut departs = Vec::new();
-        for (task, t) in &v.summary {
-            let score = |m: &str| t.methods.get(m).map(|x| x.score);
-            let cells: Vec<String> = methods
-                .iter()
-                .map(|m| format!("{:.2}", score(m).unwrap_or(f64::NAN)))
-                .collect();
-            s.push_str(&format!("| {task} | {} |\n", cells.join(" | ")));
-            let ex = score("exact");
-            for m in methods {
-                let sc = score(m);
-                if m != "exact" && m != "dense" && sc != ex {
-                    departs.push(format!(
-                        "{m} on {task} ({:.2} vs exact {:.2})",
-                        sc.unwrap_or(f64::NAN),
-                        ex.unwrap_or(f64::NAN)
-                    ));
-                }
-            }
-        }
-        // Paired differences against exact top-k, per task (the sample is the unit).
-        s.push_str("\nPaired score difference against exact top-k per task, mean [95 % t-interval over samples], and generations token-identical to exact's:\n\n");
-        s.push_str(&format!(
-            "| task | {} |\n|---|{}\n",
-            methods
-                .iter()
-                .filter(|m| *m != "exact")
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(" | "),
-            "---:|".repeat(methods.len().saturating_sub(1))
-        ));
-        let mut worse = Vec::new();
-        // docs/SPEC.md §7: a task the dense model cannot do (mean below DENSE_CAN_DO) says
-        // nothing about sparse methods; its row is shown, its departures do not count.
-        let mut informative = Vec::new();
-        let mut uninformative = Vec::new();
-        for task in &v.tasks {
-            let rs: Vec<_> = v
-                .results
-                .iter()
-                .filter(|r| r.sample.get("task").and_then(|t| t.as_str()) == Some(task.as_str()))
-                .collect();
-            if rs.is_empty() {
-                continue;
-            }
-            let col = |m: &str| -> Vec<f64> {
-                rs.iter()
-                    .map(|r| r.methods.get(m).map_or(f64::NAN, |x| x.score))
-                    .collect()
-            };
-            let ex = col("exact");
-            let dense = col("dense");
-            let can_do = dense.iter().sum::<f64>() / dense.len() as f64 >= DENSE_CAN_DO;
-            if can_do {
-                informative.push(task.as_str());
-            } else {
-                uninformative.push(task.as_str());
-            }
-            let cells: Vec<String> = methods
-                .iter()
-                .filter(|m| *m != "exact")
-                .map(|m| {
-                    let iv = Interval::of(&paired(&col(m), &ex));
-                    let same = rs
-                        .iter()
-                        .filter(|r| r.methods.get(m.as_str()).is_some_and(|x| x.same_as_exact))
-                        .count();
-                    if m != "dense" && can_do && iv.below_zero() {
-                        worse.push(format!("{m} on {task} ({})", iv.cell()));
-                    }
-                    format!("{} · {same}/{}", iv.cell(), rs.len())
-                })
-                .collect();
-            let mark = if can_do { "" } else { " (dense < 0.5)" };
-            s.push_str(&format!("| {task}{mark} | {} |\n", cells.join(" | ")));
-        }
-        if !uninformative.is_empty() {
-            s.push_str(&format!(
-                "\nDense scores below {DENSE_CAN_DO} on {} of {} tasks ({}): those rows say nothing about sparse methods (docs/SPEC.md §7) and do not enter the verdict.\n",
-                uninformative.len(),
-                uninformative.len() + informative.len(),
-                uninformative.join(", ")
-            ));
-        }
-        if informative.is_empty() {
-            s.push_str(
-                "\nVerdict: **not judged**: the dense model cannot do any task of this run.\n\n",
-            );
-        } else if worse.is_empty() && departs.is_empty() {
-            s.push_str("\nVerdict: **holds** here: every sparse method scores as exact top-k on every task.\n\n");
-        } else if worse.is_empty() {
-            s.push_str(&format!(
-                "\nVerdict: **holds within the intervals**: no sparse method scores below exact top-k on any task with 95 % confidence (point departures: {}).\n\n",
-                departs.join("; ")
-            ));
-        } else {
-            s.push_str(&format!(
-                "\nVerdict: **does not hold**: below exact top-k with 95 % confidence: {}.\n\n",
-                worse.join("; ")
-            ));
-        }
-        let rows: Vec<_> = methods
-            .iter()
-            .map(|m| {
-                let all = v
-                    .summary
-                    .values()
-                    .filter_map(|t| t.methods.get(m))
-                    .flat_map(|x| x.row_cache.iter().copied());
-                (m, fathom_results::downstream::RowCacheTally::sum(all))
-            })
-            .collect();
-        row_cache_table(s, v.row_cache_source.as_deref(), &rows);
-    }
+    crate::downstream::ruler_claim(inp, s);
 }
 
-/// The run's row-cache table ([`crate::tables::row_cache_table`]) and a blank line, where the
-/// run counted hits (`source`: how).
-fn row_cache_table(
-    s: &mut String,
-    source: Option<&str>,
-    per_method: &[(&String, Vec<fathom_results::downstream::RowCacheTally>)],
-) {
-    let t = source.map(|src| crate::tables::row_cache_table(src, per_method));
-    if let Some(t) = t.filter(|t| !t.is_empty()) {
-        s.push_str(&t);
-        s.push('\n');
-    }
-}
-
-/// Claim 6: step agreement per method; fathom at the paper's budget against the best
-/// 136-bit scan.
+/// Claim 6: step agreement per method over sessions, and the smallest Fathom budget that
+/// reaches the best 136-bit scan ([`crate::downstream::agent_claim`]).
 pub fn agent_agreement(inp: &Inputs, s: &mut String) {
-    if inp.agent.is_empty() {
-        not_measured(s, "agent-step results");
-        return;
-    }
-    let fathom_label = format!("fathom:{}", PAPER.agent_bits);
-    for a in &inp.agent {
-        let v = &a.doc;
-        s.push_str(&format!(
-            "`{}` ({}, context {}, {} session(s) × {} steps; code: {}):\n\n",
-            inp.rel(&a.path),
-            v.header.model,
-            v.header.context,
-            v.sessions,
-            v.steps,
-            crate::sections::text_source(v.code.as_deref(), v.code.is_some())
-        ));
-        s.push_str(
-            "| method | bits | agrees with exact | agrees with dense |\n|---|---:|---:|---:|\n",
-        );
-        let mut best136: Option<(&String, f64)> = None;
-        for (m, x) in &v.summary {
-            s.push_str(&format!(
-                "| {m} | {:.1} | {:.3} | {:.3} |\n",
-                x.mean_bits, x.agree_exact, x.agree_dense
-            ));
-            if is_136_bit_scan(m) && best136.is_none_or(|(_, b)| x.agree_exact > b) {
-                best136 = Some((m, x.agree_exact));
-            }
-        }
-        // Per-session agreement (the session is the unit: its steps share one context).
-        let per = |m: &str| -> Vec<f64> {
-            v.results
-                .iter()
-                .map(|r| r.methods.get(m).map_or(f64::NAN, |x| x.agree_exact))
-                .collect()
-        };
-        s.push_str("\nAgreement with exact per session, mean [95 % t-interval over sessions]; each Fathom budget against the best 136-bit scan, paired by session:\n\n| method | agrees with exact | Fathom − best 136-bit |\n|---|---:|---:|\n");
-        let mut fathoms: Vec<(f64, &String)> = v
-            .summary
-            .keys()
-            .filter_map(|m| {
-                m.strip_prefix("fathom:")
-                    .and_then(|b| b.parse::<f64>().ok())
-                    .map(|b| (b, m))
-            })
-            .collect();
-        fathoms.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let mut smallest = None;
-        for m in v.summary.keys() {
-            let iv = Interval::of(&per(m));
-            let vs = match (m.starts_with("fathom:"), best136) {
-                (true, Some((b, _))) => Interval::of(&paired(&per(m), &per(b))).cell(),
-                _ => "—".into(),
-            };
-            s.push_str(&format!("| {m} | {} | {vs} |\n", iv.level()));
-        }
-        if let Some((b, _)) = best136 {
-            for (bits, m) in &fathoms {
-                let d = Interval::of(&paired(&per(m), &per(b)));
-                if d.mean >= 0.0 && smallest.is_none() {
-                    smallest = Some((*bits, d));
-                }
-            }
-        }
-        let paper = fathoms.iter().find(|(b, _)| *b == PAPER.agent_bits as f64);
-        s.push_str(&match (paper, best136) {
-            (Some((_, m)), Some((b, bv))) => {
-                let d = Interval::of(&paired(&per(m), &per(b)));
-                let verdict = if d.above_zero() {
-                    "**holds, and better**"
-                } else if d.below_zero() {
-                    "**does not hold**"
-                } else {
-                    "**holds within the interval**"
-                };
-                format!(
-                    "\nVerdict: {verdict}: {fathom_label} against the best 136-bit scan ({b}, {bv:.3}): {} per session. Smallest Fathom budget whose mean agreement reaches it: {}.\n\n",
-                    d.cell(),
-                    smallest.map_or("none run".into(), |(bits, d)| format!("fathom:{bits} ({})", d.cell()))
-                )
-            }
-            (None, _) => format!("\n{fathom_label} was not run.\n\n"),
-            (_, None) => "\nNo 136-bit scan was run.\n\n".into(),
-        });
-        let rows: Vec<_> = v
-            .summary
-            .iter()
-            .map(|(m, x)| (m, x.row_cache.clone()))
-            .collect();
-        row_cache_table(s, v.row_cache_source.as_deref(), &rows);
-    }
+    crate::downstream::agent_claim(inp, s, PAPER.agent_bits);
 }

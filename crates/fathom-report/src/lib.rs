@@ -20,6 +20,7 @@
 #![deny(missing_docs)]
 
 pub mod claims;
+pub mod downstream;
 pub mod intervals;
 pub mod plot;
 pub mod sections;
@@ -89,6 +90,8 @@ pub struct Inputs {
     pub speed: Vec<Source<ModelSpeed>>,
     /// End-to-end decode throughput runs (`fathom decode-bench`).
     pub decode: Vec<Source<fathom_results::decode_bench::DecodeBench>>,
+    /// GPU-against-CPU parity runs (`fathom gpu-parity`), also listed in `others`.
+    pub gpu_parity: Vec<Source<fathom_results::parity::GpuParity>>,
     /// JSON files that are no result document, with why (listed, never read as results;
     /// calibration files, the runs' inputs, are skipped).
     pub others: Vec<(PathBuf, String)>,
@@ -182,7 +185,10 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                     // A run of dense and exact alone (a task-shape probe) has no sparse
                     // method to judge: listed with its dense scores, not read as a claim.
                     Document::Ruler(d)
-                        if d.header.methods.iter().all(|m| m == "dense" || m == "exact") =>
+                        if d.header
+                            .methods
+                            .iter()
+                            .all(|m| m == "dense" || m == "exact") =>
                     {
                         inp.others.push((path.clone(), dense_probe_line(&d)))
                     }
@@ -193,7 +199,9 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                         .others
                         .push((path.clone(), "a single stage record".into())),
                     Document::DecodeBench(d) => push!(decode, d),
-                    Document::GpuParity(d) => inp.others.push((
+                    Document::GpuParity(d) => {
+                        push!(gpu_parity, d.clone());
+                        inp.others.push((
                         path.clone(),
                         format!(
                             "GPU-against-CPU parity of {} on {}: {} of {} prompts' greedy tokens identical, {} diverge at a near-tie; GPU from f32 at most {:.2}× the CPU bf16 forward's distance (limit {}×): {}",
@@ -206,7 +214,8 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                             d.report.noise_factor,
                             if d.report.pass { "pass" } else { "fail" }
                         ),
-                    )),
+                    ))
+                    }
                 }
             }
             Err(ResultsError::NotAResult { why, .. }) => inp.others.push((path, why)),
