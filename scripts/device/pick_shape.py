@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Picks a RULER task shape from dense-only probe runs (issue 15 item 5).
+"""Picks a RULER task shape from dense-only probe runs (docs/SPEC.md §7: tuning seeds, then fresh evaluation seeds).
 
 Usage: pick_shape.py OUT.md LABEL@PROBE.json [LABEL@PROBE.json ...]
 

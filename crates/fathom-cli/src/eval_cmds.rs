@@ -50,7 +50,10 @@ pub struct EvalCommon {
     /// Context length in tokens.
     #[arg(long, default_value_t = 4096)]
     pub context: usize,
-    /// Methods (as `fathom fidelity`); `dense` and `exact` are added when absent.
+    /// Methods (as `fathom fidelity`); `dense` and `exact` are added when absent. A Fathom
+    /// budget may be given per channel, `fathom:0.375c` = 0.375·D bits (24 at D = 64, 96 at
+    /// D = 256); which per-channel budget to pick for a head dimension is pending the judged
+    /// downstream runs (docs/SPEC.md §4, §7).
     #[arg(long, default_value = DEFAULT_METHODS)]
     pub methods: String,
     /// Top-k per query head (default: 128 below 16k, 256 below 32k, else 512).
@@ -159,6 +162,42 @@ pub struct RulerArgs {
     /// --context 8192 --tasks vt --vt-haystack text`.
     #[arg(long, default_value = "noise", value_parser = ["noise", "text"])]
     pub vt_haystack: String,
+    /// The base seed of the probes that chose `--shape` and `--haystack` (recorded in the JSON
+    /// as `tuning`; docs/SPEC.md §7). Refused when any of its samples' seeds is one of this
+    /// run's: the evaluation must be on fresh seeds. Example: `fathom ruler … --seed 2
+    /// --tuning-seed 1 --tuning-samples 5`.
+    #[arg(long)]
+    pub tuning_seed: Option<u64>,
+    /// Samples per task of those probes.
+    #[arg(long, default_value_t = 5, requires = "tuning_seed")]
+    pub tuning_samples: usize,
+}
+
+/// The tuning record of a run, refused where a tuning sample's seed is an evaluation sample's
+/// (`fathom_eval::ruler::sample_seed`).
+fn tuning(a: &RulerArgs, tasks: &[Task]) -> Result<Option<fathom_results::downstream::Tuning>> {
+    let Some(seed) = a.tuning_seed else {
+        return Ok(None);
+    };
+    use fathom_eval::ruler::sample_seed;
+    for &t in tasks {
+        let tuned: std::collections::HashSet<u64> = (0..a.tuning_samples)
+            .map(|i| sample_seed(seed, t, i))
+            .collect();
+        if let Some(i) = (0..a.samples).find(|&i| tuned.contains(&sample_seed(a.common.seed, t, i)))
+        {
+            bail!(
+                "--tuning-seed {seed}: sample {i} of {} at --seed {} was also a tuning sample; evaluate on fresh seeds",
+                t.name(),
+                a.common.seed
+            );
+        }
+    }
+    Ok(Some(fathom_results::downstream::Tuning {
+        seed,
+        samples_per_task: a.tuning_samples,
+        chose: format!("--shape {} --haystack {}", a.shape, a.haystack),
+    }))
 }
 
 /// `fathom agent-steps`: teacher-forced step agreement on agent-transcript coding contexts.
@@ -482,6 +521,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
     if tasks.is_empty() || a.samples == 0 {
         bail!("nothing to run: give --tasks and --samples ≥ 1");
     }
+    let tuning = tuning(&a, &tasks)?;
     let (docs, source) = eval_documents(c, CorpusKind::Prose, &s.corpus)?;
     let mut haystack = Haystack::new(docs.iter().map(|d| d.text.as_str()), &source)?;
     if a.haystack == "prose" {
@@ -623,6 +663,7 @@ pub fn run_ruler(a: RulerArgs) -> Result<()> {
         haystack: haystack.source.clone(),
         words: Some(words.source.clone()),
         row_cache_source: row_cache_source(gpu.as_ref()),
+        tuning,
         summary,
         results: run
             .records
