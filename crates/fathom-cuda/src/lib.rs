@@ -87,11 +87,9 @@ mod bench_cache;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
-mod cuda_cache;
-#[cfg(feature = "cuda")]
 pub use cuda::{compile_kernels, Gpu, Session};
 #[cfg(feature = "cuda")]
-pub use cuda_cache::{DecodeGraph, PagedCache};
+pub use cuda::{DecodeGraph, PagedCache};
 
 #[cfg(not(feature = "cuda"))]
 mod dummy;

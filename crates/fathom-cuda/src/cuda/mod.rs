@@ -8,11 +8,13 @@ use cudarc::driver::DriverError;
 
 use crate::error::CudaError;
 
+pub(crate) mod cache;
 mod device;
 mod memory;
 mod module;
 mod step;
 
+pub use cache::{DecodeGraph, PagedCache};
 pub use device::Gpu;
 pub(crate) use device::{cfg, Event};
 pub(crate) use memory::{anon_huge_bytes, stream_upload, DevBuf, HostBuf, Mem};

@@ -113,7 +113,7 @@ pub(crate) fn compile_all(
     let append = compile_one(
         arch,
         "append.cu",
-        crate::cuda_cache::APPEND_SRC,
+        crate::cuda::cache::APPEND_SRC,
         vec![format!("-DDIM={d}")],
     )?;
     out.push(("append.cu", append));
@@ -123,7 +123,7 @@ pub(crate) fn compile_all(
             compile_one(
                 arch,
                 "attend.cu",
-                crate::cuda_cache::ATTEND_SRC,
+                crate::cuda::cache::ATTEND_SRC,
                 attend_defines(g, d),
             )?,
         ));
