@@ -68,11 +68,16 @@
 #![deny(missing_docs)]
 
 pub mod api;
+/// The traits to bring into scope: `use fathom_cuda::prelude::*`.
+pub mod prelude {
+    pub use crate::api::{Device, KvCache};
+}
 pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod error;
 pub mod host_gather;
+pub mod memory;
 pub mod paged_layout;
 pub mod paged_ref;
 pub mod pages;
@@ -94,7 +99,7 @@ pub use cuda::{DecodeGraph, PagedCache};
 #[cfg(not(feature = "cuda"))]
 mod dummy;
 #[cfg(not(feature = "cuda"))]
-pub use dummy::{DecodeGraph, Gpu, PagedCache, Session};
+pub use dummy::{DecodeGraph, Gpu, PagedCache};
 
 pub use config::{
     HostPages, Method, ModelShape, Residency, SessionConfig, AUTO_GATHER_CTAS,

@@ -3,6 +3,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use crate::memory::check_view;
 
 /// The check of [`crate::PagedCache::set_scan_vector_words`]: 1 (8-byte plane loads) or 2
 /// (16-byte loads of two adjacent words where a page's blocks allow it).
@@ -62,7 +63,7 @@ pub const MAX_GATHER_THREADS: usize = 256;
 ///     shape: ModelShape { layers: 1, kv_heads: 2, group: 4, dim: 128 },
 ///     pages: PageConfig { page_tokens: 4096, pages: 4, max_sessions: 1, max_tokens: 8192 },
 ///     max_batch: 1, max_k: 64, row_cache: 0, residency: Residency::Host,
-///     pca_index: false, block_tables: false, host_pages: HostPages::Driver,
+///     pca_index: false, block_tables: false, host_pages: HostPages::Driver, options: Default::default(),
 /// };
 /// assert!(check_host_gather(&cfg, 8, 1).is_ok());
 /// assert!(check_host_gather(&cfg, 8, 2).is_err(), "head groups");
@@ -110,7 +111,8 @@ pub fn check_attend_groups(cfg: &CacheConfig, groups: usize) -> Result<()> {
 }
 
 /// The checks of an attend before its launch: the layer exists, the batch is the current
-/// one, the selection fits the cache's limits and the pointers are not null.
+/// one, the selection fits the cache's limits, the queries hold `[batch][Hq][D]` elements and
+/// the output as many f32.
 pub fn check_attend(
     cfg: &CacheConfig,
     batch: &AppendBatch,
@@ -118,12 +120,19 @@ pub fn check_attend(
     layer: usize,
     params: &fathom_plan::SelectParams,
     q: &QueryRows,
-    out: u64,
+    out: &crate::memory::DeviceViewMut<'_>,
 ) -> Result<()> {
     check_step(cfg, batch, current_step, layer)?;
-    if q.q == 0 || out == 0 {
-        return Err(CudaError::invalid("attend", "null query or output pointer"));
-    }
+    let s = cfg.shape;
+    let want = batch.plans.len() * s.kv_heads * s.group * s.dim;
+    check_view("queries", q.q.len(), q.q.dtype(), want, None)?;
+    check_view(
+        "attend output",
+        out.len(),
+        out.dtype(),
+        want,
+        Some(KvDtype::F32),
+    )?;
     check_select(cfg, params)
 }
 
@@ -175,16 +184,16 @@ pub fn check_ds_channels(head: usize, channels: &[u16], dim: usize) -> Result<()
     Ok(())
 }
 
-/// The checks of a [`read_rows`](crate::PagedCache::read_rows) before its launch: the layer
-/// exists, the batch is the current one, `1 ≤ cap ≤ max_tokens`, the pointers are not null.
+/// The checks of a row read before its launch: the layer exists, the batch is the current one,
+/// `1 ≤ cap ≤ max_tokens`, and each output holds `[batch][cap][Hkv][D]` f32.
 pub fn check_read_rows(
     cfg: &CacheConfig,
     batch: &AppendBatch,
     current_step: u64,
     layer: usize,
     cap: usize,
-    k_out: u64,
-    v_out: u64,
+    k_out: &crate::memory::DeviceViewMut<'_>,
+    v_out: &crate::memory::DeviceViewMut<'_>,
 ) -> Result<()> {
     check_step(cfg, batch, current_step, layer)?;
     if cap == 0 || cap > cfg.pages.max_tokens {
@@ -196,14 +205,26 @@ pub fn check_read_rows(
             ),
         ));
     }
-    if k_out == 0 || v_out == 0 {
-        return Err(CudaError::invalid("read_rows", "null output pointer"));
-    }
-    Ok(())
+    let want = batch.plans.len() * cap * cfg.shape.kv_heads * cfg.shape.dim;
+    check_view(
+        "read_rows keys",
+        k_out.len(),
+        k_out.dtype(),
+        want,
+        Some(KvDtype::F32),
+    )?;
+    check_view(
+        "read_rows values",
+        v_out.len(),
+        v_out.dtype(),
+        want,
+        Some(KvDtype::F32),
+    )
 }
 
 /// The checks of an append before its launch: the layer exists, the batch is the current
-/// one, the rows match the batch and neither pointer is null.
+/// one, the rows match the batch, K and V are of one dtype and each holds
+/// `rows · Hkv · D` elements.
 pub fn check_rows(
     cfg: &CacheConfig,
     batch: &AppendBatch,
@@ -221,10 +242,19 @@ pub fn check_rows(
             ),
         ));
     }
-    if kv.k == 0 || kv.v == 0 {
-        return Err(CudaError::invalid("kv rows", "null device pointer"));
+    if kv.k.dtype() != kv.v.dtype() {
+        return Err(CudaError::invalid(
+            "kv rows",
+            format!(
+                "keys of {:?} and values of {:?} (want one dtype)",
+                kv.k.dtype(),
+                kv.v.dtype()
+            ),
+        ));
     }
-    Ok(())
+    let want = kv.rows * cfg.shape.kv_heads * cfg.shape.dim;
+    check_view("keys", kv.k.len(), kv.k.dtype(), want, None)?;
+    check_view("values", kv.v.len(), kv.v.dtype(), want, None)
 }
 
 /// The checks of a host-slice append before any copy: `k` and `v` hold `batch.rows` rows of

@@ -44,16 +44,15 @@ impl KvDtype {
     }
 }
 
-/// One layer's K and V rows in device memory: `k` and `v` are device pointers to
-/// `[rows][Hkv][D]` elements of `dtype`, after RoPE and any QK-norm.
+/// One layer's K and V rows in device memory, `[rows][Hkv][D]` each, after RoPE and any
+/// QK-norm: both of one dtype ([`KvDtype`]), each holding at least `rows · Hkv · D` elements
+/// (checked before any launch: [`crate::cache::check_rows`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvRows {
-    /// Device pointer to the keys.
-    pub k: u64,
-    /// Device pointer to the values.
-    pub v: u64,
-    /// Element type of both.
-    pub dtype: KvDtype,
+pub struct KvRows<'a> {
+    /// The keys.
+    pub k: crate::memory::DeviceView<'a>,
+    /// The values.
+    pub v: crate::memory::DeviceView<'a>,
     /// Rows (tokens) of both.
     pub rows: usize,
 }
@@ -111,6 +110,68 @@ pub struct CacheConfig {
     /// driver, which the union fetch's random record reads translate with one GPU page-table
     /// entry per 4096 records.
     pub host_pages: crate::HostPages,
+    /// How attends run: the select path, head groups, scan loads, the host gather and stage
+    /// timing ([`CacheOptions`]); fixed when the cache is made.
+    pub options: CacheOptions,
+}
+
+/// How a cache's attends run, fixed when it is made and checked once by
+/// [`CacheConfig::validate`] (docs/SPEC.md §6.1). Every setting gives the same output bits;
+/// they trade launches, streams and host threads for time, and are settled by measurement
+/// (`offload-bench` times them).
+///
+/// ```
+/// use fathom_cuda::cache::{CacheOptions, SelectPath};
+/// let opts = CacheOptions { attend_groups: 2, ..CacheOptions::default() };
+/// assert_eq!(opts.select, SelectPath::Scores);
+/// assert_eq!((opts.scan_vector_words, opts.host_gather_threads, opts.host_gather_share), (1, 0, 100));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheOptions {
+    /// How attends take each query head's top-k ([`SelectPath`], docs/SPEC.md §5 "Selection
+    /// without a score array"). With [`SelectPath::Filtered`], a row with enough middle tokens
+    /// filters its scan by an estimate left by its previous attend and keeps only the tokens
+    /// that pass; the winners are exactly those of the score path (a row whose filter passes
+    /// fewer than k tokens, or too many, falls back to it within the same attend).
+    pub select: SelectPath,
+    /// Head groups per attend: the cache's stream scans group `i + 1` while a second stream
+    /// runs group `i`'s top-k, union, row fetch and partial attention, so the scan's plane
+    /// reads keep the link busy while the kernels that do not read it run. `1 ≤ groups ≤ Hkv`;
+    /// dense attends stay one group.
+    pub attend_groups: usize,
+    /// Plane words per global load of the scan: 1 (one 8-byte word of a plane run per load)
+    /// or 2 (two adjacent words, 16 bytes aligned, where a page holds an even number of
+    /// 64-token blocks: half the load instructions for the same bytes).
+    pub scan_vector_words: u32,
+    /// CPU threads that serve the row fetch's misses (docs/SPEC.md §6.1, "Host gather";
+    /// [`crate::host_gather`]); 0: off. The threads spin on a mailbox while attends come (each
+    /// uses a core), and poll it every 200 µs after 20 ms without one. Whether it pays is a
+    /// property of the host (its IOMMU, cores and memory): on the lent H200's 16-vCPU guest a
+    /// split at 50 % takes 5 % off the 1M step, bringing every miss does not
+    /// (`results/device/gather/split/README.md`). Not with HBM residency or head groups.
+    pub host_gather_threads: usize,
+    /// Percent of the misses the host gather brings (1 to 100) while the fetch reads the
+    /// others itself, at once. Which misses are the host's is a fixed hash of the union row.
+    pub host_gather_share: u32,
+    /// Splits each attend's GPU time by stage ([`crate::cache::AttendStage`]) with a CUDA
+    /// event after each stage, read by the cache's `stage_times`: a per-stage profile of real
+    /// decode steps without a profiler. Each event costs a launch slot, so time whole steps
+    /// with it off. Attends inside a graph capture, with more than one head group, or past
+    /// [`crate::cache::MAX_STAGE_MARKS`] marks since the last read are counted as untimed.
+    pub stage_timing: bool,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions {
+            select: SelectPath::Scores,
+            attend_groups: 1,
+            scan_vector_words: 1,
+            host_gather_threads: 0,
+            host_gather_share: 100,
+            stage_timing: false,
+        }
+    }
 }
 
 impl CacheConfig {
@@ -132,6 +193,7 @@ impl CacheConfig {
     ///     pca_index: false,
     ///     block_tables: false,
     ///     host_pages: fathom_cuda::HostPages::Driver,
+    ///     options: Default::default(),
     /// };
     /// let m = [Method::parse("fathom:48", 128)?, Method::parse("loki:32", 128)?];
     /// let served = cfg.serving(&m);
@@ -186,7 +248,7 @@ impl CacheConfig {
         (s.kv_heads * self.pages.page_tokens / 8 * s.dim * 2) as u64
     }
 
-    /// Checks the shape, the page settings and the batch limit.
+    /// Checks the shape, the page settings, the batch limit and the options.
     pub fn validate(self) -> Result<Self> {
         let s = self.shape;
         if s.layers == 0 || s.kv_heads == 0 || s.group == 0 {
@@ -250,6 +312,11 @@ impl CacheConfig {
                 ),
             ));
         }
+        let o = self.options;
+        crate::cache::check_attend_groups(&self, o.attend_groups)?;
+        crate::cache::check_scan_vector_words(o.scan_vector_words)?;
+        crate::cache::check_host_gather_share(o.host_gather_share)?;
+        crate::cache::check_host_gather(&self, o.host_gather_threads, o.attend_groups)?;
         Ok(self)
     }
 }

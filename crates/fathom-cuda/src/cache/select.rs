@@ -153,12 +153,11 @@ impl AttendMethod {
     }
 }
 
-/// One layer's queries in device memory: `q` points to `[batch][Hq][D]` elements of `dtype`,
-/// one query per session of the batch (at its last token), after RoPE and any QK-norm.
+/// One layer's queries in device memory, `[batch][Hq][D]` (one query per session of the
+/// batch, at its last token), after RoPE and any QK-norm, of any [`KvDtype`]
+/// (`crate::cache::KvDtype`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QueryRows {
-    /// Device pointer.
-    pub q: u64,
-    /// Element type.
-    pub dtype: KvDtype,
+pub struct QueryRows<'a> {
+    /// The queries.
+    pub q: crate::memory::DeviceView<'a>,
 }

@@ -66,6 +66,7 @@ fn cfg() -> CacheConfig {
         pca_index: false,
         block_tables: false,
         host_pages: crate::HostPages::Driver,
+        options: Default::default(),
     }
 }
 

@@ -453,3 +453,8 @@ pub(crate) unsafe fn stream_upload<T>(
     // SAFETY: the caller guarantees the destination.
     unsafe { result::memcpy_htod_async(dst, src, stream) }.map_err(drv(what))
 }
+
+/// Waits for every stream of the current context.
+pub(crate) fn sync_context() -> Result<()> {
+    result::ctx::synchronize().map_err(drv("synchronize"))
+}

@@ -10,6 +10,7 @@ use crate::error::CudaError;
 
 pub(crate) mod cache;
 mod device;
+mod device_api;
 mod memory;
 mod module;
 mod step;
@@ -17,7 +18,7 @@ mod step;
 pub use cache::{DecodeGraph, PagedCache};
 pub use device::Gpu;
 pub(crate) use device::{cfg, Event};
-pub(crate) use memory::{anon_huge_bytes, stream_upload, DevBuf, HostBuf, Mem};
+pub(crate) use memory::{anon_huge_bytes, stream_upload, sync_context, DevBuf, HostBuf, Mem};
 pub use module::compile_kernels;
 pub(crate) use module::{attend_defines, compile_one, Kernels};
 pub use step::Session;

@@ -6,17 +6,8 @@
 use super::*;
 
 impl PagedCache {
-    /// Appends one layer's K and V rows (device memory, `[rows][Hkv][D]`, batch order) to the
-    /// sessions of `batch`, on the cache's stream, with no host synchronisation: the records
-    /// of the new tokens, and every 64-token block they touch re-quantized.
-    ///
-    /// # Errors
-    /// Checked before the launch ([`check_rows`]): a layer out of range, a stale batch, a
-    /// row count that differs from the batch's, a null pointer; a batch other than the last
-    /// reserve's, or a session whose earlier rows in `layer` no append wrote (a step that
-    /// failed after its reserve: such a session is refused until it is freed;
-    /// [`crate::cache::StepLedger`]).
-    pub fn append(&mut self, batch: &AppendBatch, layer: usize, kv: &KvRows) -> Result<()> {
+    /// [`crate::api::KvCache::append`].
+    pub(crate) fn append(&mut self, batch: &AppendBatch, layer: usize, kv: &KvRows) -> Result<()> {
         check_rows(&self.cfg, batch, self.step, layer, kv)?;
         self.ledger.check_append(batch, layer, "append")?;
         if self.fixed_grids && self.batch_max_m != 1 {
@@ -33,7 +24,7 @@ impl PagedCache {
             self.pools[layer].dptr(),
         );
         let (tails, faults) = (self.tails.ptr, self.faults.dptr);
-        let dtype = kv.dtype.code();
+        let (k, v, dtype) = (kv.k.ptr(), kv.v.ptr(), kv.k.dtype().code());
         let layer_u = layer as u32;
         let nb = self.batch_len as u32;
         // Every session's new tokens in one block (a decode batch): one kernel writes the
@@ -48,8 +39,8 @@ impl PagedCache {
                     .arg(&pool)
                     .arg(geom)
                     .arg(&tails)
-                    .arg(&kv.k)
-                    .arg(&kv.v)
+                    .arg(&k)
+                    .arg(&v)
                     .arg(&dtype)
                     .arg(&layer_u)
                     .arg(&fused)
@@ -86,8 +77,8 @@ impl PagedCache {
                 .arg(&pool)
                 .arg(&geom)
                 .arg(&tails)
-                .arg(&kv.k)
-                .arg(&kv.v)
+                .arg(&k)
+                .arg(&v)
                 .arg(&dtype)
                 .arg(&layer_u);
             let grid = (self.batch_max_m as u32, s.kv_heads as u32, nb);
@@ -99,14 +90,8 @@ impl PagedCache {
         Ok(())
     }
 
-    /// [`PagedCache::append`] from host slices `[rows][Hkv][D]` f32 (a convenience for CPU
-    /// callers and tests: the rows are checked, copied to a device staging buffer, then
-    /// appended; the copy waits for the stream).
-    ///
-    /// # Errors
-    /// As [`PagedCache::append`], and, before any copy, slices of the wrong length or a key
-    /// or value that is not finite (named by token, head and channel).
-    pub fn append_host(
+    /// [`crate::api::KvCache::append_host`].
+    pub(crate) fn append_host(
         &mut self,
         batch: &AppendBatch,
         layer: usize,
@@ -131,42 +116,30 @@ impl PagedCache {
             stream_upload(base, k, st, "memcpy_htod keys")?;
             stream_upload(base + bytes as u64, v, st, "memcpy_htod values")?;
         }
-        let kv = KvRows {
-            k: base,
-            v: base + bytes as u64,
-            dtype: crate::cache::KvDtype::F32,
-            rows: batch.rows,
+        let n = k.len();
+        // SAFETY: the staging buffer holds 2·bytes: the keys at `base`, the values after them,
+        // `n` f32 each, alive and unwritten until the append's kernels have read them (the
+        // next writer synchronises first).
+        let kv = unsafe {
+            KvRows {
+                k: DeviceView::from_raw(base, n, crate::cache::KvDtype::F32),
+                v: DeviceView::from_raw(base + bytes as u64, n, crate::cache::KvDtype::F32),
+                rows: batch.rows,
+            }
         };
         self.append(batch, layer, &kv)
     }
 
-    /// Orders the cache's stream after everything queued so far on the caller's stream
-    /// `external` (a raw `CUstream` of this device's context, as `torch.cuda.current_stream()
-    /// .cuda_stream` gives; 0 is the legacy default stream): call it before appends and
-    /// attends whose inputs the caller's stream produced. With [`PagedCache::signal`] after
-    /// them, the cache's work runs as if on the caller's stream. No host synchronisation.
-    ///
-    /// # Safety
-    /// `external` must be a live stream of the cache's CUDA context (or 0).
-    ///
-    /// # Errors
-    /// A driver failure.
-    pub unsafe fn follow(&self, external: u64) -> Result<()> {
+    /// [`crate::api::KvCache::follow`].
+    pub(crate) unsafe fn follow(&self, external: u64) -> Result<()> {
         let e = crate::cuda::Event::sync_only()?;
         // SAFETY: the caller vouches for `external`; the cache's stream is live.
         unsafe { e.record_raw(external as cudarc::driver::sys::CUstream)? };
         e.wait_on(&self.stream)
     }
 
-    /// Makes the caller's stream `external` wait for everything queued so far on the cache's
-    /// stream (the outputs of the appends and attends before it).
-    ///
-    /// # Safety
-    /// As [`PagedCache::follow`].
-    ///
-    /// # Errors
-    /// A driver failure.
-    pub unsafe fn signal(&self, external: u64) -> Result<()> {
+    /// [`crate::api::KvCache::signal`].
+    pub(crate) unsafe fn signal(&self, external: u64) -> Result<()> {
         let e = crate::cuda::Event::sync_only()?;
         e.record(&self.stream)?;
         // SAFETY: the caller vouches for `external`.

@@ -22,17 +22,8 @@ pub(super) struct Calib {
 }
 
 impl PagedCache {
-    /// Loads one layer's calibration: per KV head σ² (Fathom's importance) and Double
-    /// Sparsity's channels (`fathom_plan::calib::head_calib`'s `sigma2` and `ds_channels`),
-    /// and, in a cache with the PCA index, the basis `loki` of every head (`[D][D]`, column j
-    /// the j-th coordinate): from then on the layer's appends write the PCA index too.
-    ///
-    /// # Errors
-    /// A layer out of range, a head count or σ² length that differs from the shape, a σ² that
-    /// is negative or not finite; with the PCA index, a basis of the wrong size or not finite,
-    /// or one that differs from the loaded one after the layer's first append (the index of the
-    /// tokens already there would be in the old basis). Nothing is changed then.
-    pub fn load_calibration(
+    /// [`crate::api::KvCache::load_calibration`].
+    pub(crate) fn load_calibration(
         &mut self,
         layer: usize,
         heads: &[fathom_plan::scanner::HeadCalib],
@@ -126,15 +117,8 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Makes the static depth table of `method` (Double Sparsity, Loki, thumb2, exact) for
-    /// every layer; Fathom and SparQ plan on the GPU per query, landmark and Quest read their
-    /// block tables, and need nothing.
-    ///
-    /// # Errors
-    /// Double Sparsity before any layer's calibration is loaded; Loki in a cache without the
-    /// PCA index, or with `r` of 0 or past D; landmark or Quest in a cache without the block
-    /// tables.
-    pub fn prepare(&mut self, method: crate::config::Method) -> Result<()> {
+    /// [`crate::api::KvCache::prepare`].
+    pub(crate) fn prepare(&mut self, method: crate::config::Method) -> Result<()> {
         use crate::config::Method as M;
         self.not_capturing("prepare")?;
         method.validate(self.cfg.shape.dim)?;
@@ -197,20 +181,17 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Whether `method`'s static depth table is made and current ([`PagedCache::prepare`] has
-    /// nothing to do): false for the methods that plan per query (their `prepare` only checks),
-    /// and for Double Sparsity after a [`PagedCache::load_calibration`] dropped its table.
-    pub fn is_prepared(&self, method: crate::config::Method) -> bool {
+    /// [`crate::api::KvCache::is_prepared`].
+    pub(crate) fn is_prepared(&self, method: crate::config::Method) -> bool {
         self.calib.statics.contains_key(&method.label())
     }
 
-    /// Checks that `method` can attend layer `layer` (its static plan prepared, its
-    /// calibration loaded) without launching anything: what [`PagedCache::attend`] checks
-    /// first, for a caller that must refuse a step before it reserves or appends.
-    ///
-    /// # Errors
-    /// A method that was not prepared, or a layer without the calibration it needs.
-    pub fn check_method(&self, method: crate::cache::AttendMethod, layer: usize) -> Result<()> {
+    /// [`crate::api::KvCache::check_method`].
+    pub(crate) fn check_method(
+        &self,
+        method: crate::cache::AttendMethod,
+        layer: usize,
+    ) -> Result<()> {
         if layer >= self.cfg.shape.layers {
             return Err(CudaError::invalid(
                 "layer",

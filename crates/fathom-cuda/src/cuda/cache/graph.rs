@@ -4,17 +4,8 @@
 use super::*;
 
 impl PagedCache {
-    /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and
-    /// must only [`PagedCache::append`] and [`PagedCache::attend`] (device pointers; the model's
-    /// own kernels may run on [`PagedCache::stream`] too) for `batch`, a decode batch (one
-    /// token per session). While capturing, the scan's grid covers `max_tokens`, so the graph
-    /// stays valid as the sessions grow. Replay it with [`PagedCache::replay`] after each
-    /// [`PagedCache::reserve`] of the same sessions, with this step's K, V and queries written
-    /// to the same device buffers.
-    ///
-    /// # Errors
-    /// A batch that is not a decode batch; whatever `step` returns; a failed capture.
-    pub fn capture(
+    /// [`crate::api::KvCache::capture`].
+    pub(crate) fn capture(
         &mut self,
         batch: &AppendBatch,
         step: impl FnOnce(&mut PagedCache) -> Result<()>,
@@ -26,18 +17,8 @@ impl PagedCache {
         graph
     }
 
-    /// [`PagedCache::capture`] in two calls, for a caller whose step is not a closure over
-    /// the cache (a model whose forward owns it): from here until [`PagedCache::end_capture`]
-    /// everything queued on [`PagedCache::stream`] is recorded, not run, and attends size
-    /// their grids for `max_tokens`. Nothing in between may wait for the stream, and the
-    /// calls that would change what the graph reads (a setting, a calibration, a `prepare`, a
-    /// new session) are refused by name. The graph replays only on this cache, and only while
-    /// its settings are those of the capture ([`PagedCache::check_graph`]).
-    ///
-    /// # Errors
-    /// A batch that is not the current decode batch; a capture already under way; a driver
-    /// failure (nothing is left capturing).
-    pub fn begin_capture(&mut self, batch: &AppendBatch) -> Result<()> {
+    /// [`crate::api::KvCache::begin_capture`].
+    pub(crate) fn begin_capture(&mut self, batch: &AppendBatch) -> Result<()> {
         if batch.plans.iter().any(|p| p.tokens != 1) || batch.step != self.step {
             return Err(CudaError::invalid(
                 "capture",
@@ -62,12 +43,8 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Ends the capture [`PagedCache::begin_capture`] started and instantiates the graph.
-    ///
-    /// # Errors
-    /// No capture under way; a failed capture (a launch that may not be captured, a wait for
-    /// the stream in between) or nothing captured.
-    pub fn end_capture(&mut self) -> Result<DecodeGraph> {
+    /// [`crate::api::KvCache::end_capture`].
+    pub(crate) fn end_capture(&mut self) -> Result<DecodeGraph> {
         let (plans0, sessions, settings0) = self
             .capturing
             .take()
@@ -100,14 +77,8 @@ impl PagedCache {
         })
     }
 
-    /// Replays a captured decode step for `batch`, the current reserve of the same sessions
-    /// (one token each), on the cache's stream.
-    ///
-    /// # Errors
-    /// A stale batch, or one whose sessions or token counts differ from the captured one's; a
-    /// graph captured before a setting changed (it would run the old step); a session whose
-    /// earlier rows no append wrote in a layer the graph appends.
-    pub fn replay(&mut self, batch: &AppendBatch, graph: &DecodeGraph) -> Result<()> {
+    /// [`crate::api::KvCache::replay`].
+    pub(crate) fn replay(&mut self, batch: &AppendBatch, graph: &DecodeGraph) -> Result<()> {
         self.check_graph(graph)?;
         if batch.step != self.step
             || batch.sessions() != graph.sessions
@@ -125,15 +96,8 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Whether `graph` may still be replayed on this cache: refused when a setting changed
-    /// since its capture (its kernels were recorded with other settings, and buffers it reads,
-    /// such as the host gather's or a replaced calibration's, may be freed). A caller that
-    /// reserves before [`PagedCache::replay`] checks this first, so a stale graph changes
-    /// nothing.
-    ///
-    /// # Errors
-    /// The stale graph.
-    pub fn check_graph(&self, graph: &DecodeGraph) -> Result<()> {
+    /// [`crate::api::KvCache::check_graph`].
+    pub(crate) fn check_graph(&self, graph: &DecodeGraph) -> Result<()> {
         if graph.cache != self.id {
             return Err(CudaError::invalid(
                 "replay",

@@ -29,18 +29,19 @@ use crate::cuda::{
     attend_defines, cast_mut, cfg, compile_one, drv, stream_upload, DevBuf, HostBuf, Mem,
 };
 use crate::error::{CudaError, Result};
+use crate::memory::{DeviceView, DeviceViewMut};
 use crate::paged_layout::PagedLayout;
 use crate::paged_ref::{export_pool, records_pool, PagedExport};
 use crate::pages::{CacheSessions, PageCopy, SessionId, BLOCK_TOKENS};
 use crate::Gpu;
 use fathom_store::Dims;
 
+mod api;
 mod append;
 mod attend;
 mod calib;
 mod graph;
 mod host_gather;
-mod options;
 mod params;
 mod pool;
 mod rows;
@@ -216,14 +217,8 @@ fn tail_elems(cfg: &CacheConfig) -> usize {
 }
 
 impl PagedCache {
-    /// Allocates the pools (`L ×` [`PagedLayout::pool_bytes`] of pinned, mapped host memory, or
-    /// of HBM when [`CacheConfig::residency`] says so), the page tables and the tails, and
-    /// compiles the kernels.
-    ///
-    /// # Errors
-    /// A configuration [`CacheConfig::validate`] refuses; a failed allocation (typed, with its
-    /// size); an NVRTC or driver failure.
-    pub fn new(gpu: &Gpu, cfg: CacheConfig) -> Result<Self> {
+    /// [`crate::api::KvCache::new`].
+    pub(crate) fn new(gpu: &Gpu, cfg: CacheConfig) -> Result<Self> {
         let cfg = cfg.validate()?;
         let s = cfg.shape;
         let dims = Dims {
@@ -258,7 +253,7 @@ impl PagedCache {
         let mut faults = HostBuf::new(s.layers * 4, "fault counters")?;
         faults.as_mut_bytes().fill(0);
         let tails = DevBuf::zeroed(cfg.pages.max_sessions * tail_elems(&cfg) * 2, "tails")?;
-        Ok(PagedCache {
+        let mut cache = PagedCache {
             cfg,
             layout,
             sessions,
@@ -290,11 +285,11 @@ impl PagedCache {
             capturing: None,
             ledger: crate::cache::StepLedger::new(s.layers),
             id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            select: crate::cache::SelectPath::Scores,
-            groups: 1,
-            scan_vec: 1,
+            select: cfg.options.select,
+            groups: cfg.options.attend_groups,
+            scan_vec: cfg.options.scan_vector_words,
             gather: None,
-            gather_share: 100,
+            gather_share: cfg.options.host_gather_share,
             settings: 0,
             side: gpu
                 .stream()
@@ -304,25 +299,30 @@ impl PagedCache {
             joined: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             published: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             copied: gpu.ctx().new_event(None).map_err(drv("create event"))?,
-            stage_timing: false,
+            stage_timing: cfg.options.stage_timing,
             stage_marks: Vec::new(),
             stage_untimed: 0,
             _modules: modules,
-        })
+        };
+        let threads = cfg.options.host_gather_threads;
+        if threads > 0 {
+            cache.start_host_gather(threads)?;
+        }
+        Ok(cache)
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &CacheConfig {
+    /// [`crate::api::KvCache::config`].
+    pub(crate) fn config(&self) -> &CacheConfig {
         &self.cfg
     }
 
-    /// The byte layout of each layer's pool.
-    pub fn layout(&self) -> &PagedLayout {
+    /// [`crate::api::KvCache::layout`].
+    pub(crate) fn layout(&self) -> &PagedLayout {
         &self.layout
     }
 
-    /// The host-side page tables and sessions.
-    pub fn sessions(&self) -> &CacheSessions {
+    /// [`crate::api::KvCache::sessions`].
+    pub(crate) fn sessions(&self) -> &CacheSessions {
         &self.sessions
     }
 

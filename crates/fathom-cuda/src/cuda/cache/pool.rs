@@ -55,10 +55,8 @@ impl PagedCache {
         }
     }
 
-    /// Bytes of HBM the page pools take (every layer's): the whole pools in HBM residency,
-    /// the index in the split residency, 0 in host residency; the PCA index's and the block
-    /// tables' where they are in HBM.
-    pub fn pool_hbm_bytes(&self) -> u64 {
+    /// [`crate::api::KvCache::pool_hbm_bytes`].
+    pub(crate) fn pool_hbm_bytes(&self) -> u64 {
         self.pools
             .iter()
             .chain(&self.rec_pools)

@@ -6,27 +6,19 @@
 use super::*;
 
 impl PagedCache {
-    /// Copies the last `min(len, cap)` K|V records of every session of `batch` (its length
-    /// after this step's appends) from the pools to device memory as f32, on the cache's
-    /// stream: session `b`'s `i`-th row lands at `[b][i][Hkv][D]` of `k_out` and `v_out`
-    /// (each `batch.len() · cap · Hkv · D` f32), rows past its count are not written. This is
-    /// how a model's dense prefill attention and its sliding-window layers read the cache
-    /// (the values are the stored bf16, exactly).
-    ///
-    /// # Errors
-    /// Checked before the launch: a layer out of range, a stale batch, `cap` of 0 or past the
-    /// cache's `max_tokens`, a null pointer.
-    pub fn read_rows(
+    /// [`crate::api::KvCache::read_rows`].
+    pub(crate) fn read_rows(
         &self,
         batch: &AppendBatch,
         layer: usize,
         cap: usize,
-        k_out: u64,
-        v_out: u64,
+        k_out: DeviceViewMut<'_>,
+        v_out: DeviceViewMut<'_>,
     ) -> Result<()> {
-        crate::cache::check_read_rows(&self.cfg, batch, self.step, layer, cap, k_out, v_out)?;
+        crate::cache::check_read_rows(&self.cfg, batch, self.step, layer, cap, &k_out, &v_out)?;
         self.ledger.check_read(batch, layer, "read_rows")?;
-        self.launch_read_rows(layer, cap, self.batch_len, k_out, v_out)
+        let (k, v) = (k_out.ptr(), v_out.ptr());
+        self.launch_read_rows(layer, cap, self.batch_len, k, v)
     }
 
     /// Launches `read_rows` over the first `nb` descriptors on the device (checked by the
@@ -64,10 +56,8 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Waits for the stream, then the faults counted per layer since the cache was made
-    /// (a channel block whose keys were not finite or whose maximum overflowed fp16 was not
-    /// written).
-    pub fn faults(&self) -> Result<Vec<u32>> {
+    /// [`crate::api::KvCache::faults`].
+    pub(crate) fn faults(&self) -> Result<Vec<u32>> {
         self.sync()?;
         let f: &[u8] = self.faults.as_bytes();
         Ok(f.chunks_exact(4)
@@ -113,21 +103,16 @@ impl PagedCache {
         Ok(n)
     }
 
-    /// Waits for the stream, then one layer's store of `session` in `fathom-store`'s layout
-    /// (what the tests compare with `KeyStore` bit for bit).
-    pub fn export(&self, session: SessionId, layer: usize) -> Result<PagedExport> {
+    /// [`crate::api::KvCache::export`].
+    pub(crate) fn export(&self, session: SessionId, layer: usize) -> Result<PagedExport> {
         let n = self.check_whole(session, layer, "export")?;
         self.sync()?;
         let pool = self.pool_bytes(layer)?;
         export_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }
 
-    /// Waits for the stream, then one layer's PCA index of `session` in `fathom-store`'s
-    /// layout (what the tests compare with a `KeyStore` in the basis bit for bit).
-    ///
-    /// # Errors
-    /// A cache without the PCA index, a layer or session that does not exist.
-    pub fn export_pca(&self, session: SessionId, layer: usize) -> Result<PagedExport> {
+    /// [`crate::api::KvCache::export_pca`].
+    pub(crate) fn export_pca(&self, session: SessionId, layer: usize) -> Result<PagedExport> {
         let pca = self.pca_pools.get(layer).ok_or_else(|| {
             CudaError::invalid(
                 "export_pca",
@@ -151,9 +136,8 @@ impl PagedCache {
         export_pool(&self.layout, &pool, self.sessions.page_table(session)?, n)
     }
 
-    /// Waits for the stream, then one layer's K|V records of `session`,
-    /// `[head][token][K | V]` bf16.
-    pub fn records(&self, session: SessionId, layer: usize) -> Result<Vec<bf16>> {
+    /// [`crate::api::KvCache::records`].
+    pub(crate) fn records(&self, session: SessionId, layer: usize) -> Result<Vec<bf16>> {
         let n = self.check_whole(session, layer, "records")?;
         self.sync()?;
         let pool = self.pool_bytes(layer)?;

@@ -5,9 +5,8 @@
 use super::*;
 
 impl PagedCache {
-    /// A new, empty session (its slot's row cache emptied: it sees none of an old session's
-    /// rows).
-    pub fn create(&mut self) -> Result<SessionId> {
+    /// [`crate::api::KvCache::create`].
+    pub(crate) fn create(&mut self) -> Result<SessionId> {
         self.not_capturing("create")?;
         let s = self.sessions.create()?;
         self.ledger.created(s);
@@ -15,12 +14,8 @@ impl PagedCache {
         Ok(s)
     }
 
-    /// Empties the HBM row cache of `session` (on the stream): its next attends fetch every
-    /// row over the link again. A no-op without a row cache.
-    ///
-    /// # Errors
-    /// An unknown or freed session.
-    pub fn reset_row_cache(&self, session: SessionId) -> Result<()> {
+    /// [`crate::api::KvCache::reset_row_cache`].
+    pub(crate) fn reset_row_cache(&self, session: SessionId) -> Result<()> {
         self.not_capturing("reset_row_cache")?;
         self.sessions.len(session)?;
         // The filtered select's estimates too: a new session (or a fork) starts on the score
@@ -42,20 +37,18 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Tokens in `session`.
-    pub fn len(&self, session: SessionId) -> Result<usize> {
+    /// [`crate::api::KvCache::len`].
+    pub(crate) fn len(&self, session: SessionId) -> Result<usize> {
         Ok(self.sessions.len(session)?)
     }
 
-    /// Whether `session` holds no token.
-    pub fn is_empty(&self, session: SessionId) -> Result<bool> {
+    /// [`crate::api::KvCache::is_empty`].
+    pub(crate) fn is_empty(&self, session: SessionId) -> Result<bool> {
         Ok(self.sessions.is_empty(session)?)
     }
 
-    /// A session that shares every page of `parent` (docs/SPEC.md §6.1: full pages read-only,
-    /// the partial last page copied by whichever side appends to it first) and a copy of its
-    /// partial block's keys. Appends to either never change what the other reads.
-    pub fn fork(&mut self, parent: SessionId) -> Result<SessionId> {
+    /// [`crate::api::KvCache::fork`].
+    pub(crate) fn fork(&mut self, parent: SessionId) -> Result<SessionId> {
         self.sync()?;
         let child = self.sessions.fork(parent)?;
         self.ledger.forked(parent, child);
@@ -73,9 +66,8 @@ impl PagedCache {
         Ok(child)
     }
 
-    /// Frees `session`; pages it shared stay with the other sessions. A batch reserved before
-    /// is stale afterwards (it may name the freed session's pages).
-    pub fn free(&mut self, session: SessionId) -> Result<()> {
+    /// [`crate::api::KvCache::free`].
+    pub(crate) fn free(&mut self, session: SessionId) -> Result<()> {
         self.sync()?;
         self.sessions.free(session)?;
         self.ledger.freed(session);
@@ -83,29 +75,8 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Shortens `session` to `len` tokens in every layer (docs/SPEC.md §6.1, "Truncate"): a
-    /// rejected speculative draft, a step rolled back, or a session whose step failed after
-    /// its reserve cut back to the rows its appends wrote. Pages past the end are released (a
-    /// fork keeps what it shares). Where `len` falls inside a 64-token block, the block's
-    /// quantization still holds the dropped tokens, so its `len mod 64` kept rows are read
-    /// from their records, the session is cut to the block's start and they are appended
-    /// again: the store is then the store of the first `len` keys bit for bit, as the CPU
-    /// reference's [`crate::paged_ref::PagedStoreRef::truncate`] is. The session's row cache
-    /// is emptied (its slots may hold dropped rows). Waits for the stream; a batch reserved
-    /// before is stale afterwards.
-    ///
-    /// A cut to the session's own length does nothing. The kept rows are appended again as
-    /// they are stored: a key whose channel block faulted at its first append (past fp16)
-    /// faults again and is counted again.
-    ///
-    /// # Errors
-    /// Refused before any change: a capture under way; an unknown or freed session; `len`
-    /// past its length; rows below `len` that no append wrote, in a layer appends have
-    /// written (truncate to the rows written instead); no free page for the re-append's
-    /// copy-on-write of a page a fork shares; a device allocation for the kept rows. A driver
-    /// failure while appending the kept rows again leaves the session cut to the block's
-    /// start, and the error says so.
-    pub fn truncate(&mut self, session: SessionId, len: usize) -> Result<()> {
+    /// [`crate::api::KvCache::truncate`].
+    pub(crate) fn truncate(&mut self, session: SessionId, len: usize) -> Result<()> {
         self.not_capturing("truncate")?;
         let n = self.sessions.len(session)?;
         if len == n {
@@ -161,11 +132,20 @@ impl PagedCache {
             let batch = self.reserve(&[(session, r)])?;
             for (i, &l) in layers.iter().enumerate() {
                 let off = (i * r * row * 4) as u64;
-                let kv = KvRows {
-                    k: buf + off,
-                    v: buf + bytes as u64 + off,
-                    dtype: crate::cache::KvDtype::F32,
-                    rows: r,
+                let n = r * row;
+                // SAFETY: the staging buffer holds 2·bytes: layer i's kept keys at `off`, its
+                // values `bytes` further, `n` f32 each, written by the reads above on the
+                // stream and not rewritten before the append's kernels read them.
+                let kv = unsafe {
+                    KvRows {
+                        k: DeviceView::from_raw(buf + off, n, crate::cache::KvDtype::F32),
+                        v: DeviceView::from_raw(
+                            buf + bytes as u64 + off,
+                            n,
+                            crate::cache::KvDtype::F32,
+                        ),
+                        rows: r,
+                    }
                 };
                 self.append(&batch, l, &kv)?;
             }
@@ -234,12 +214,8 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Whether [`PagedCache::reserve`] of `batch` would succeed now (sessions, lengths, free
-    /// pages), changing nothing: a prompt reserved in chunks is checked whole first.
-    ///
-    /// # Errors
-    /// What the reserve would return.
-    pub fn check_reserve(&self, batch: &[(SessionId, usize)]) -> Result<()> {
+    /// [`crate::api::KvCache::check_reserve`].
+    pub(crate) fn check_reserve(&self, batch: &[(SessionId, usize)]) -> Result<()> {
         self.sessions.check_reserve(batch)?;
         self.check_grow(batch)
     }
@@ -254,18 +230,8 @@ impl PagedCache {
         self.ledger.check_grow(&lens, "reserve")
     }
 
-    /// Grows every session of `batch = [(session, new_tokens)]` (all or nothing, each session
-    /// at most once, at most `max_batch` sessions), performs the copy-on-write of shared
-    /// partial pages in every layer's pool, and writes the device's tables and descriptors.
-    /// Waits for the stream first. The returned batch is valid for this step's
-    /// [`PagedCache::append`] calls, one per layer, until the next `reserve`.
-    ///
-    /// # Errors
-    /// A batch of 0 or more than `max_batch` sessions, a session twice, unknown or freed, past
-    /// `max_tokens`, not enough free pages; a session holding rows no append wrote (a step
-    /// that failed after its reserve; [`crate::cache::StepLedger::check_grow`]). Nothing is
-    /// changed.
-    pub fn reserve(&mut self, batch: &[(SessionId, usize)]) -> Result<AppendBatch> {
+    /// [`crate::api::KvCache::reserve`].
+    pub(crate) fn reserve(&mut self, batch: &[(SessionId, usize)]) -> Result<AppendBatch> {
         if batch.is_empty() || batch.len() > self.cfg.max_batch {
             return Err(CudaError::invalid(
                 "batch",

@@ -5,10 +5,8 @@
 use super::*;
 
 impl PagedCache {
-    /// After an attend (waits for the stream): session `b`'s depths `[Hkv][D]` (of the last
-    /// planned method), scores `[Hkv][G][n]` and each query head's winners, sorted. For tests
-    /// and debugging; the step itself never reads back.
-    pub fn debug_readback(&self, batch: &AppendBatch, b: usize) -> Result<AttendDebug> {
+    /// [`crate::api::KvCache::debug_readback`].
+    pub(crate) fn debug_readback(&self, batch: &AppendBatch, b: usize) -> Result<AttendDebug> {
         self.sync()?;
         let s = self.cfg.shape;
         let (hkv, g, d, hq) = (s.kv_heads, s.group, s.dim, s.kv_heads * s.group);
@@ -42,18 +40,16 @@ impl PagedCache {
         })
     }
 
-    /// Waits for the stream, then the mean plan bits per (session, KV head) of every
-    /// GPU-planned attend (Fathom, SparQ) since the cache was made, and how many plans that is.
-    pub fn plan_bits(&self) -> Result<(f64, u64)> {
+    /// [`crate::api::KvCache::plan_bits`].
+    pub(crate) fn plan_bits(&self) -> Result<(f64, u64)> {
         self.sync()?;
         let v: Vec<f32> = self.work.bits_acc.read(1)?;
         let n = self.plans_counted;
         Ok((if n > 0 { v[0] as f64 / n as f64 } else { 0.0 }, n))
     }
 
-    /// Waits for the stream, then the union rows fetched and how many of them the HBM row
-    /// cache served, summed over every attend since the cache was made.
-    pub fn row_counters(&self) -> Result<RowCounters> {
+    /// [`crate::api::KvCache::row_counters`].
+    pub(crate) fn row_counters(&self) -> Result<RowCounters> {
         self.sync()?;
         let v: Vec<u64> = self.work.counters.read(2)?;
         Ok(RowCounters {
@@ -62,10 +58,8 @@ impl PagedCache {
         })
     }
 
-    /// Waits for the stream, then how the query-head rows of every attend since the cache was
-    /// made took their top-k: by the filtered select, or by falling back to the score path
-    /// after their filter failed.
-    pub fn select_counters(&self) -> Result<SelectCounters> {
+    /// [`crate::api::KvCache::select_counters`].
+    pub(crate) fn select_counters(&self) -> Result<SelectCounters> {
         self.sync()?;
         let v: Vec<u64> = self.work.counters.read(4)?;
         Ok(SelectCounters {
@@ -74,13 +68,8 @@ impl PagedCache {
         })
     }
 
-    /// The stage times of the attends since the last call (or since the cache was made), and
-    /// a fresh start for the next: waits for the cache's stream, then reads each pair of
-    /// consecutive marks of an attend.
-    ///
-    /// # Errors
-    /// A driver failure waiting for the stream or reading an event.
-    pub fn stage_times(&mut self) -> Result<AttendStages> {
+    /// [`crate::api::KvCache::stage_times`].
+    pub(crate) fn stage_times(&mut self) -> Result<AttendStages> {
         self.sync()?;
         let mut out = AttendStages {
             untimed: self.stage_untimed,

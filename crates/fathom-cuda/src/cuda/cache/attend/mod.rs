@@ -77,26 +77,17 @@ impl Marks {
 }
 
 impl PagedCache {
-    /// One layer's attention for the sessions of `batch` (each at its last token), on the
-    /// cache's stream with no host synchronisation: queries `q` `[batch][Hq][D]` give outputs
-    /// `out` `[batch][Hq][D]` f32 (device pointers). Each query head attends exactly over its
-    /// own sink + local + top-k set (docs/SPEC.md §5), or over every token for
-    /// [`AttendMethod::Dense`](crate::cache::AttendMethod::Dense). Launch parameters are
-    /// fixed-size structs; working memory was sized when the cache was made.
-    ///
-    /// # Errors
-    /// Checked before any launch ([`crate::cache::check_attend`]): layer, stale batch, k past
-    /// `max_k`, null pointers; a method that needs a calibration or a static plan not loaded.
-    pub fn attend(
+    /// [`crate::api::KvCache::attend`].
+    pub(crate) fn attend(
         &mut self,
         batch: &AppendBatch,
         layer: usize,
         method: AttendMethod,
         params: &fathom_plan::SelectParams,
         q: &crate::cache::QueryRows,
-        out: u64,
+        out: DeviceViewMut<'_>,
     ) -> Result<()> {
-        crate::cache::check_attend(&self.cfg, batch, self.step, layer, params, q, out)?;
+        crate::cache::check_attend(&self.cfg, batch, self.step, layer, params, q, &out)?;
         self.ledger.check_read(batch, layer, "attend")?;
         let (static_depths, sigma) = self.method_inputs(method, layer)?;
         let hkv = self.cfg.shape.kv_heads;
@@ -146,7 +137,7 @@ impl PagedCache {
                 l.st.wait(&self.joined).map_err(drv("wait event"))?;
             }
         }
-        l.combine(out)?;
+        l.combine(out.ptr())?;
         marks.mark(AttendStage::Attention, l.st)?;
         let nb = l.nb;
         self.stage_marks.extend(marks.marks);
@@ -308,12 +299,8 @@ impl Launch<'_> {
     }
 }
 impl PagedCache {
-    /// [`PagedCache::attend`] from and to host slices (a convenience for CPU callers and tests):
-    /// `q` is `[batch][Hq][D]` f32; returns the outputs `[batch][Hq][D]`. Waits for the stream.
-    ///
-    /// # Errors
-    /// As [`PagedCache::attend`], and a `q` of the wrong length or with a non-finite value.
-    pub fn attend_host(
+    /// [`crate::api::KvCache::attend_host`].
+    pub(crate) fn attend_host(
         &mut self,
         batch: &AppendBatch,
         layer: usize,
@@ -350,11 +337,18 @@ impl PagedCache {
         // SAFETY: the staging buffer holds 2·bytes, only this stream uses it, and the stream is
         // idle (synchronised above); the copy is ordered before the attend's kernels.
         unsafe { stream_upload(base, q, self.stream.cu_stream(), "memcpy_htod queries") }?;
-        let qr = crate::cache::QueryRows {
-            q: base,
-            dtype: crate::cache::KvDtype::F32,
+        // SAFETY: the staging buffer holds 2·bytes: the queries at `base` (`want` f32, copied
+        // above on the stream), the outputs after them (`want` f32), only this attend uses it,
+        // and it is read back below after a synchronisation.
+        let (qr, out) = unsafe {
+            (
+                crate::cache::QueryRows {
+                    q: DeviceView::from_raw(base, want, crate::cache::KvDtype::F32),
+                },
+                DeviceViewMut::from_raw(base + bytes as u64, want, crate::cache::KvDtype::F32),
+            )
         };
-        self.attend(batch, layer, method, params, &qr, base + bytes as u64)?;
+        self.attend(batch, layer, method, params, &qr, out)?;
         self.sync()?;
         let mut out = vec![0f32; want];
         // SAFETY: `out` has `want` f32 slots; the source holds as many; synchronous copy.

@@ -13,9 +13,9 @@ impl Launch<'_> {
         let (k, w, st) = (&self.c.attend_kernels, &self.c.work, self.st);
         let s = self.c.cfg.shape;
         let (hq, d) = (s.kv_heads * s.group, s.dim);
-        let dtype = q.dtype.code();
+        let (qp, dtype) = (q.q.ptr(), q.q.dtype().code());
         let mut b = st.launch_builder(&k.queries);
-        b.arg(&q.q).arg(&dtype).arg(&w.qf.ptr);
+        b.arg(&qp).arg(&dtype).arg(&w.qf.ptr);
         // SAFETY: q holds batch·Hq·D elements (the caller's contract), qf max_batch·Hq·D.
         unsafe { b.launch(cfg(((self.nb * hq) as u32, 1, 1), d as u32)) }
             .map_err(drv("launch attend_queries"))?;
