@@ -55,6 +55,12 @@ pub trait KvCache: Sized {
     /// A captured decode step ([`KvCache::capture`]).
     type Graph;
 
+    /// Waits for everything queued on the cache's stream (its appends and attends).
+    ///
+    /// # Errors
+    /// A driver failure; a capture under way (nothing may wait for a stream being captured).
+    fn synchronize(&self) -> Result<()>;
+
     /// Allocates the pools (`L ×` [`PagedLayout::pool_bytes`] of pinned, mapped host memory, or
     /// of HBM when [`CacheConfig::residency`] says so), the page tables and the tails, and
     /// compiles the kernels.

@@ -62,6 +62,10 @@ impl KvCache for PagedCache {
     type Device = Gpu;
     type Graph = DecodeGraph;
 
+    fn synchronize(&self) -> Result<()> {
+        match *self {}
+    }
+
     fn new(_gpu: &Self::Device, _cfg: CacheConfig) -> Result<Self> {
         Err(CudaError::NotCompiledWithCuda)
     }
@@ -160,7 +164,7 @@ impl KvCache for PagedCache {
         _layer: usize,
         _method: AttendMethod,
         _params: &fathom_plan::SelectParams,
-        _q: &crate::cache::QueryRows,
+        _q: &QueryRows<'_>,
         _out: DeviceViewMut<'_>,
     ) -> Result<()> {
         match *self {}

@@ -103,11 +103,44 @@ impl<'a> DeviceView<'a> {
         self.dtype
     }
 
+    /// Elements `range` of the view.
+    ///
+    /// # Errors
+    /// A range past the view's end.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Result<DeviceView<'a>> {
+        let (ptr, len) = sub(self.ptr, self.len, self.dtype, range)?;
+        Ok(DeviceView {
+            ptr,
+            len,
+            dtype: self.dtype,
+            _borrow: PhantomData,
+        })
+    }
+
     /// The device address, for the launches of this crate.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
     }
+}
+
+/// The address and length of elements `range` of a view at `ptr` of `len` elements.
+fn sub(
+    ptr: u64,
+    len: usize,
+    dtype: KvDtype,
+    range: std::ops::Range<usize>,
+) -> Result<(u64, usize)> {
+    if range.start > range.end || range.end > len {
+        return Err(CudaError::invalid(
+            "slice",
+            format!("elements {range:?} of a view of {len}"),
+        ));
+    }
+    Ok((
+        ptr + (range.start * dtype.bytes()) as u64,
+        range.end - range.start,
+    ))
 }
 
 impl<'a> DeviceViewMut<'a> {
@@ -148,6 +181,20 @@ impl<'a> DeviceViewMut<'a> {
             dtype: self.dtype,
             _borrow: PhantomData,
         }
+    }
+
+    /// Elements `range` of the view, writable for as long as this one is borrowed.
+    ///
+    /// # Errors
+    /// A range past the view's end.
+    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> Result<DeviceViewMut<'_>> {
+        let (ptr, len) = sub(self.ptr, self.len, self.dtype, range)?;
+        Ok(DeviceViewMut {
+            ptr,
+            len,
+            dtype: self.dtype,
+            _borrow: PhantomData,
+        })
     }
 
     /// A shorter borrow of the same view (to pass it on and keep it).

@@ -485,12 +485,18 @@ fn rows_are_checked_against_the_batch() {
     let batch = AppendBatch::new(s.reserve_many(&[(a, 3), (b, 70)]).unwrap(), 1);
     assert_eq!(batch.row0, vec![0, 3]);
     assert_eq!(batch.rows, 73);
-    let kv = KvRows {
-        k: 16,
-        v: 32,
-        dtype: KvDtype::Bf16,
-        rows: 73,
+    let n = 73 * c.shape.kv_heads * c.shape.dim;
+    // SAFETY: the views are only checked, never launched on.
+    let (k, v, short, f32s) = unsafe {
+        use crate::memory::DeviceView;
+        (
+            DeviceView::from_raw(16, n, KvDtype::Bf16),
+            DeviceView::from_raw(32, n, KvDtype::Bf16),
+            DeviceView::from_raw(48, n - 1, KvDtype::Bf16),
+            DeviceView::from_raw(64, n, KvDtype::F32),
+        )
     };
+    let kv = KvRows { k, v, rows: 73 };
     assert!(check_rows(&c, &batch, 1, 1, &kv).is_ok());
     let e = check_rows(&c, &batch, 1, 2, &kv).unwrap_err().to_string();
     assert!(e.contains("2 layers"), "{e}");
@@ -500,8 +506,12 @@ fn rows_are_checked_against_the_batch() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("72 rows"), "{e}");
-    let e = check_rows(&c, &batch, 1, 0, &KvRows { k: 0, ..kv })
+    let e = check_rows(&c, &batch, 1, 0, &KvRows { k: short, ..kv })
         .unwrap_err()
         .to_string();
-    assert!(e.contains("null"), "{e}");
+    assert!(e.contains("keys") && e.contains("want at least"), "{e}");
+    let e = check_rows(&c, &batch, 1, 0, &KvRows { v: f32s, ..kv })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("one dtype"), "{e}");
 }

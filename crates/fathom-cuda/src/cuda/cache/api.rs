@@ -10,6 +10,10 @@ impl KvCache for PagedCache {
     type Device = Gpu;
     type Graph = DecodeGraph;
 
+    fn synchronize(&self) -> Result<()> {
+        self.sync()
+    }
+
     fn new(gpu: &Self::Device, cfg: CacheConfig) -> Result<Self> {
         PagedCache::new(gpu, cfg)
     }

@@ -86,11 +86,15 @@ struct AppendKernels {
 /// The next [`PagedCache`]'s id.
 static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// An offloaded, paged KV cache for one model shape on one GPU.
+/// An offloaded, paged KV cache for one model shape on one GPU: the CUDA backend of
+/// [`crate::api::KvCache`], whose methods it implements (bring them into scope with
+/// `use fathom_cuda::prelude::*`; the crate docs open with a whole decode).
 ///
 /// ```no_run
-/// use fathom_cuda::cache::{CacheConfig, KvDtype, KvRows};
+/// use fathom_cuda::cache::{CacheConfig, KvRows};
+/// use fathom_cuda::memory::DeviceBuffer;
 /// use fathom_cuda::pages::PageConfig;
+/// use fathom_cuda::prelude::*;
 /// use fathom_cuda::{Gpu, ModelShape, PagedCache};
 /// let gpu = Gpu::open(0)?;
 /// let cfg = CacheConfig {
@@ -103,14 +107,16 @@ static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 ///     pca_index: false,
 ///     block_tables: false,
 ///     host_pages: fathom_cuda::HostPages::Driver,
+///     options: Default::default(),
 /// };
 /// let mut cache = PagedCache::new(&gpu, cfg)?;
 /// let (a, b) = (cache.create()?, cache.create()?);
 /// let batch = cache.reserve(&[(a, 100), (b, 300)])?; // a prefill of two lengths
 /// // K and V of the 400 new rows, [400][Hkv][D] bf16 each, in device memory (a model's
-/// // projections; here left to the caller):
-/// # let (k, v): (u64, u64) = unimplemented!();
-/// cache.append(&batch, 0, &KvRows { k, v, dtype: KvDtype::Bf16, rows: batch.rows })?;
+/// // projections; zeros here):
+/// let k = DeviceBuffer::<half::bf16>::zeros(&gpu, 400 * 2 * 128)?;
+/// let v = DeviceBuffer::<half::bf16>::zeros(&gpu, 400 * 2 * 128)?;
+/// cache.append(&batch, 0, &KvRows { k: k.view(), v: v.view(), rows: batch.rows })?;
 /// # Ok::<(), fathom_cuda::CudaError>(())
 /// ```
 pub struct PagedCache {
