@@ -512,24 +512,29 @@ pub struct DecodeBenchArgs {
     /// sliding-window layers are refused.
     #[arg(long)]
     pub graph: bool,
-    /// Head groups per attend (`PagedCache::set_attend_groups`: the scan of group i+1 overlaps
+    /// Head groups per attend (`CacheOptions::attend_groups`: the scan of group i+1 overlaps
     /// group i's top-k, row fetch and attention on a second stream; the same outputs), 1 to
     /// the model's KV heads.
     #[arg(long, default_value_t = 1)]
     pub attend_groups: usize,
-    /// Plane words per global load of the scan (`PagedCache::set_scan_vector_words`): 1 (8
+    /// Plane words per global load of the scan (`CacheOptions::scan_vector_words`): 1 (8
     /// bytes) or 2 (16 bytes).
     #[arg(long = "scan-vec", default_value_t = 1)]
     pub scan_vec: u32,
-    /// CPU threads of the host gather (`PagedCache::set_host_gather`): they copy the row
+    /// CPU threads of the host gather (`CacheOptions::host_gather_threads`): they copy the row
     /// fetch's missed K|V records into pinned staging the GPU reads in order; 0 (the default):
     /// the GPU reads each record from host memory itself. Needs one head group.
     #[arg(long = "host-gather", default_value_t = 0)]
     pub host_gather: usize,
     /// Percent of the misses the host gather brings while the fetch reads the rest itself,
-    /// at once (`PagedCache::set_host_gather_share`; 1 to 100, the default 100: all).
+    /// at once (`CacheOptions::host_gather_share`; 1 to 100, the default 100: all).
     #[arg(long = "host-share", default_value_t = 100)]
     pub host_share: u32,
+    /// Split each attend of the stage-split steps by stage (plan, scan, top-k, union, fetch,
+    /// attention; `CacheOptions::stage_timing`): a CUDA event after each stage of every plain
+    /// (not graph-replayed) attend, so the timed steps carry them too; off by default.
+    #[arg(long = "stage-timing")]
+    pub stage_timing: bool,
     /// GPUs of this host (sessions spread over `gpus / tp` groups).
     #[arg(long, default_value_t = 1)]
     pub gpus: usize,
@@ -707,6 +712,14 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     dcfg.max_batch = bmax;
     dcfg.max_k = a.k.min(max_tokens);
     dcfg.row_cache = a.row_cache;
+    dcfg.options = fathom_cuda::cache::CacheOptions {
+        attend_groups: a.attend_groups,
+        scan_vector_words: a.scan_vec,
+        host_gather_threads: a.host_gather,
+        host_gather_share: if a.host_gather > 0 { a.host_share } else { 100 },
+        stage_timing: a.stage_timing,
+        ..fathom_cuda::cache::CacheOptions::default()
+    };
     dcfg.residency = fathom_cuda::Residency::parse(&a.residency)?;
     let per: usize = ctx
         .iter()
@@ -776,12 +789,6 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         }
     };
     let prefill_seconds = t0.elapsed().as_secs_f64();
-    dec.cache_mut()?.set_attend_groups(a.attend_groups)?;
-    dec.cache_mut()?.set_scan_vector_words(a.scan_vec)?;
-    dec.cache_mut()?.set_host_gather(a.host_gather)?;
-    if a.host_gather > 0 {
-        dec.cache_mut()?.set_host_gather_share(a.host_share)?;
-    }
     let named: Vec<(String, Attention)> = names.iter().cloned().zip(atts.iter().copied()).collect();
     let m = fathom_gpu::throughput::measure(
         &mut dec,

@@ -122,7 +122,7 @@ pub trait KvCache: Sized {
     /// start, and the error says so.
     fn truncate(&mut self, session: SessionId, len: usize) -> Result<()>;
 
-    /// Whether [`PagedCache::reserve`] of `batch` would succeed now (sessions, lengths, free
+    /// Whether [`crate::api::KvCache::reserve`] of `batch` would succeed now (sessions, lengths, free
     /// pages), changing nothing: a prompt reserved in chunks is checked whole first.
     ///
     /// # Errors
@@ -133,7 +133,7 @@ pub trait KvCache: Sized {
     /// at most once, at most `max_batch` sessions), performs the copy-on-write of shared
     /// partial pages in every layer's pool, and writes the device's tables and descriptors.
     /// Waits for the stream first. The returned batch is valid for this step's
-    /// [`PagedCache::append`] calls, one per layer, until the next `reserve`.
+    /// [`crate::api::KvCache::append`] calls, one per layer, until the next `reserve`.
     ///
     /// # Errors
     /// A batch of 0 or more than `max_batch` sessions, a session twice, unknown or freed, past
@@ -154,12 +154,12 @@ pub trait KvCache: Sized {
     /// [`crate::cache::StepLedger`]).
     fn append(&mut self, batch: &AppendBatch, layer: usize, kv: &KvRows) -> Result<()>;
 
-    /// [`PagedCache::append`] from host slices `[rows][Hkv][D]` f32 (a convenience for CPU
+    /// [`crate::api::KvCache::append`] from host slices `[rows][Hkv][D]` f32 (a convenience for CPU
     /// callers and tests: the rows are checked, copied to a device staging buffer, then
     /// appended; the copy waits for the stream).
     ///
     /// # Errors
-    /// As [`PagedCache::append`], and, before any copy, slices of the wrong length or a key
+    /// As [`crate::api::KvCache::append`], and, before any copy, slices of the wrong length or a key
     /// or value that is not finite (named by token, head and channel).
     fn append_host(
         &mut self,
@@ -172,7 +172,7 @@ pub trait KvCache: Sized {
     /// Orders the cache's stream after everything queued so far on the caller's stream
     /// `external` (a raw `CUstream` of this device's context, as `torch.cuda.current_stream()
     /// .cuda_stream` gives; 0 is the legacy default stream): call it before appends and
-    /// attends whose inputs the caller's stream produced. With [`PagedCache::signal`] after
+    /// attends whose inputs the caller's stream produced. With [`crate::api::KvCache::signal`] after
     /// them, the cache's work runs as if on the caller's stream. No host synchronisation.
     ///
     /// # Safety
@@ -186,7 +186,7 @@ pub trait KvCache: Sized {
     /// stream (the outputs of the appends and attends before it).
     ///
     /// # Safety
-    /// As [`PagedCache::follow`].
+    /// As [`crate::api::KvCache::follow`].
     ///
     /// # Errors
     /// A driver failure.
@@ -257,13 +257,13 @@ pub trait KvCache: Sized {
     /// tables.
     fn prepare(&mut self, method: crate::config::Method) -> Result<()>;
 
-    /// Whether `method`'s static depth table is made and current ([`PagedCache::prepare`] has
+    /// Whether `method`'s static depth table is made and current ([`crate::api::KvCache::prepare`] has
     /// nothing to do): false for the methods that plan per query (their `prepare` only checks),
-    /// and for Double Sparsity after a [`PagedCache::load_calibration`] dropped its table.
+    /// and for Double Sparsity after a [`crate::api::KvCache::load_calibration`] dropped its table.
     fn is_prepared(&self, method: crate::config::Method) -> bool;
 
     /// Checks that `method` can attend layer `layer` (its static plan prepared, its
-    /// calibration loaded) without launching anything: what [`PagedCache::attend`] checks
+    /// calibration loaded) without launching anything: what [`crate::api::KvCache::attend`] checks
     /// first, for a caller that must refuse a step before it reserves or appends.
     ///
     /// # Errors
@@ -290,11 +290,11 @@ pub trait KvCache: Sized {
         out: DeviceViewMut<'_>,
     ) -> Result<()>;
 
-    /// [`PagedCache::attend`] from and to host slices (a convenience for CPU callers and tests):
+    /// [`crate::api::KvCache::attend`] from and to host slices (a convenience for CPU callers and tests):
     /// `q` is `[batch][Hq][D]` f32; returns the outputs `[batch][Hq][D]`. Waits for the stream.
     ///
     /// # Errors
-    /// As [`PagedCache::attend`], and a `q` of the wrong length or with a non-finite value.
+    /// As [`crate::api::KvCache::attend`], and a `q` of the wrong length or with a non-finite value.
     fn attend_host(
         &mut self,
         batch: &AppendBatch,
@@ -305,11 +305,11 @@ pub trait KvCache: Sized {
     ) -> Result<Vec<f32>>;
 
     /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and
-    /// must only [`PagedCache::append`] and [`PagedCache::attend`] (device pointers; the model's
+    /// must only [`crate::api::KvCache::append`] and [`crate::api::KvCache::attend`] (device pointers; the model's
     /// own kernels may run on [`PagedCache::stream`] too) for `batch`, a decode batch (one
     /// token per session). While capturing, the scan's grid covers `max_tokens`, so the graph
-    /// stays valid as the sessions grow. Replay it with [`PagedCache::replay`] after each
-    /// [`PagedCache::reserve`] of the same sessions, with this step's K, V and queries written
+    /// stays valid as the sessions grow. Replay it with [`crate::api::KvCache::replay`] after each
+    /// [`crate::api::KvCache::reserve`] of the same sessions, with this step's K, V and queries written
     /// to the same device buffers.
     ///
     /// # Errors
@@ -320,20 +320,20 @@ pub trait KvCache: Sized {
         step: impl FnOnce(&mut Self) -> Result<()>,
     ) -> Result<Self::Graph>;
 
-    /// [`PagedCache::capture`] in two calls, for a caller whose step is not a closure over
-    /// the cache (a model whose forward owns it): from here until [`PagedCache::end_capture`]
+    /// [`crate::api::KvCache::capture`] in two calls, for a caller whose step is not a closure over
+    /// the cache (a model whose forward owns it): from here until [`crate::api::KvCache::end_capture`]
     /// everything queued on [`PagedCache::stream`] is recorded, not run, and attends size
     /// their grids for `max_tokens`. Nothing in between may wait for the stream, and the
     /// calls that would change what the graph reads (a setting, a calibration, a `prepare`, a
     /// new session) are refused by name. The graph replays only on this cache, and only while
-    /// its settings are those of the capture ([`PagedCache::check_graph`]).
+    /// its settings are those of the capture ([`crate::api::KvCache::check_graph`]).
     ///
     /// # Errors
     /// A batch that is not the current decode batch; a capture already under way; a driver
     /// failure (nothing is left capturing).
     fn begin_capture(&mut self, batch: &AppendBatch) -> Result<()>;
 
-    /// Ends the capture [`PagedCache::begin_capture`] started and instantiates the graph.
+    /// Ends the capture [`crate::api::KvCache::begin_capture`] started and instantiates the graph.
     ///
     /// # Errors
     /// No capture under way; a failed capture (a launch that may not be captured, a wait for
@@ -352,7 +352,7 @@ pub trait KvCache: Sized {
     /// Whether `graph` may still be replayed on this cache: refused when a setting changed
     /// since its capture (its kernels were recorded with other settings, and buffers it reads,
     /// such as the host gather's or a replaced calibration's, may be freed). A caller that
-    /// reserves before [`PagedCache::replay`] checks this first, so a stale graph changes
+    /// reserves before [`crate::api::KvCache::replay`] checks this first, so a stale graph changes
     /// nothing.
     ///
     /// # Errors

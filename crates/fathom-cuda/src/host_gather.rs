@@ -84,7 +84,7 @@ pub struct GatherStats {
     pub completed: u64,
 }
 
-/// The host gather's counts ([`crate::PagedCache::host_gather_stats`]).
+/// The host gather's counts ([`crate::api::KvCache::host_gather_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostGatherReport {
     /// Threads serving.

@@ -358,3 +358,110 @@ impl<T: DeviceElem> DeviceBuffer<T> {
         match self.buf {}
     }
 }
+
+/// Untyped device memory for the CUDA code of other crates (a model's weights and
+/// activations, which its own kernels and cuBLAS read): the one allocator of the workspace,
+/// freed on drop. Typed views of it are what the cache takes.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct DeviceBytes(crate::cuda::DevBuf);
+
+#[cfg(feature = "cuda")]
+impl DeviceBytes {
+    /// `bytes` bytes of device memory, uninitialised, named `what` in an out-of-memory error.
+    ///
+    /// # Errors
+    /// A failed allocation (typed, with its size).
+    pub fn new(bytes: usize, what: &'static str) -> Result<Self> {
+        crate::cuda::DevBuf::new(bytes, what).map(DeviceBytes)
+    }
+
+    /// A device copy of `data`, complete when this returns.
+    ///
+    /// # Errors
+    /// A failed allocation or copy.
+    pub fn from_slice<T: Copy>(data: &[T], what: &'static str) -> Result<Self> {
+        crate::cuda::DevBuf::from_slice(data, what).map(DeviceBytes)
+    }
+
+    /// `len` elements of `T` from element `first` on, copied to the host after the
+    /// context's pending work.
+    ///
+    /// # Errors
+    /// A range past the allocation; a driver failure.
+    pub fn read<T: Copy + Default>(&self, first: usize, len: usize) -> Result<Vec<T>> {
+        if (first + len) * std::mem::size_of::<T>() > self.0.bytes {
+            return Err(CudaError::invalid(
+                "read",
+                format!(
+                    "elements {first}..{} of {} bytes",
+                    first + len,
+                    self.0.bytes
+                ),
+            ));
+        }
+        crate::cuda::sync_context()?;
+        self.0.read_at(first, len)
+    }
+
+    /// Copies `data` to the start of the buffer in order on `stream` (a raw `CUstream` of this
+    /// context): every kernel launched on it afterwards sees the data.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the buffer's context, and no other stream uses the bytes
+    /// meanwhile.
+    ///
+    /// # Errors
+    /// `data` larger than the buffer; a driver failure.
+    pub unsafe fn upload_on<T: Copy>(&self, data: &[T], stream: u64) -> Result<()> {
+        if std::mem::size_of_val(data) > self.0.bytes {
+            return Err(CudaError::invalid(
+                "upload",
+                format!(
+                    "{} bytes into {}",
+                    std::mem::size_of_val(data),
+                    self.0.bytes
+                ),
+            ));
+        }
+        // SAFETY: the buffer holds the data (checked); the caller vouches for the stream.
+        unsafe {
+            crate::cuda::stream_upload(
+                self.0.ptr,
+                data,
+                stream as cudarc::driver::sys::CUstream,
+                "upload",
+            )
+        }
+    }
+
+    /// The device address, for the caller's own launches and cuBLAS calls.
+    pub fn ptr(&self) -> u64 {
+        self.0.ptr
+    }
+
+    /// Bytes in the buffer.
+    pub fn bytes(&self) -> usize {
+        self.0.bytes
+    }
+
+    /// A view of the whole buffer as elements of `dtype`.
+    pub fn view_as(&self, dtype: KvDtype) -> DeviceView<'_> {
+        DeviceView {
+            ptr: self.0.ptr,
+            len: self.0.bytes / dtype.bytes(),
+            dtype,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// A writable view of the whole buffer as elements of `dtype`.
+    pub fn view_mut_as(&mut self, dtype: KvDtype) -> DeviceViewMut<'_> {
+        DeviceViewMut {
+            ptr: self.0.ptr,
+            len: self.0.bytes / dtype.bytes(),
+            dtype,
+            _borrow: PhantomData,
+        }
+    }
+}

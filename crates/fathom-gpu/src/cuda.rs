@@ -50,42 +50,8 @@ fn blas_err(op: &'static str) -> impl Fn(cudarc::cublas::result::CublasError) ->
     }
 }
 
-/// Device memory freed on drop.
-#[derive(Debug)]
-struct Mem {
-    ptr: u64,
-}
-
-impl Mem {
-    fn new(bytes: usize, what: &'static str) -> Result<Mem> {
-        // SAFETY: a plain allocation, owned by the returned value and freed once in Drop.
-        let ptr = unsafe { result::malloc_sync(bytes.max(16)) }.map_err(|e| {
-            GpuError::Cuda(CudaError::DeviceOom {
-                what,
-                bytes: bytes as u64,
-                message: e.to_string(),
-            })
-        })?;
-        Ok(Mem { ptr })
-    }
-
-    fn from_slice<T: Copy>(data: &[T], what: &'static str) -> Result<Mem> {
-        let m = Mem::new(std::mem::size_of_val(data), what)?;
-        // SAFETY: the allocation holds size_of_val(data) bytes.
-        unsafe { result::memcpy_htod_sync(m.ptr, data) }.map_err(drv("memcpy_htod weights"))?;
-        // A synchronous copy from pageable memory may return before its DMA lands, ordered
-        // only with the legacy stream, not with the forward's non-blocking stream: wait for it.
-        result::ctx::synchronize().map_err(drv("synchronize after memcpy_htod"))?;
-        Ok(m)
-    }
-}
-
-impl Drop for Mem {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from malloc_sync and is freed exactly once.
-        let _ = unsafe { result::free_sync(self.ptr) };
-    }
-}
+/// Device memory freed on drop: `fathom-cuda`'s allocator.
+type Mem = fathom_cuda::memory::DeviceBytes;
 
 /// A bf16 matrix `[rows][cols]` in HBM.
 #[derive(Debug)]
@@ -99,7 +65,7 @@ impl Weight {
     fn new(bits: &[u16], rows: usize, cols: usize, what: &'static str) -> Result<Weight> {
         debug_assert_eq!(bits.len(), rows * cols);
         Ok(Weight {
-            mem: Mem::from_slice(bits, what)?,
+            mem: mem_from(bits, what)?,
             rows,
             cols,
         })
@@ -327,9 +293,8 @@ impl GpuDecoder {
                 let lm_head = head
                     .map(|h| Weight::new(&h, cfg.vocab_size, e, "LM head"))
                     .transpose()?;
-                let opt = |v: &Option<Vec<f32>>, what| {
-                    v.as_ref().map(|v| Mem::from_slice(v, what)).transpose()
-                };
+                let opt =
+                    |v: &Option<Vec<f32>>, what| v.as_ref().map(|v| mem_from(v, what)).transpose();
                 let mut blocks = Vec::with_capacity(cfg.n_layers);
                 for (l, w) in weights.layers.iter().enumerate() {
                     let p = layout::pack_layer(w, l)?;
@@ -338,15 +303,15 @@ impl GpuDecoder {
                         wo: Weight::new(&p.wo, e, hq * d, "Wo")?,
                         wgu: Weight::new(&p.wgu, 2 * f, e, "Wgate|Wup")?,
                         wd: Weight::new(&p.wd, e, f, "Wdown")?,
-                        attn_norm: Mem::from_slice(&w.attn_norm, "attn_norm")?,
-                        ffn_norm: Mem::from_slice(&w.ffn_norm, "ffn_norm")?,
+                        attn_norm: mem_from(&w.attn_norm, "attn_norm")?,
+                        ffn_norm: mem_from(&w.ffn_norm, "ffn_norm")?,
                         q_norm: opt(&w.q_norm, "q_norm")?,
                         k_norm: opt(&w.k_norm, "k_norm")?,
                         post_attn: opt(&w.post_attn_norm, "post_attention_norm")?,
                         post_ffn: opt(&w.post_ffn_norm, "post_ffw_norm")?,
                     });
                 }
-                let out_norm = Mem::from_slice(&weights.out_norm, "output_norm")?;
+                let out_norm = mem_from(&weights.out_norm, "output_norm")?;
                 (embedding, lm_head, out_norm, blocks)
             }
             Init::Random(seed) => {
@@ -354,7 +319,7 @@ impl GpuDecoder {
                 let mut rnd = |rows: usize, cols: usize, what: &'static str| -> Result<Weight> {
                     salt += 1;
                     let n = rows * cols;
-                    let mem = Mem::new(n * 2, what)?;
+                    let mem = mem(n * 2, what)?;
                     // Variance 1/n_in: uniform on ±√(3/n_in) (the embedding: ±1).
                     let scale = if what == "embedding" {
                         1.0f32
@@ -363,7 +328,7 @@ impl GpuDecoder {
                     };
                     let (n64, sd) = (n as u64, seed.wrapping_mul(1_000_003).wrapping_add(salt));
                     let mut b = stream.launch_builder(&kernels.fill_bf16);
-                    b.arg(&mem.ptr).arg(&n64).arg(&sd).arg(&scale);
+                    b.arg(&mem.ptr()).arg(&n64).arg(&sd).arg(&scale);
                     // SAFETY: mem holds n bf16; a grid-stride loop over n.
                     unsafe { b.launch(launch((1024, 1, 1), THREADS, 0)) }
                         .map_err(drv("launch fill_uniform_bf16"))?;
@@ -378,21 +343,21 @@ impl GpuDecoder {
                         wo: rnd(e, hq * d, "Wo")?,
                         wgu: rnd(2 * f, e, "Wgate|Wup")?,
                         wd: rnd(e, f, "Wdown")?,
-                        attn_norm: Mem::from_slice(&vec![1f32; e], "attn_norm")?,
-                        ffn_norm: Mem::from_slice(&vec![1f32; e], "ffn_norm")?,
+                        attn_norm: mem_from(&vec![1f32; e], "attn_norm")?,
+                        ffn_norm: mem_from(&vec![1f32; e], "ffn_norm")?,
                         q_norm: cfg
                             .qk_norm
-                            .then(|| Mem::from_slice(&vec![1f32; d], "q_norm"))
+                            .then(|| mem_from(&vec![1f32; d], "q_norm"))
                             .transpose()?,
                         k_norm: cfg
                             .qk_norm
-                            .then(|| Mem::from_slice(&vec![1f32; d], "k_norm"))
+                            .then(|| mem_from(&vec![1f32; d], "k_norm"))
                             .transpose()?,
                         post_attn: None,
                         post_ffn: None,
                     });
                 }
-                let out_norm = Mem::from_slice(&vec![1f32; e], "output_norm")?;
+                let out_norm = mem_from(&vec![1f32; e], "output_norm")?;
                 (embedding, lm_head, out_norm, blocks)
             }
         };
@@ -402,23 +367,23 @@ impl GpuDecoder {
         let win_rows = dcfg.max_tokens.max(b * window);
         let widest = e.max(hq * d).max(f);
         let work = Work {
-            tokens: Mem::new(r * 4, "tokens")?,
-            pos: Mem::new(r * 4, "positions")?,
-            counts: Mem::new(b * 4, "window counts")?,
-            x: Mem::new(r * e * 4, "residual")?,
-            xb: Mem::new(r * widest * 2, "matmul inputs")?,
-            qkv: Mem::new(r * (hq + 2 * hkv) * d * 4, "qkv")?,
-            q: Mem::new(r * hq * d * 4, "q")?,
-            k: Mem::new(r * hkv * d * 4, "k")?,
-            v: Mem::new(r * hkv * d * 4, "v")?,
-            o: Mem::new(r * hq * d * 4, "attention output")?,
-            a: Mem::new(r * e * 4, "projection output")?,
-            gu: Mem::new(r * 2 * f * 4, "gate|up")?,
-            logits: Mem::new(b * cfg.vocab_size * 4, "logits")?,
-            sampled: Mem::new(b * 4, "sampled tokens")?,
-            kwin: Mem::new(win_rows * hkv * d * 4, "attention keys")?,
-            vwin: Mem::new(win_rows * hkv * d * 4, "attention values")?,
-            scores: Mem::new(dcfg.prefill_chunk * dcfg.max_tokens * 4, "prefill scores")?,
+            tokens: mem(r * 4, "tokens")?,
+            pos: mem(r * 4, "positions")?,
+            counts: mem(b * 4, "window counts")?,
+            x: mem(r * e * 4, "residual")?,
+            xb: mem(r * widest * 2, "matmul inputs")?,
+            qkv: mem(r * (hq + 2 * hkv) * d * 4, "qkv")?,
+            q: mem(r * hq * d * 4, "q")?,
+            k: mem(r * hkv * d * 4, "k")?,
+            v: mem(r * hkv * d * 4, "v")?,
+            o: mem(r * hq * d * 4, "attention output")?,
+            a: mem(r * e * 4, "projection output")?,
+            gu: mem(r * 2 * f * 4, "gate|up")?,
+            logits: mem(b * cfg.vocab_size * 4, "logits")?,
+            sampled: mem(b * 4, "sampled tokens")?,
+            kwin: mem(win_rows * hkv * d * 4, "attention keys")?,
+            vwin: mem(win_rows * hkv * d * 4, "attention values")?,
+            scores: mem(dcfg.prefill_chunk * dcfg.max_tokens * 4, "prefill scores")?,
         };
         let cache = PagedCache::new(gpu, cache_cfg)?;
         Ok(GpuDecoder {
@@ -472,7 +437,7 @@ impl GpuDecoder {
                 rows as i32,
                 w.cols as i32,
                 &alpha as *const f32 as *const c_void,
-                w.mem.ptr as *const c_void,
+                w.mem.ptr() as *const c_void,
                 bsys::cudaDataType::CUDA_R_16BF,
                 w.cols as i32,
                 x as *const c_void,
@@ -547,8 +512,8 @@ impl GpuDecoder {
     }
 
     fn norm_add(&self, w: Option<&Mem>, rows: usize) -> Result<()> {
-        let (x, a) = (self.work.x.ptr, self.work.a.ptr);
-        let wp = w.map_or(0u64, |m| m.ptr);
+        let (x, a) = (self.work.x.ptr(), self.work.a.ptr());
+        let wp = w.map_or(0u64, |m| m.ptr());
         let e = self.cfg.n_embd as u32;
         let eps = self.cfg.rms_eps;
         let mut b = self.stream.launch_builder(&self.kernels.norm_add);
@@ -581,9 +546,9 @@ impl GpuDecoder {
         // SAFETY: both buffers hold max_rows u32 and the slices are no longer (checked by the
         // callers).
         unsafe {
-            result::memcpy_htod_async(self.work.tokens.ptr, tokens, self.stream.cu_stream())
+            result::memcpy_htod_async(self.work.tokens.ptr(), tokens, self.stream.cu_stream())
                 .map_err(drv("memcpy_htod tokens"))?;
-            result::memcpy_htod_async(self.work.pos.ptr, pos, self.stream.cu_stream())
+            result::memcpy_htod_async(self.work.pos.ptr(), pos, self.stream.cu_stream())
                 .map_err(drv("memcpy_htod positions"))?;
         }
         Ok(())
@@ -602,12 +567,12 @@ impl GpuDecoder {
         let c = self.cfg.clone();
         let (e, hq, hkv, d, f) = (c.n_embd, c.n_heads, c.n_kv_heads, c.head_dim, c.n_ff);
         let w = &self.work;
-        let (tokens, x) = (w.tokens.ptr, w.x.ptr);
+        let (tokens, x) = (w.tokens.ptr(), w.x.ptr());
         let scale = c.embed_scale;
         let e32 = e as u32;
         let mut b = self.stream.launch_builder(&self.kernels.embed);
         b.arg(&tokens)
-            .arg(&self.embedding.mem.ptr)
+            .arg(&self.embedding.mem.ptr())
             .arg(&e32)
             .arg(&scale)
             .arg(&x);
@@ -617,17 +582,17 @@ impl GpuDecoder {
         for l in 0..c.n_layers {
             let blk = &self.blocks[l];
             let w = &self.work;
-            self.rmsnorm(w.x.ptr, blk.attn_norm.ptr, rows, w.xb.ptr)?;
-            self.linear(&blk.wqkv, w.xb.ptr, rows, w.qkv.ptr)?;
-            let qn = blk.q_norm.as_ref().map_or(0u64, |m| m.ptr);
-            let kn = blk.k_norm.as_ref().map_or(0u64, |m| m.ptr);
+            self.rmsnorm(w.x.ptr(), blk.attn_norm.ptr(), rows, w.xb.ptr())?;
+            self.linear(&blk.wqkv, w.xb.ptr(), rows, w.qkv.ptr())?;
+            let qn = blk.q_norm.as_ref().map_or(0u64, |m| m.ptr());
+            let kn = blk.k_norm.as_ref().map_or(0u64, |m| m.ptr());
             let (hq32, hkv32) = (hq as u32, hkv as u32);
             let eps = c.rms_eps;
             let base = layout::rope_base(&c, l);
             let neox = u32::from(c.rope_style == RopeStyle::Neox);
             let mut b = self.stream.launch_builder(&self.kernels.qkv_post);
-            b.arg(&w.qkv.ptr)
-                .arg(&w.pos.ptr)
+            b.arg(&w.qkv.ptr())
+                .arg(&w.pos.ptr())
                 .arg(&qn)
                 .arg(&kn)
                 .arg(&hq32)
@@ -635,16 +600,15 @@ impl GpuDecoder {
                 .arg(&eps)
                 .arg(&base)
                 .arg(&neox)
-                .arg(&w.q.ptr)
-                .arg(&w.k.ptr)
-                .arg(&w.v.ptr);
+                .arg(&w.q.ptr())
+                .arg(&w.k.ptr())
+                .arg(&w.v.ptr());
             // SAFETY: qkv holds `rows` rows of (Hq + 2Hkv)·D; q, k, v their parts; pos `rows`.
             unsafe { b.launch(launch((rows as u32, (hq + 2 * hkv) as u32, 1), d as u32, 0)) }
                 .map_err(drv("launch qkv_post"))?;
             let kv = KvRows {
-                k: w.k.ptr,
-                v: w.v.ptr,
-                dtype: KvDtype::F32,
+                k: w.k.view_as(KvDtype::F32).slice(0..rows * hkv * d)?,
+                v: w.v.view_as(KvDtype::F32).slice(0..rows * hkv * d)?,
                 rows,
             };
             let t = self.mark()?;
@@ -655,11 +619,16 @@ impl GpuDecoder {
             match (prefill, attention, kind) {
                 (None, Some(att), LayerKind::Global) => {
                     let q = QueryRows {
-                        q: w.q.ptr,
-                        dtype: KvDtype::F32,
+                        q: w.q.view_as(KvDtype::F32),
                     };
-                    self.cache
-                        .attend(batch, l, att.method, &att.params, &q, w.o.ptr)?;
+                    self.cache.attend(
+                        batch,
+                        l,
+                        att.method,
+                        &att.params,
+                        &q,
+                        w.o.view_mut_as(KvDtype::F32),
+                    )?;
                 }
                 (None, _, _) => self.window_decode(batch, l, rows)?,
                 (Some((pos0, end)), _, _) => {
@@ -669,15 +638,15 @@ impl GpuDecoder {
             Self::close(&self.stream, &mut self.timing, t, |tm| &mut tm.attention)?;
             let blk = &self.blocks[l];
             let w = &self.work;
-            self.to_bf16(w.o.ptr, rows * hq * d, w.xb.ptr)?;
-            self.linear(&blk.wo, w.xb.ptr, rows, w.a.ptr)?;
+            self.to_bf16(w.o.ptr(), rows * hq * d, w.xb.ptr())?;
+            self.linear(&blk.wo, w.xb.ptr(), rows, w.a.ptr())?;
             self.norm_add(blk.post_attn.as_ref(), rows)?;
-            self.rmsnorm(w.x.ptr, blk.ffn_norm.ptr, rows, w.xb.ptr)?;
-            self.linear(&blk.wgu, w.xb.ptr, rows, w.gu.ptr)?;
+            self.rmsnorm(w.x.ptr(), blk.ffn_norm.ptr(), rows, w.xb.ptr())?;
+            self.linear(&blk.wgu, w.xb.ptr(), rows, w.gu.ptr())?;
             let f32_ = f as u32;
             let gelu = u32::from(c.arch == Arch::Gemma3);
             let mut b = self.stream.launch_builder(&self.kernels.act_mul);
-            b.arg(&w.gu.ptr).arg(&f32_).arg(&gelu).arg(&w.xb.ptr);
+            b.arg(&w.gu.ptr()).arg(&f32_).arg(&gelu).arg(&w.xb.ptr());
             // SAFETY: gu holds `rows` rows of 2F f32, xb `rows` rows of F bf16 (widest ≥ F).
             unsafe {
                 b.launch(launch(
@@ -687,7 +656,7 @@ impl GpuDecoder {
                 ))
             }
             .map_err(drv("launch act_mul"))?;
-            self.linear(&blk.wd, w.xb.ptr, rows, w.a.ptr)?;
+            self.linear(&blk.wd, w.xb.ptr(), rows, w.a.ptr())?;
             self.norm_add(blk.post_ffn.as_ref(), rows)?;
         }
         Ok(())
@@ -709,8 +678,13 @@ impl GpuDecoder {
         let (hq, hkv, d, g) = (c.n_heads, c.n_kv_heads, c.head_dim, c.group());
         let w = &self.work;
         let cap = layout::prefill_rows(kind, end, rows);
-        self.cache
-            .read_rows(batch, l, cap, w.kwin.ptr, w.vwin.ptr)?;
+        self.cache.read_rows(
+            batch,
+            l,
+            cap,
+            w.kwin.view_mut_as(KvDtype::F32),
+            w.vwin.view_mut_as(KvDtype::F32),
+        )?;
         let key0 = (end - cap) as u32;
         let window = kind.window().unwrap_or(0) as u32;
         let scale = 1.0 / (d as f32).sqrt();
@@ -725,15 +699,15 @@ impl GpuDecoder {
                 rows,
                 d,
                 scale,
-                w.kwin.ptr + (h * d * 4) as u64,
+                w.kwin.ptr() + (h * d * 4) as u64,
                 hkv * d,
-                w.q.ptr + (hd * d * 4) as u64,
+                w.q.ptr() + (hd * d * 4) as u64,
                 hq * d,
-                w.scores.ptr,
+                w.scores.ptr(),
                 cap,
             )?;
             let mut b = self.stream.launch_builder(&self.kernels.causal_softmax);
-            b.arg(&w.scores.ptr)
+            b.arg(&w.scores.ptr())
                 .arg(&cap32)
                 .arg(&key0)
                 .arg(&pos32)
@@ -748,11 +722,11 @@ impl GpuDecoder {
                 rows,
                 cap,
                 1.0,
-                w.vwin.ptr + (h * d * 4) as u64,
+                w.vwin.ptr() + (h * d * 4) as u64,
                 hkv * d,
-                w.scores.ptr,
+                w.scores.ptr(),
                 cap,
-                w.o.ptr + (hd * d * 4) as u64,
+                w.o.ptr() + (hd * d * 4) as u64,
                 hq * d,
             )?;
         }
@@ -775,22 +749,27 @@ impl GpuDecoder {
             .map(|p| p.end_token().min(win) as u32)
             .collect();
         // SAFETY: counts holds max_batch u32 ≥ the batch; a pageable copy, staged at once.
-        unsafe { result::memcpy_htod_async(w.counts.ptr, &counts, self.stream.cu_stream()) }
+        unsafe { result::memcpy_htod_async(w.counts.ptr(), &counts, self.stream.cu_stream()) }
             .map_err(drv("memcpy_htod window counts"))?;
-        self.cache
-            .read_rows(batch, l, win, w.kwin.ptr, w.vwin.ptr)?;
+        self.cache.read_rows(
+            batch,
+            l,
+            win,
+            w.kwin.view_mut_as(KvDtype::F32),
+            w.vwin.view_mut_as(KvDtype::F32),
+        )?;
         let (win32, hq32, hkv32) = (win as u32, c.n_heads as u32, c.n_kv_heads as u32);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut b = self.stream.launch_builder(&self.kernels.window_decode);
-        b.arg(&w.q.ptr)
-            .arg(&w.kwin.ptr)
-            .arg(&w.vwin.ptr)
-            .arg(&w.counts.ptr)
+        b.arg(&w.q.ptr())
+            .arg(&w.kwin.ptr())
+            .arg(&w.vwin.ptr())
+            .arg(&w.counts.ptr())
             .arg(&win32)
             .arg(&hq32)
             .arg(&hkv32)
             .arg(&scale)
-            .arg(&w.o.ptr);
+            .arg(&w.o.ptr());
         // SAFETY: q/o hold `rows` rows of Hq·D; kwin/vwin rows·W rows of Hkv·D (sized for
         // max_batch · window); counts ≤ W.
         unsafe {
@@ -813,7 +792,7 @@ impl GpuDecoder {
         let mut out = vec![0f32; rows * c.vocab_size];
         self.stream.synchronize().map_err(drv("synchronize"))?;
         // SAFETY: logits holds max_batch · vocab ≥ rows · vocab f32; the stream is idle.
-        unsafe { result::memcpy_dtoh_sync(&mut out, w.logits.ptr) }
+        unsafe { result::memcpy_dtoh_sync(&mut out, w.logits.ptr()) }
             .map_err(drv("memcpy_dtoh logits"))?;
         if let Some(i) = out.iter().position(|v| !v.is_finite()) {
             return Err(GpuError::invalid(
@@ -832,10 +811,10 @@ impl GpuDecoder {
     /// Final norm and LM head of `rows` hidden states from row `first` into `work.logits`.
     fn lm_head_rows(&self, first: usize, rows: usize) -> Result<()> {
         let w = &self.work;
-        let x = w.x.ptr + (first * self.cfg.n_embd * 4) as u64;
-        self.rmsnorm(x, self.out_norm.ptr, rows, w.xb.ptr)?;
+        let x = w.x.ptr() + (first * self.cfg.n_embd * 4) as u64;
+        self.rmsnorm(x, self.out_norm.ptr(), rows, w.xb.ptr())?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        self.linear(head, w.xb.ptr, rows, w.logits.ptr)
+        self.linear(head, w.xb.ptr(), rows, w.logits.ptr())
     }
 
     /// Checks a decode batch, reserves its rows and runs every layer (no logits yet).
@@ -903,7 +882,7 @@ impl GpuDecoder {
         let w = &self.work;
         let v = self.cfg.vocab_size as u32;
         let mut b = self.stream.launch_builder(&self.kernels.argmax_rows);
-        b.arg(&w.logits.ptr).arg(&v).arg(&w.sampled.ptr);
+        b.arg(&w.logits.ptr()).arg(&v).arg(&w.sampled.ptr());
         // SAFETY: logits holds rows · vocab f32 and sampled max_batch ≥ rows u32.
         unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
             .map_err(drv("launch argmax_rows"))?;
@@ -916,7 +895,7 @@ impl GpuDecoder {
         self.stream.synchronize().map_err(drv("synchronize"))?;
         let mut out = vec![0u32; rows];
         // SAFETY: sampled holds at least `rows` u32; the stream is idle.
-        unsafe { result::memcpy_dtoh_sync(&mut out, self.work.sampled.ptr) }
+        unsafe { result::memcpy_dtoh_sync(&mut out, self.work.sampled.ptr()) }
             .map_err(drv("memcpy_dtoh sampled tokens"))?;
         if let Some(i) = out.iter().position(|&t| t as usize >= self.cfg.vocab_size) {
             return Err(GpuError::invalid(
@@ -960,13 +939,13 @@ impl GpuDecoder {
             ));
         }
         if self.blas_workspace.is_none() {
-            let ws = Mem::new(BLAS_WORKSPACE_BYTES, "cuBLAS workspace")?;
+            let ws = mem(BLAS_WORKSPACE_BYTES, "cuBLAS workspace")?;
             // SAFETY: the workspace outlives the handle's use of it (both live in `self`; the
             // handle is only used on this decoder's stream).
             unsafe {
                 bsys::cublasSetWorkspace_v2(
                     *self.blas.handle(),
-                    ws.ptr as *mut std::ffi::c_void,
+                    ws.ptr() as *mut std::ffi::c_void,
                     BLAS_WORKSPACE_BYTES,
                 )
             }
@@ -1049,7 +1028,7 @@ impl GpuDecoder {
             let m = chunk.min(tokens - done);
             let batch = self.cache.reserve(&[(session, m)])?;
             for l in 0..c.n_layers {
-                for (buf, slope) in [(self.work.k.ptr, 1u32), (self.work.v.ptr, 0u32)] {
+                for (buf, slope) in [(self.work.k.ptr(), 1u32), (self.work.v.ptr(), 0u32)] {
                     let n = (m * row) as u64;
                     let sd = seed
                         .wrapping_mul(0x9E37_79B9)
@@ -1060,10 +1039,10 @@ impl GpuDecoder {
                     unsafe { b.launch(launch((256, 1, 1), THREADS, 0)) }
                         .map_err(drv("launch fill_uniform_f32"))?;
                 }
+                let n = m * c.n_kv_heads * c.head_dim;
                 let kv = KvRows {
-                    k: self.work.k.ptr,
-                    v: self.work.v.ptr,
-                    dtype: KvDtype::F32,
+                    k: self.work.k.view_as(KvDtype::F32).slice(0..n)?,
+                    v: self.work.v.view_as(KvDtype::F32).slice(0..n)?,
                     rows: m,
                 };
                 self.cache.append(&batch, l, &kv)?;
@@ -1074,10 +1053,11 @@ impl GpuDecoder {
     }
 
     /// Turns the per-stage timing of [`GpuDecoder::decode_greedy`] steps on or off (CUDA events
-    /// around every append, attention and the sampling; leave it off for throughput).
+    /// around every append, attention and the sampling; leave it off for throughput). The
+    /// split of each attend by stage comes from the cache, when it was made with
+    /// [`fathom_cuda::cache::CacheOptions::stage_timing`] (`DecoderConfig::options`).
     pub fn set_instrument(&mut self, on: bool) {
         self.timing = on.then(Timing::default);
-        self.cache.set_stage_timing(on);
     }
 
     /// The stage times of the instrumented steps since the last call (waits for the stream).
@@ -1219,4 +1199,14 @@ impl Decoder for GpuDecoder {
         self.decode_layers(batch, attention)?;
         self.logits(0, batch.len())
     }
+}
+
+/// `bytes` of device memory (a typed out-of-memory error naming `what`).
+fn mem(bytes: usize, what: &'static str) -> Result<Mem> {
+    Ok(Mem::new(bytes, what)?)
+}
+
+/// A device copy of `data`, complete when this returns.
+fn mem_from<T: Copy>(data: &[T], what: &'static str) -> Result<Mem> {
+    Ok(Mem::from_slice(data, what)?)
 }

@@ -152,11 +152,11 @@ pub struct BenchResult {
     #[serde(default)]
     pub round: usize,
     /// Cache engine: CPU threads of the host gather that served the row fetch's misses
-    /// (`PagedCache::set_host_gather`, docs/SPEC.md §6.1); 0 (the GPU read them) in older runs.
+    /// (`CacheOptions::host_gather_threads`, docs/SPEC.md §6.1); 0 (the GPU read them) in older runs.
     #[serde(default)]
     pub host_gather: usize,
     /// Cache engine with the host gather: the percent of the misses it brought while the
-    /// fetch read the rest (`PagedCache::set_host_gather_share`); 100 in older runs and with
+    /// fetch read the rest (`CacheOptions::host_gather_share`); 100 in older runs and with
     /// the gather off.
     #[serde(default = "all_misses")]
     pub host_gather_share: u32,

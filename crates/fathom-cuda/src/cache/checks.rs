@@ -5,7 +5,7 @@
 use super::*;
 use crate::memory::check_view;
 
-/// The check of [`crate::PagedCache::set_scan_vector_words`]: 1 (8-byte plane loads) or 2
+/// The check of [`crate::cache::CacheOptions::scan_vector_words`]: 1 (8-byte plane loads) or 2
 /// (16-byte loads of two adjacent words where a page's blocks allow it).
 ///
 /// ```
@@ -27,7 +27,7 @@ pub fn check_scan_vector_words(words: u32) -> Result<()> {
     }
 }
 
-/// The check of [`crate::PagedCache::set_host_gather_share`]: a percent of the misses, 1 to
+/// The check of [`crate::cache::CacheOptions::host_gather_share`]: a percent of the misses, 1 to
 /// 100.
 ///
 /// ```
@@ -49,10 +49,10 @@ pub fn check_host_gather_share(percent: u32) -> Result<()> {
     }
 }
 
-/// Most threads [`crate::PagedCache::set_host_gather`] takes.
+/// Most threads [`crate::cache::CacheOptions::host_gather_threads`] takes.
 pub const MAX_GATHER_THREADS: usize = 256;
 
-/// The check of [`crate::PagedCache::set_host_gather`] with `groups` head groups per attend:
+/// The check of [`crate::cache::CacheOptions::host_gather_threads`] with `groups` head groups per attend:
 /// 0 (off) always; otherwise at most [`MAX_GATHER_THREADS`] threads, records in host memory
 /// (host or split residency) and one head group (the gather serves one fetch at a time).
 ///
@@ -98,7 +98,7 @@ pub fn check_host_gather(cfg: &CacheConfig, threads: usize, groups: usize) -> Re
     Ok(())
 }
 
-/// The check of [`crate::PagedCache::set_attend_groups`]: `1 ≤ groups ≤ Hkv`.
+/// The check of [`crate::cache::CacheOptions::attend_groups`]: `1 ≤ groups ≤ Hkv`.
 pub fn check_attend_groups(cfg: &CacheConfig, groups: usize) -> Result<()> {
     let hkv = cfg.shape.kv_heads;
     if groups == 0 || groups > hkv {

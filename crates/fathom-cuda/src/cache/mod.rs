@@ -8,11 +8,11 @@
 //!
 //! A decode step appends one token per session, a prefill a chunk, for a ragged batch:
 //!
-//! 1. [`crate::PagedCache::reserve`] grows every session of the batch (all or nothing:
+//! 1. [`crate::api::KvCache::reserve`] grows every session of the batch (all or nothing:
 //!    [`crate::pages::CacheSessions::reserve_many`]) and performs the copy-on-write of shared
 //!    partial pages in every layer's pool; it returns the [`AppendBatch`] that names where
 //!    each new token goes;
-//! 2. per layer, [`crate::PagedCache::append`] takes that layer's K and V rows `[rows][Hkv][D]`
+//! 2. per layer, [`crate::api::KvCache::append`] takes that layer's K and V rows `[rows][Hkv][D]`
 //!    from device memory ([`KvRows`]; rows in batch order, `rows = Σ new_tokens`) and, on the
 //!    cache's stream, writes each token's bf16 K|V record and re-quantizes every 64-token
 //!    block the new tokens touch, the partial last block included, so that each session's
@@ -21,7 +21,7 @@
 //! Shapes, sessions, capacities and pointers are checked on the host before anything is
 //! launched or written ([`check_rows`]); the keys' values live on the device, so a NaN, an
 //! infinity or a key past fp16's range is caught by the kernel, which skips that block's
-//! write and counts the fault ([`crate::PagedCache::faults`]).
+//! write and counts the fault ([`crate::api::KvCache::faults`]).
 
 use crate::config::ModelShape;
 use crate::error::{CudaError, Result};

@@ -4,7 +4,7 @@
 #[allow(unused_imports)]
 use super::*;
 
-/// How attends take each query head's top-k (docs/SPEC.md §5; [`crate::PagedCache::set_select_path`]).
+/// How attends take each query head's top-k (docs/SPEC.md §5; [`crate::cache::CacheOptions::select`]).
 ///
 /// The default is [`SelectPath::Scores`]: on the H200 the filtered select passed its device test
 /// but was not faster (`results/device/select/README.md`: 12–24% slower in host residency
@@ -82,7 +82,7 @@ impl SelectPath {
     }
 }
 
-/// How attends' query-head rows took their top-k ([`crate::PagedCache::select_counters`]):
+/// How attends' query-head rows took their top-k ([`crate::api::KvCache::select_counters`]):
 /// rows that did not take the filtered select (too short, no estimate yet, or the setting
 /// off) are in neither count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -106,7 +106,7 @@ impl SelectCounters {
     }
 }
 
-/// Union rows fetched and row-cache hits ([`crate::PagedCache::row_counters`]).
+/// Union rows fetched and row-cache hits ([`crate::api::KvCache::row_counters`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RowCounters {
     /// Union rows (K|V records) the attends needed.

@@ -8,7 +8,7 @@ use super::*;
 pub const MAX_GRID_YZ: usize = 65_535;
 
 /// The stages of one attend, in launch order (docs/SPEC.md §6.1): where
-/// [`crate::PagedCache::set_stage_timing`] records an event on the cache's stream. Each
+/// [`crate::cache::CacheOptions::stage_timing`] records an event on the cache's stream. Each
 /// mark but [`AttendStage::Start`] ends its stage, so the time from the mark before it is
 /// that stage's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,10 +31,10 @@ pub enum AttendStage {
 }
 
 /// The most stage marks [`crate::PagedCache`] holds between two calls of
-/// [`crate::PagedCache::stage_times`] (seven per attend); attends past it count as untimed.
+/// [`crate::api::KvCache::stage_times`] (seven per attend); attends past it count as untimed.
 pub const MAX_STAGE_MARKS: usize = 1 << 16;
 
-/// GPU time of attends by stage ([`crate::PagedCache::stage_times`]), from CUDA events on the
+/// GPU time of attends by stage ([`crate::api::KvCache::stage_times`]), from CUDA events on the
 /// cache's stream between the stages of each attend (plain launches only). An event pair
 /// times the GPU from one mark to the next, so the stages sum to the attends' GPU time, idle
 /// gaps between launches included.
@@ -96,7 +96,7 @@ impl AttendStages {
     }
 }
 
-/// What `PagedCache::debug_readback` returns for one session.
+/// What `crate::api::KvCache::debug_readback` returns for one session.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttendDebug {
     /// Depths `[Hkv][D]` of the last GPU-planned method (static plans are not copied here).

@@ -114,7 +114,7 @@ impl PagedCache {
     }
 }
 
-/// A captured decode step ([`PagedCache::capture`]).
+/// A captured decode step ([`crate::api::KvCache::capture`]).
 pub struct DecodeGraph {
     graph: cudarc::driver::CudaGraph,
     /// The cache that captured it ([`PagedCache`]'s id).

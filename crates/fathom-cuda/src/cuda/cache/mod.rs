@@ -4,9 +4,9 @@
 //! `kernels/append.cu`.
 //!
 //! Host-side bookkeeping ([`crate::pages::CacheSessions`]) is the single source of truth; the
-//! device copies of a session's page table and descriptors are written by [`PagedCache::reserve`],
+//! device copies of a session's page table and descriptors are written by [`crate::api::KvCache::reserve`],
 //! which first waits for the stream (the one host synchronisation per step: the previous
-//! step's kernels may still read the tables it changes). [`PagedCache::append`] only
+//! step's kernels may still read the tables it changes). [`crate::api::KvCache::append`] only
 //! launches.
 //!
 //! The folder follows the pipeline: [`params`] (the kernels' `#[repr(C)]` parameters and launch
@@ -141,7 +141,7 @@ pub struct PagedCache {
     quest_pools: Vec<Mem>,
     /// Page tables, `u32 [max_sessions][max_pages]`, and the append descriptors of the
     /// current batch, `[max_batch]`: written on the host (pinned), copied to HBM on the
-    /// stream by every [`PagedCache::reserve`] (which waits for the stream first, so a copy
+    /// stream by every [`crate::api::KvCache::reserve`] (which waits for the stream first, so a copy
     /// never reads a buffer being rewritten). The kernels read the HBM copies: every kernel
     /// reads its session's descriptor first and the fetch a table entry per row, and a read
     /// across the link would put a PCIe round trip before each.
@@ -160,7 +160,7 @@ pub struct PagedCache {
     batch_len: usize,
     batch_max_m: usize,
     batch_max_blocks: usize,
-    /// Device staging of [`PagedCache::append_host`] and its capacity in bytes.
+    /// Device staging of [`crate::api::KvCache::append_host`] and its capacity in bytes.
     staging: Option<(DevBuf, usize)>,
     attend_kernels: AttendKernels,
     work: Work,
@@ -177,18 +177,18 @@ pub struct PagedCache {
     ledger: crate::cache::StepLedger,
     /// This cache among the process's (a graph replays only on the cache that captured it).
     id: u64,
-    /// How attends select ([`PagedCache::set_select_path`]).
+    /// How attends select ([`crate::cache::CacheOptions::select`]).
     select: crate::cache::SelectPath,
-    /// Head groups per attend ([`PagedCache::set_attend_groups`]), the second stream that
+    /// Head groups per attend ([`crate::cache::CacheOptions::attend_groups`]), the second stream that
     /// runs each group's top-k to attention while the cache's stream scans the next group,
     /// and the events that order the two.
     groups: usize,
-    /// Plane words per scan load ([`PagedCache::set_scan_vector_words`]).
+    /// Plane words per scan load ([`crate::cache::CacheOptions::scan_vector_words`]).
     scan_vec: u32,
     side: Arc<CudaStream>,
-    /// The host gather ([`PagedCache::set_host_gather`]); `None`: the GPU reads every miss.
+    /// The host gather ([`crate::cache::CacheOptions::host_gather_threads`]); `None`: the GPU reads every miss.
     gather: Option<GatherState>,
-    /// Percent of the misses the host gather brings ([`PagedCache::set_host_gather_share`]).
+    /// Percent of the misses the host gather brings ([`crate::cache::CacheOptions::host_gather_share`]).
     gather_share: u32,
     /// Bumped by every setting a captured step bakes in (select path, head groups, scan
     /// loads, host gather, a static method's depths): a graph of an older value is stale.
@@ -199,8 +199,8 @@ pub struct PagedCache {
     /// the request is published, at once with the fetch of the GPU's own share.
     published: cudarc::driver::CudaEvent,
     copied: cudarc::driver::CudaEvent,
-    /// Stage timing ([`PagedCache::set_stage_timing`]): whether it is on, the marks recorded
-    /// since the last [`PagedCache::stage_times`], and the attends it could not split.
+    /// Stage timing ([`crate::cache::CacheOptions::stage_timing`]): whether it is on, the marks recorded
+    /// since the last [`crate::api::KvCache::stage_times`], and the attends it could not split.
     stage_timing: bool,
     stage_marks: Vec<(AttendStage, CudaEvent)>,
     stage_untimed: u64,

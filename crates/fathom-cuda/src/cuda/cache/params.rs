@@ -153,10 +153,10 @@ pub(super) struct AttendGeom {
     pub(super) fuse_min: u32,
     pub(super) fcap: u32,
     pub(super) keep_scores: u32,
-    /// First KV head of the launch's head group ([`PagedCache::set_attend_groups`]).
+    /// First KV head of the launch's head group ([`crate::cache::CacheOptions::attend_groups`]).
     pub(super) h0: u32,
-    /// Percent of the fetch's misses the host gather brings ([`PagedCache::set_host_gather`],
-    /// [`PagedCache::set_host_gather_share`]); 0: off.
+    /// Percent of the fetch's misses the host gather brings ([`crate::cache::CacheOptions::host_gather_threads`],
+    /// [`crate::cache::CacheOptions::host_gather_share`]); 0: off.
     pub(super) host_gather: u32,
 }
 const _: () = assert!(std::mem::size_of::<AttendGeom>() == 72);
