@@ -57,7 +57,7 @@ pub struct KvRows<'a> {
     pub rows: usize,
 }
 
-/// Groups per CTA of the block-table scan (`-DTS_G` of attend.cu's `paged_table_scan`): the
+/// Groups per CTA of the block-table scan (`-DTS_G` of kernels/attend/scan.cu's `paged_table_scan`): the
 /// most, a power of two and at most 64, whose staged rows (Quest's `2·D` fp16 and one 16-byte
 /// pad each) fit the 48 KiB of static shared memory beside the queries `[G][D + 1]` f32 and
 /// the histogram `[G][1024]` u32.

@@ -5,7 +5,7 @@
 use super::*;
 
 /// The host gather's threads and buffers ([`crate::cache::CacheOptions::host_gather_threads`]; host_gather.rs
-/// and kernels/attend.cu give the protocol).
+/// and kernels/attend/fetch.cu give the protocol).
 pub(super) struct GatherState {
     /// Dropped first (after the stream has drained): the threads stop before the memory they
     /// read is freed.

@@ -6,26 +6,33 @@ use super::*;
 
 /// The append kernels' source.
 pub(crate) const APPEND_SRC: &str = include_str!("../../../kernels/append.cu");
-/// The attend kernels' source.
-pub(crate) const ATTEND_SRC: &str = include_str!("../../../kernels/attend.cu");
+/// The attend kernels' source: the shared structs and helpers, then one file per stage, in
+/// pipeline order (each stage uses the `#define`s and helpers of those before it).
+pub(crate) const ATTEND_SRC: &str = concat!(
+    include_str!("../../../kernels/attend/shared.cuh"),
+    include_str!("../../../kernels/attend/scan.cu"),
+    include_str!("../../../kernels/attend/select.cu"),
+    include_str!("../../../kernels/attend/fetch.cu"),
+    include_str!("../../../kernels/attend/attention.cu"),
+);
 pub(super) const PLAN_SRC: &str = include_str!("../../../kernels/plan.cu");
-/// Threads of the per-row top-k kernels and the union (`TK` in attend.cu).
+/// Threads of the per-row top-k kernels and the union (`TK` in kernels/attend/scan.cu).
 pub(super) const TOPK_THREADS: u32 = 1024;
-/// Blocks per scan CTA (`BPC` in attend.cu): 8 threads per 64-token block.
+/// Blocks per scan CTA (`BPC` in kernels/attend/scan.cu): 8 threads per 64-token block.
 pub(super) const SCAN_BLOCKS: usize = 32;
-/// Level-1 bins of the top-k histogram (`HBINS` in attend.cu).
+/// Level-1 bins of the top-k histogram (`HBINS` in kernels/attend/scan.cu).
 pub(super) const HIST_BINS: usize = 1024;
-/// Middle tokens per CTA of `paged_topk_collect` (`ELEMS` in attend.cu).
+/// Middle tokens per CTA of `paged_topk_collect` (`ELEMS` in kernels/attend/select.cu).
 pub(super) const COLLECT_ELEMS: usize = 4096;
 /// Threads per channel of `append_quant` (`QS` in append.cu).
 pub(super) const APPEND_QUARTERS: usize = 4;
-/// Union rows per CTA of the fetch (`FR` in attend.cu).
+/// Union rows per CTA of the fetch (`FR` in kernels/attend/fetch.cu).
 pub(super) const FETCH_ROWS: usize = 64;
 /// CTAs of `paged_gather_copy`, each looping over chunks: one poller per CTA.
 pub(super) const GATHER_COPY_CTAS: usize = 128;
-/// Threads of `paged_gather_list`'s CTAs, one union row each (kernels/attend.cu `GATHER_NT`).
+/// Threads of `paged_gather_list`'s CTAs, one union row each (kernels/attend/fetch.cu `GATHER_NT`).
 pub(super) const GATHER_LIST_THREADS: usize = 256;
-/// Threads of the partial attention (`NT` in attend.cu); its splits span multiples of
+/// Threads of the partial attention (`NT` in kernels/attend/attention.cu); its splits span multiples of
 /// `GRAN` rows.
 pub(super) const ATTN_THREADS: u32 = 128;
 pub(super) const ATTN_GRAN: usize = 16;
@@ -34,12 +41,12 @@ pub(super) const ATTN_GRAN: usize = 16;
 /// rows (k = 512, G = 4) then gives 42 CTAs per KV head of 32 rows each.
 pub(super) const SPARSE_SPLITS: usize = 64;
 pub(super) const DENSE_SPLITS: usize = 256;
-// `paged_attn_combine` stages at most COMBINE_MAX = 256 splits (attend.cu).
+// `paged_attn_combine` stages at most COMBINE_MAX = 256 splits (kernels/attend/attention.cu).
 const _: () = assert!(SPARSE_SPLITS <= DENSE_SPLITS && DENSE_SPLITS <= 256);
 /// Rows per CTA of `read_rows` (`READ_ROWS` of append.cu).
 pub(super) const READ_ROWS: usize = 8;
 /// Filtered-select candidates per row, per winner of `max_k`: 4× the FUSE_TARGET · k = 6·k that
-/// the estimate aims at (attend.cu), so a row overflows only when four times as many tokens
+/// the estimate aims at (kernels/attend/shared.cuh), so a row overflows only when four times as many tokens
 /// pass its filter as the previous attend predicted. Chosen with FUSE_TARGET on the
 /// consecutive decode positions of a real capture (`results/filtered-select/README.md`: no
 /// overflow at 24·k; 0.3 % at 16·k).
@@ -116,7 +123,7 @@ impl Geom32 {
 // SAFETY: plain `#[repr(C)]` data of integers, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for PoolGeom {}
 
-/// `struct TableGeom` of append.cu and attend.cu: the block tables' page stride and the
+/// `struct TableGeom` of append.cu and kernels/attend/scan.cu: the block tables' page stride and the
 /// device addresses of page 0's landmark and Quest tables (0: none).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -130,11 +137,11 @@ const _: () = assert!(std::mem::size_of::<TableGeom>() == 24);
 // SAFETY: plain `#[repr(C)]` data of integers, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for TableGeom {}
 
-/// Threads per CTA of `paged_table_scan` (`TS_NT` in attend.cu); its groups per CTA are
+/// Threads per CTA of `paged_table_scan` (`TS_NT` in kernels/attend/scan.cu); its groups per CTA are
 /// [`crate::cache::table_scan_groups`] (`-DTS_G`).
 pub(super) const TABLE_SCAN_THREADS: u32 = 128;
 
-/// `struct AttendGeom` of attend.cu.
+/// `struct AttendGeom` of kernels/attend/shared.cuh.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct AttendGeom {

@@ -31,7 +31,7 @@ pub(in crate::cuda::cache) struct Work {
     pub(in crate::cuda::cache) sel: DevBuf,
     pub(in crate::cuda::cache) cand: DevBuf,
     pub(in crate::cuda::cache) ccount: DevBuf,
-    /// The filtered select (attend.cu, `paged_topk_fused`): each row's estimate
+    /// The filtered select (kernels/attend/select.cu, `paged_topk_fused`): each row's estimate
     /// `[max_sessions][L][Hq]` f32 (0 bits: none), its mode `[max_batch][Hq]` u32 (0 score
     /// path, 1 filtered, 2 fallen back), its passing (key, token) pairs
     /// `[max_batch][Hq][fcap]` and their counts.
