@@ -16,7 +16,7 @@ cargo test -q -p fathom-cuda -p fathom-gpu --features fathom-cuda/cuda,fathom-gp
 cargo build -q -p fathom-cuda --features cuda --release --example cache_bench --example paged_decode --example graph_step --example every_method --example row_sweep
 cargo build -q --release -p fathom-cli --features cuda
 rm -rf .devbin && mkdir -p .devbin
-for t in fathom_cuda:unit api:api cache_gpu:cache_gpu gpu:gpu gpu_forward:gpu_forward gpu_graph:gpu_graph fathom_gpu:gpu_unit; do
+for t in fathom_cuda:unit api:api cache_gpu:cache_gpu gpu_forward:gpu_forward gpu_graph:gpu_graph fathom_gpu:gpu_unit; do
   src=${t%%:*} dst=${t##*:}
   f=$(ls -t "$CARGO_TARGET_DIR"/release/deps/"$src"-* | grep -v '\.d$' | head -1)
   cp "$f" .devbin/"$dst"

@@ -3,12 +3,11 @@
 //! build, and `tests/api.rs` holds both backends to them (CI checks the crate with and
 //! without the feature), as candle's dummy backends mirror its CUDA one.
 
-use crate::config::{Method, SessionConfig};
+use crate::config::Method;
 use crate::error::Result;
-use crate::synth::LayerSource;
-use crate::types::{DeviceInfo, LayerDebug, SessionLayout, StepStats};
+use crate::types::DeviceInfo;
 
-/// A device that sessions run on.
+/// A device that caches run on.
 pub trait Device: Sized + std::fmt::Debug {
     /// Opens device `ordinal` ([`crate::CudaError::NotCompiledWithCuda`] in the stub,
     /// [`crate::CudaError::NoDevice`] without a driver or device).
@@ -19,29 +18,6 @@ pub trait Device: Sized + std::fmt::Debug {
     fn h2d_bandwidth(&self, bytes: usize) -> Result<f64>;
     /// Bandwidth of the zero-copy gather kernel over one run of `bytes`, GB/s.
     fn gather_bandwidth(&self, bytes: usize) -> Result<f64>;
-}
-
-/// A decode session (docs/SPEC.md §6) on a [`Device`].
-pub trait StepSession: Sized {
-    /// The device type.
-    type Device: Device;
-    /// Allocates and fills the session.
-    fn new(
-        gpu: &Self::Device,
-        cfg: &SessionConfig,
-        sources: &[LayerSource],
-        methods: &[Method],
-    ) -> Result<Self>;
-    /// Where the data lives.
-    fn layout(&self) -> &SessionLayout;
-    /// Empties the HBM row cache.
-    fn reset_cache(&mut self) -> Result<()>;
-    /// Changes the pipelining of later steps.
-    fn set_pipeline(&mut self, groups: usize, gather_ctas: usize);
-    /// Runs one decode step over all layers.
-    fn run_step(&mut self, method: Method, step: usize, instrument: bool) -> Result<StepStats>;
-    /// Runs one layer's step and reads back every intermediate.
-    fn layer_debug(&mut self, method: Method, layer: usize, step: usize) -> Result<LayerDebug>;
 }
 
 impl Device for crate::Gpu {
@@ -56,33 +32,6 @@ impl Device for crate::Gpu {
     }
     fn gather_bandwidth(&self, bytes: usize) -> Result<f64> {
         crate::Gpu::gather_bandwidth(self, bytes)
-    }
-}
-
-impl StepSession for crate::Session {
-    type Device = crate::Gpu;
-    fn new(
-        gpu: &crate::Gpu,
-        cfg: &SessionConfig,
-        sources: &[LayerSource],
-        methods: &[Method],
-    ) -> Result<Self> {
-        crate::Session::new(gpu, cfg, sources, methods)
-    }
-    fn layout(&self) -> &SessionLayout {
-        crate::Session::layout(self)
-    }
-    fn reset_cache(&mut self) -> Result<()> {
-        crate::Session::reset_cache(self)
-    }
-    fn set_pipeline(&mut self, groups: usize, gather_ctas: usize) {
-        crate::Session::set_pipeline(self, groups, gather_ctas)
-    }
-    fn run_step(&mut self, method: Method, step: usize, instrument: bool) -> Result<StepStats> {
-        crate::Session::run_step(self, method, step, instrument)
-    }
-    fn layer_debug(&mut self, method: Method, layer: usize, step: usize) -> Result<LayerDebug> {
-        crate::Session::layer_debug(self, method, layer, step)
     }
 }
 

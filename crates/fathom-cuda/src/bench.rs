@@ -1,17 +1,15 @@
-//! The offload benchmark (docs/SPEC.md §6): every method at every context and residency, timed with
-//! CUDA events, with per-stage times, bytes and the link-rate floor. Used by
-//! `fathom offload-bench`.
+//! The offload benchmark (docs/SPEC.md §6): every method at every context and residency, timed
+//! with CUDA events through the library's paged cache ([`crate::PagedCache`]), with per-stage
+//! times, bytes and the link-rate floor. Used by `fathom offload-bench`.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Method, ModelShape, Residency, SessionConfig};
+use crate::config::{Method, ModelShape, Residency};
 use crate::error::{CudaError, Result};
 use crate::synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
-use crate::types::{StepStats, STAGES};
-use crate::{Gpu, Session};
+use crate::Gpu;
 pub use fathom_results::offload::{
     BenchResult, OffloadBench, OffloadEngine, OffloadStudy, ShapeRecord, StageBytes,
 };
@@ -30,7 +28,7 @@ pub struct BenchConfig {
     pub shape: ModelShape,
     /// Context lengths.
     pub contexts: Vec<usize>,
-    /// Sequences per step `B`; they are laid out as `B·Hkv` KV heads.
+    /// Sessions per step `B`, each of every context's length.
     pub batch: usize,
     /// Methods.
     pub methods: Vec<Method>,
@@ -40,14 +38,10 @@ pub struct BenchConfig {
     pub steps: usize,
     /// Warm-up steps (not timed).
     pub warmup: usize,
-    /// Extra steps with an event pair around every stage (for the breakdown).
-    pub instrumented_steps: usize,
     /// Top-k per query head; `None` = 512 (docs/SPEC.md §5's 32k value, kept for longer contexts).
     pub k: Option<usize>,
     /// HBM row-cache slots per (layer, KV head); 0 disables it.
     pub cache_rows: usize,
-    /// Host bytes for K/V records (past it, row layers are reused cyclically).
-    pub row_bytes_budget: u64,
     /// Distinct synthetic source layers.
     pub source_layers: usize,
     /// Base tokens per source layer (tiled to the context).
@@ -56,55 +50,49 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Bytes of the pinned H2D `memcpy` that measures the link (2 GiB by default).
     pub h2d_probe_bytes: usize,
-    /// Head-group pipelining settings to time, each over every method (0 = auto; see
-    /// [`SessionConfig::groups`]).
+    /// Head groups per attend to time, each over every method
+    /// ([`crate::PagedCache::set_attend_groups`]; 0 = 1; empty: 1).
     pub groups: Vec<usize>,
-    /// Gather grid caps to time (0 = auto; see [`SessionConfig::gather_ctas`]).
-    pub gather_ctas: Vec<usize>,
     /// Write the report here after every (context, residency).
     pub json: Option<PathBuf>,
-    /// Which path is timed: the library's paged cache (the default) or the fixed benchmark
-    /// step.
-    #[serde(default)]
-    pub engine: OffloadEngine,
-    /// Cache engine only: one ragged batch of these session lengths, timed after the
+    /// one ragged batch of these session lengths, timed after the
     /// contexts (empty: none).
     #[serde(default)]
     pub ragged: Vec<usize>,
-    /// Cache engine only: pinned host bytes the page pools may take (fewer layers are timed
+    /// pinned host bytes the page pools may take (fewer layers are timed
     /// past it).
     #[serde(default = "default_pool_budget")]
     pub pool_budget: u64,
-    /// Cache engine only: the select paths to time, each over every method
+    /// the select paths to time, each over every method
     /// ([`crate::PagedCache::set_select_path`]; empty: the default).
     #[serde(default)]
     pub select_paths: Vec<crate::cache::SelectPath>,
-    /// Cache engine only: the scan load widths to time, in plane words (1, 2), each over every
+    /// the scan load widths to time, in plane words (1, 2), each over every
     /// method ([`crate::PagedCache::set_scan_vector_words`]; empty: 1).
     #[serde(default)]
     pub scan_vector_words: Vec<u32>,
-    /// Cache engine only: host-gather threads to time, each over every method
+    /// host-gather threads to time, each over every method
     /// ([`crate::PagedCache::set_host_gather`]; 0: the GPU reads the misses; empty: 0).
     #[serde(default)]
     pub host_gather: Vec<usize>,
-    /// Cache engine only: shares of the misses (percent, 1 to 100) the host gather brings, each
+    /// shares of the misses (percent, 1 to 100) the host gather brings, each
     /// over every method and gather setting above 0 threads
     /// ([`crate::PagedCache::set_host_gather_share`]; empty: 100).
     #[serde(default)]
     pub host_gather_share: Vec<u32>,
-    /// Cache engine only: how each method's decode step is launched, each over every method:
+    /// how each method's decode step is launched, each over every method:
     /// `false`, kernel by kernel; `true`, captured once as a CUDA graph
     /// ([`crate::PagedCache::capture`]) and replayed every step, as a serving engine runs
     /// its decode step (empty: kernel by kernel).
     #[serde(default)]
     pub graphs: Vec<bool>,
-    /// Cache engine only: rounds of the whole set of settings and methods, each method timed
+    /// rounds of the whole set of settings and methods, each method timed
     /// once per round in the same order, so the rounds interleave the methods in time and
     /// every ratio comes once per round (its spread over rounds gives an interval); 1 times
     /// each once. Entries carry their `round`.
     #[serde(default = "one_round")]
     pub rounds: usize,
-    /// Cache engine only: what backs the pools in host memory ([`crate::HostPages`]).
+    /// what backs the pools in host memory ([`crate::HostPages`]).
     #[serde(default)]
     pub host_pages: crate::HostPages,
 }
@@ -115,20 +103,6 @@ fn one_round() -> usize {
 
 fn default_pool_budget() -> u64 {
     72 << 30
-}
-
-fn median(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let m = s.len() / 2;
-    if s.len() % 2 == 1 {
-        s[m]
-    } else {
-        0.5 * (s[m - 1] + s[m])
-    }
 }
 
 /// Parses `32k`, `256k`, `1m`, `4096` (k = 1024, m = 1024²).
@@ -176,17 +150,7 @@ pub fn run_offload_bench_with(
     mut progress: impl FnMut(&str),
 ) -> Result<OffloadBench> {
     let gpu = Gpu::open(0)?;
-    let cache_engine = c.engine == OffloadEngine::Cache;
-    // The step lays a batch out as B·Hkv KV heads of one length; the cache holds sessions.
-    let shape = ModelShape {
-        kv_heads: if cache_engine {
-            c.shape.kv_heads
-        } else {
-            c.shape.kv_heads * c.batch.max(1)
-        },
-        ..c.shape
-    }
-    .validate()?;
+    let shape = c.shape.validate()?;
     let mut rep = OffloadBench {
         command: c.command.clone(),
         study: c.study,
@@ -204,7 +168,7 @@ pub fn run_offload_bench_with(
         generator: real
             .as_ref()
             .map_or_else(|| SYNTH_LABEL.to_string(), |r| r.label.clone()),
-        engine: c.engine,
+        engine: OffloadEngine::Cache,
         ..Default::default()
     };
     progress(&format!("device: {:?}", gpu.info()));
@@ -266,124 +230,7 @@ pub fn run_offload_bench_with(
         ));
         sources
     };
-    if cache_engine {
-        return run_cache_engine(c, &gpu, &sources, rep, progress);
-    }
-    rep.notes.push("exact = the full 4-bit store (all channels at 4 planes, 544 bits), read through the same gather; loki reads channels 0..r of the store (the timing store is in the raw basis, bytes identical to a KLT store); ds uses channels chosen offline by mean|q|·mean|k| on the source layers' own keys and queries; landmark and quest read their own fp16 tables".into());
-    rep.notes.push("every step scores all n tokens with that step's queries (n is not grown between steps); weights are not modelled (W = 0 in docs/SPEC.md §6's traffic model)".into());
-    if c.batch > 1 {
-        rep.notes.push(format!(
-            "batch {}: the B sequences are laid out as B·Hkv = {} KV heads per layer",
-            c.batch, shape.kv_heads
-        ));
-    }
-    if !c.ragged.is_empty() {
-        return Err(CudaError::invalid(
-            "ragged",
-            "a ragged batch is timed by the cache engine only (--engine cache)",
-        ));
-    }
-    let total_steps = c.warmup + c.steps + c.instrumented_steps;
-    for &n in &c.contexts {
-        for &res in &c.residencies {
-            let k = c.k.unwrap_or(512).min(n.saturating_sub(36).max(1));
-            let cfg = SessionConfig {
-                shape,
-                context: n,
-                k,
-                residency: res,
-                cache_rows: c.cache_rows,
-                row_bytes_budget: c.row_bytes_budget,
-                tables: c.methods.iter().any(|m| !m.uses_planes()),
-                steps: total_steps,
-                groups: c.groups.first().copied().unwrap_or(0),
-                gather_ctas: c.gather_ctas.first().copied().unwrap_or(0),
-            };
-            progress(&format!("context {n}, {}: allocating", res.label()));
-            let mut s = Session::new(&gpu, &cfg, &sources, &c.methods)?;
-            let layout = s.layout().clone();
-            progress(&format!("  layout {layout:?}"));
-            if layout.row_layers < shape.layers {
-                rep.notes.push(format!(
-                    "context {n} {}: K/V records of all {} layers do not fit the {:.0} GiB row budget; {} row layers are allocated and reused cyclically (layer l reads rows of l mod {})",
-                    res.label(), shape.layers, c.row_bytes_budget as f64 / (1u64 << 30) as f64, layout.row_layers, layout.row_layers
-                ));
-            }
-            rep.layouts.insert(format!("{n}/{}", res.label()), layout);
-            let pipelines: Vec<(usize, usize)> = if res == Residency::Host {
-                let gs = if c.groups.is_empty() {
-                    vec![0]
-                } else {
-                    c.groups.clone()
-                };
-                let cs = if c.gather_ctas.is_empty() {
-                    vec![0]
-                } else {
-                    c.gather_ctas.clone()
-                };
-                gs.iter()
-                    .flat_map(|&g| cs.iter().map(move |&x| (g, x)))
-                    .collect()
-            } else {
-                vec![(1, 0)]
-            };
-            for &(groups, ctas) in &pipelines {
-                s.set_pipeline(groups, ctas);
-                let cfg = SessionConfig {
-                    groups,
-                    gather_ctas: ctas,
-                    ..cfg.clone()
-                };
-                if pipelines.len() > 1 {
-                    progress(&format!(
-                        "  pipeline: {} head groups, gather grid cap {}",
-                        cfg.pipeline_groups(),
-                        if ctas == 0 {
-                            "none".to_string()
-                        } else {
-                            ctas.to_string()
-                        }
-                    ));
-                }
-                let first = rep.results.len();
-                for &m in &c.methods {
-                    s.reset_cache()?;
-                    let mut timed: Vec<StepStats> = Vec::new();
-                    let mut inst: Vec<StepStats> = Vec::new();
-                    for step in 0..total_steps {
-                        let st = s.run_step(m, step, step >= c.warmup + c.steps)?;
-                        if step >= c.warmup + c.steps {
-                            inst.push(st);
-                        } else if step >= c.warmup {
-                            timed.push(st);
-                        }
-                    }
-                    let r = summarize(&rep, &cfg, m, &timed, &inst);
-                    progress(&format!(
-                    "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  plan {:5.2}%  hit {:4.1}%  stages ms: {}",
-                    r.method, r.bits, r.gpu_ms, r.wall_ms,
-                    r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
-                    100.0 * r.planner_share, 100.0 * r.cache_hit_rate,
-                    STAGES
-                        .iter()
-                        .map(|k| format!("{k}={:.3}", r.stage_ms[*k]))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                ));
-                    rep.results.push(r);
-                }
-                add_speedups(&mut rep.results[first..], shape.dim);
-            }
-            // The CUDA session frees its device and pinned memory here, before the next
-            // context allocates; the stub's session has nothing to free.
-            #[allow(clippy::drop_non_drop)]
-            drop(s);
-            if let Some(p) = &c.json {
-                write_json(&rep, p)?;
-            }
-        }
-    }
-    Ok(rep)
+    run_cache_engine(c, &gpu, &sources, rep, progress)
 }
 
 /// The cache engine ([`crate::bench_cache`]): per residency, every context at `batch` equal
@@ -510,80 +357,6 @@ pub(crate) fn write_json(rep: &OffloadBench, p: &Path) -> Result<()> {
     // a crash mid-write must leave the previous whole report, not a partial one.
     fathom_results::write(p, rep.clone())
         .map_err(|e| CudaError::invalid("json path", e.to_string()))
-}
-
-fn summarize(
-    rep: &OffloadBench,
-    cfg: &SessionConfig,
-    m: Method,
-    timed: &[StepStats],
-    inst: &[StepStats],
-) -> BenchResult {
-    let sh = cfg.shape;
-    let gpu: Vec<f64> = timed.iter().map(|s| s.gpu_ms).collect();
-    let wall: Vec<f64> = timed.iter().map(|s| s.wall_ms).collect();
-    let all: Vec<&StepStats> = timed.iter().chain(inst).collect();
-    let bits = median(&all.iter().map(|s| s.bits).collect::<Vec<_>>());
-    let union = median(&all.iter().map(|s| s.union_rows as f64).collect::<Vec<_>>());
-    let hits = median(&all.iter().map(|s| s.cache_hits as f64).collect::<Vec<_>>());
-    let mut stage_ms = BTreeMap::new();
-    for (i, name) in STAGES.iter().enumerate() {
-        let v: Vec<f64> = inst
-            .iter()
-            .filter_map(|s| s.stage_ms.map(|a| a[i]))
-            .collect();
-        stage_ms.insert(name.to_string(), median(&v));
-    }
-    let host = cfg.residency == Residency::Host;
-    let bytes = stage_bytes(sh, &[cfg.context], m, bits, union, hits, host);
-    let gpu_ms = median(&gpu);
-    let link_floor_ms = host.then(|| bytes.pcie_total as f64 / (rep.h2d_gbps * 1e9) * 1e3);
-    let plan_ms = stage_ms.get("plan").copied().unwrap_or(0.0);
-    let inst_total = median(&inst.iter().map(|s| s.gpu_ms).collect::<Vec<_>>());
-    BenchResult {
-        context: cfg.context,
-        residency: cfg.residency.label().into(),
-        method: m.label(),
-        k: cfg.k,
-        groups: if cfg.residency == Residency::Host {
-            cfg.pipeline_groups()
-        } else {
-            1
-        },
-        gather_ctas: if cfg.residency == Residency::Host {
-            cfg.gather_cap()
-        } else {
-            0
-        },
-        bits_nominal: m.bits(sh.dim) as f64,
-        bits,
-        gpu_ms,
-        gpu_ms_steps: gpu,
-        wall_ms: median(&wall),
-        stage_ms,
-        bytes,
-        link_floor_ms,
-        floor_ratio: link_floor_ms.map(|f| gpu_ms / f),
-        planner_share: if inst_total > 0.0 {
-            plan_ms / inst_total
-        } else {
-            0.0
-        },
-        union_rows: union,
-        cache_hit_rate: if union > 0.0 { hits / union } else { 0.0 },
-        speedup_vs_136: BTreeMap::new(),
-        select: String::new(),
-        fallback_rate: None,
-        filtered_share: None,
-        scan_vector_words: 0,
-        graph: false,
-        append_ms: None,
-        round: 0,
-        host_gather: 0,
-        host_gather_share: 100,
-        host_gather_request_us: None,
-        host_gather_mrows_per_thread_s: None,
-    }
 }
 
 #[cfg(test)]

@@ -1,12 +1,11 @@
 //! The backend without the `cuda` feature: the same types; every entry point that would touch
 //! a device returns [`CudaError::NotCompiledWithCuda`] (a `Gpu` cannot be opened, so no cache
-//! or session exists to call the others on; the host-side checks shared with the real backend
+//! exists to call the others on; the host-side checks shared with the real backend
 //! live in `cache.rs` and `pages.rs`).
 
-use crate::config::{Method, SessionConfig};
+use crate::config::Method;
 use crate::error::{CudaError, Result};
-use crate::synth::LayerSource;
-use crate::types::{DeviceInfo, LayerDebug, SessionLayout, StepStats};
+use crate::types::DeviceInfo;
 
 /// A CUDA device (stub: cannot be opened without the `cuda` feature).
 #[derive(Debug)]
@@ -71,64 +70,6 @@ impl Gpu {
         _rows: &[usize],
         _seed: u64,
     ) -> Result<crate::RowSweep> {
-        Err(CudaError::NotCompiledWithCuda)
-    }
-}
-
-/// A decode session on the device (stub).
-#[derive(Debug)]
-pub struct Session {
-    layout: SessionLayout,
-}
-
-impl Session {
-    /// Allocates and fills the session.
-    ///
-    /// # Errors
-    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
-    pub fn new(
-        _gpu: &Gpu,
-        _cfg: &SessionConfig,
-        _sources: &[LayerSource],
-        _methods: &[Method],
-    ) -> Result<Self> {
-        Err(CudaError::NotCompiledWithCuda)
-    }
-    /// Where the data lives.
-    pub fn layout(&self) -> &SessionLayout {
-        &self.layout
-    }
-    /// Empties the HBM row cache.
-    ///
-    /// # Errors
-    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
-    pub fn reset_cache(&mut self) -> Result<()> {
-        Err(CudaError::NotCompiledWithCuda)
-    }
-    /// Changes the pipelining of later steps (see the CUDA build's `Session::set_pipeline`).
-    pub fn set_pipeline(&mut self, _groups: usize, _gather_ctas: usize) {}
-    /// Runs one decode step over all layers.
-    ///
-    /// # Errors
-    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
-    pub fn run_step(
-        &mut self,
-        _method: Method,
-        _step: usize,
-        _instrument: bool,
-    ) -> Result<StepStats> {
-        Err(CudaError::NotCompiledWithCuda)
-    }
-    /// Runs one layer's step and reads back every intermediate.
-    ///
-    /// # Errors
-    /// Always [`CudaError::NotCompiledWithCuda`] in this build.
-    pub fn layer_debug(
-        &mut self,
-        _method: Method,
-        _layer: usize,
-        _step: usize,
-    ) -> Result<LayerDebug> {
         Err(CudaError::NotCompiledWithCuda)
     }
 }
