@@ -9,8 +9,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 
 use fathom_bench::capture::{Capture, LayerKind};
-use fathom_cuda::bench::{parse_context, BenchConfig, RealSources};
-use fathom_cuda::{LayerSource, Method, ModelShape, Residency};
+use fathom_bench::offload::LayerSource;
+use fathom_bench::offload::{parse_context, BenchConfig, RealSources};
+use fathom_cuda::{Method, ModelShape, Residency};
 
 /// The global layers of a capture as timing sources, and the shape they make.
 fn capture_sources(p: &std::path::Path) -> Result<(ModelShape, RealSources)> {
@@ -247,8 +248,8 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
     let cfg = BenchConfig {
         command: fathom_results::command_line(),
         study: [
-            fathom_cuda::bench::OffloadStudy::PipelineSweep,
-            fathom_cuda::bench::OffloadStudy::Experiment,
+            fathom_bench::offload::OffloadStudy::PipelineSweep,
+            fathom_bench::offload::OffloadStudy::Experiment,
         ]
         .into_iter()
         .find(|s| s.as_str() == a.study)
@@ -291,7 +292,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         },
         rounds: a.rounds,
     };
-    let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
+    let rep = fathom_bench::offload::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;
     println!(
         "{:<9} {:<5} {:<8} {:<10} {:>7} {:>10} {:>10} {:>8} {:>8} {:>7}  speedup vs 136-bit",

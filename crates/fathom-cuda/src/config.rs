@@ -346,6 +346,16 @@ impl HostPages {
     }
 }
 
+/// Bytes of this process's memory that transparent huge pages back (`AnonHugePages` of
+/// `/proc/self/smaps_rollup`); `None` where the file is absent (not Linux, old kernels). How
+/// [`HostPages::Huge`] is checked: the growth over an allocation is the bytes huge pages back.
+pub fn anon_huge_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = s.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -41,7 +41,6 @@
 #![deny(missing_docs)]
 
 pub mod api;
-pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod error;
@@ -51,11 +50,8 @@ pub mod paged_ref;
 pub mod pages;
 #[cfg(test)]
 mod scan_arith;
-pub mod synth;
 pub mod types;
 
-#[cfg(feature = "cuda")]
-mod bench_cache;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
@@ -70,7 +66,7 @@ mod dummy;
 #[cfg(not(feature = "cuda"))]
 pub use dummy::{DecodeGraph, Gpu, PagedCache};
 
-pub use config::{HostPages, Method, ModelShape, Residency};
+pub use config::{anon_huge_bytes, HostPages, Method, ModelShape, Residency};
 pub use error::{CudaError, Result};
 pub use paged_layout::PagedLayout;
 pub use paged_ref::{PagedExport, PagedStoreRef};
@@ -78,5 +74,4 @@ pub use pages::{
     AppendPlan, CacheSessions, PageConfig, PageCopy, PageError, PageId, PagePool, PartialBlock,
     SessionId,
 };
-pub use synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
-pub use types::{DeviceInfo, RowRate, RowSweep, SessionLayout};
+pub use types::{DeviceInfo, RowRate, RowSweep};

@@ -2,7 +2,23 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use fathom_results::offload::{DeviceInfo, SessionLayout};
+/// What [`crate::Gpu::info`] reports of a device (a harness converts it into its report's
+/// record).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// The driver's device name.
+    pub name: String,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (i32, i32),
+    /// Device memory in bytes.
+    pub total_mem_bytes: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: i32,
+    /// Driver version (e.g. 13000).
+    pub driver_version: i32,
+    /// The NVRTC target the kernels were compiled for.
+    pub arch: String,
+}
 
 /// One point of the row-gather sweep (`Gpu::row_gather_sweep`): the zero-copy gather kernel
 /// copying `rows` runs of `row_bytes` from a span of pinned host memory to HBM.

@@ -8,8 +8,9 @@ use cudarc::driver::{result, CudaContext, CudaModule, CudaStream, LaunchConfig, 
 use rayon::prelude::*;
 
 use super::drv;
-use super::memory::{anon_huge_bytes, stream_upload, DevBuf, HostBuf};
+use super::memory::{stream_upload, DevBuf, HostBuf};
 use super::module::{compile_one, Kernels, KERNELS};
+use crate::config::anon_huge_bytes;
 use crate::config::HostPages;
 use crate::error::{CudaError, Result};
 use crate::types::{DeviceInfo, RowRate, RowSweep};
@@ -174,7 +175,9 @@ impl Gpu {
         let ptx = compile_one(self.arch, name, src, Vec::new())?;
         let m = self.ctx.load_module(ptx).map_err(drv("load_module"))?;
         let k = Arc::new(Kernels {
-            gather_runs: m.load_function("gather_runs").map_err(drv("load_function"))?,
+            gather_runs: m
+                .load_function("gather_runs")
+                .map_err(drv("load_function"))?,
         });
         *cache = Some(k.clone());
         Ok(k)

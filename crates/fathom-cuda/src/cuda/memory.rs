@@ -356,15 +356,6 @@ impl Drop for HostBuf {
     }
 }
 
-/// Bytes of this process's memory that transparent huge pages back (`AnonHugePages` of
-/// `/proc/self/smaps_rollup`); `None` where the file is absent (not Linux, old kernels).
-pub(crate) fn anon_huge_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
-    let line = s.lines().find(|l| l.starts_with("AnonHugePages:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 /// Views 8-aligned bytes as `T`s.
 pub(crate) fn cast_mut<T>(b: &mut [u8]) -> &mut [T] {
     let n = b.len() / std::mem::size_of::<T>();

@@ -12,9 +12,9 @@ mod module;
 
 pub use device::Gpu;
 pub(crate) use device::{cfg, Event};
-pub(crate) use memory::{anon_huge_bytes, stream_upload, DevBuf, HostBuf, Mem};
-pub use module::compile_kernels;
 pub(crate) use memory::cast_mut;
+pub(crate) use memory::{stream_upload, DevBuf, HostBuf, Mem};
+pub use module::compile_kernels;
 pub(crate) use module::{attend_defines, compile_one};
 
 pub(crate) fn drv(op: &'static str) -> impl FnOnce(DriverError) -> CudaError {

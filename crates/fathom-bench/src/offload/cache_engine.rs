@@ -14,13 +14,13 @@
 
 use cudarc::driver::{result, sys, CudaSlice, DevicePtr};
 
-use crate::bench::{add_speedups, stage_bytes, BenchConfig, BenchResult, OffloadBench};
-use crate::cache::{AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS};
-use crate::config::{Method, ModelShape, Residency};
-use crate::error::{CudaError, Result};
-use crate::pages::{PageConfig, SessionId};
-use crate::synth::LayerSource;
-use crate::{Gpu, PagedCache};
+use super::synth::LayerSource;
+use super::{add_speedups, invalid, stage_bytes, BenchConfig, BenchResult, OffloadBench};
+use fathom_cuda::cache::{
+    AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS,
+};
+use fathom_cuda::pages::{PageConfig, SessionId};
+use fathom_cuda::{CudaError, Gpu, Method, ModelShape, PagedCache, Residency, Result};
 use fathom_plan::scanner::HeadCalib;
 use fathom_plan::SelectParams;
 
@@ -28,7 +28,10 @@ use fathom_plan::SelectParams;
 const PREFILL_CHUNK: usize = 8192;
 
 fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
-    crate::cuda::drv(op)
+    move |e| CudaError::Driver {
+        op,
+        message: e.to_string(),
+    }
 }
 
 /// One source layer's values in device memory, `[n0][Hkv][D]` f32 (keys are tiled on the
@@ -173,11 +176,11 @@ pub(crate) fn run(
             layers as f64 * pool_bytes as f64 / (1u64 << 30) as f64
         ));
         let t0 = std::time::Instant::now();
-        let huge_before = crate::cuda::anon_huge_bytes();
+        let huge_before = fathom_cuda::anon_huge_bytes();
         let mut cache = PagedCache::new(gpu, cfg)?;
-        if c.host_pages == crate::HostPages::Huge {
+        if c.host_pages == fathom_cuda::HostPages::Huge {
             // What the kernel actually gave (it may fall back to ordinary pages).
-            let backed = match (huge_before, crate::cuda::anon_huge_bytes()) {
+            let backed = match (huge_before, fathom_cuda::anon_huge_bytes()) {
                 (Some(a), Some(z)) => format!(
                     "{:.1} GiB on huge pages (AnonHugePages growth)",
                     z.saturating_sub(a) as f64 / (1u64 << 30) as f64
@@ -286,7 +289,7 @@ pub(crate) fn run(
         let decode: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
         let first = rep.results.len();
         let settings = if c.select_paths.is_empty() {
-            vec![crate::cache::SelectPath::default()]
+            vec![fathom_cuda::cache::SelectPath::default()]
         } else {
             c.select_paths.clone()
         };
@@ -395,13 +398,13 @@ pub(crate) fn run(
             let (mut gpu_ms, mut wall_ms, mut append_ms) = (Vec::new(), Vec::new(), Vec::new());
             // The steps after the timed ones (plain launches) are also split by stage
             // (PagedCache::set_stage_timing), one AttendStages per step.
-            let mut stages: Vec<crate::cache::AttendStages> = Vec::new();
+            let mut stages: Vec<fathom_cuda::cache::AttendStages> = Vec::new();
             let mut stage_steps_ms = Vec::new();
             let timed_end = c.warmup + c.steps;
             // `--graph`: the warm-up and timed steps replay one captured step (captured at the
             // first, which then replays it); the appends' steps after them stay plain launches
             // (a graph holds no timing events).
-            let mut graph: Option<crate::DecodeGraph> = None;
+            let mut graph: Option<fathom_cuda::DecodeGraph> = None;
             for step in 0..steps_per_method {
                 // After the timed steps: an event pair around each append, summed per step.
                 let time_appends = step >= timed_end;
@@ -534,7 +537,7 @@ pub(crate) fn run(
             r.append_ms = (!append_ms.is_empty()).then(|| median(&append_ms));
             if !stages.is_empty() {
                 // Median per stage over the split steps (each step's sum over its layers).
-                for (i, name) in crate::cache::AttendStages::NAMES.iter().enumerate() {
+                for (i, name) in fathom_cuda::cache::AttendStages::NAMES.iter().enumerate() {
                     let v: Vec<f64> = stages.iter().map(|st| st.values()[i]).collect();
                     r.stage_ms.insert((*name).to_string(), median(&v));
                 }
@@ -555,7 +558,7 @@ pub(crate) fn run(
             if let (Some(a), Some(z)) = (gather0, gather1) {
                 let delta = z.since(&a);
                 if delta.faults > 0 {
-                    return Err(crate::CudaError::invalid(
+                    return Err(invalid(
                         "host gather",
                         format!("faults during {}: {z:?}", m.label()),
                     ));
@@ -565,7 +568,7 @@ pub(crate) fn run(
                 r.host_gather_request_us = delta.request_us;
                 r.host_gather_mrows_per_thread_s = delta.mrows_per_thread_s;
             }
-            if fuse != crate::cache::SelectPath::Scores {
+            if fuse != fathom_cuda::cache::SelectPath::Scores {
                 let filtered = sel1.filtered - sel0.filtered;
                 let fallbacks = sel1.fallbacks - sel0.fallbacks;
                 let rows = (c.steps * layers * b * hq) as f64;
@@ -616,7 +619,7 @@ pub(crate) fn run(
             if !r.stage_ms.is_empty() {
                 progress(&format!(
                     "    stages ms (plain launches): {}",
-                    crate::cache::AttendStages::NAMES
+                    fathom_cuda::cache::AttendStages::NAMES
                         .iter()
                         .map(|k| format!("{k}={:.3}", r.stage_ms[*k]))
                         .collect::<Vec<_>>()
@@ -628,7 +631,7 @@ pub(crate) fn run(
         add_speedups(&mut rep.results[first..], d);
         drop(cache);
         if let Some(p) = &c.json {
-            crate::bench::write_json(rep, p)?;
+            super::write_json(rep, p)?;
         }
     }
     Ok(())
@@ -650,7 +653,7 @@ struct StepIo {
 /// just before and just after each append (where the appends' timing puts its events).
 fn launch_step(
     cache: &mut PagedCache,
-    batch: &crate::cache::AppendBatch,
+    batch: &fathom_cuda::cache::AppendBatch,
     io: &StepIo,
     method: AttendMethod,
     params: &SelectParams,

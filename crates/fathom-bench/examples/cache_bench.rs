@@ -5,7 +5,7 @@
 //! shape, `SESSIONS` sessions of `CONTEXT` tokens, k = 512, pages of 2048 tokens.
 //!
 //! ```text
-//! cargo run --release --features cuda -p fathom-cuda --example cache_bench -- CONTEXT SESSIONS [OUT.json]
+//! cargo run --release --features cuda -p fathom-bench --example cache_bench -- CONTEXT SESSIONS [OUT.json]
 //! ```
 mod common;
 use common::Uniform;

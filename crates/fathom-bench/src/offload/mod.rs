@@ -1,18 +1,27 @@
 //! The offload benchmark (docs/SPEC.md §6): every method at every context and residency, timed
-//! with CUDA events through the library's paged cache ([`crate::PagedCache`]), with per-stage
-//! times, bytes and the link-rate floor. Used by `fathom offload-bench`.
+//! with CUDA events through the library's paged cache ([`fathom_cuda::PagedCache`]), with
+//! per-stage times, bytes and the link-rate floor. Used by `fathom offload-bench`; its report
+//! is `fathom_results::offload::OffloadBench`, which the library never sees: the harness
+//! converts the device description ([`device_record`]).
+//!
+//! The timing itself needs this crate's `cuda` feature (`cache_engine`); without it the same
+//! entry points return [`CudaError::NotCompiledWithCuda`]. The synthetic key generator
+//! ([`synth`]) and the report arithmetic compile in every build.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Method, ModelShape, Residency};
-use crate::error::{CudaError, Result};
-use crate::synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
-use crate::Gpu;
+use fathom_cuda::{CudaError, Gpu, Method, ModelShape, Residency, Result};
+
+#[cfg(feature = "cuda")]
+mod cache_engine;
+pub mod synth;
+
 pub use fathom_results::offload::{
-    BenchResult, OffloadBench, OffloadEngine, OffloadStudy, ShapeRecord, StageBytes,
+    BenchResult, DeviceInfo, OffloadBench, OffloadEngine, OffloadStudy, ShapeRecord, StageBytes,
 };
+pub use synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -51,7 +60,7 @@ pub struct BenchConfig {
     /// Bytes of the pinned H2D `memcpy` that measures the link (2 GiB by default).
     pub h2d_probe_bytes: usize,
     /// Head groups per attend to time, each over every method
-    /// ([`crate::PagedCache::set_attend_groups`]; 0 = 1; empty: 1).
+    /// ([`fathom_cuda::PagedCache::set_attend_groups`]; 0 = 1; empty: 1).
     pub groups: Vec<usize>,
     /// Write the report here after every (context, residency).
     pub json: Option<PathBuf>,
@@ -64,25 +73,25 @@ pub struct BenchConfig {
     #[serde(default = "default_pool_budget")]
     pub pool_budget: u64,
     /// the select paths to time, each over every method
-    /// ([`crate::PagedCache::set_select_path`]; empty: the default).
+    /// ([`fathom_cuda::PagedCache::set_select_path`]; empty: the default).
     #[serde(default)]
-    pub select_paths: Vec<crate::cache::SelectPath>,
+    pub select_paths: Vec<fathom_cuda::cache::SelectPath>,
     /// the scan load widths to time, in plane words (1, 2), each over every
-    /// method ([`crate::PagedCache::set_scan_vector_words`]; empty: 1).
+    /// method ([`fathom_cuda::PagedCache::set_scan_vector_words`]; empty: 1).
     #[serde(default)]
     pub scan_vector_words: Vec<u32>,
     /// host-gather threads to time, each over every method
-    /// ([`crate::PagedCache::set_host_gather`]; 0: the GPU reads the misses; empty: 0).
+    /// ([`fathom_cuda::PagedCache::set_host_gather`]; 0: the GPU reads the misses; empty: 0).
     #[serde(default)]
     pub host_gather: Vec<usize>,
     /// shares of the misses (percent, 1 to 100) the host gather brings, each
     /// over every method and gather setting above 0 threads
-    /// ([`crate::PagedCache::set_host_gather_share`]; empty: 100).
+    /// ([`fathom_cuda::PagedCache::set_host_gather_share`]; empty: 100).
     #[serde(default)]
     pub host_gather_share: Vec<u32>,
     /// how each method's decode step is launched, each over every method:
     /// `false`, kernel by kernel; `true`, captured once as a CUDA graph
-    /// ([`crate::PagedCache::capture`]) and replayed every step, as a serving engine runs
+    /// ([`fathom_cuda::PagedCache::capture`]) and replayed every step, as a serving engine runs
     /// its decode step (empty: kernel by kernel).
     #[serde(default)]
     pub graphs: Vec<bool>,
@@ -92,9 +101,9 @@ pub struct BenchConfig {
     /// each once. Entries carry their `round`.
     #[serde(default = "one_round")]
     pub rounds: usize,
-    /// what backs the pools in host memory ([`crate::HostPages`]).
+    /// what backs the pools in host memory ([`fathom_cuda::HostPages`]).
     #[serde(default)]
-    pub host_pages: crate::HostPages,
+    pub host_pages: fathom_cuda::HostPages,
 }
 
 fn one_round() -> usize {
@@ -103,6 +112,14 @@ fn one_round() -> usize {
 
 fn default_pool_budget() -> u64 {
     72 << 30
+}
+
+/// The library's error for arguments that do not fit together, raised by the harness.
+pub(crate) fn invalid(what: &'static str, detail: impl Into<String>) -> CudaError {
+    CudaError::Invalid {
+        what,
+        detail: detail.into(),
+    }
 }
 
 /// Parses `32k`, `256k`, `1m`, `4096` (k = 1024, m = 1024²).
@@ -117,7 +134,7 @@ pub fn parse_context(s: &str) -> Result<usize> {
     };
     num.parse::<usize>()
         .map(|v| v * mul)
-        .map_err(|e| CudaError::invalid("context", format!("`{s}`: {e}")))
+        .map_err(|e| invalid("context", format!("`{s}`: {e}")))
 }
 
 /// Runs the benchmark and returns (and, if asked, writes) the report.
@@ -156,7 +173,7 @@ pub fn run_offload_bench_with(
         study: c.study,
         version: fathom_results::VERSION,
         fathom: env!("CARGO_PKG_VERSION").into(),
-        device: Some(gpu.info().clone()),
+        device: Some(device_record(gpu.info())),
         shape_label: c.shape_label.clone(),
         shape: Some(ShapeRecord {
             layers: c.shape.layers,
@@ -181,15 +198,12 @@ pub fn run_offload_bench_with(
     let min_ctx = c.contexts.iter().copied().min().unwrap_or(0);
     let sources: Vec<LayerSource> = if let Some(r) = real {
         if c.batch > 1 {
-            return Err(CudaError::invalid(
-                "batch",
-                "real sources are timed at batch 1",
-            ));
+            return Err(invalid("batch", "real sources are timed at batch 1"));
         }
         for s in &r.layers {
             let p = s.params();
             if (p.heads, p.group, p.dim) != (shape.kv_heads, shape.group, shape.dim) {
-                return Err(CudaError::invalid(
+                return Err(invalid(
                     "sources",
                     format!(
                         "source layers are Hkv={}, G={}, D={}; the shape is Hkv={}, G={}, D={}",
@@ -233,7 +247,7 @@ pub fn run_offload_bench_with(
     run_cache_engine(c, &gpu, &sources, rep, progress)
 }
 
-/// The cache engine ([`crate::bench_cache`]): per residency, every context at `batch` equal
+/// The cache engine (`cache_engine`): per residency, every context at `batch` equal
 /// sessions, then the ragged batch.
 #[cfg(feature = "cuda")]
 fn run_cache_engine(
@@ -259,7 +273,7 @@ fn run_cache_engine(
         runs.push(c.ragged.clone());
     }
     for &res in &c.residencies {
-        crate::bench_cache::run(c, gpu, sources, &runs, res, &mut rep, &mut progress)?;
+        cache_engine::run(c, gpu, sources, &runs, res, &mut rep, &mut progress)?;
     }
     Ok(rep)
 }
@@ -275,8 +289,23 @@ fn run_cache_engine(
     Err(CudaError::NotCompiledWithCuda)
 }
 
+/// The report's record of a device: the library's description ([`fathom_cuda::DeviceInfo`],
+/// what `Gpu::info` returns) in the results schema.
+#[must_use]
+pub fn device_record(d: &fathom_cuda::DeviceInfo) -> DeviceInfo {
+    DeviceInfo {
+        name: d.name.clone(),
+        compute_capability: d.compute_capability,
+        total_mem_bytes: d.total_mem_bytes,
+        multiprocessors: d.multiprocessors,
+        driver_version: d.driver_version,
+        arch: d.arch.clone(),
+    }
+}
+
 /// Speedups of every result against every 136-bit scan among `results` (one context and
 /// residency).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
     // Against the 136-bit scans timed under the same select, head-group, load and launch
     // settings, in the same round.
@@ -303,6 +332,7 @@ pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
 /// `lens` tokens with `shape.kv_heads` KV heads each: the planned scan bytes at `bits` per
 /// token and head (`Σ t_c + ¼·active`, so bytes = bits·nb·8), the scores the top-k reads, and
 /// `union` K|V records per step of which `hits` came from the HBM row cache.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn stage_bytes(
     shape: ModelShape,
     lens: &[usize],
@@ -352,11 +382,11 @@ pub(crate) fn stage_bytes(
     }
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn write_json(rep: &OffloadBench, p: &Path) -> Result<()> {
     // Atomic (temporary file, fsync, rename): the report is rewritten after every context, and
     // a crash mid-write must leave the previous whole report, not a partial one.
-    fathom_results::write(p, rep.clone())
-        .map_err(|e| CudaError::invalid("json path", e.to_string()))
+    fathom_results::write(p, rep.clone()).map_err(|e| invalid("json path", e.to_string()))
 }
 
 #[cfg(test)]
