@@ -11,6 +11,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use fathom_cuda::prelude::*;
+
 use anyhow::{bail, Context, Result};
 use fathom_eval::agent::{AgentPlan, SessionRun};
 use fathom_eval::decode::{calibrate, default_k, LayerCalib};

@@ -10,6 +10,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use fathom_cuda::prelude::*;
+
 use anyhow::{bail, Context, Result};
 use fathom_cuda::cache::AttendMethod;
 use fathom_cuda::Gpu;
@@ -143,7 +145,7 @@ pub fn run_gpu_parity(a: GpuParityArgs) -> Result<()> {
             fathom: env!("CARGO_PKG_VERSION").into(),
             command: fathom_results::command_line(),
             model: id.to_string(),
-            device: gpu.info().clone(),
+            device: fathom_bench::offload::device_record(gpu.info()),
             corpus: kind.name().into(),
             split: split.name().into(),
             prompt_tokens: a.prompt_tokens,
@@ -600,7 +602,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     let contexts = a
         .context
         .iter()
-        .map(|c| fathom_cuda::bench::parse_context(c).map_err(anyhow::Error::from))
+        .map(|c| fathom_bench::offload::parse_context(c).map_err(anyhow::Error::from))
         .collect::<Result<Vec<usize>>>()?;
     if contexts.is_empty() || a.batch.is_empty() || a.batch.contains(&0) || a.steps == 0 {
         bail!("--context, --batch (each ≥ 1) and --steps ≥ 1 are needed");
@@ -876,7 +878,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         command: fathom_results::command_line(),
         model: a.model.clone(),
         weights: weights_label.clone(),
-        device: gpu.info().clone(),
+        device: fathom_bench::offload::device_record(gpu.info()),
         residency: a.residency.clone(),
         steps: a.steps,
         h2d_gbps,

@@ -18,33 +18,38 @@ use crate::paged_ref::PagedExport;
 use crate::pages::{CacheSessions, SessionId};
 use crate::types::{DeviceInfo, RowSweep};
 
+/// No value: the stub's types hold one, so none of them can be made (private, so that code
+/// outside the crate does not see them as uninhabited and call what follows them unreachable).
+#[derive(Debug)]
+enum Never {}
+
 /// A CUDA device (stub: none can be opened without the `cuda` feature).
 #[derive(Debug)]
-pub enum Gpu {}
+pub struct Gpu(Never);
 
 /// The paged KV cache (stub: none can be made without the `cuda` feature).
 #[derive(Debug)]
-pub enum PagedCache {}
+pub struct PagedCache(Never);
 
 /// A captured decode step (stub).
 #[derive(Debug)]
-pub enum DecodeGraph {}
+pub struct DecodeGraph(Never);
 
 impl Device for Gpu {
     fn open(_ordinal: usize) -> Result<Self> {
         Err(CudaError::NotCompiledWithCuda)
     }
     fn info(&self) -> &DeviceInfo {
-        match *self {}
+        match self.0 {}
     }
     fn h2d_bandwidth(&self, _bytes: usize) -> Result<f64> {
-        match *self {}
+        match self.0 {}
     }
     fn gather_bandwidth(&self, _bytes: usize) -> Result<f64> {
-        match *self {}
+        match self.0 {}
     }
     fn gather_run_bandwidth(&self, _run_bytes: usize, _total_bytes: usize) -> Result<f64> {
-        match *self {}
+        match self.0 {}
     }
     fn row_gather_sweep(
         &self,
@@ -54,7 +59,7 @@ impl Device for Gpu {
         _rows: &[usize],
         _seed: u64,
     ) -> Result<RowSweep> {
-        match *self {}
+        match self.0 {}
     }
 }
 
@@ -63,47 +68,47 @@ impl KvCache for PagedCache {
     type Graph = DecodeGraph;
 
     fn synchronize(&self) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
 
     fn new(_gpu: &Self::Device, _cfg: CacheConfig) -> Result<Self> {
         Err(CudaError::NotCompiledWithCuda)
     }
     fn config(&self) -> &CacheConfig {
-        match *self {}
+        match self.0 {}
     }
     fn layout(&self) -> &PagedLayout {
-        match *self {}
+        match self.0 {}
     }
     fn sessions(&self) -> &CacheSessions {
-        match *self {}
+        match self.0 {}
     }
     fn create(&mut self) -> Result<SessionId> {
-        match *self {}
+        match self.0 {}
     }
     fn len(&self, _session: SessionId) -> Result<usize> {
-        match *self {}
+        match self.0 {}
     }
     fn is_empty(&self, _session: SessionId) -> Result<bool> {
-        match *self {}
+        match self.0 {}
     }
     fn fork(&mut self, _parent: SessionId) -> Result<SessionId> {
-        match *self {}
+        match self.0 {}
     }
     fn free(&mut self, _session: SessionId) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn truncate(&mut self, _session: SessionId, _len: usize) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn check_reserve(&self, _batch: &[(SessionId, usize)]) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn reserve(&mut self, _batch: &[(SessionId, usize)]) -> Result<AppendBatch> {
-        match *self {}
+        match self.0 {}
     }
     fn append(&mut self, _batch: &AppendBatch, _layer: usize, _kv: &KvRows) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn append_host(
         &mut self,
@@ -112,13 +117,13 @@ impl KvCache for PagedCache {
         _k: &[f32],
         _v: &[f32],
     ) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     unsafe fn follow(&self, _external: u64) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     unsafe fn signal(&self, _external: u64) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn read_rows(
         &self,
@@ -128,35 +133,35 @@ impl KvCache for PagedCache {
         _k_out: DeviceViewMut<'_>,
         _v_out: DeviceViewMut<'_>,
     ) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn records(&self, _session: SessionId, _layer: usize) -> Result<Vec<bf16>> {
-        match *self {}
+        match self.0 {}
     }
     fn export(&self, _session: SessionId, _layer: usize) -> Result<PagedExport> {
-        match *self {}
+        match self.0 {}
     }
     fn export_pca(&self, _session: SessionId, _layer: usize) -> Result<PagedExport> {
-        match *self {}
+        match self.0 {}
     }
     fn faults(&self) -> Result<Vec<u32>> {
-        match *self {}
+        match self.0 {}
     }
     fn load_calibration(
         &mut self,
         _layer: usize,
         _heads: &[fathom_plan::scanner::HeadCalib],
     ) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn prepare(&mut self, _method: crate::config::Method) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn is_prepared(&self, _method: crate::config::Method) -> bool {
-        match *self {}
+        match self.0 {}
     }
     fn check_method(&self, _method: crate::cache::AttendMethod, _layer: usize) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn attend(
         &mut self,
@@ -167,7 +172,7 @@ impl KvCache for PagedCache {
         _q: &QueryRows<'_>,
         _out: DeviceViewMut<'_>,
     ) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn attend_host(
         &mut self,
@@ -177,49 +182,49 @@ impl KvCache for PagedCache {
         _params: &fathom_plan::SelectParams,
         _q: &[f32],
     ) -> Result<Vec<f32>> {
-        match *self {}
+        match self.0 {}
     }
     fn capture(
         &mut self,
         _batch: &AppendBatch,
         _step: impl FnOnce(&mut Self) -> Result<()>,
     ) -> Result<Self::Graph> {
-        match *self {}
+        match self.0 {}
     }
     fn begin_capture(&mut self, _batch: &AppendBatch) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn end_capture(&mut self) -> Result<Self::Graph> {
-        match *self {}
+        match self.0 {}
     }
     fn replay(&mut self, _batch: &AppendBatch, _graph: &Self::Graph) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn check_graph(&self, _graph: &Self::Graph) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn reset_row_cache(&self, _session: SessionId) -> Result<()> {
-        match *self {}
+        match self.0 {}
     }
     fn row_counters(&self) -> Result<RowCounters> {
-        match *self {}
+        match self.0 {}
     }
     fn select_counters(&self) -> Result<SelectCounters> {
-        match *self {}
+        match self.0 {}
     }
     fn plan_bits(&self) -> Result<(f64, u64)> {
-        match *self {}
+        match self.0 {}
     }
     fn stage_times(&mut self) -> Result<AttendStages> {
-        match *self {}
+        match self.0 {}
     }
     fn host_gather_stats(&self) -> Result<Option<crate::host_gather::HostGatherReport>> {
-        match *self {}
+        match self.0 {}
     }
     fn pool_hbm_bytes(&self) -> u64 {
-        match *self {}
+        match self.0 {}
     }
     fn debug_readback(&self, _batch: &AppendBatch, _b: usize) -> Result<AttendDebug> {
-        match *self {}
+        match self.0 {}
     }
 }

@@ -2417,3 +2417,31 @@ fn host_slice_uploads_are_ordered_before_the_kernels() {
         }
     }
 }
+
+/// Allocation failures are typed errors that carry the size requested, never an abort: a pool
+/// of 2^16 pages of 2048 tokens (≈ 0.6 TB per layer at 8 KV heads, D = 128: more than the
+/// device holds) in HBM, and three times that in pinned host memory (more than any host here
+/// pins).
+#[test]
+fn allocation_failures_are_typed_errors() {
+    let Some(gpu) = gpu() else { return };
+    for (residency, pages) in [(Residency::Hbm, 1usize << 16), (Residency::Host, 3 << 16)] {
+        let cfg = CacheConfig {
+            residency,
+            ..config(1, 8, 128, 2048, pages)
+        };
+        let t = std::time::Instant::now();
+        match PagedCache::new(&gpu, cfg) {
+            Ok(_) => panic!("{residency:?} {pages} pages: a cache that cannot fit was created"),
+            Err(
+                e @ (fathom_cuda::CudaError::DeviceOom { bytes, .. }
+                | fathom_cuda::CudaError::PinnedAlloc { bytes, .. }),
+            ) => {
+                eprintln!("{residency:?} {pages} pages: {e} ({:.2?})", t.elapsed());
+                assert!(bytes >= 1 << 36, "{e}: the error names too small a size");
+                assert!(e.to_string().contains(&bytes.to_string()), "{e}");
+            }
+            Err(e) => panic!("{residency:?} {pages} pages: unexpected error {e}"),
+        }
+    }
+}

@@ -26,7 +26,12 @@ impl GpuDecoder {
         Self::build(gpu, cfg, dcfg, Init::Random(seed))
     }
 
-    pub(super) fn build(gpu: &Gpu, cfg: Config, dcfg: DecoderConfig, init: Init<'_>) -> Result<Self> {
+    pub(super) fn build(
+        gpu: &Gpu,
+        cfg: Config,
+        dcfg: DecoderConfig,
+        init: Init<'_>,
+    ) -> Result<Self> {
         let cache_cfg = dcfg.cache_config(&cfg)?;
         cublas_present().map_err(|message| GpuError::NoCublas { message })?;
         let stream = gpu.stream().clone();
@@ -119,7 +124,7 @@ impl GpuDecoder {
                     };
                     let (n64, sd) = (n as u64, seed.wrapping_mul(1_000_003).wrapping_add(salt));
                     let mut b = stream.launch_builder(&kernels.fill_bf16);
-                    b.arg(&mem.ptr()).arg(&n64).arg(&sd).arg(&scale);
+                    b.arg(&mem.ptr).arg(&n64).arg(&sd).arg(&scale);
                     // SAFETY: mem holds n bf16; a grid-stride loop over n.
                     unsafe { b.launch(launch((1024, 1, 1), THREADS, 0)) }
                         .map_err(drv("launch fill_uniform_bf16"))?;

@@ -6,7 +6,11 @@ use super::*;
 
 impl GpuDecoder {
     /// Checks a decode batch, reserves its rows and runs every layer (no logits yet).
-    pub(super) fn decode_layers(&mut self, batch: &[(SessionId, u32)], attention: &Attention) -> Result<()> {
+    pub(super) fn decode_layers(
+        &mut self,
+        batch: &[(SessionId, u32)],
+        attention: &Attention,
+    ) -> Result<()> {
         let ab = self.decode_prologue(batch, attention)?;
         self.layers(&ab, batch.len(), None, Some(attention))
     }
@@ -70,7 +74,7 @@ impl GpuDecoder {
         let w = &self.work;
         let v = self.cfg.vocab_size as u32;
         let mut b = self.stream.launch_builder(&self.kernels.argmax_rows);
-        b.arg(&w.logits.ptr()).arg(&v).arg(&w.sampled.ptr());
+        b.arg(&w.logits.ptr).arg(&v).arg(&w.sampled.ptr);
         // SAFETY: logits holds rows · vocab f32 and sampled max_batch ≥ rows u32.
         unsafe { b.launch(launch((rows as u32, 1, 1), THREADS, 0)) }
             .map_err(drv("launch argmax_rows"))?;
@@ -83,7 +87,7 @@ impl GpuDecoder {
         self.stream.synchronize().map_err(drv("synchronize"))?;
         let mut out = vec![0u32; rows];
         // SAFETY: sampled holds at least `rows` u32; the stream is idle.
-        unsafe { result::memcpy_dtoh_sync(&mut out, self.work.sampled.ptr()) }
+        unsafe { result::memcpy_dtoh_sync(&mut out, self.work.sampled.ptr) }
             .map_err(drv("memcpy_dtoh sampled tokens"))?;
         if let Some(i) = out.iter().position(|&t| t as usize >= self.cfg.vocab_size) {
             return Err(GpuError::invalid(
@@ -133,7 +137,7 @@ impl GpuDecoder {
             unsafe {
                 bsys::cublasSetWorkspace_v2(
                     *self.blas.handle(),
-                    ws.ptr() as *mut std::ffi::c_void,
+                    ws.ptr as *mut std::ffi::c_void,
                     BLAS_WORKSPACE_BYTES,
                 )
             }
@@ -216,7 +220,7 @@ impl GpuDecoder {
             let m = chunk.min(tokens - done);
             let batch = self.cache.reserve(&[(session, m)])?;
             for l in 0..c.n_layers {
-                for (buf, slope) in [(self.work.k.ptr(), 1u32), (self.work.v.ptr(), 0u32)] {
+                for (buf, slope) in [(self.work.k.ptr, 1u32), (self.work.v.ptr, 0u32)] {
                     let n = (m * row) as u64;
                     let sd = seed
                         .wrapping_mul(0x9E37_79B9)
@@ -229,8 +233,8 @@ impl GpuDecoder {
                 }
                 let n = m * c.n_kv_heads * c.head_dim;
                 let kv = KvRows {
-                    k: self.work.k.view_as(KvDtype::F32).slice(0..n)?,
-                    v: self.work.v.view_as(KvDtype::F32).slice(0..n)?,
+                    k: self.work.k.f32s().slice(0..n)?,
+                    v: self.work.v.f32s().slice(0..n)?,
                     rows: m,
                 };
                 self.cache.append(&batch, l, &kv)?;

@@ -18,12 +18,12 @@ impl GpuDecoder {
         let c = self.cfg.clone();
         let (e, hq, hkv, d, f) = (c.n_embd, c.n_heads, c.n_kv_heads, c.head_dim, c.n_ff);
         let w = &self.work;
-        let (tokens, x) = (w.tokens.ptr(), w.x.ptr());
+        let (tokens, x) = (w.tokens.ptr, w.x.ptr);
         let scale = c.embed_scale;
         let e32 = e as u32;
         let mut b = self.stream.launch_builder(&self.kernels.embed);
         b.arg(&tokens)
-            .arg(&self.embedding.mem.ptr())
+            .arg(&self.embedding.mem.ptr)
             .arg(&e32)
             .arg(&scale)
             .arg(&x);
@@ -33,17 +33,17 @@ impl GpuDecoder {
         for l in 0..c.n_layers {
             let blk = &self.blocks[l];
             let w = &self.work;
-            self.rmsnorm(w.x.ptr(), blk.attn_norm.ptr(), rows, w.xb.ptr())?;
-            self.linear(&blk.wqkv, w.xb.ptr(), rows, w.qkv.ptr())?;
-            let qn = blk.q_norm.as_ref().map_or(0u64, |m| m.ptr());
-            let kn = blk.k_norm.as_ref().map_or(0u64, |m| m.ptr());
+            self.rmsnorm(w.x.ptr, blk.attn_norm.ptr, rows, w.xb.ptr)?;
+            self.linear(&blk.wqkv, w.xb.ptr, rows, w.qkv.ptr)?;
+            let qn = blk.q_norm.as_ref().map_or(0u64, |m| m.ptr);
+            let kn = blk.k_norm.as_ref().map_or(0u64, |m| m.ptr);
             let (hq32, hkv32) = (hq as u32, hkv as u32);
             let eps = c.rms_eps;
             let base = layout::rope_base(&c, l);
             let neox = u32::from(c.rope_style == RopeStyle::Neox);
             let mut b = self.stream.launch_builder(&self.kernels.qkv_post);
-            b.arg(&w.qkv.ptr())
-                .arg(&w.pos.ptr())
+            b.arg(&w.qkv.ptr)
+                .arg(&w.pos.ptr)
                 .arg(&qn)
                 .arg(&kn)
                 .arg(&hq32)
@@ -51,15 +51,15 @@ impl GpuDecoder {
                 .arg(&eps)
                 .arg(&base)
                 .arg(&neox)
-                .arg(&w.q.ptr())
-                .arg(&w.k.ptr())
-                .arg(&w.v.ptr());
+                .arg(&w.q.ptr)
+                .arg(&w.k.ptr)
+                .arg(&w.v.ptr);
             // SAFETY: qkv holds `rows` rows of (Hq + 2Hkv)·D; q, k, v their parts; pos `rows`.
             unsafe { b.launch(launch((rows as u32, (hq + 2 * hkv) as u32, 1), d as u32, 0)) }
                 .map_err(drv("launch qkv_post"))?;
             let kv = KvRows {
-                k: w.k.view_as(KvDtype::F32).slice(0..rows * hkv * d)?,
-                v: w.v.view_as(KvDtype::F32).slice(0..rows * hkv * d)?,
+                k: w.k.f32s().slice(0..rows * hkv * d)?,
+                v: w.v.f32s().slice(0..rows * hkv * d)?,
                 rows,
             };
             let t = self.mark()?;
@@ -69,17 +69,9 @@ impl GpuDecoder {
             let t = self.mark()?;
             match (prefill, attention, kind) {
                 (None, Some(att), LayerKind::Global) => {
-                    let q = QueryRows {
-                        q: w.q.view_as(KvDtype::F32),
-                    };
-                    self.cache.attend(
-                        batch,
-                        l,
-                        att.method,
-                        &att.params,
-                        &q,
-                        w.o.view_mut_as(KvDtype::F32),
-                    )?;
+                    let q = QueryRows { q: w.q.f32s() };
+                    self.cache
+                        .attend(batch, l, att.method, &att.params, &q, w.o.f32s_mut())?;
                 }
                 (None, _, _) => self.window_decode(batch, l, rows)?,
                 (Some((pos0, end)), _, _) => {
@@ -89,15 +81,15 @@ impl GpuDecoder {
             Self::close(&self.stream, &mut self.timing, t, |tm| &mut tm.attention)?;
             let blk = &self.blocks[l];
             let w = &self.work;
-            self.to_bf16(w.o.ptr(), rows * hq * d, w.xb.ptr())?;
-            self.linear(&blk.wo, w.xb.ptr(), rows, w.a.ptr())?;
+            self.to_bf16(w.o.ptr, rows * hq * d, w.xb.ptr)?;
+            self.linear(&blk.wo, w.xb.ptr, rows, w.a.ptr)?;
             self.norm_add(blk.post_attn.as_ref(), rows)?;
-            self.rmsnorm(w.x.ptr(), blk.ffn_norm.ptr(), rows, w.xb.ptr())?;
-            self.linear(&blk.wgu, w.xb.ptr(), rows, w.gu.ptr())?;
+            self.rmsnorm(w.x.ptr, blk.ffn_norm.ptr, rows, w.xb.ptr)?;
+            self.linear(&blk.wgu, w.xb.ptr, rows, w.gu.ptr)?;
             let f32_ = f as u32;
             let gelu = u32::from(c.arch == Arch::Gemma3);
             let mut b = self.stream.launch_builder(&self.kernels.act_mul);
-            b.arg(&w.gu.ptr()).arg(&f32_).arg(&gelu).arg(&w.xb.ptr());
+            b.arg(&w.gu.ptr).arg(&f32_).arg(&gelu).arg(&w.xb.ptr);
             // SAFETY: gu holds `rows` rows of 2F f32, xb `rows` rows of F bf16 (widest ≥ F).
             unsafe {
                 b.launch(launch(
@@ -107,7 +99,7 @@ impl GpuDecoder {
                 ))
             }
             .map_err(drv("launch act_mul"))?;
-            self.linear(&blk.wd, w.xb.ptr(), rows, w.a.ptr())?;
+            self.linear(&blk.wd, w.xb.ptr, rows, w.a.ptr)?;
             self.norm_add(blk.post_ffn.as_ref(), rows)?;
         }
         Ok(())
@@ -129,13 +121,8 @@ impl GpuDecoder {
         let (hq, hkv, d, g) = (c.n_heads, c.n_kv_heads, c.head_dim, c.group());
         let w = &self.work;
         let cap = layout::prefill_rows(kind, end, rows);
-        self.cache.read_rows(
-            batch,
-            l,
-            cap,
-            w.kwin.view_mut_as(KvDtype::F32),
-            w.vwin.view_mut_as(KvDtype::F32),
-        )?;
+        self.cache
+            .read_rows(batch, l, cap, w.kwin.f32s_mut(), w.vwin.f32s_mut())?;
         let key0 = (end - cap) as u32;
         let window = kind.window().unwrap_or(0) as u32;
         let scale = 1.0 / (d as f32).sqrt();
@@ -150,15 +137,15 @@ impl GpuDecoder {
                 rows,
                 d,
                 scale,
-                w.kwin.ptr() + (h * d * 4) as u64,
+                w.kwin.ptr + (h * d * 4) as u64,
                 hkv * d,
-                w.q.ptr() + (hd * d * 4) as u64,
+                w.q.ptr + (hd * d * 4) as u64,
                 hq * d,
-                w.scores.ptr(),
+                w.scores.ptr,
                 cap,
             )?;
             let mut b = self.stream.launch_builder(&self.kernels.causal_softmax);
-            b.arg(&w.scores.ptr())
+            b.arg(&w.scores.ptr)
                 .arg(&cap32)
                 .arg(&key0)
                 .arg(&pos32)
@@ -173,11 +160,11 @@ impl GpuDecoder {
                 rows,
                 cap,
                 1.0,
-                w.vwin.ptr() + (h * d * 4) as u64,
+                w.vwin.ptr + (h * d * 4) as u64,
                 hkv * d,
-                w.scores.ptr(),
+                w.scores.ptr,
                 cap,
-                w.o.ptr() + (hd * d * 4) as u64,
+                w.o.ptr + (hd * d * 4) as u64,
                 hq * d,
             )?;
         }
@@ -200,27 +187,22 @@ impl GpuDecoder {
             .map(|p| p.end_token().min(win) as u32)
             .collect();
         // SAFETY: counts holds max_batch u32 ≥ the batch; a pageable copy, staged at once.
-        unsafe { result::memcpy_htod_async(w.counts.ptr(), &counts, self.stream.cu_stream()) }
+        unsafe { result::memcpy_htod_async(w.counts.ptr, &counts, self.stream.cu_stream()) }
             .map_err(drv("memcpy_htod window counts"))?;
-        self.cache.read_rows(
-            batch,
-            l,
-            win,
-            w.kwin.view_mut_as(KvDtype::F32),
-            w.vwin.view_mut_as(KvDtype::F32),
-        )?;
+        self.cache
+            .read_rows(batch, l, win, w.kwin.f32s_mut(), w.vwin.f32s_mut())?;
         let (win32, hq32, hkv32) = (win as u32, c.n_heads as u32, c.n_kv_heads as u32);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut b = self.stream.launch_builder(&self.kernels.window_decode);
-        b.arg(&w.q.ptr())
-            .arg(&w.kwin.ptr())
-            .arg(&w.vwin.ptr())
-            .arg(&w.counts.ptr())
+        b.arg(&w.q.ptr)
+            .arg(&w.kwin.ptr)
+            .arg(&w.vwin.ptr)
+            .arg(&w.counts.ptr)
             .arg(&win32)
             .arg(&hq32)
             .arg(&hkv32)
             .arg(&scale)
-            .arg(&w.o.ptr());
+            .arg(&w.o.ptr);
         // SAFETY: q/o hold `rows` rows of Hq·D; kwin/vwin rows·W rows of Hkv·D (sized for
         // max_batch · window); counts ≤ W.
         unsafe {
@@ -243,7 +225,7 @@ impl GpuDecoder {
         let mut out = vec![0f32; rows * c.vocab_size];
         self.stream.synchronize().map_err(drv("synchronize"))?;
         // SAFETY: logits holds max_batch · vocab ≥ rows · vocab f32; the stream is idle.
-        unsafe { result::memcpy_dtoh_sync(&mut out, w.logits.ptr()) }
+        unsafe { result::memcpy_dtoh_sync(&mut out, w.logits.ptr) }
             .map_err(drv("memcpy_dtoh logits"))?;
         if let Some(i) = out.iter().position(|v| !v.is_finite()) {
             return Err(GpuError::invalid(
@@ -262,9 +244,9 @@ impl GpuDecoder {
     /// Final norm and LM head of `rows` hidden states from row `first` into `work.logits`.
     pub(super) fn lm_head_rows(&self, first: usize, rows: usize) -> Result<()> {
         let w = &self.work;
-        let x = w.x.ptr() + (first * self.cfg.n_embd * 4) as u64;
-        self.rmsnorm(x, self.out_norm.ptr(), rows, w.xb.ptr())?;
+        let x = w.x.ptr + (first * self.cfg.n_embd * 4) as u64;
+        self.rmsnorm(x, self.out_norm.ptr, rows, w.xb.ptr)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        self.linear(head, w.xb.ptr(), rows, w.logits.ptr())
+        self.linear(head, w.xb.ptr, rows, w.logits.ptr)
     }
 }

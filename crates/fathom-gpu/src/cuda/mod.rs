@@ -24,6 +24,7 @@ use cudarc::driver::{
 };
 use fathom_cuda::cache::{AppendBatch, AttendMethod, KvDtype, KvRows, QueryRows};
 use fathom_cuda::pages::SessionId;
+use fathom_cuda::prelude::*;
 use fathom_cuda::{CudaError, Gpu, PagedCache};
 use fathom_model::{Arch, Config, DenseWeights, LayerKind, RopeStyle};
 
@@ -36,7 +37,6 @@ mod decode;
 mod forward;
 mod ops;
 mod timing;
-
 
 const FORWARD_SRC: &str = include_str!("../../kernels/forward.cu");
 const THREADS: u32 = 256;
@@ -57,8 +57,38 @@ fn blas_err(op: &'static str) -> impl Fn(cudarc::cublas::result::CublasError) ->
     }
 }
 
-/// Device memory freed on drop: `fathom-cuda`'s allocator.
-type Mem = fathom_cuda::memory::DeviceBytes;
+/// Device memory freed on drop (`fathom-cuda`'s allocator), with its address at hand for the
+/// kernel arguments and cuBLAS calls of the forward.
+#[derive(Debug)]
+struct Mem {
+    ptr: u64,
+    buf: fathom_cuda::memory::DeviceBytes,
+}
+
+impl Mem {
+    fn new(buf: fathom_cuda::memory::DeviceBytes) -> Mem {
+        Mem {
+            ptr: buf.ptr(),
+            buf,
+        }
+    }
+
+    /// The whole buffer as f32 elements, for the cache's calls.
+    fn f32s(&self) -> fathom_cuda::memory::DeviceView<'_> {
+        self.buf.view_as(KvDtype::F32)
+    }
+
+    /// The whole buffer as writable f32 elements, for the cache's calls. A work buffer of the
+    /// forward is device memory that only kernels on the decoder's one stream read and write
+    /// (the host holds no reference into it), so a shared borrow of the buffer may hand out
+    /// the view its next kernel writes through.
+    fn f32s_mut(&self) -> fathom_cuda::memory::DeviceViewMut<'_> {
+        let n = self.buf.bytes() / 4;
+        // SAFETY: `ptr` is this buffer's device address, `n` f32 long, alive while `self` is;
+        // writes through the view are kernels ordered on the decoder's stream (see above).
+        unsafe { fathom_cuda::memory::DeviceViewMut::from_raw(self.ptr, n, KvDtype::F32) }
+    }
+}
 
 /// A bf16 matrix `[rows][cols]` in HBM.
 #[derive(Debug)]
@@ -263,10 +293,14 @@ impl GpuDecoder {
 
 /// `bytes` of device memory (a typed out-of-memory error naming `what`).
 fn mem(bytes: usize, what: &'static str) -> Result<Mem> {
-    Ok(Mem::new(bytes, what)?)
+    Ok(Mem::new(fathom_cuda::memory::DeviceBytes::new(
+        bytes, what,
+    )?))
 }
 
 /// A device copy of `data`, complete when this returns.
 fn mem_from<T: Copy>(data: &[T], what: &'static str) -> Result<Mem> {
-    Ok(Mem::from_slice(data, what)?)
+    Ok(Mem::new(fathom_cuda::memory::DeviceBytes::from_slice(
+        data, what,
+    )?))
 }

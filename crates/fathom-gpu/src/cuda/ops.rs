@@ -19,7 +19,7 @@ impl GpuDecoder {
                 rows as i32,
                 w.cols as i32,
                 &alpha as *const f32 as *const c_void,
-                w.mem.ptr() as *const c_void,
+                w.mem.ptr as *const c_void,
                 bsys::cudaDataType::CUDA_R_16BF,
                 w.cols as i32,
                 x as *const c_void,
@@ -94,8 +94,8 @@ impl GpuDecoder {
     }
 
     pub(super) fn norm_add(&self, w: Option<&Mem>, rows: usize) -> Result<()> {
-        let (x, a) = (self.work.x.ptr(), self.work.a.ptr());
-        let wp = w.map_or(0u64, |m| m.ptr());
+        let (x, a) = (self.work.x.ptr, self.work.a.ptr);
+        let wp = w.map_or(0u64, |m| m.ptr);
         let e = self.cfg.n_embd as u32;
         let eps = self.cfg.rms_eps;
         let mut b = self.stream.launch_builder(&self.kernels.norm_add);
@@ -128,9 +128,9 @@ impl GpuDecoder {
         // SAFETY: both buffers hold max_rows u32 and the slices are no longer (checked by the
         // callers).
         unsafe {
-            result::memcpy_htod_async(self.work.tokens.ptr(), tokens, self.stream.cu_stream())
+            result::memcpy_htod_async(self.work.tokens.ptr, tokens, self.stream.cu_stream())
                 .map_err(drv("memcpy_htod tokens"))?;
-            result::memcpy_htod_async(self.work.pos.ptr(), pos, self.stream.cu_stream())
+            result::memcpy_htod_async(self.work.pos.ptr, pos, self.stream.cu_stream())
                 .map_err(drv("memcpy_htod positions"))?;
         }
         Ok(())

@@ -11,10 +11,11 @@
 //! still cost one access.
 //!
 //! ```text
-//! cargo run --release --features cuda -p fathom-cuda --example row_sweep -- OUT.json [GiB] [ROW_BYTES,...] [PAGES,...]
-//! cargo run --release --features cuda -p fathom-cuda --example row_sweep -- rows.json 32 512,2048,8192 huge
+//! cargo run --release --features cuda -p fathom-bench --example row_sweep -- OUT.json [GiB] [ROW_BYTES,...] [PAGES,...]
+//! cargo run --release --features cuda -p fathom-bench --example row_sweep -- rows.json 32 512,2048,8192 huge
 //! ```
 
+use fathom_cuda::prelude::*;
 use fathom_cuda::{Gpu, HostPages};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

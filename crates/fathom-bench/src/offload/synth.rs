@@ -23,7 +23,9 @@ use fathom_plan::calib::{channel_moments, ds_scores};
 use fathom_plan::KvView;
 use fathom_store::{Dims, KeyStore};
 
-use crate::error::Result;
+use fathom_cuda::Result;
+
+use super::invalid;
 
 /// The generator's label, written into every report.
 pub const SYNTH_LABEL: &str = "synthetic-gqa-v1 (lognormal channel σ (0.8) + 4 outliers ×6, channel means, 2% query-aligned tokens, N(0,1) values, per-step query drift 0.35)";
@@ -221,7 +223,7 @@ impl LayerSource {
     ) -> Result<Self> {
         let row = heads * dim;
         if row == 0 || group == 0 || keys.len() % row != 0 || values.len() != keys.len() {
-            return Err(crate::CudaError::invalid(
+            return Err(invalid(
                 "capture",
                 format!(
                     "keys ({}) and values ({}) are not [n][{heads}][{dim}]",
@@ -233,7 +235,7 @@ impl LayerSource {
         let n = keys.len() / row / 64 * 64;
         let qrow = heads * group * dim;
         if n == 0 || queries.is_empty() || queries.len() % qrow != 0 {
-            return Err(crate::CudaError::invalid(
+            return Err(invalid(
                 "capture",
                 format!(
                     "need at least 64 tokens and queries [P][{}][{dim}] (got {} tokens, {} query values)",
@@ -249,10 +251,7 @@ impl LayerSource {
             .chain(&queries)
             .any(|x| !x.is_finite())
         {
-            return Err(crate::CudaError::invalid(
-                "capture",
-                "a key, value or query is NaN or Inf",
-            ));
+            return Err(invalid("capture", "a key, value or query is NaN or Inf"));
         }
         let keys = keys[..n * row].to_vec();
         let values = values[..n * row].to_vec();

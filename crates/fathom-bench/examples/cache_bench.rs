@@ -5,13 +5,15 @@
 //! shape, `SESSIONS` sessions of `CONTEXT` tokens, k = 512, pages of 2048 tokens.
 //!
 //! ```text
-//! cargo run --release --features cuda -p fathom-cuda --example cache_bench -- CONTEXT SESSIONS [OUT.json]
+//! cargo run --release --features cuda -p fathom-bench --example cache_bench -- CONTEXT SESSIONS [OUT.json]
 //! ```
 mod common;
 use common::Uniform;
-use cudarc::driver::{sys, CudaSlice, DevicePtr};
-use fathom_cuda::cache::{AttendMethod, KvDtype, KvRows, QueryRows, DEFAULT_PAGE_TOKENS};
+use cudarc::driver::sys;
+use fathom_cuda::cache::{AttendMethod, KvRows, QueryRows, DEFAULT_PAGE_TOKENS};
+use fathom_cuda::memory::DeviceBuffer;
 use fathom_cuda::pages::SessionId;
+use fathom_cuda::prelude::*;
 use fathom_cuda::{Gpu, ModelShape, PagedCache};
 use fathom_plan::scanner::HeadCalib;
 use fathom_plan::SelectParams;
@@ -67,16 +69,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut bufs = Vec::new();
     for _ in 0..nl {
         bufs.push((
-            rnd.upload(&stream, b * row)?,
-            rnd.upload(&stream, b * hkv * g * d)?,
-            stream.alloc_zeros::<f32>(b * hkv * g * d)?,
+            DeviceBuffer::from_host(&gpu, &rnd.vec(b * row))?,
+            DeviceBuffer::from_host(&gpu, &rnd.vec(b * hkv * g * d))?,
+            DeviceBuffer::<f32>::zeros(&gpu, b * hkv * g * d)?,
         ));
     }
-    let ptr = |s: &CudaSlice<f32>| s.device_ptr(&stream).0;
-    let ptrs: Vec<(u64, u64, u64)> = bufs
-        .iter()
-        .map(|(k, q, o)| (ptr(k), ptr(q), ptr(o)))
-        .collect();
     let params = SelectParams {
         sink: 4,
         local: 32,
@@ -94,28 +91,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for i in 0..warm + timed {
             let batch = cache.reserve(&decode)?;
             let e0 = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            for (l, &(k, q, o)) in ptrs.iter().enumerate() {
-                cache.append(
-                    &batch,
-                    l,
-                    &KvRows {
-                        k,
-                        v: k,
-                        dtype: KvDtype::F32,
-                        rows: b,
-                    },
-                )?;
-                cache.attend(
-                    &batch,
-                    l,
-                    am,
-                    &params,
-                    &QueryRows {
-                        q,
-                        dtype: KvDtype::F32,
-                    },
-                    o,
-                )?;
+            for (l, (k, q, o)) in bufs.iter_mut().enumerate() {
+                let rows = KvRows {
+                    k: k.view(),
+                    v: k.view(),
+                    rows: b,
+                };
+                cache.append(&batch, l, &rows)?;
+                let q = QueryRows { q: q.view() };
+                cache.attend(&batch, l, am, &params, &q, o.view_mut())?;
             }
             let e1 = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             e1.synchronize()?;

@@ -1,20 +1,29 @@
-//! The offload benchmark (docs/SPEC.md §6): every method at every context and residency, timed with
-//! CUDA events, with per-stage times, bytes and the link-rate floor. Used by
-//! `fathom offload-bench`.
+//! The offload benchmark (docs/SPEC.md §6): every method at every context and residency, timed
+//! with CUDA events through the library's paged cache ([`fathom_cuda::PagedCache`]), with
+//! per-stage times, bytes and the link-rate floor. Used by `fathom offload-bench`; its report
+//! is `fathom_results::offload::OffloadBench`, which the library never sees: the harness
+//! converts the device description ([`device_record`]).
+//!
+//! The timing itself needs this crate's `cuda` feature (`cache_engine`); without it the same
+//! entry points return [`CudaError::NotCompiledWithCuda`]. The synthetic key generator
+//! ([`synth`]) and the report arithmetic compile in every build.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Method, ModelShape, Residency, SessionConfig};
-use crate::error::{CudaError, Result};
-use crate::synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
-use crate::types::{StepStats, STAGES};
-use crate::{Gpu, Session};
+use fathom_cuda::prelude::*;
+use fathom_cuda::{CudaError, Gpu, Method, ModelShape, Residency, Result};
+
+#[cfg(feature = "cuda")]
+mod cache_engine;
+mod cache_step;
+pub mod synth;
+
 pub use fathom_results::offload::{
-    BenchResult, OffloadBench, OffloadEngine, OffloadStudy, ShapeRecord, StageBytes,
+    BenchResult, DeviceInfo, OffloadBench, OffloadEngine, OffloadStudy, ShapeRecord, StageBytes,
 };
+pub use synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -30,7 +39,7 @@ pub struct BenchConfig {
     pub shape: ModelShape,
     /// Context lengths.
     pub contexts: Vec<usize>,
-    /// Sequences per step `B`; they are laid out as `B·Hkv` KV heads.
+    /// Sessions per step `B`, each of every context's length.
     pub batch: usize,
     /// Methods.
     pub methods: Vec<Method>,
@@ -40,14 +49,10 @@ pub struct BenchConfig {
     pub steps: usize,
     /// Warm-up steps (not timed).
     pub warmup: usize,
-    /// Extra steps with an event pair around every stage (for the breakdown).
-    pub instrumented_steps: usize,
     /// Top-k per query head; `None` = 512 (docs/SPEC.md §5's 32k value, kept for longer contexts).
     pub k: Option<usize>,
     /// HBM row-cache slots per (layer, KV head); 0 disables it.
     pub cache_rows: usize,
-    /// Host bytes for K/V records (past it, row layers are reused cyclically).
-    pub row_bytes_budget: u64,
     /// Distinct synthetic source layers.
     pub source_layers: usize,
     /// Base tokens per source layer (tiled to the context).
@@ -56,57 +61,56 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Bytes of the pinned H2D `memcpy` that measures the link (2 GiB by default).
     pub h2d_probe_bytes: usize,
-    /// Head-group pipelining settings to time, each over every method (0 = auto; see
-    /// [`SessionConfig::groups`]).
+    /// Head groups per attend to time, each over every method
+    /// ([`fathom_cuda::cache::CacheOptions::attend_groups`]: a cache each; 0 = 1; empty: 1).
     pub groups: Vec<usize>,
-    /// Gather grid caps to time (0 = auto; see [`SessionConfig::gather_ctas`]).
-    pub gather_ctas: Vec<usize>,
     /// Write the report here after every (context, residency).
     pub json: Option<PathBuf>,
-    /// Which path is timed: the library's paged cache (the default) or the fixed benchmark
-    /// step.
-    #[serde(default)]
-    pub engine: OffloadEngine,
-    /// Cache engine only: one ragged batch of these session lengths, timed after the
+    /// one ragged batch of these session lengths, timed after the
     /// contexts (empty: none).
     #[serde(default)]
     pub ragged: Vec<usize>,
-    /// Cache engine only: pinned host bytes the page pools may take (fewer layers are timed
+    /// pinned host bytes the page pools may take (fewer layers are timed
     /// past it).
     #[serde(default = "default_pool_budget")]
     pub pool_budget: u64,
-    /// Cache engine only: the select paths to time, each over every method
-    /// ([`crate::PagedCache::set_select_path`]; empty: the default).
+    /// the select paths to time, each over every method
+    /// ([`fathom_cuda::cache::CacheOptions::select`]: a cache each; empty: the default).
     #[serde(default)]
-    pub select_paths: Vec<crate::cache::SelectPath>,
-    /// Cache engine only: the scan load widths to time, in plane words (1, 2), each over every
-    /// method ([`crate::PagedCache::set_scan_vector_words`]; empty: 1).
+    pub select_paths: Vec<fathom_cuda::cache::SelectPath>,
+    /// the scan load widths to time, in plane words (1, 2), each over every
+    /// method ([`fathom_cuda::cache::CacheOptions::scan_vector_words`]: a cache each; empty: 1).
     #[serde(default)]
     pub scan_vector_words: Vec<u32>,
-    /// Cache engine only: host-gather threads to time, each over every method
-    /// ([`crate::PagedCache::set_host_gather`]; 0: the GPU reads the misses; empty: 0).
+    /// host-gather threads to time, each over every method
+    /// ([`fathom_cuda::cache::CacheOptions::host_gather_threads`]: a cache each; 0: the GPU reads the misses; empty: 0).
     #[serde(default)]
     pub host_gather: Vec<usize>,
-    /// Cache engine only: shares of the misses (percent, 1 to 100) the host gather brings, each
+    /// shares of the misses (percent, 1 to 100) the host gather brings, each
     /// over every method and gather setting above 0 threads
-    /// ([`crate::PagedCache::set_host_gather_share`]; empty: 100).
+    /// ([`fathom_cuda::cache::CacheOptions::host_gather_share`]; empty: 100).
     #[serde(default)]
     pub host_gather_share: Vec<u32>,
-    /// Cache engine only: how each method's decode step is launched, each over every method:
+    /// how each method's decode step is launched, each over every method:
     /// `false`, kernel by kernel; `true`, captured once as a CUDA graph
-    /// ([`crate::PagedCache::capture`]) and replayed every step, as a serving engine runs
+    /// ([`fathom_cuda::api::KvCache::capture`]) and replayed every step, as a serving engine runs
     /// its decode step (empty: kernel by kernel).
     #[serde(default)]
     pub graphs: Vec<bool>,
-    /// Cache engine only: rounds of the whole set of settings and methods, each method timed
+    /// rounds of the whole set of settings and methods, each method timed
     /// once per round in the same order, so the rounds interleave the methods in time and
     /// every ratio comes once per round (its spread over rounds gives an interval); 1 times
     /// each once. Entries carry their `round`.
     #[serde(default = "one_round")]
     pub rounds: usize,
-    /// Cache engine only: what backs the pools in host memory ([`crate::HostPages`]).
+    /// what backs the pools in host memory ([`fathom_cuda::HostPages`]).
     #[serde(default)]
-    pub host_pages: crate::HostPages,
+    pub host_pages: fathom_cuda::HostPages,
+    /// whether the caches split each attend by stage
+    /// ([`fathom_cuda::cache::CacheOptions::stage_timing`]): the steps after the timed ones
+    /// report `stage_ms`; every plain attend then records its marks, the timed ones too.
+    #[serde(default)]
+    pub stage_timing: bool,
 }
 
 fn one_round() -> usize {
@@ -117,17 +121,11 @@ fn default_pool_budget() -> u64 {
     72 << 30
 }
 
-fn median(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let m = s.len() / 2;
-    if s.len() % 2 == 1 {
-        s[m]
-    } else {
-        0.5 * (s[m - 1] + s[m])
+/// The library's error for arguments that do not fit together, raised by the harness.
+pub(crate) fn invalid(what: &'static str, detail: impl Into<String>) -> CudaError {
+    CudaError::Invalid {
+        what,
+        detail: detail.into(),
     }
 }
 
@@ -143,7 +141,7 @@ pub fn parse_context(s: &str) -> Result<usize> {
     };
     num.parse::<usize>()
         .map(|v| v * mul)
-        .map_err(|e| CudaError::invalid("context", format!("`{s}`: {e}")))
+        .map_err(|e| invalid("context", format!("`{s}`: {e}")))
 }
 
 /// Runs the benchmark and returns (and, if asked, writes) the report.
@@ -176,23 +174,13 @@ pub fn run_offload_bench_with(
     mut progress: impl FnMut(&str),
 ) -> Result<OffloadBench> {
     let gpu = Gpu::open(0)?;
-    let cache_engine = c.engine == OffloadEngine::Cache;
-    // The step lays a batch out as B·Hkv KV heads of one length; the cache holds sessions.
-    let shape = ModelShape {
-        kv_heads: if cache_engine {
-            c.shape.kv_heads
-        } else {
-            c.shape.kv_heads * c.batch.max(1)
-        },
-        ..c.shape
-    }
-    .validate()?;
+    let shape = c.shape.validate()?;
     let mut rep = OffloadBench {
         command: c.command.clone(),
         study: c.study,
         version: fathom_results::VERSION,
         fathom: env!("CARGO_PKG_VERSION").into(),
-        device: Some(gpu.info().clone()),
+        device: Some(device_record(gpu.info())),
         shape_label: c.shape_label.clone(),
         shape: Some(ShapeRecord {
             layers: c.shape.layers,
@@ -204,7 +192,7 @@ pub fn run_offload_bench_with(
         generator: real
             .as_ref()
             .map_or_else(|| SYNTH_LABEL.to_string(), |r| r.label.clone()),
-        engine: c.engine,
+        engine: OffloadEngine::Cache,
         ..Default::default()
     };
     progress(&format!("device: {:?}", gpu.info()));
@@ -217,15 +205,12 @@ pub fn run_offload_bench_with(
     let min_ctx = c.contexts.iter().copied().min().unwrap_or(0);
     let sources: Vec<LayerSource> = if let Some(r) = real {
         if c.batch > 1 {
-            return Err(CudaError::invalid(
-                "batch",
-                "real sources are timed at batch 1",
-            ));
+            return Err(invalid("batch", "real sources are timed at batch 1"));
         }
         for s in &r.layers {
             let p = s.params();
             if (p.heads, p.group, p.dim) != (shape.kv_heads, shape.group, shape.dim) {
-                return Err(CudaError::invalid(
+                return Err(invalid(
                     "sources",
                     format!(
                         "source layers are Hkv={}, G={}, D={}; the shape is Hkv={}, G={}, D={}",
@@ -266,127 +251,10 @@ pub fn run_offload_bench_with(
         ));
         sources
     };
-    if cache_engine {
-        return run_cache_engine(c, &gpu, &sources, rep, progress);
-    }
-    rep.notes.push("exact = the full 4-bit store (all channels at 4 planes, 544 bits), read through the same gather; loki reads channels 0..r of the store (the timing store is in the raw basis, bytes identical to a KLT store); ds uses channels chosen offline by mean|q|·mean|k| on the source layers' own keys and queries; landmark and quest read their own fp16 tables".into());
-    rep.notes.push("every step scores all n tokens with that step's queries (n is not grown between steps); weights are not modelled (W = 0 in docs/SPEC.md §6's traffic model)".into());
-    if c.batch > 1 {
-        rep.notes.push(format!(
-            "batch {}: the B sequences are laid out as B·Hkv = {} KV heads per layer",
-            c.batch, shape.kv_heads
-        ));
-    }
-    if !c.ragged.is_empty() {
-        return Err(CudaError::invalid(
-            "ragged",
-            "a ragged batch is timed by the cache engine only (--engine cache)",
-        ));
-    }
-    let total_steps = c.warmup + c.steps + c.instrumented_steps;
-    for &n in &c.contexts {
-        for &res in &c.residencies {
-            let k = c.k.unwrap_or(512).min(n.saturating_sub(36).max(1));
-            let cfg = SessionConfig {
-                shape,
-                context: n,
-                k,
-                residency: res,
-                cache_rows: c.cache_rows,
-                row_bytes_budget: c.row_bytes_budget,
-                tables: c.methods.iter().any(|m| !m.uses_planes()),
-                steps: total_steps,
-                groups: c.groups.first().copied().unwrap_or(0),
-                gather_ctas: c.gather_ctas.first().copied().unwrap_or(0),
-            };
-            progress(&format!("context {n}, {}: allocating", res.label()));
-            let mut s = Session::new(&gpu, &cfg, &sources, &c.methods)?;
-            let layout = s.layout().clone();
-            progress(&format!("  layout {layout:?}"));
-            if layout.row_layers < shape.layers {
-                rep.notes.push(format!(
-                    "context {n} {}: K/V records of all {} layers do not fit the {:.0} GiB row budget; {} row layers are allocated and reused cyclically (layer l reads rows of l mod {})",
-                    res.label(), shape.layers, c.row_bytes_budget as f64 / (1u64 << 30) as f64, layout.row_layers, layout.row_layers
-                ));
-            }
-            rep.layouts.insert(format!("{n}/{}", res.label()), layout);
-            let pipelines: Vec<(usize, usize)> = if res == Residency::Host {
-                let gs = if c.groups.is_empty() {
-                    vec![0]
-                } else {
-                    c.groups.clone()
-                };
-                let cs = if c.gather_ctas.is_empty() {
-                    vec![0]
-                } else {
-                    c.gather_ctas.clone()
-                };
-                gs.iter()
-                    .flat_map(|&g| cs.iter().map(move |&x| (g, x)))
-                    .collect()
-            } else {
-                vec![(1, 0)]
-            };
-            for &(groups, ctas) in &pipelines {
-                s.set_pipeline(groups, ctas);
-                let cfg = SessionConfig {
-                    groups,
-                    gather_ctas: ctas,
-                    ..cfg.clone()
-                };
-                if pipelines.len() > 1 {
-                    progress(&format!(
-                        "  pipeline: {} head groups, gather grid cap {}",
-                        cfg.pipeline_groups(),
-                        if ctas == 0 {
-                            "none".to_string()
-                        } else {
-                            ctas.to_string()
-                        }
-                    ));
-                }
-                let first = rep.results.len();
-                for &m in &c.methods {
-                    s.reset_cache()?;
-                    let mut timed: Vec<StepStats> = Vec::new();
-                    let mut inst: Vec<StepStats> = Vec::new();
-                    for step in 0..total_steps {
-                        let st = s.run_step(m, step, step >= c.warmup + c.steps)?;
-                        if step >= c.warmup + c.steps {
-                            inst.push(st);
-                        } else if step >= c.warmup {
-                            timed.push(st);
-                        }
-                    }
-                    let r = summarize(&rep, &cfg, m, &timed, &inst);
-                    progress(&format!(
-                    "  {:<10} bits {:6.1}  gpu {:8.3} ms  wall {:8.3} ms  floor {:>8}  plan {:5.2}%  hit {:4.1}%  stages ms: {}",
-                    r.method, r.bits, r.gpu_ms, r.wall_ms,
-                    r.link_floor_ms.map_or("-".into(), |f| format!("{f:.3}")),
-                    100.0 * r.planner_share, 100.0 * r.cache_hit_rate,
-                    STAGES
-                        .iter()
-                        .map(|k| format!("{k}={:.3}", r.stage_ms[*k]))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                ));
-                    rep.results.push(r);
-                }
-                add_speedups(&mut rep.results[first..], shape.dim);
-            }
-            // The CUDA session frees its device and pinned memory here, before the next
-            // context allocates; the stub's session has nothing to free.
-            #[allow(clippy::drop_non_drop)]
-            drop(s);
-            if let Some(p) = &c.json {
-                write_json(&rep, p)?;
-            }
-        }
-    }
-    Ok(rep)
+    run_cache_engine(c, &gpu, &sources, rep, progress)
 }
 
-/// The cache engine ([`crate::bench_cache`]): per residency, every context at `batch` equal
+/// The cache engine (`cache_engine`): per residency, every context at `batch` equal
 /// sessions, then the ragged batch.
 #[cfg(feature = "cuda")]
 fn run_cache_engine(
@@ -412,7 +280,7 @@ fn run_cache_engine(
         runs.push(c.ragged.clone());
     }
     for &res in &c.residencies {
-        crate::bench_cache::run(c, gpu, sources, &runs, res, &mut rep, &mut progress)?;
+        cache_engine::run(c, gpu, sources, &runs, res, &mut rep, &mut progress)?;
     }
     Ok(rep)
 }
@@ -428,8 +296,23 @@ fn run_cache_engine(
     Err(CudaError::NotCompiledWithCuda)
 }
 
+/// The report's record of a device: the library's description ([`fathom_cuda::DeviceInfo`],
+/// what `Gpu::info` returns) in the results schema.
+#[must_use]
+pub fn device_record(d: &fathom_cuda::DeviceInfo) -> DeviceInfo {
+    DeviceInfo {
+        name: d.name.clone(),
+        compute_capability: d.compute_capability,
+        total_mem_bytes: d.total_mem_bytes,
+        multiprocessors: d.multiprocessors,
+        driver_version: d.driver_version,
+        arch: d.arch.clone(),
+    }
+}
+
 /// Speedups of every result against every 136-bit scan among `results` (one context and
 /// residency).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
     // Against the 136-bit scans timed under the same select, head-group, load and launch
     // settings, in the same round.
@@ -456,6 +339,7 @@ pub(crate) fn add_speedups(results: &mut [BenchResult], dim: usize) {
 /// `lens` tokens with `shape.kv_heads` KV heads each: the planned scan bytes at `bits` per
 /// token and head (`Σ t_c + ¼·active`, so bytes = bits·nb·8), the scores the top-k reads, and
 /// `union` K|V records per step of which `hits` came from the HBM row cache.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn stage_bytes(
     shape: ModelShape,
     lens: &[usize],
@@ -505,85 +389,11 @@ pub(crate) fn stage_bytes(
     }
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn write_json(rep: &OffloadBench, p: &Path) -> Result<()> {
     // Atomic (temporary file, fsync, rename): the report is rewritten after every context, and
     // a crash mid-write must leave the previous whole report, not a partial one.
-    fathom_results::write(p, rep.clone())
-        .map_err(|e| CudaError::invalid("json path", e.to_string()))
-}
-
-fn summarize(
-    rep: &OffloadBench,
-    cfg: &SessionConfig,
-    m: Method,
-    timed: &[StepStats],
-    inst: &[StepStats],
-) -> BenchResult {
-    let sh = cfg.shape;
-    let gpu: Vec<f64> = timed.iter().map(|s| s.gpu_ms).collect();
-    let wall: Vec<f64> = timed.iter().map(|s| s.wall_ms).collect();
-    let all: Vec<&StepStats> = timed.iter().chain(inst).collect();
-    let bits = median(&all.iter().map(|s| s.bits).collect::<Vec<_>>());
-    let union = median(&all.iter().map(|s| s.union_rows as f64).collect::<Vec<_>>());
-    let hits = median(&all.iter().map(|s| s.cache_hits as f64).collect::<Vec<_>>());
-    let mut stage_ms = BTreeMap::new();
-    for (i, name) in STAGES.iter().enumerate() {
-        let v: Vec<f64> = inst
-            .iter()
-            .filter_map(|s| s.stage_ms.map(|a| a[i]))
-            .collect();
-        stage_ms.insert(name.to_string(), median(&v));
-    }
-    let host = cfg.residency == Residency::Host;
-    let bytes = stage_bytes(sh, &[cfg.context], m, bits, union, hits, host);
-    let gpu_ms = median(&gpu);
-    let link_floor_ms = host.then(|| bytes.pcie_total as f64 / (rep.h2d_gbps * 1e9) * 1e3);
-    let plan_ms = stage_ms.get("plan").copied().unwrap_or(0.0);
-    let inst_total = median(&inst.iter().map(|s| s.gpu_ms).collect::<Vec<_>>());
-    BenchResult {
-        context: cfg.context,
-        residency: cfg.residency.label().into(),
-        method: m.label(),
-        k: cfg.k,
-        groups: if cfg.residency == Residency::Host {
-            cfg.pipeline_groups()
-        } else {
-            1
-        },
-        gather_ctas: if cfg.residency == Residency::Host {
-            cfg.gather_cap()
-        } else {
-            0
-        },
-        bits_nominal: m.bits(sh.dim) as f64,
-        bits,
-        gpu_ms,
-        gpu_ms_steps: gpu,
-        wall_ms: median(&wall),
-        stage_ms,
-        bytes,
-        link_floor_ms,
-        floor_ratio: link_floor_ms.map(|f| gpu_ms / f),
-        planner_share: if inst_total > 0.0 {
-            plan_ms / inst_total
-        } else {
-            0.0
-        },
-        union_rows: union,
-        cache_hit_rate: if union > 0.0 { hits / union } else { 0.0 },
-        speedup_vs_136: BTreeMap::new(),
-        select: String::new(),
-        fallback_rate: None,
-        filtered_share: None,
-        scan_vector_words: 0,
-        graph: false,
-        append_ms: None,
-        round: 0,
-        host_gather: 0,
-        host_gather_share: 100,
-        host_gather_request_us: None,
-        host_gather_mrows_per_thread_s: None,
-    }
+    fathom_results::write(p, rep.clone()).map_err(|e| invalid("json path", e.to_string()))
 }
 
 #[cfg(test)]

@@ -6,9 +6,9 @@
 //! there. CPU only.
 //!
 //! ```text
-//! cargo run --release -p fathom-cuda --example plan_depths [BUDGET_BITS]   # default 48
+//! cargo run --release -p fathom-bench --example plan_depths [BUDGET_BITS]   # default 48
 //! ```
-use fathom_cuda::{synth_layer, SynthParams};
+use fathom_bench::offload::{synth_layer, SynthParams};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let budget: f32 = std::env::args().nth(1).map_or(Ok(48.0), |s| s.parse())?;
@@ -47,7 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let per = |x: usize| x as f64 / plans as f64;
     println!(
         "fathom:{budget} on {}: {plans} plans, {:.1} active channels per plan; channels at depth 1..4: {:.1}, {:.1}, {:.1}, {:.1}",
-        fathom_cuda::SYNTH_LABEL,
+        fathom_bench::offload::SYNTH_LABEL,
         per(at_depth[1..].iter().sum()),
         per(at_depth[1]),
         per(at_depth[2]),

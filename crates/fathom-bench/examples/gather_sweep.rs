@@ -3,9 +3,10 @@
 //! first t planes of a channel in a page of P tokens is t·P/8 bytes.
 //!
 //! ```text
-//! cargo run --release --features cuda -p fathom-cuda --example gather_sweep -- OUT.json
+//! cargo run --release --features cuda -p fathom-bench --example gather_sweep -- OUT.json
 //! ```
 
+use fathom_cuda::prelude::*;
 use fathom_cuda::Gpu;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
