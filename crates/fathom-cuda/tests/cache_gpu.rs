@@ -1950,6 +1950,8 @@ fn filtered(cfg: &CacheConfig) -> CacheConfig {
 /// (`[slot][layer]`), in a new cache of `cfg` with `calibs` loaded first (per layer, where
 /// given): a prefill of all but each session's last token, then a decode step of them all in
 /// `ids`' order. Returns the cache and that step's batch.
+// `l` names the layer appended as well as indexes `shadows[slot][layer]`.
+#[allow(clippy::needless_range_loop)]
 fn replica(
     gpu: &fathom_cuda::Gpu,
     cfg: CacheConfig,

@@ -17,6 +17,7 @@ use fathom_cuda::{CudaError, Gpu, Method, ModelShape, Residency, Result};
 
 #[cfg(feature = "cuda")]
 mod cache_engine;
+#[cfg(feature = "cuda")]
 mod cache_step;
 pub mod synth;
 
