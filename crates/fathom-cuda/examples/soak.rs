@@ -122,28 +122,26 @@ fn main() -> ExitCode {
         }
     };
     let start = Instant::now();
-    let (tally, epochs) = soak(&gpu, &args);
-    let report = serde_json::json!({
-        "seed": args.seed,
-        "seconds": args.seconds,
-        "elapsed_s": start.elapsed().as_secs_f64(),
-        "device": Device::info(&gpu).name,
-        "residencies": args.residencies.iter().map(|&r| residency_name(r)).collect::<Vec<_>>(),
-        "epochs": epochs,
-        "counts": tally.counts,
-        "heads_checked": tally.heads_checked,
-        "stores_checked": tally.stores_checked,
-        "mismatches": tally.mismatches.len(),
-        "mismatch_details": tally.mismatches.iter().take(20).collect::<Vec<_>>(),
-        "faults": tally.faults,
-    });
-    let text = serde_json::to_string_pretty(&report).expect("a JSON value");
-    println!("{text}");
-    if let Some(path) = &args.json {
-        if let Err(e) = std::fs::write(path, text + "\n") {
-            eprintln!("soak: writing {}: {e}", path.display());
-            return ExitCode::FAILURE;
+    let device = Device::info(&gpu).name.clone();
+    let mut wrote = true;
+    // The report after every epoch (`finished: false`), so that a run killed at a time limit
+    // leaves the epochs it completed; then the final one.
+    let mut write = |tally: &Tally, epochs: &[serde_json::Value], finished: bool| {
+        let r = report(&args, &device, start, (tally, epochs), finished);
+        let text = serde_json::to_string_pretty(&r).expect("a JSON value");
+        if finished {
+            println!("{text}");
         }
+        if let Some(path) = &args.json {
+            if let Err(e) = std::fs::write(path, text + "\n") {
+                eprintln!("soak: writing {}: {e}", path.display());
+                wrote = false;
+            }
+        }
+    };
+    let tally = soak(&gpu, &args, &mut write);
+    if !wrote {
+        return ExitCode::FAILURE;
     }
     if tally.mismatches.is_empty() && tally.faults == 0 {
         ExitCode::SUCCESS
@@ -152,9 +150,39 @@ fn main() -> ExitCode {
     }
 }
 
-/// Epochs until the deadline, each a new cache of a drawn shape in the next residency; an
-/// epoch that finds a mismatch or a fault ends there (the next starts afresh).
-fn soak(gpu: &Gpu, args: &Args) -> (Tally, Vec<serde_json::Value>) {
+/// The report: the arguments, the device, what was counted and found.
+fn report(
+    args: &Args,
+    device: &str,
+    start: Instant,
+    (tally, epochs): (&Tally, &[serde_json::Value]),
+    finished: bool,
+) -> serde_json::Value {
+    serde_json::json!({
+        "seed": args.seed,
+        "seconds": args.seconds,
+        "elapsed_s": start.elapsed().as_secs_f64(),
+        "finished": finished,
+        "device": device,
+        "residencies": args.residencies.iter().map(|&r| residency_name(r)).collect::<Vec<_>>(),
+        "epochs": epochs,
+        "counts": tally.counts,
+        "heads_checked": tally.heads_checked,
+        "stores_checked": tally.stores_checked,
+        "mismatches": tally.mismatches.len(),
+        "mismatch_details": tally.mismatches.iter().take(20).collect::<Vec<_>>(),
+        "faults": tally.faults,
+    })
+}
+
+/// Epochs until the deadline, each a new cache of a drawn shape in the next residency, with
+/// `write(tally, epochs, finished)` after each and at the end; an epoch that finds a mismatch
+/// or a fault ends there (the next starts afresh).
+fn soak(
+    gpu: &Gpu,
+    args: &Args,
+    write: &mut impl FnMut(&Tally, &[serde_json::Value], bool),
+) -> Tally {
     let deadline = Instant::now() + Duration::from_secs(args.seconds);
     let mut rng = StdRng::seed_from_u64(args.seed);
     let mut tally = Tally::default();
@@ -194,6 +222,8 @@ fn soak(gpu: &Gpu, args: &Args) -> (Tally, Vec<serde_json::Value>) {
         });
         eprintln!("soak: epoch {e}: {epoch}");
         epochs.push(epoch);
+        write(&tally, &epochs, false);
     }
-    (tally, epochs)
+    write(&tally, &epochs, true);
+    tally
 }
