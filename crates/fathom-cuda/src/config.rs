@@ -304,7 +304,7 @@ impl Residency {
 /// 512-byte records spread over tens of GiB (the union fetch) touch a new host page per row.
 /// `Huge` asks the kernel for 2 MiB transparent huge pages and registers them with the driver,
 /// so that one translation covers 4096 records instead of 8; whether that is faster is a
-/// measurement (`examples/row_sweep.rs`), not an assumption.
+/// measurement (`fathom-bench`'s `examples/row_sweep.rs`), not an assumption.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum HostPages {
     /// `cuMemHostAlloc(DEVICEMAP | PORTABLE)`: the driver's pages.
