@@ -96,6 +96,13 @@ pub fn draw_config(
         pca_index: false,
         block_tables: false,
         host_pages: HostPages::Driver,
+        // Head groups and scan loads change no bit (the outputs and the debug readback the
+        // twin checks are the same), so each epoch draws them too.
+        options: fathom_cuda::cache::CacheOptions {
+            attend_groups: rng.gen_range(1..=kv_heads),
+            scan_vector_words: rng.gen_range(1..=2),
+            ..Default::default()
+        },
     }
     .serving(&parsed);
     (cfg, methods)

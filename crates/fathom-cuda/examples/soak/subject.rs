@@ -103,11 +103,11 @@ impl Subject for PagedCache {
     fn faults(&self) -> Result<Vec<u32>> {
         KvCache::faults(self)
     }
-    // The two read-backs `KvCache` does not have (test and debugging aids of the cache).
+    // The two read-backs of the cache's tests and debugging.
     fn readback(&self, b: &AppendBatch, i: usize) -> Result<AttendDebug> {
-        self.debug_readback(b, i)
+        KvCache::debug_readback(self, b, i)
     }
     fn records(&self, s: SessionId, layer: usize) -> Result<Vec<bf16>> {
-        PagedCache::records(self, s, layer)
+        KvCache::records(self, s, layer)
     }
 }
