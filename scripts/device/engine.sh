@@ -4,7 +4,7 @@
 #     cargo test -p fathom-cuda --features cuda --release --no-run
 #   ... cargo build --release -p fathom-cuda --features cuda --example paged_decode ...
 #   ... cargo build --release -p fathom-cli --features cuda
-# and copied, stripped, to .devbin/ (unit, api, gpu, cache_gpu, paged_decode, cache_bench,
+# and copied, stripped, to .devbin/ (unit, api, cache_gpu, paged_decode, cache_bench,
 # graph_step, fathom; for `py`, the fathom-py wheel). Usage on the device:
 #   bash scripts/device/engine.sh tests|bench|ab|gather|decode|graph|ncu|ncuscan|ncudecode|sharesweep|stages|sanitize|filtered|pages|py ...
 # Every output goes under $OUT. B=DIR takes the binaries from DIR instead of .devbin/ (`ab`
@@ -17,7 +17,7 @@ case $mode in
 tests)
   log=$OUT/engine-tests.log
   echo "# FATHOM_REQUIRE_GPU=1, $(date), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${COMMIT:-?}" > $log
-  for t in ${TESTS:-unit api gpu cache_gpu}; do
+  for t in ${TESTS:-unit api cache_gpu}; do
     echo "## $t" >> $log
     # The harness's whole output (test lines, and a failure's message under `failures:`);
     # THREADS=N runs N tests at once (they share the GPU; outputs, not timings, are compared).

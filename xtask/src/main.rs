@@ -884,6 +884,7 @@ mod tests {
                 &[
                     "fathom-baselines",
                     "fathom-capture",
+                    "fathom-cuda",
                     "fathom-plan",
                     "fathom-results",
                     "fathom-store",
@@ -900,12 +901,7 @@ mod tests {
             ),
             (
                 "fathom-cuda",
-                &[
-                    "fathom-baselines",
-                    "fathom-plan",
-                    "fathom-results",
-                    "fathom-store",
-                ],
+                &["fathom-baselines", "fathom-plan", "fathom-store"],
             ),
             ("fathom-model", &["fathom-capture"]),
             (

@@ -11,7 +11,13 @@
 //! assert_eq!(layers[0].k.len(), 256 * info.hkv * 16);
 //! ```
 //!
-//! **Invariant:** no GPU code and no model runtime here; it reads captures any tool wrote.
+//! [`offload`] is the GPU offload benchmark (`fathom offload-bench`): its synthetic key
+//! generator and report arithmetic compile in every build; its timing drives
+//! `fathom_cuda::PagedCache` through the public API and needs this crate's `cuda` feature.
+//!
+//! **Invariant:** no kernels and no model runtime here; it reads captures any tool wrote, and
+//! it is the layer that turns the GPU library's measurements into report documents
+//! (`fathom-cuda` knows no report).
 #![deny(missing_docs)]
 
 pub mod calib;
@@ -21,5 +27,6 @@ pub mod document;
 pub mod evaluate;
 pub mod fidelity;
 pub mod methods;
+pub mod offload;
 pub mod synthetic;
 pub mod tensors;

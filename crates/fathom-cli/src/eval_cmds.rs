@@ -11,6 +11,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use fathom_cuda::prelude::*;
+
 use anyhow::{bail, Context, Result};
 use fathom_eval::agent::{AgentPlan, SessionRun};
 use fathom_eval::decode::{calibrate, default_k, LayerCalib};
@@ -247,7 +249,7 @@ fn setup(c: &EvalCommon) -> Result<Setup> {
         let names: Vec<String> = c.methods.split(',').map(|m| m.trim().to_string()).collect();
         crate::gpu_cmds::check_gpu_methods(&names)?;
         // The GPU before the model, the calibration and the CPU work that precede its use.
-        drop(fathom_cuda::Gpu::open(0).context("--device cuda needs a GPU")?);
+        fathom_cuda::Gpu::open(0).context("--device cuda needs a GPU")?;
     }
     let fopts = FetchOptions {
         cache_dir: c.cache_dir.clone(),

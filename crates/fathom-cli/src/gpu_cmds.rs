@@ -10,6 +10,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use fathom_cuda::prelude::*;
+
 use anyhow::{bail, Context, Result};
 use fathom_cuda::cache::AttendMethod;
 use fathom_cuda::Gpu;
@@ -143,7 +145,7 @@ pub fn run_gpu_parity(a: GpuParityArgs) -> Result<()> {
             fathom: env!("CARGO_PKG_VERSION").into(),
             command: fathom_results::command_line(),
             model: id.to_string(),
-            device: gpu.info().clone(),
+            device: fathom_bench::offload::device_record(gpu.info()),
             corpus: kind.name().into(),
             split: split.name().into(),
             prompt_tokens: a.prompt_tokens,
@@ -512,24 +514,29 @@ pub struct DecodeBenchArgs {
     /// sliding-window layers are refused.
     #[arg(long)]
     pub graph: bool,
-    /// Head groups per attend (`PagedCache::set_attend_groups`: the scan of group i+1 overlaps
+    /// Head groups per attend (`CacheOptions::attend_groups`: the scan of group i+1 overlaps
     /// group i's top-k, row fetch and attention on a second stream; the same outputs), 1 to
     /// the model's KV heads.
     #[arg(long, default_value_t = 1)]
     pub attend_groups: usize,
-    /// Plane words per global load of the scan (`PagedCache::set_scan_vector_words`): 1 (8
+    /// Plane words per global load of the scan (`CacheOptions::scan_vector_words`): 1 (8
     /// bytes) or 2 (16 bytes).
     #[arg(long = "scan-vec", default_value_t = 1)]
     pub scan_vec: u32,
-    /// CPU threads of the host gather (`PagedCache::set_host_gather`): they copy the row
+    /// CPU threads of the host gather (`CacheOptions::host_gather_threads`): they copy the row
     /// fetch's missed K|V records into pinned staging the GPU reads in order; 0 (the default):
     /// the GPU reads each record from host memory itself. Needs one head group.
     #[arg(long = "host-gather", default_value_t = 0)]
     pub host_gather: usize,
     /// Percent of the misses the host gather brings while the fetch reads the rest itself,
-    /// at once (`PagedCache::set_host_gather_share`; 1 to 100, the default 100: all).
+    /// at once (`CacheOptions::host_gather_share`; 1 to 100, the default 100: all).
     #[arg(long = "host-share", default_value_t = 100)]
     pub host_share: u32,
+    /// Split each attend of the stage-split steps by stage (plan, scan, top-k, union, fetch,
+    /// attention; `CacheOptions::stage_timing`): a CUDA event after each stage of every plain
+    /// (not graph-replayed) attend, so the timed steps carry them too; off by default.
+    #[arg(long = "stage-timing")]
+    pub stage_timing: bool,
     /// GPUs of this host (sessions spread over `gpus / tp` groups).
     #[arg(long, default_value_t = 1)]
     pub gpus: usize,
@@ -595,7 +602,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     let contexts = a
         .context
         .iter()
-        .map(|c| fathom_cuda::bench::parse_context(c).map_err(anyhow::Error::from))
+        .map(|c| fathom_bench::offload::parse_context(c).map_err(anyhow::Error::from))
         .collect::<Result<Vec<usize>>>()?;
     if contexts.is_empty() || a.batch.is_empty() || a.batch.contains(&0) || a.steps == 0 {
         bail!("--context, --batch (each ≥ 1) and --steps ≥ 1 are needed");
@@ -707,6 +714,14 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
     dcfg.max_batch = bmax;
     dcfg.max_k = a.k.min(max_tokens);
     dcfg.row_cache = a.row_cache;
+    dcfg.options = fathom_cuda::cache::CacheOptions {
+        attend_groups: a.attend_groups,
+        scan_vector_words: a.scan_vec,
+        host_gather_threads: a.host_gather,
+        host_gather_share: if a.host_gather > 0 { a.host_share } else { 100 },
+        stage_timing: a.stage_timing,
+        ..fathom_cuda::cache::CacheOptions::default()
+    };
     dcfg.residency = fathom_cuda::Residency::parse(&a.residency)?;
     let per: usize = ctx
         .iter()
@@ -776,12 +791,6 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         }
     };
     let prefill_seconds = t0.elapsed().as_secs_f64();
-    dec.cache_mut()?.set_attend_groups(a.attend_groups)?;
-    dec.cache_mut()?.set_scan_vector_words(a.scan_vec)?;
-    dec.cache_mut()?.set_host_gather(a.host_gather)?;
-    if a.host_gather > 0 {
-        dec.cache_mut()?.set_host_gather_share(a.host_share)?;
-    }
     let named: Vec<(String, Attention)> = names.iter().cloned().zip(atts.iter().copied()).collect();
     let m = fathom_gpu::throughput::measure(
         &mut dec,
@@ -869,7 +878,7 @@ pub fn run_decode_bench(a: DecodeBenchArgs) -> Result<()> {
         command: fathom_results::command_line(),
         model: a.model.clone(),
         weights: weights_label.clone(),
-        device: gpu.info().clone(),
+        device: fathom_bench::offload::device_record(gpu.info()),
         residency: a.residency.clone(),
         steps: a.steps,
         h2d_gbps,

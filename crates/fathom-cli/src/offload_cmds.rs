@@ -1,4 +1,5 @@
-//! `fathom offload-bench`: the GPU offload decode step benchmark (docs/SPEC.md §6).
+//! `fathom offload-bench`: the GPU offload decode step benchmark (docs/SPEC.md §6), timed through
+//! the library's paged cache (`PagedCache`).
 //!
 //! Wire with `mod offload_cmds;` and a subcommand `OffloadBench(offload_cmds::OffloadBenchArgs)`
 //! calling [`run_offload_bench`].
@@ -8,8 +9,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 
 use fathom_bench::capture::{Capture, LayerKind};
-use fathom_cuda::bench::{parse_context, BenchConfig, RealSources};
-use fathom_cuda::{LayerSource, Method, ModelShape, Residency};
+use fathom_bench::offload::LayerSource;
+use fathom_bench::offload::{parse_context, BenchConfig, RealSources};
+use fathom_cuda::{Method, ModelShape, Residency};
 
 /// The global layers of a capture as timing sources, and the shape they make.
 fn capture_sources(p: &std::path::Path) -> Result<(ModelShape, RealSources)> {
@@ -84,18 +86,12 @@ pub struct OffloadBenchArgs {
     /// Timed steps per method (after 2 warm-ups).
     #[arg(long, default_value_t = 20)]
     pub steps: usize,
-    /// Extra steps with per-stage events (for the breakdown).
-    #[arg(long, default_value_t = 3)]
-    pub instrumented_steps: usize,
     /// Top-k per query head (default 512).
     #[arg(long)]
     pub k: Option<usize>,
     /// HBM row-cache slots per (layer, KV head); 0 disables the cache.
     #[arg(long, default_value_t = 8192)]
     pub cache_rows: usize,
-    /// Host memory for K/V records, GiB (past it, row layers are reused cyclically).
-    #[arg(long, default_value_t = 16.0)]
-    pub row_budget_gib: f64,
     /// Distinct synthetic source layers.
     #[arg(long, default_value_t = 4)]
     pub source_layers: usize,
@@ -105,20 +101,11 @@ pub struct OffloadBenchArgs {
     /// Generator seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Head groups pipelined per layer. Step engine (host residency): the copy stream gathers
-    /// group i+1 while group i is scanned; 0 = auto (4 from 512k tokens on, else 1, from the
-    /// H200 sweep). Cache engine (`PagedCache::set_attend_groups`): the cache's stream scans
+    /// Head groups per attend (`PagedCache::set_attend_groups`): the cache's stream scans
     /// group i+1 while a second stream runs group i's top-k, union, row fetch and attention;
-    /// 0 = 1 (unmeasured); at most the shape's KV heads. 1 = sequential on both. A list times
-    /// each setting, e.g. `--groups 1,2,4`.
+    /// 0 = 1; at most the shape's KV heads. A list times each setting, e.g. `--groups 1,2,4`.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub groups: Vec<usize>,
-    /// Most CTAs per gather launch (host residency; the kernel strides over the rest), so
-    /// that a pipelined gather leaves multiprocessors to the compute stream; 0 = auto (64 when
-    /// pipelined, else uncapped); a value ≥ the run chunks (e.g. 1000000) is uncapped.
-    /// A list times each setting (crossed with --groups).
-    #[arg(long, value_delimiter = ',', default_value = "0")]
-    pub gather_ctas: Vec<usize>,
     /// Size of the pinned H2D memcpy that measures the link, MiB.
     #[arg(long, default_value_t = 2048)]
     pub probe_mib: usize,
@@ -136,22 +123,23 @@ pub struct OffloadBenchArgs {
     /// `experiment` (kernels built under an experiment switch; never judged against targets).
     #[arg(long, default_value = "main", value_parser = ["main", "pipeline-sweep", "experiment"])]
     pub study: String,
-    /// The path timed: `cache`, the library's paged cache a model drives (prefilled by
-    /// appends, one token appended per session every step; pools in host memory or, with
-    /// `--residency hbm`, in HBM), or `step`, the fixed benchmark step (sessions filled from
-    /// their sources, a batch as B·Hkv heads). Example:
+    /// The path timed: `cache` (the default and the only engine), the library's paged cache
+    /// a model drives (prefilled by appends, one token appended per session every step; pools
+    /// in host memory or, with `--residency hbm`, in HBM). `step`, the fixed benchmark step of
+    /// earlier versions, is retired: asking for it is an error (its committed results stay
+    /// readable, labelled as a retired engine's). Example:
     /// `fathom offload-bench --engine cache --context 256k,1m --ragged 32k,128k,512k --json out.json`.
     #[arg(long, default_value = "cache", value_parser = ["cache", "step"])]
     pub engine: String,
-    /// Cache engine: also time one ragged batch of these session lengths (e.g.
+    /// also time one ragged batch of these session lengths (e.g.
     /// `32k,64k,128k,256k,512k`), after the contexts.
     #[arg(long, value_delimiter = ',')]
     pub ragged: Vec<String>,
-    /// Cache engine: pinned host memory the page pools may take, GiB (past it, fewer layers
+    /// pinned host memory the page pools may take, GiB (past it, fewer layers
     /// are timed and the JSON says so).
     #[arg(long, default_value_t = 72.0)]
     pub pool_budget_gib: f64,
-    /// Cache engine: how the top-k selects (docs/SPEC.md §5): `scores` (the scan writes every
+    /// how the top-k selects (docs/SPEC.md §5): `scores` (the scan writes every
     /// score; the default), `N` (the filtered select from N middle tokens: the scan keeps only
     /// the tokens above an estimate of the k-th score and writes no score array; a row whose
     /// filter fails rescans its KV head) or `N+scores` (filtered, with the scores written too,
@@ -159,41 +147,47 @@ pub struct OffloadBenchArgs {
     /// method, e.g. `--select scores,8192,8192+scores`.
     #[arg(long, value_delimiter = ',', default_value = "scores")]
     pub select: Vec<String>,
-    /// Cache engine: plane words per global load of the scan, `1` (8 bytes, the default) or
+    /// plane words per global load of the scan, `1` (8 bytes, the default) or
     /// `2` (16 bytes where a page's blocks allow it); the scores are the same bits. A list
     /// times each over every method, e.g. `--scan-vec 1,2`.
     #[arg(long = "scan-vec", value_delimiter = ',', default_value = "1")]
     pub scan_vec: Vec<u32>,
-    /// Cache engine: CPU threads of the host gather (`PagedCache::set_host_gather`; 0: the
+    /// CPU threads of the host gather (`PagedCache::set_host_gather`; 0: the
     /// GPU reads each missed K|V record from host memory itself); a list times each over every
     /// method, e.g. `--host-gather 0,14`.
     #[arg(long = "host-gather", value_delimiter = ',', default_value = "0")]
     pub host_gather: Vec<usize>,
-    /// Cache engine: percent of the misses the host gather brings while the fetch reads the
+    /// percent of the misses the host gather brings while the fetch reads the
     /// rest itself, at once (`PagedCache::set_host_gather_share`; 1 to 100); a list times each
     /// over every method and every `--host-gather` above 0, e.g. `--host-gather 0,14
     /// --host-share 100,50,30`.
     #[arg(long = "host-share", value_delimiter = ',', default_value = "100")]
     pub host_share: Vec<u32>,
-    /// Cache engine: also time every method with its whole decode step (every layer's append
+    /// also time every method with its whole decode step (every layer's append
     /// and attend) captured once as a CUDA graph and replayed each step, as a serving engine
     /// runs decode (`PagedCache::capture`; entries with `graph: true`, compared with the
     /// 136-bit scans timed the same way), beside the kernel-by-kernel launches. Example:
     /// `fathom offload-bench --engine cache --context 1m --methods fathom:48,sparq:32 --graph`.
     #[arg(long)]
     pub graph: bool,
-    /// Cache engine: time every setting and method this many times, in rounds that
+    /// time every setting and method this many times, in rounds that
     /// interleave the methods in time (each entry carries its `round`); every speedup then
     /// comes once per round, and the summary gives its mean with a 95 % Student-t interval over
     /// rounds. Example: `fathom offload-bench --engine cache --context 1m --methods
     /// fathom:48,sparq:32,ds:32 --rounds 5`.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
-    /// Cache engine: what backs the pools in host memory, `driver` (`cuMemHostAlloc`, the
+    /// what backs the pools in host memory, `driver` (`cuMemHostAlloc`, the
     /// default), `huge` (2 MiB transparent huge pages registered with the driver; Linux) or
     /// `vmm` (host-NUMA memory of the virtual memory API, mapped at 2 MiB or more).
     #[arg(long = "host-pages", default_value = "driver")]
     pub host_pages: String,
+    /// split each attend of the steps after the timed ones by stage (plan, scan, top-k,
+    /// union, fetch, attention: `stage_ms` in the JSON). The caches are then made with stage
+    /// timing on, so every plain attend records its events, the timed ones too; graph replays
+    /// record none.
+    #[arg(long = "stage-timing")]
+    pub stage_timing: bool,
 }
 
 /// Runs `fathom offload-bench`.
@@ -237,11 +231,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
             r => r.map_err(anyhow::Error::from),
         })
         .collect::<Result<Vec<_>>>()?;
+    if a.engine == "step" {
+        anyhow::bail!("--engine step: the fixed benchmark step engine is retired; offload-bench times the library's paged cache (`--engine cache`, the default). Results it wrote earlier stay readable and are labelled as a retired engine's");
+    }
     if a.rounds == 0 {
         anyhow::bail!("--rounds 0: want at least one round");
-    }
-    if a.host_gather.iter().any(|&n| n > 0) && a.engine == "step" {
-        anyhow::bail!("--host-gather {:?}: the host gather serves the cache engine's row fetch (`--engine cache`); the step engine has none", a.host_gather);
     }
     if let Some(&n) = a
         .host_gather
@@ -257,17 +251,11 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         fathom_cuda::cache::check_host_gather_share(p)
             .map_err(|e| anyhow::anyhow!("--host-share {p}: {e}"))?;
     }
-    if a.rounds > 1 && a.engine == "step" {
-        anyhow::bail!("--rounds {}: rounds interleave the cache engine's methods (`--engine cache`); the step engine times each method once", a.rounds);
-    }
-    if a.graph && a.engine == "step" {
-        anyhow::bail!("--graph captures the cache engine's step (`--engine cache`); the step engine launches kernel by kernel");
-    }
     let cfg = BenchConfig {
         command: fathom_results::command_line(),
         study: [
-            fathom_cuda::bench::OffloadStudy::PipelineSweep,
-            fathom_cuda::bench::OffloadStudy::Experiment,
+            fathom_bench::offload::OffloadStudy::PipelineSweep,
+            fathom_bench::offload::OffloadStudy::Experiment,
         ]
         .into_iter()
         .find(|s| s.as_str() == a.study)
@@ -280,22 +268,14 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         residencies,
         steps: a.steps,
         warmup: 2,
-        instrumented_steps: a.instrumented_steps,
         k: a.k,
         cache_rows: a.cache_rows,
-        row_bytes_budget: (a.row_budget_gib * (1u64 << 30) as f64) as u64,
         source_layers: a.source_layers,
         source_tokens: a.source_tokens,
         seed: a.seed,
         h2d_probe_bytes: a.probe_mib << 20,
         groups: a.groups.clone(),
-        gather_ctas: a.gather_ctas.clone(),
         json: a.json.clone(),
-        engine: if a.engine == "step" {
-            fathom_cuda::bench::OffloadEngine::Step
-        } else {
-            fathom_cuda::bench::OffloadEngine::Cache
-        },
         ragged,
         pool_budget: (a.pool_budget_gib * (1u64 << 30) as f64) as u64,
         select_paths: a
@@ -311,6 +291,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         host_gather: a.host_gather.clone(),
         host_gather_share: a.host_share.clone(),
         host_pages: fathom_cuda::HostPages::parse(&a.host_pages)?,
+        stage_timing: a.stage_timing,
         graphs: if a.graph {
             vec![false, true]
         } else {
@@ -318,7 +299,7 @@ pub fn run_offload_bench(a: OffloadBenchArgs) -> Result<()> {
         },
         rounds: a.rounds,
     };
-    let rep = fathom_cuda::bench::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
+    let rep = fathom_bench::offload::run_offload_bench_with(&cfg, real, |s| eprintln!("{s}"))
         .context("offload-bench")?;
     println!(
         "{:<9} {:<5} {:<8} {:<10} {:>7} {:>10} {:>10} {:>8} {:>8} {:>7}  speedup vs 136-bit",

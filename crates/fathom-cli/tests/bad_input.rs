@@ -804,33 +804,17 @@ fn cases(fx: &Fx) -> Vec<Case> {
         Some(out.clone()),
     );
     case(
-        "rounds on the step engine",
+        "the retired step engine",
         "offload-bench",
-        s([
-            "offload-bench",
-            "--engine",
-            "step",
-            "--rounds",
-            "3",
-            "--json",
-            &out,
-        ]),
-        "--engine cache",
+        s(["offload-bench", "--engine", "step", "--json", &out]),
+        "the fixed benchmark step engine is retired",
         Some(out.clone()),
     );
     case(
-        "the host gather on the step engine",
+        "a flag of the retired step engine",
         "offload-bench",
-        s([
-            "offload-bench",
-            "--engine",
-            "step",
-            "--host-gather",
-            "0,4",
-            "--json",
-            &out,
-        ]),
-        "row fetch",
+        s(["offload-bench", "--gather-ctas", "8", "--json", &out]),
+        "--gather-ctas",
         Some(out.clone()),
     );
     case(

@@ -7,21 +7,36 @@
 //! cargo run --release --features cuda -p fathom-cuda --example graph_step -- [CONTEXT] [OUT.json] [GATHER_THREADS] [GATHER_SHARE]
 //! ```
 //!
-//! `GATHER_THREADS` > 0 turns the host gather on (`PagedCache::set_host_gather`), bringing
-//! `GATHER_SHARE` percent of the misses (`set_host_gather_share`; default 100): the graph then
+//! `GATHER_THREADS` > 0 turns the host gather on (`CacheOptions::host_gather_threads`), bringing
+//! `GATHER_SHARE` percent of the misses (`host_gather_share`; default 100): the graph then
 //! holds the gather's list, publish and copy kernels, served by host threads while it
-//! replays. Last, a setting changed after the capture must make the graph refuse to replay.
+//! replays. Last, a calibration loaded after the capture must make the graph refuse to replay.
 use std::time::Instant;
 
-mod common;
-use common::Uniform;
-
-use cudarc::driver::{CudaSlice, DevicePtr};
-use fathom_cuda::cache::{AttendMethod, KvDtype, KvRows, QueryRows};
-use fathom_cuda::pages::SessionId;
-use fathom_cuda::{Gpu, Method, ModelShape, PagedCache};
+use fathom_cuda::cache::{AttendMethod, CacheConfig, CacheOptions, KvRows, QueryRows};
+use fathom_cuda::memory::DeviceBuffer;
+use fathom_cuda::pages::{PageConfig, SessionId};
+use fathom_cuda::prelude::*;
+use fathom_cuda::{CudaError, Gpu, Method, ModelShape, PagedCache};
 use fathom_plan::scanner::HeadCalib;
 use fathom_plan::SelectParams;
+
+/// Seeded uniform numbers in [-1, 1) (a 64-bit LCG's top 24 bits): the SYNTHETIC workload.
+struct Uniform(u64);
+
+impl Uniform {
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                self.0 = self
+                    .0
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+}
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -34,8 +49,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_json = args.next();
     let gather: usize = args.next().map_or(Ok(0), |s| s.parse())?;
     let share: u32 = args.next().map_or(Ok(100), |s| s.parse())?;
-    let gpu = Gpu::open(0)?;
-    let stream = gpu.stream().clone();
+    let gpu = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e @ (CudaError::NotCompiledWithCuda | CudaError::NoDevice { .. })) => {
+            eprintln!("no GPU path ({e}): nothing to run");
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
     let shape = ModelShape {
         layers: 36,
         kv_heads: 8,
@@ -47,11 +68,32 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let steps = 30usize;
     let max_tokens = context + steps + 64;
     let page = fathom_cuda::cache::DEFAULT_PAGE_TOKENS;
-    let cfg = common::timing_config(shape, b, max_tokens);
+    // `b` sessions in pages of DEFAULT_PAGE_TOKENS in host memory, k ≤ 512, no row cache.
+    let cfg = CacheConfig {
+        shape,
+        pages: PageConfig {
+            page_tokens: page,
+            pages: b * max_tokens.div_ceil(page) + b,
+            max_sessions: b,
+            max_tokens,
+        },
+        max_batch: b,
+        max_k: 512,
+        row_cache: 0,
+        residency: fathom_cuda::Residency::Host,
+        pca_index: false,
+        block_tables: false,
+        host_pages: fathom_cuda::HostPages::Driver,
+        options: CacheOptions {
+            host_gather_threads: gather,
+            host_gather_share: share,
+            ..CacheOptions::default()
+        },
+    };
     let t0 = Instant::now();
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let ids: Vec<SessionId> = (0..b).map(|_| cache.create()).collect::<Result<_, _>>()?;
-    let mut rnd = Uniform::new(7);
+    let mut rnd = Uniform(7);
     // Prefill every session to `context` tokens (SYNTHETIC keys and values).
     let row = hkv * d;
     let pre = cache.reserve(&ids.iter().map(|&s| (s, context)).collect::<Vec<_>>())?;
@@ -70,53 +112,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cache.load_calibration(l, &heads)?;
     }
     let setup_s = t0.elapsed().as_secs_f64();
-    cache.set_host_gather(gather)?;
-    cache.set_host_gather_share(share)?;
     // Device buffers of one step: K, V, queries and outputs per layer.
     let mut bufs = Vec::new();
     for _ in 0..nl {
-        let k = rnd.upload(&stream, b * row)?;
-        let v = rnd.upload(&stream, b * row)?;
-        let q = rnd.upload(&stream, b * hkv * g * d)?;
-        let o: CudaSlice<f32> = stream.alloc_zeros(b * hkv * g * d)?;
+        let k = DeviceBuffer::from_host(&gpu, &rnd.vec(b * row))?;
+        let v = DeviceBuffer::from_host(&gpu, &rnd.vec(b * row))?;
+        let q = DeviceBuffer::from_host(&gpu, &rnd.vec(b * hkv * g * d))?;
+        let o = DeviceBuffer::<f32>::zeros(&gpu, b * hkv * g * d)?;
         bufs.push((k, v, q, o));
     }
-    let ptr = |s: &CudaSlice<f32>| s.device_ptr(&stream).0;
-    let ptrs: Vec<(u64, u64, u64, u64)> = bufs
-        .iter()
-        .map(|(k, v, q, o)| (ptr(k), ptr(v), ptr(q), ptr(o)))
-        .collect();
     let params = SelectParams {
         sink: 4,
         local: 32,
         k: 512,
     };
     let method = AttendMethod::Scan(Method::Fathom(48.0));
-    let layer_step = |cache: &mut PagedCache, batch: &fathom_cuda::cache::AppendBatch| {
-        for (l, &(k, v, q, o)) in ptrs.iter().enumerate() {
-            cache.append(
-                batch,
-                l,
-                &KvRows {
-                    k,
-                    v,
-                    dtype: KvDtype::F32,
-                    rows: b,
-                },
-            )?;
-            cache.attend(
-                batch,
-                l,
-                method,
-                &params,
-                &QueryRows {
-                    q,
-                    dtype: KvDtype::F32,
-                },
-                o,
-            )?;
+    let mut layer_step = |cache: &mut PagedCache, batch: &fathom_cuda::cache::AppendBatch| {
+        for (l, (k, v, q, o)) in bufs.iter_mut().enumerate() {
+            let rows = KvRows {
+                k: k.view(),
+                v: v.view(),
+                rows: b,
+            };
+            cache.append(batch, l, &rows)?;
+            let q = QueryRows { q: q.view() };
+            cache.attend(batch, l, method, &params, &q, o.view_mut())?;
         }
-        Ok::<(), fathom_cuda::CudaError>(())
+        Ok::<(), CudaError>(())
     };
     let decode: Vec<(SessionId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
     // Plain launches.
@@ -126,7 +148,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         layer_step(&mut cache, &batch)?;
         let e = t.elapsed().as_secs_f64() * 1e3;
-        stream.synchronize()?;
+        cache.synchronize()?;
         if i >= 3 {
             plain_enqueue.push(e);
             plain_wall.push(t.elapsed().as_secs_f64() * 1e3);
@@ -136,7 +158,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let batch = cache.reserve(&decode)?;
     let graph = cache.capture(&batch, |c| layer_step(c, &batch))?;
     cache.replay(&batch, &graph)?;
-    stream.synchronize()?;
+    cache.synchronize()?;
     let (mut graph_wall, mut graph_enqueue) = (Vec::new(), Vec::new());
     let mut batch = batch;
     for _ in 0..steps / 2 {
@@ -144,30 +166,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         cache.replay(&batch, &graph)?;
         let e = t.elapsed().as_secs_f64() * 1e3;
-        stream.synchronize()?;
+        cache.synchronize()?;
         graph_enqueue.push(e);
         graph_wall.push(t.elapsed().as_secs_f64() * 1e3);
     }
     // The graph computes what plain launches compute: re-attend the last layer of the last
     // replayed step (its batch is still the current one) by hand and compare.
     let last = nl - 1;
-    let (_, _, q, o) = ptrs[last];
-    let again: CudaSlice<f32> = stream.alloc_zeros(b * hkv * g * d)?;
-    cache.attend(
-        &batch,
-        last,
-        method,
-        &params,
-        &QueryRows {
-            q,
-            dtype: KvDtype::F32,
-        },
-        ptr(&again),
-    )?;
-    stream.synchronize()?;
-    let by_graph = stream.clone_dtoh(&bufs[last].3)?;
-    let by_hand = stream.clone_dtoh(&again)?;
-    let _ = o;
+    let mut again = DeviceBuffer::<f32>::zeros(&gpu, b * hkv * g * d)?;
+    let q = QueryRows {
+        q: bufs[last].2.view(),
+    };
+    cache.attend(&batch, last, method, &params, &q, again.view_mut())?;
+    let by_graph = bufs[last].3.to_host()?;
+    let by_hand = again.to_host()?;
     let rel = fathom_plan::relative_error(&by_graph, &by_hand);
     assert!(rel <= 1e-5, "graph and plain outputs differ: {rel}");
     if let Some(r) = cache.host_gather_stats()? {
@@ -192,8 +204,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         pe / ge
     );
     println!("{line}");
-    // A graph recorded under other settings is refused, not replayed.
-    cache.set_scan_vector_words(3 - cache.scan_vector_words())?;
+    // A graph that read a calibration since replaced is refused, not replayed.
+    let heads = vec![
+        HeadCalib {
+            sigma2: vec![0.25; d],
+            ..Default::default()
+        };
+        hkv
+    ];
+    cache.load_calibration(0, &heads)?;
     let batch = cache.reserve(&decode)?;
     match cache.replay(&batch, &graph) {
         Err(e) if e.to_string().contains("capture the step again") => {

@@ -4,13 +4,16 @@
 //! half-way (`truncate`, as a rejected speculative draft); every output is checked against the CPU
 //! reference of the same protocol (`fathom-plan`: importance, water-filling, the bit-plane
 //! scan, each query head's own top-k, exact attention). Keys, values and queries are a
-//! labelled synthetic workload (seeded uniform numbers), not model activations.
+//! labelled synthetic workload (seeded uniform numbers), not model activations. Keys, values
+//! and queries reach the cache as bf16 and f32 device buffers, as a model's do.
 //!
 //! ```text
 //! cargo run --release --features cuda -p fathom-cuda --example paged_decode
 //! ```
-use fathom_cuda::cache::{AttendMethod, CacheConfig};
+use fathom_cuda::cache::{AttendMethod, CacheConfig, KvRows, QueryRows};
+use fathom_cuda::memory::DeviceBuffer;
 use fathom_cuda::pages::PageConfig;
+use fathom_cuda::prelude::*;
 use fathom_cuda::{CudaError, Gpu, Method, ModelShape, PagedCache};
 use fathom_plan::{calib::head_calib, KvView, SelectParams};
 use fathom_store::{Dims, KeyStore};
@@ -47,6 +50,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         pca_index: false,
         block_tables: false,
         host_pages: fathom_cuda::HostPages::Driver,
+        options: Default::default(),
     };
     let mut cache = PagedCache::new(&gpu, cfg)?;
     let (a, b) = (cache.create()?, cache.create()?);
@@ -59,7 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let row = hkv * d;
     // A ragged prefill: 1500 and 3000 tokens in one batch.
-    w.feed(&mut cache, &[(0, 1500), (1, 3000)], [a, b])?;
+    w.feed(&gpu, &mut cache, &[(0, 1500), (1, 3000)], [a, b])?;
     // σ² per layer and head from the first session's keys (a stand-in for a calibration).
     let bf = |x: &f32| bf16::from_f32(*x).to_f32();
     let mut calibs = Vec::new();
@@ -89,10 +93,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 w.vals[1][l].truncate(n * row);
             }
         }
-        let ab = w.feed(&mut cache, &[(0, 1), (1, 1)], [a, b])?;
+        let ab = w.feed(&gpu, &mut cache, &[(0, 1), (1, 1)], [a, b])?;
         for (l, layer_calib) in calibs.iter().enumerate() {
             let q: Vec<f32> = (0..2 * hkv * g * d).map(|_| w.rnd()).collect();
-            let out = cache.attend_host(&ab, l, method, &params, &q)?;
+            // Queries `[batch][Hq][D]` in, outputs `[batch][Hq][D]` f32 out, both on the device.
+            let qd = DeviceBuffer::from_host(&gpu, &q)?;
+            let mut od = DeviceBuffer::<f32>::zeros(&gpu, q.len())?;
+            cache.attend(
+                &ab,
+                l,
+                method,
+                &params,
+                &QueryRows { q: qd.view() },
+                od.view_mut(),
+            )?;
+            let out = od.to_host()?;
             // The CPU reference of docs/SPEC.md §3–5 for each session and head.
             for s in 0..2 {
                 let dbg = cache.debug_readback(&ab, s)?;
@@ -185,9 +200,10 @@ impl Workload {
     }
 
     /// Reserves `batch = [(session index, tokens)]` and appends fresh keys and values to
-    /// every layer.
+    /// every layer, as bf16 rows `[rows][Hkv][D]` in device memory.
     fn feed(
         &mut self,
+        gpu: &Gpu,
         cache: &mut PagedCache,
         batch: &[(usize, usize)],
         ids: [fathom_cuda::pages::SessionId; 2],
@@ -204,7 +220,17 @@ impl Workload {
                 k.extend(kk);
                 v.extend(vv);
             }
-            cache.append_host(&ab, l, &k, &v)?;
+            let up = |x: &[f32]| {
+                let x: Vec<bf16> = x.iter().map(|&e| bf16::from_f32(e)).collect();
+                DeviceBuffer::from_host(gpu, &x)
+            };
+            let (kd, vd) = (up(&k)?, up(&v)?);
+            let rows = KvRows {
+                k: kd.view(),
+                v: vd.view(),
+                rows: ab.rows,
+            };
+            cache.append(&ab, l, &rows)?;
         }
         Ok(ab)
     }

@@ -1,17 +1,10 @@
-//! Shapes, methods and session settings shared by the CUDA and the stub backends.
+//! Shapes, methods, residencies and host pages shared by the CUDA and the stub backends.
 
 use serde::{Deserialize, Serialize};
 
 use fathom_plan::method::{FathomVariant, MethodSpec};
 
 use crate::error::{CudaError, Result};
-
-/// The benchmark step's sink and local tokens (docs/SPEC.md §5's defaults), passed to its
-/// kernels as `-DSINK`, `-DLOCAL` (`topk.cu`, `scan.cu`): the one definition the kernels and
-/// the host share. (The paged cache takes them per attend from `fathom_plan::SelectParams`.)
-pub const STEP_SINK: usize = 4;
-/// See [`STEP_SINK`].
-pub const STEP_LOCAL: usize = 32;
 
 /// Per-layer attention shape (docs/SPEC.md §1): `L` layers, `Hkv` KV heads, `G` query heads per KV
 /// head, `D` channels per head.
@@ -311,7 +304,7 @@ impl Residency {
 /// 512-byte records spread over tens of GiB (the union fetch) touch a new host page per row.
 /// `Huge` asks the kernel for 2 MiB transparent huge pages and registers them with the driver,
 /// so that one translation covers 4096 records instead of 8; whether that is faster is a
-/// measurement (`examples/row_sweep.rs`), not an assumption.
+/// measurement (`fathom-bench`'s `examples/row_sweep.rs`), not an assumption.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum HostPages {
     /// `cuMemHostAlloc(DEVICEMAP | PORTABLE)`: the driver's pages.
@@ -353,95 +346,19 @@ impl HostPages {
     }
 }
 
-/// Settings of one decode session on the device.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SessionConfig {
-    /// Model shape.
-    pub shape: ModelShape,
-    /// Context tokens `n` (every step scores all of them).
-    pub context: usize,
-    /// Top-k per query head (docs/SPEC.md §5; sink 4 and local 32 are added).
-    pub k: usize,
-    /// Where the store and rows live.
-    pub residency: Residency,
-    /// HBM row-cache slots per (layer, KV head); 0 disables the cache.
-    pub cache_rows: usize,
-    /// Largest host memory the session may pin for K/V rows; past it, row layers are reused
-    /// cyclically (reported).
-    pub row_bytes_budget: u64,
-    /// Whether to build the landmark and Quest tables.
-    pub tables: bool,
-    /// Decode steps whose queries are uploaded (warm-ups included).
-    pub steps: usize,
-    /// Head groups pipelined per layer in host residency (the copy stream gathers group
-    /// `i + 1` while the compute stream works on group `i`); 1 = no pipelining; 0 = auto:
-    /// [`AUTO_PIPELINE_GROUPS`] from [`AUTO_PIPELINE_MIN_CONTEXT`] tokens on, else 1. The
-    /// auto rule comes from the H200 sweep in `results/device/pipeline-sweep.json`
-    /// (pipelining pays where a layer's gather is long, and costs launch gaps below).
-    pub groups: usize,
-    /// Most CTAs per gather launch in host residency (the kernel strides over the rest), so
-    /// that a pipelined gather leaves multiprocessors to the compute stream. 0 = auto:
-    /// [`AUTO_GATHER_CTAS`] when head groups are pipelined, else one CTA per 128 KiB chunk of
-    /// every run (uncapped). Any value at least the number of run chunks is uncapped.
-    #[serde(default)]
-    pub gather_ctas: usize,
-}
-
-/// Head groups of the auto pipelining rule (see [`SessionConfig::groups`]).
-pub const AUTO_PIPELINE_GROUPS: usize = 4;
-/// Context from which the auto rule pipelines head groups.
-pub const AUTO_PIPELINE_MIN_CONTEXT: usize = 512 * 1024;
-/// Gather grid cap of the auto rule when head groups are pipelined.
-pub const AUTO_GATHER_CTAS: usize = 64;
-
-impl SessionConfig {
-    /// `G·k + sink + local`: the most rows a KV head's union can hold.
-    pub fn union_max(&self) -> usize {
-        self.shape.group * self.k + STEP_SINK + STEP_LOCAL
-    }
-
-    /// The head groups actually used (resolves `groups = 0`).
-    pub fn pipeline_groups(&self) -> usize {
-        let g = match self.groups {
-            0 if self.context >= AUTO_PIPELINE_MIN_CONTEXT => AUTO_PIPELINE_GROUPS,
-            0 => 1,
-            g => g,
-        };
-        g.clamp(1, self.shape.kv_heads.max(1))
-    }
-
-    /// The gather grid cap actually used (resolves `gather_ctas = 0`; 0 = uncapped).
-    pub fn gather_cap(&self) -> usize {
-        match self.gather_ctas {
-            0 if self.pipeline_groups() > 1 => AUTO_GATHER_CTAS,
-            c => c,
-        }
-    }
+/// Bytes of this process's memory that transparent huge pages back (`AnonHugePages` of
+/// `/proc/self/smaps_rollup`); `None` where the file is absent (not Linux, old kernels). How
+/// [`HostPages::Huge`] is checked: the growth over an allocation is the bytes huge pages back.
+pub fn anon_huge_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = s.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn cfg(context: usize, groups: usize, gather_ctas: usize) -> SessionConfig {
-        SessionConfig {
-            shape: ModelShape {
-                layers: 2,
-                kv_heads: 8,
-                group: 4,
-                dim: 128,
-            },
-            context,
-            k: 64,
-            residency: Residency::Host,
-            cache_rows: 0,
-            row_bytes_budget: 1 << 20,
-            tables: false,
-            steps: 1,
-            groups,
-            gather_ctas,
-        }
-    }
 
     #[test]
     fn residencies_parse_and_label_each_other() {
@@ -464,23 +381,5 @@ mod tests {
         assert_eq!(HostPages::default(), HostPages::Driver);
         let e = HostPages::parse("2m").unwrap_err().to_string();
         assert!(e.contains("driver, huge or vmm"), "{e}");
-    }
-
-    #[test]
-    fn auto_pipeline_rule() {
-        // Below the threshold: sequential and uncapped.
-        let c = cfg(AUTO_PIPELINE_MIN_CONTEXT - 1, 0, 0);
-        assert_eq!((c.pipeline_groups(), c.gather_cap()), (1, 0));
-        // From it on: pipelined with a capped gather grid.
-        let c = cfg(AUTO_PIPELINE_MIN_CONTEXT, 0, 0);
-        assert_eq!(
-            (c.pipeline_groups(), c.gather_cap()),
-            (AUTO_PIPELINE_GROUPS, AUTO_GATHER_CTAS)
-        );
-        // Explicit settings win; groups never exceed the KV heads.
-        let c = cfg(1 << 20, 1, 0);
-        assert_eq!((c.pipeline_groups(), c.gather_cap()), (1, 0));
-        let c = cfg(1 << 10, 32, 7);
-        assert_eq!((c.pipeline_groups(), c.gather_cap()), (8, 7));
     }
 }

@@ -10,7 +10,7 @@
 //! threads copy record `j` of the list into staging slot `j` in chunks of [`GATHER_CHUNK`] and
 //! mark chunk `c` done with the request's epoch while `paged_fetch` reads the other misses,
 //! and `paged_gather_copy` (on a second stream, at once with the fetch) moves each chunk to its
-//! rows once its mark is there (kernels/attend.cu). No host call sits between the kernels, so a
+//! rows once its mark is there (kernels/attend/fetch.cu). No host call sits between the kernels, so a
 //! captured decode step replays with the gather in it.
 //!
 //! The protocol, whose invariants the tests below hold on plain memory:
@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{CudaError, Result};
 
-/// Records per chunk: one claim, one copy and one done mark (kernels/attend.cu `GATHER_CHUNK`).
+/// Records per chunk: one claim, one copy and one done mark (kernels/attend/fetch.cu `GATHER_CHUNK`).
 pub const GATHER_CHUNK: usize = 32;
 
 /// Records a thread's prefetches run ahead of its copies (DRAM latency over a record's copy).
@@ -84,7 +84,7 @@ pub struct GatherStats {
     pub completed: u64,
 }
 
-/// The host gather's counts ([`crate::PagedCache::host_gather_stats`]).
+/// The host gather's counts ([`crate::api::KvCache::host_gather_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostGatherReport {
     /// Threads serving.

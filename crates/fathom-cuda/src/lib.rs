@@ -5,8 +5,7 @@
 //! synchronisation, the GPU plans (importance + reverse water-filling), reads the planned
 //! runs of planes over PCIe, scans, takes the top-k per query head and the union per KV head,
 //! fetches the winners' K/V records (through an HBM cache of recently fetched rows) and runs
-//! exact attention. Two entry points run it: [`PagedCache`], the library a model drives, and
-//! [`Session`], the fixed benchmark step.
+//! exact attention. One entry point runs it: [`PagedCache`], the library a model drives.
 //!
 //! Kernels are `.cu` files under `kernels/`, embedded with `include_str!` and compiled by
 //! NVRTC for the device's compute capability at first use (modules cached per `(G, D)`).
@@ -31,32 +30,6 @@
 #![doc = include_str!("../examples/paged_decode.rs")]
 //! ```
 //!
-//! # The benchmark step (docs/SPEC.md §6)
-//!
-//! [`Session`] is the fixed decode step `fathom offload-bench --engine step` times: sessions
-//! filled from their sources, a batch laid out as B·Hkv KV heads of one length.
-//!
-//! ```
-//! use fathom_cuda::{synth_layer, CudaError, Gpu, Method, ModelShape, Residency, Session, SessionConfig, SynthParams};
-//!
-//! let shape = ModelShape::parse("1,2,4,128")?;
-//! let src = synth_layer(&SynthParams { heads: 2, group: 4, dim: 128, tokens: 4096, seed: 1 }, 0)?;
-//! let gpu = match Gpu::open(0) {
-//!     Ok(gpu) => gpu,
-//!     // CI has no GPU (or this build has no `cuda` feature): nothing to run.
-//!     Err(CudaError::NotCompiledWithCuda | CudaError::NoDevice { .. }) => return Ok(()),
-//!     Err(e) => return Err(e),
-//! };
-//! let cfg = SessionConfig {
-//!     shape, context: 4096, k: 128, residency: Residency::Host, cache_rows: 1024,
-//!     row_bytes_budget: 1 << 30, tables: false, steps: 1, groups: 0, gather_ctas: 0,
-//! };
-//! let mut session = Session::new(&gpu, &cfg, &[src], &[Method::Fathom(48.0)])?;
-//! let stats = session.run_step(Method::Fathom(48.0), 0, true)?;
-//! assert!(stats.gpu_ms > 0.0 && stats.bits <= 48.0);
-//! # Ok::<(), CudaError>(())
-//! ```
-//!
 //! The cache's pure-CPU core compiles in every build: [`pages`] (the page pool, per-session page tables, copy-on-write forks),
 //! [`paged_layout`] (byte offsets of planes, scales and K|V records inside a page) and
 //! [`paged_ref`] (the CPU reference of paged appends, equal to `fathom_store::KeyStore` bit
@@ -68,40 +41,35 @@
 #![deny(missing_docs)]
 
 pub mod api;
-pub mod bench;
+/// The traits to bring into scope: `use fathom_cuda::prelude::*`.
+pub mod prelude {
+    pub use crate::api::{Device, KvCache};
+}
 pub mod cache;
 pub mod config;
 pub mod error;
 pub mod host_gather;
+pub mod memory;
 pub mod paged_layout;
 pub mod paged_ref;
 pub mod pages;
 #[cfg(test)]
 mod scan_arith;
-mod step_layout;
-pub mod synth;
 pub mod types;
 
 #[cfg(feature = "cuda")]
-mod bench_cache;
-#[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
-mod cuda_cache;
+pub use cuda::{compile_kernels, Gpu};
 #[cfg(feature = "cuda")]
-pub use cuda::{compile_kernels, Gpu, Session};
-#[cfg(feature = "cuda")]
-pub use cuda_cache::{DecodeGraph, PagedCache};
+pub use cuda::{DecodeGraph, PagedCache};
 
 #[cfg(not(feature = "cuda"))]
 mod dummy;
 #[cfg(not(feature = "cuda"))]
-pub use dummy::{DecodeGraph, Gpu, PagedCache, Session};
+pub use dummy::{DecodeGraph, Gpu, PagedCache};
 
-pub use config::{
-    HostPages, Method, ModelShape, Residency, SessionConfig, AUTO_GATHER_CTAS,
-    AUTO_PIPELINE_GROUPS, AUTO_PIPELINE_MIN_CONTEXT,
-};
+pub use config::{anon_huge_bytes, HostPages, Method, ModelShape, Residency};
 pub use error::{CudaError, Result};
 pub use paged_layout::PagedLayout;
 pub use paged_ref::{PagedExport, PagedStoreRef};
@@ -109,5 +77,4 @@ pub use pages::{
     AppendPlan, CacheSessions, PageConfig, PageCopy, PageError, PageId, PagePool, PartialBlock,
     SessionId,
 };
-pub use synth::{synth_layer, LayerSource, SynthParams, SYNTH_LABEL};
-pub use types::{DeviceInfo, LayerDebug, RowRate, RowSweep, SessionLayout, StepStats, STAGES};
+pub use types::{DeviceInfo, RowRate, RowSweep};

@@ -398,7 +398,7 @@ impl PagedStoreRef {
     }
 
     /// The session's K|V records, `[head][token][K (D) | V (D)]` bf16 (the layout of
-    /// [`crate::LayerSource::records`]).
+    /// `fathom_bench::offload::LayerSource::records`).
     pub fn records(&self, session: SessionId) -> Result<Vec<bf16>> {
         let lay = self.layout;
         let Dims { heads, channels: d } = lay.dims();

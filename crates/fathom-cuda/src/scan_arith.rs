@@ -1,4 +1,4 @@
-//! The paged scan kernel's per-token arithmetic on the CPU (`kernels/attend.cu`,
+//! The paged scan kernel's per-token arithmetic on the CPU (`kernels/attend/scan.cu`,
 //! `scan_channel<T>`), each trick against the plain definition of docs/SPEC.md §2:
 //!
 //! * **Spreading a channel's planes into codes.** For one thread's 8 tokens, plane `p`'s byte

@@ -8,8 +8,10 @@
 //! Skips (printing why) without a GPU path, as on CI; `FATHOM_REQUIRE_GPU=1` turns the skip
 //! into a failure.
 
-use fathom_cuda::cache::{CacheConfig, KvDtype, KvRows};
+use fathom_cuda::cache::{CacheConfig, CacheOptions, KvDtype, KvRows};
+use fathom_cuda::memory::DeviceBuffer;
 use fathom_cuda::pages::{PageConfig, SessionId};
+use fathom_cuda::prelude::*;
 use fathom_cuda::{ModelShape, PagedCache, Residency};
 use fathom_store::{Dims, KeyStore};
 use half::bf16;
@@ -39,7 +41,14 @@ fn config(layers: usize, hkv: usize, d: usize, page_tokens: usize, pages: usize)
         pca_index: false,
         block_tables: false,
         host_pages: fathom_cuda::HostPages::Driver,
+        options: CacheOptions::default(),
     }
+}
+
+/// `cfg` with the options `set` makes.
+fn with(mut cfg: CacheConfig, set: impl FnOnce(&mut CacheOptions)) -> CacheConfig {
+    set(&mut cfg.options);
+    cfg
 }
 
 /// Sink 4, local 32, k = 64: the selection of the tests that compare caches with each other.
@@ -468,14 +477,24 @@ fn bad_calls_are_typed_errors_before_any_launch() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("2 layers"), "{e}");
+    // Device rows whose length or dtype does not fit: refused before the launch.
+    let short = DeviceBuffer::<f32>::zeros(&gpu, row).unwrap();
+    let full = DeviceBuffer::<f32>::zeros(&gpu, 2 * row).unwrap();
+    let other = DeviceBuffer::<half::f16>::zeros(&gpu, 2 * row).unwrap();
     let kv = KvRows {
-        k: 0,
-        v: 0,
-        dtype: KvDtype::F32,
+        k: short.view(),
+        v: full.view(),
         rows: 2,
     };
     let e = cache.append(&batch, 0, &kv).unwrap_err().to_string();
-    assert!(e.contains("null"), "{e}");
+    assert!(e.contains("keys") && e.contains("want at least"), "{e}");
+    let kv = KvRows {
+        k: full.view(),
+        v: other.view(),
+        rows: 2,
+    };
+    let e = cache.append(&batch, 0, &kv).unwrap_err().to_string();
+    assert!(e.contains("one dtype"), "{e}");
     let stale = batch.clone();
     let _next = cache.reserve(&[(b, 1)]).unwrap();
     let e = cache
@@ -536,7 +555,12 @@ fn bad_calls_are_typed_errors_before_any_launch() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("layer 1 has not been appended"), "{e}");
-    let e = cache.read_rows(&batch, 1, 8, 1, 1).unwrap_err().to_string();
+    let mut outs = [0, 1].map(|_| DeviceBuffer::<f32>::zeros(&gpu, 8 * row).unwrap());
+    let [ko, vo] = &mut outs;
+    let e = cache
+        .read_rows(&batch, 1, 8, ko.view_mut(), vo.view_mut())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("layer 1 has not been appended"), "{e}");
     assert!(cache.attend_host(&batch, 0, am, &params, &q).is_ok());
     // A copy of the batch with other offsets is not the reserve's, even at its step.
@@ -602,27 +626,21 @@ fn a_key_past_fp16_range_is_a_counted_fault_not_a_silent_store() {
         .to_string();
     assert!(e.contains("channel 5") && e.contains("fp16"), "{e}");
     assert_eq!(cache.faults().unwrap(), vec![0], "nothing was launched");
-    #[cfg(feature = "cuda")]
-    {
-        use cudarc::driver::DevicePtr;
-        let stream = gpu.stream().clone();
-        let (kd, vd) = (
-            stream.clone_htod(&k).unwrap(),
-            stream.clone_htod(&vec![0.0f32; 64]).unwrap(),
-        );
-        let kv = KvRows {
-            k: kd.device_ptr(&stream).0,
-            v: vd.device_ptr(&stream).0,
-            dtype: KvDtype::F32,
-            rows: 1,
-        };
-        cache.append(&batch, 0, &kv).unwrap();
-        assert_eq!(
-            cache.faults().unwrap(),
-            vec![1],
-            "one channel block refused"
-        );
-    }
+    let (kd, vd) = (
+        DeviceBuffer::from_host(&gpu, &k).unwrap(),
+        DeviceBuffer::from_host(&gpu, &vec![0.0f32; 64]).unwrap(),
+    );
+    let kv = KvRows {
+        k: kd.view(),
+        v: vd.view(),
+        rows: 1,
+    };
+    cache.append(&batch, 0, &kv).unwrap();
+    assert_eq!(
+        cache.faults().unwrap(),
+        vec![1],
+        "one channel block refused"
+    );
 }
 
 /// f32 accumulation of ≤ D = 256 products on the GPU against f64 on the CPU: |error| ≤
@@ -863,14 +881,26 @@ fn attend_matches_the_per_head_cpu_protocol_for_every_method() {
     }
 }
 
+/// Device rows of either 16-bit type.
+enum Rows {
+    Bf16(DeviceBuffer<bf16>),
+    F16(DeviceBuffer<half::f16>),
+}
+
+impl Rows {
+    fn view(&self) -> fathom_cuda::memory::DeviceView<'_> {
+        match self {
+            Rows::Bf16(b) => b.view(),
+            Rows::F16(b) => b.view(),
+        }
+    }
+}
+
 /// Keys and values handed over in device memory as bf16 and f16 (what a model passes) give
 /// the store of their bf16 rounding, as f32 host rows do.
-#[cfg(feature = "cuda")]
 #[test]
 fn bf16_and_f16_rows_from_device_memory_are_stored_as_their_bf16_rounding() {
-    use cudarc::driver::DevicePtr;
     let Some(gpu) = gpu() else { return };
-    let stream = gpu.stream().clone();
     let mut rng = StdRng::seed_from_u64(9);
     let (hkv, d) = (2, 128);
     let mut cache = PagedCache::new(&gpu, config(1, hkv, d, 128, 16)).unwrap();
@@ -895,17 +925,26 @@ fn bf16_and_f16_rows_from_device_memory_are_stored_as_their_bf16_rounding() {
                 _ => half::f16::from_bits(b).to_f32(),
             })
             .collect();
-        let kd = stream.clone_htod(&bits).unwrap();
-        let vd = stream.clone_htod(&bits).unwrap();
+        let (kd, vd) = match dtype {
+            KvDtype::Bf16 => {
+                let x: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b)).collect();
+                let up = || DeviceBuffer::from_host(&gpu, &x).unwrap();
+                (Rows::Bf16(up()), Rows::Bf16(up()))
+            }
+            _ => {
+                let x: Vec<half::f16> = bits.iter().map(|&b| half::f16::from_bits(b)).collect();
+                let up = || DeviceBuffer::from_host(&gpu, &x).unwrap();
+                (Rows::F16(up()), Rows::F16(up()))
+            }
+        };
         // Two appends: a chunk, then the rest (a partial block re-quantized in place).
         let first = n / 2 + 1;
         for (lo, hi) in [(0, first), (first, n)] {
             let batch = cache.reserve(&[(s, hi - lo)]).unwrap();
-            let off = (lo * hkv * d * 2) as u64;
+            let rows = lo * hkv * d..hi * hkv * d;
             let kv = KvRows {
-                k: kd.device_ptr(&stream).0 + off,
-                v: vd.device_ptr(&stream).0 + off,
-                dtype,
+                k: kd.view().slice(rows.clone()).unwrap(),
+                v: vd.view().slice(rows).unwrap(),
                 rows: hi - lo,
             };
             cache.append(&batch, 0, &kv).unwrap();
@@ -1156,11 +1195,10 @@ fn the_filtered_select_picks_the_score_paths_winners() {
             keep_scores: true,
         },
     ];
-    let mut caches =
-        paths.map(|_| PagedCache::new(&gpu, config(layers, hkv, d, 256, 200)).unwrap());
-    for (c, p) in caches.iter_mut().zip(paths) {
-        c.set_select_path(p).unwrap();
-    }
+    let mut caches = paths.map(|p| {
+        let cfg = with(config(layers, hkv, d, 256, 200), |o| o.select = p);
+        PagedCache::new(&gpu, cfg).unwrap()
+    });
     let (mut rngs, ids) = prefill_alike(&mut caches, 21, [3000, 5000, 9000], &vec![1.0; d]);
     let mut qrng = StdRng::seed_from_u64(22);
     let base: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
@@ -1212,13 +1250,13 @@ fn the_filtered_select_picks_the_score_paths_winners() {
     }
 }
 
-/// Head groups (`set_attend_groups`: the scan of group i + 1 on the cache's stream while the
-/// second stream runs group i's top-k, union, fetch and attention) and 16-byte scan loads
-/// (`set_scan_vector_words(2)`) change no bit: the same winners, outputs and row-cache hits
-/// as one group of 8-byte loads, for 1, 2 and 3 groups of 3 KV heads (the last group smaller
-/// at 2) and for 16-byte loads alone and with 3 groups, with the row cache on, on the score
-/// path and the filtered select, in host and HBM residency; 0 and 4 groups and 3-word loads
-/// are typed errors.
+/// Head groups ([`CacheOptions::attend_groups`]: the scan of group i + 1 on the cache's stream
+/// while the second stream runs group i's top-k, union, fetch and attention) and 16-byte scan
+/// loads ([`CacheOptions::scan_vector_words`] 2) change no bit: the same winners, outputs and
+/// row-cache hits as one group of 8-byte loads, for 1, 2 and 3 groups of 3 KV heads (the last
+/// group smaller at 2) and for 16-byte loads alone and with 3 groups, with the row cache on,
+/// on the score path and the filtered select, in host, split and HBM residency; 0 and 4
+/// groups and 3-word loads are typed errors before anything is allocated.
 #[test]
 fn head_groups_and_scan_loads_change_no_bit() {
     use fathom_cuda::cache::SelectPath;
@@ -1227,64 +1265,63 @@ fn head_groups_and_scan_loads_change_no_bit() {
     let (hkv, d, g, layers) = (3, 128, 4, 2);
     let hq = hkv * g;
     let settings = [(1, 1), (2, 1), (3, 1), (1, 2), (3, 2)];
+    let base = config(layers, hkv, d, 256, 200);
+    for bad in [0, 4] {
+        let cfg = with(base, |o| o.attend_groups = bad);
+        assert!(cfg.validate().is_err(), "{bad} groups");
+        assert!(PagedCache::new(&gpu, cfg).is_err(), "{bad} groups");
+    }
+    let cfg = with(base, |o| o.scan_vector_words = 3);
+    assert!(PagedCache::new(&gpu, cfg).is_err(), "3-word loads");
+    let filtered = SelectPath::Filtered {
+        min_middle_tokens: 256,
+        keep_scores: false,
+    };
     for residency in [Residency::Host, Residency::Hbm, Residency::IndexHbm] {
-        let mut caches = settings.map(|_| {
-            let mut c = config(layers, hkv, d, 256, 200);
-            c.residency = residency;
-            c.row_cache = 64;
-            PagedCache::new(&gpu, c).unwrap()
-        });
-        for (c, (n, words)) in caches.iter_mut().zip(settings) {
-            c.set_attend_groups(n).unwrap();
-            c.set_scan_vector_words(words).unwrap();
-            assert_eq!((c.attend_groups(), c.scan_vector_words()), (n, words));
-        }
-        for bad in [0, 4] {
-            assert!(caches[0].set_attend_groups(bad).is_err(), "{bad} groups");
-        }
-        assert!(caches[0].set_scan_vector_words(3).is_err(), "3-word loads");
-        assert_eq!(
-            (caches[0].attend_groups(), caches[0].scan_vector_words()),
-            (1, 1),
-            "a refused setting changes nothing"
-        );
-        let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
-        let (mut rngs, ids) = prefill_alike(&mut caches, 41, [1500, 4000, 7000], &sigma2);
-        let mut qrng = StdRng::seed_from_u64(42);
-        let filtered = SelectPath::Filtered {
-            min_middle_tokens: 256,
-            keep_scores: false,
-        };
-        let paths = [SelectPath::Scores, SelectPath::Scores, filtered, filtered];
-        for (t, path) in paths.into_iter().enumerate() {
-            let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
-            for c in caches.iter_mut() {
-                c.set_select_path(path).unwrap();
+        for path in [SelectPath::Scores, filtered] {
+            let mut caches = settings.map(|(n, words)| {
+                let mut c = config(layers, hkv, d, 256, 200);
+                c.residency = residency;
+                c.row_cache = 64;
+                let c = with(c, |o| {
+                    (o.attend_groups, o.scan_vector_words, o.select) = (n, words, path)
+                });
+                PagedCache::new(&gpu, c).unwrap()
+            });
+            for (c, (n, words)) in caches.iter().zip(settings) {
+                let o = c.config().options;
+                assert_eq!((o.attend_groups, o.scan_vector_words), (n, words));
             }
-            for m in ["fathom:48", "sparq:16", "exact", "dense"] {
-                let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
-                for i in 1..settings.len() {
-                    let what = format!(
-                        "{residency:?} step {t} {} {m}: (groups, load words) {:?} against (1, 1)",
-                        path.label(),
-                        settings[i]
-                    );
-                    assert_eq!(seen[0].1, seen[i].1, "{what}: winners");
-                    assert_eq!(seen[0].0, seen[i].0, "{what}: outputs");
-                    assert_eq!(seen[0].2, seen[i].2, "{what}: row-cache counters");
+            let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
+            let (mut rngs, ids) = prefill_alike(&mut caches, 41, [1500, 4000, 7000], &sigma2);
+            let mut qrng = StdRng::seed_from_u64(42);
+            for t in 0..2 {
+                let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
+                for m in ["fathom:48", "sparq:16", "exact", "dense"] {
+                    let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
+                    for i in 1..settings.len() {
+                        let what = format!(
+                            "{residency:?} step {t} {} {m}: (groups, load words) {:?} against (1, 1)",
+                            path.label(),
+                            settings[i]
+                        );
+                        assert_eq!(seen[0].1, seen[i].1, "{what}: winners");
+                        assert_eq!(seen[0].0, seen[i].0, "{what}: outputs");
+                        assert_eq!(seen[0].2, seen[i].2, "{what}: row-cache counters");
+                    }
                 }
             }
         }
     }
 }
 
-/// Stage timing (`PagedCache::set_stage_timing`) splits each attend's GPU time without
+/// Stage timing ([`CacheOptions::stage_timing`]) splits each attend's GPU time without
 /// changing a bit: two caches fed the same appends, one timed, give the same outputs, winners
 /// and row-cache counters for three methods on the score path, the filtered select and (host
 /// residency) the host gather; the timed cache reports one split attend per layer and
 /// method, every stage non-negative, every stage of a scan method positive (a stage whose mark
-/// went missing would read 0) and a dense attend's time in its plan and attention; with two
-/// head groups its attends are counted untimed, and the untimed cache reports nothing.
+/// went missing would read 0) and a dense attend's time in its plan and attention; a timed
+/// cache of two head groups counts its attends untimed, and the untimed cache reports nothing.
 #[test]
 fn stage_timing_splits_attends_and_changes_no_bit() {
     use fathom_cuda::cache::SelectPath;
@@ -1296,32 +1333,32 @@ fn stage_timing_splits_attends_and_changes_no_bit() {
         min_middle_tokens: 256,
         keep_scores: false,
     };
+    let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
     for residency in [Residency::Host, Residency::Hbm] {
-        let mut caches: Vec<PagedCache> = (0..2)
-            .map(|_| {
-                let mut c = config(layers, hkv, d, 256, 120);
-                c.residency = residency;
-                c.row_cache = 64;
-                PagedCache::new(&gpu, c).unwrap()
-            })
-            .collect();
-        caches[1].set_stage_timing(true);
-        assert!(caches[1].stage_timing() && !caches[0].stage_timing());
-        let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
-        let (mut rngs, ids) = prefill_alike(&mut caches, 43, [1500, 4000, 7000], &sigma2);
-        // The prefill's appends are no attends: nothing to split yet.
-        assert_eq!(caches[1].stage_times().unwrap().attends, 0);
-        let mut qrng = StdRng::seed_from_u64(44);
         // (select path, host gather threads): the gather only where the records are on the host.
         let mut variants = vec![(SelectPath::Scores, 0), (filtered, 0)];
         if residency == Residency::Host {
             variants.push((SelectPath::Scores, 2));
         }
+        let cache = |timed: bool, path: SelectPath, gather: usize, groups: usize| {
+            let mut c = config(layers, hkv, d, 256, 120);
+            c.residency = residency;
+            c.row_cache = 64;
+            let c = with(c, |o| {
+                o.stage_timing = timed;
+                o.select = path;
+                o.host_gather_threads = gather;
+                o.attend_groups = groups;
+            });
+            PagedCache::new(&gpu, c).unwrap()
+        };
+        let mut qrng = StdRng::seed_from_u64(44);
         for (path, gather) in variants {
-            for c in caches.iter_mut() {
-                c.set_select_path(path).unwrap();
-                c.set_host_gather(gather).unwrap();
-            }
+            let mut caches = vec![cache(false, path, gather, 1), cache(true, path, gather, 1)];
+            assert!(caches[1].config().options.stage_timing);
+            let (mut rngs, ids) = prefill_alike(&mut caches, 43, [1500, 4000, 7000], &sigma2);
+            // The prefill's appends are no attends: nothing to split yet.
+            assert_eq!(caches[1].stage_times().unwrap().attends, 0);
             let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
             for m in ["fathom:48", "sparq:16", "dense"] {
                 let seen = attend_alike(&mut caches, &mut rngs, &ids, m, &params, &q);
@@ -1350,24 +1387,20 @@ fn stage_timing_splits_attends_and_changes_no_bit() {
                 );
             }
         }
-        for c in caches.iter_mut() {
-            c.set_host_gather(0).unwrap();
-            c.set_select_path(SelectPath::Scores).unwrap();
-        }
-        caches[1].set_attend_groups(2).unwrap();
+        let mut caches = vec![
+            cache(false, SelectPath::Scores, 0, 1),
+            cache(true, SelectPath::Scores, 0, 2),
+        ];
+        let (mut rngs, ids) = prefill_alike(&mut caches, 43, [1500, 4000, 7000], &sigma2);
         let q: Vec<f32> = (0..3 * hq * d).map(|_| qrng.gen_range(-1.0..1.0)).collect();
-        attend_alike(&mut caches, &mut rngs, &ids, "sparq:16", &params, &q);
+        let seen = attend_alike(&mut caches, &mut rngs, &ids, "sparq:16", &params, &q);
+        assert_eq!(seen[0], seen[1], "{residency:?}: two groups, timed");
         let st = caches[1].stage_times().unwrap();
         assert_eq!(
             (st.attends, st.untimed),
             (0, layers as u64),
             "{residency:?}: {st:?}"
         );
-        // Turning the timing off drops what was not read.
-        caches[1].set_attend_groups(1).unwrap();
-        attend_alike(&mut caches, &mut rngs, &ids, "sparq:16", &params, &q);
-        caches[1].set_stage_timing(false);
-        assert_eq!(caches[1].stage_times().unwrap(), Default::default());
     }
 }
 
@@ -1444,7 +1477,7 @@ fn every_kind_of_host_pages_serves_the_same_bits() {
     }
 }
 
-/// The host gather (docs/SPEC.md §6.1, `set_host_gather`: CPU threads copy the fetch's
+/// The host gather (docs/SPEC.md §6.1, [`CacheOptions::host_gather_threads`]: CPU threads copy the fetch's
 /// misses into pinned staging, the GPU reads it in order) changes no bit: caches fed the same
 /// appends, without the gather and with 1, 2 and 3 threads bringing all the misses or a share
 /// of them (50 %, 30 %: the fetch reads the rest at once), with a 64-slot row cache (hits and
@@ -1452,9 +1485,9 @@ fn every_kind_of_host_pages_serves_the_same_bits() {
 /// outputs and row counters for four methods over four decode steps of a ragged batch, in
 /// host and split residency; the threads served every miss of their share (records = union
 /// rows − hits at 100 %, within 0.1 of the share otherwise) with no overflow, timeout or
-/// refused offset. HBM residency, head groups with the gather on (either order), a share of 0
-/// or 101 and a change of threads or share inside a capture are typed errors that change no
-/// setting (as are the other settings and a new session inside a capture).
+/// refused offset. HBM residency, head groups with the gather on, 1000 threads and a share of 0
+/// or 101 are typed errors before anything is allocated; a new session inside a capture is
+/// refused by name.
 #[test]
 fn the_host_gather_changes_no_bit() {
     let Some(gpu) = gpu() else { return };
@@ -1471,33 +1504,38 @@ fn the_host_gather_changes_no_bit() {
         (0, 2, 30),
     ];
     for residency in [Residency::Host, Residency::IndexHbm] {
-        let mut caches = settings.map(|(rows, _, _)| {
+        let cfg = |rows: usize, threads: usize, share: u32, groups: usize| {
             let mut c = config(layers, hkv, d, 256, 200);
             c.residency = residency;
             c.row_cache = rows;
-            PagedCache::new(&gpu, c).unwrap()
-        });
-        for (c, (_, threads, share)) in caches.iter_mut().zip(settings) {
-            c.set_host_gather(threads).unwrap();
-            c.set_host_gather_share(share).unwrap();
-            assert_eq!((c.host_gather(), c.host_gather_share()), (threads, share));
-        }
+            with(c, |o| {
+                o.host_gather_threads = threads;
+                o.host_gather_share = share;
+                o.attend_groups = groups;
+            })
+        };
         for bad in [0, 101] {
-            assert!(caches[1].set_host_gather_share(bad).is_err(), "share {bad}");
+            assert!(cfg(64, 1, bad, 1).validate().is_err(), "share {bad}");
         }
-        assert_eq!(caches[1].host_gather_share(), 100);
         assert!(
-            caches[1].set_attend_groups(2).is_err(),
+            cfg(64, 1, 100, 2).validate().is_err(),
             "groups with the gather on"
         );
-        assert!(caches[0].set_host_gather(1_000).is_err(), "1000 threads");
-        caches[0].set_attend_groups(3).unwrap();
+        assert!(cfg(64, 1_000, 100, 1).validate().is_err(), "1000 threads");
         assert!(
-            caches[0].set_host_gather(2).is_err(),
+            PagedCache::new(&gpu, cfg(64, 2, 100, 3)).is_err(),
             "the gather with 3 groups"
         );
-        caches[0].set_attend_groups(1).unwrap();
-        assert_eq!((caches[0].host_gather(), caches[1].attend_groups()), (0, 1));
+        let mut caches = settings.map(|(rows, threads, share)| {
+            PagedCache::new(&gpu, cfg(rows, threads, share, 1)).unwrap()
+        });
+        for (c, (_, threads, share)) in caches.iter().zip(settings) {
+            let o = c.config().options;
+            assert_eq!(
+                (o.host_gather_threads, o.host_gather_share),
+                (threads, share)
+            );
+        }
         let sigma2: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
         let (mut rngs, ids) = prefill_alike(&mut caches, 61, [900, 3000, 6100], &sigma2);
         let mut qrng = StdRng::seed_from_u64(62);
@@ -1546,55 +1584,22 @@ fn the_host_gather_changes_no_bit() {
             }
             assert!(r.served.records > 0 && r.threads == threads);
         }
-        // A change inside a capture would drain the stream: refused, the setting kept.
+        // A new session inside a capture: named, nothing recorded.
         let decode: Vec<(SessionId, usize)> = ids[1].iter().map(|&s| (s, 1)).collect();
         let batch = caches[1].reserve(&decode).unwrap();
         let e = caches[1]
-            .capture(&batch, |c| c.set_host_gather(3))
-            .unwrap_err();
-        assert!(e.to_string().contains("captured"), "{e}");
-        assert_eq!(caches[1].host_gather(), 1);
-        let e = caches[1]
-            .capture(&batch, |c| c.set_host_gather_share(40))
-            .unwrap_err();
-        assert!(e.to_string().contains("captured"), "{e}");
-        assert_eq!(caches[1].host_gather_share(), 100);
-        // So are the other settings and a new session: each named, nothing recorded.
-        use fathom_cuda::cache::SelectPath;
-        let errs = [
-            (
-                "set_select_path",
-                caches[1].capture(&batch, |c| {
-                    c.set_select_path(SelectPath::Filtered {
-                        min_middle_tokens: 0,
-                        keep_scores: false,
-                    })
-                }),
-            ),
-            (
-                "set_attend_groups",
-                caches[1].capture(&batch, |c| c.set_attend_groups(1)),
-            ),
-            (
-                "create",
-                caches[1].capture(&batch, |c| c.create().map(|_| ())),
-            ),
-        ];
-        for (what, r) in errs {
-            let e = r.unwrap_err().to_string();
-            assert!(
-                e.contains(what) && e.contains("during a capture"),
-                "{what}: {e}"
-            );
-        }
-        assert_eq!(caches[1].select_path(), SelectPath::Scores);
+            .capture(&batch, |c| c.create().map(|_| ()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("create") && e.contains("during a capture"),
+            "{e}"
+        );
     }
     let mut c = config(layers, hkv, d, 256, 16);
     c.residency = Residency::Hbm;
-    let mut hbm = PagedCache::new(&gpu, c).unwrap();
-    let e = hbm.set_host_gather(2).unwrap_err();
+    let e = PagedCache::new(&gpu, with(c, |o| o.host_gather_threads = 2)).unwrap_err();
     assert!(e.to_string().contains("HBM"), "{e}");
-    assert_eq!(hbm.host_gather(), 0);
 }
 
 /// A session of 2^20 + 37 tokens, the length the benchmark's 1M rows time: every score of
@@ -1611,38 +1616,6 @@ fn a_million_token_session_matches_the_cpu_reference() {
     let (d, g, hkv, page) = (128, 4, 1, 2048);
     let hq = hkv * g;
     let n0 = (1usize << 20) + 36;
-    let mut cfg = config(1, hkv, d, page, n0.div_ceil(page) + 2);
-    cfg.shape.group = g;
-    cfg.pages.max_sessions = 1;
-    cfg.pages.max_tokens = n0 + 64;
-    cfg.max_batch = 1;
-    cfg.max_k = 512;
-    let mut cache = PagedCache::new(&gpu, cfg).unwrap();
-    let s = cache.create().unwrap();
-    let mut shadows = vec![vec![Shadow::default(); 1]; 1];
-    let slot = |_: SessionId| 0;
-    let mut rng = StdRng::seed_from_u64(31);
-    let mut left = n0;
-    while left > 0 {
-        let m = left.min(1 << 17);
-        step(&mut cache, &mut rng, &[(s, m)], &mut shadows, &slot);
-        left -= m;
-    }
-    let dims = Dims {
-        heads: hkv,
-        channels: d,
-    };
-    // Calibration from the first 8192 keys and random queries.
-    let head: Vec<f32> = shadows[0][0].k[..8192 * d].iter().map(|&x| bf(x)).collect();
-    let qs: Vec<f32> = (0..16 * g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let calib = vec![fathom_plan::calib::head_calib(&KvView::head(&head, hkv, d, 0), &qs).unwrap()];
-    cache.load_calibration(0, &calib).unwrap();
-    let params = SelectParams {
-        sink: 4,
-        local: 32,
-        k: 512,
-    };
-    let base: Vec<f32> = (0..hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
     let paths = [
         SelectPath::Scores,
         SelectPath::Filtered {
@@ -1650,12 +1623,46 @@ fn a_million_token_session_matches_the_cpu_reference() {
             keep_scores: true,
         },
     ];
-    for (t, path) in paths.iter().enumerate() {
-        cache.set_select_path(*path).unwrap();
+    for path in paths {
+        // Each path on its own cache, fed the same keys (the same seed).
+        let mut cfg = config(1, hkv, d, page, n0.div_ceil(page) + 2);
+        cfg.options.select = path;
+        cfg.shape.group = g;
+        cfg.pages.max_sessions = 1;
+        cfg.pages.max_tokens = n0 + 64;
+        cfg.max_batch = 1;
+        cfg.max_k = 512;
+        let mut cache = PagedCache::new(&gpu, cfg).unwrap();
+        let s = cache.create().unwrap();
+        let mut shadows = vec![vec![Shadow::default(); 1]; 1];
+        let slot = |_: SessionId| 0;
+        let mut rng = StdRng::seed_from_u64(31);
+        let mut left = n0;
+        while left > 0 {
+            let m = left.min(1 << 17);
+            step(&mut cache, &mut rng, &[(s, m)], &mut shadows, &slot);
+            left -= m;
+        }
+        let dims = Dims {
+            heads: hkv,
+            channels: d,
+        };
+        // Calibration from the first 8192 keys and random queries.
+        let head: Vec<f32> = shadows[0][0].k[..8192 * d].iter().map(|&x| bf(x)).collect();
+        let qs: Vec<f32> = (0..16 * g * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let calib =
+            vec![fathom_plan::calib::head_calib(&KvView::head(&head, hkv, d, 0), &qs).unwrap()];
+        cache.load_calibration(0, &calib).unwrap();
+        let params = SelectParams {
+            sink: 4,
+            local: 32,
+            k: 512,
+        };
+        let base: Vec<f32> = (0..hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let batch = step(&mut cache, &mut rng, &[(s, 1)], &mut shadows, &slot);
         let sh = &shadows[0][0];
         let n = sh.k.len() / dims.row();
-        assert_eq!(n, n0 + 1 + t);
+        assert_eq!(n, n0 + 1);
         let kb: Vec<f32> = sh.k.iter().map(|&x| bf(x)).collect();
         let vb: Vec<f32> = sh.v.iter().map(|&x| bf(x)).collect();
         let store = KeyStore::from_keys(dims, &kb, None).unwrap();
@@ -1717,26 +1724,24 @@ fn a_million_token_session_matches_the_cpu_reference() {
                 }
             }
         }
-    }
-    if let SelectPath::Filtered { .. } = paths[1] {
-        let c = cache.select_counters().unwrap();
-        assert!(
-            c.filtered > 0,
-            "the filtered path ran at 2^20 tokens: {c:?}"
-        );
+        if let SelectPath::Filtered { .. } = path {
+            let c = cache.select_counters().unwrap();
+            assert!(
+                c.filtered > 0,
+                "the filtered path ran at 2^20 tokens: {c:?}"
+            );
+        }
     }
 }
 
 /// `read_rows` returns each session's last `min(len, cap)` records as the stored bf16, in
 /// batch order, for a ragged batch, with caps below, at and above the lengths, in host and
 /// HBM residency; rows past a session's count are left as they were.
-#[cfg(feature = "cuda")]
 #[test]
 // `l` and `b` name the layer and batch row as well as index the shadows.
 #[allow(clippy::needless_range_loop)]
 fn read_rows_returns_each_sessions_last_records() {
     let Some(gpu) = gpu() else { return };
-    let stream = gpu.stream().clone();
     for residency in [Residency::Host, Residency::Hbm, Residency::IndexHbm] {
         let mut rng = StdRng::seed_from_u64(21);
         let mut cfg = config(2, 2, 64, 128, 64);
@@ -1764,17 +1769,13 @@ fn read_rows_returns_each_sessions_last_records() {
         for cap in [5usize, 8, 130, 400] {
             for l in 0..2 {
                 let sentinel = -7.0f32;
-                let kd = stream.clone_htod(&vec![sentinel; 3 * cap * row]).unwrap();
-                let vd = stream.clone_htod(&vec![sentinel; 3 * cap * row]).unwrap();
-                {
-                    use cudarc::driver::DevicePtr;
-                    let (kp, vp) = (kd.device_ptr(&stream).0, vd.device_ptr(&stream).0);
-                    cache.read_rows(&ab, l, cap, kp, vp).unwrap();
-                }
-                let (k, v) = (
-                    stream.clone_dtoh(&kd).unwrap(),
-                    stream.clone_dtoh(&vd).unwrap(),
-                );
+                let fill = vec![sentinel; 3 * cap * row];
+                let mut kd = DeviceBuffer::from_host(&gpu, &fill).unwrap();
+                let mut vd = DeviceBuffer::from_host(&gpu, &fill).unwrap();
+                cache
+                    .read_rows(&ab, l, cap, kd.view_mut(), vd.view_mut())
+                    .unwrap();
+                let (k, v) = (kd.to_host().unwrap(), vd.to_host().unwrap());
                 for b in 0..3 {
                     let sh = &shadows[b][l];
                     let n = sh.k.len() / row;
@@ -1802,9 +1803,24 @@ fn read_rows_returns_each_sessions_last_records() {
             }
         }
         // Checked before any launch.
-        assert!(cache.read_rows(&ab, 2, 8, 1, 1).is_err());
-        assert!(cache.read_rows(&ab, 0, 0, 1, 1).is_err());
-        assert!(cache.read_rows(&ab, 0, 8, 0, 1).is_err());
+        let mut k = DeviceBuffer::<f32>::zeros(&gpu, 3 * 8 * row).unwrap();
+        let mut v = DeviceBuffer::<f32>::zeros(&gpu, 3 * 8 * row).unwrap();
+        let mut short = DeviceBuffer::<f32>::zeros(&gpu, 3 * 8 * row - 1).unwrap();
+        let mut half16 = DeviceBuffer::<half::f16>::zeros(&gpu, 3 * 8 * row).unwrap();
+        assert!(cache
+            .read_rows(&ab, 2, 8, k.view_mut(), v.view_mut())
+            .is_err());
+        assert!(cache
+            .read_rows(&ab, 0, 0, k.view_mut(), v.view_mut())
+            .is_err());
+        let e = cache
+            .read_rows(&ab, 0, 8, short.view_mut(), v.view_mut())
+            .unwrap_err();
+        assert!(e.to_string().contains("want at least"), "{e}");
+        let e = cache
+            .read_rows(&ab, 0, 8, k.view_mut(), half16.view_mut())
+            .unwrap_err();
+        assert!(e.to_string().contains("F16"), "{e}");
     }
 }
 
@@ -1920,10 +1936,67 @@ fn prefill_and_fork(
     [ids[0], ids[1], fork]
 }
 
-/// On the filtered select (from 64 middle tokens, failed rows rescanned): two attends of
-/// `first` (the first sets the rows' estimates, the second filters; some row must) and then
-/// one of `then`; returns the second `first` output and the `then` output, and leaves the cache
-/// on the score path.
+/// `cfg` on the filtered select from 64 middle tokens (failed rows rescanned).
+fn filtered(cfg: &CacheConfig) -> CacheConfig {
+    with(*cfg, |o| {
+        o.select = fathom_cuda::cache::SelectPath::Filtered {
+            min_middle_tokens: 64,
+            keep_scores: false,
+        }
+    })
+}
+
+/// The sessions `ids` of another cache, each holding the keys and values of its `shadows`
+/// (`[slot][layer]`), in a new cache of `cfg` with `calibs` loaded first (per layer, where
+/// given): a prefill of all but each session's last token, then a decode step of them all in
+/// `ids`' order. Returns the cache and that step's batch.
+// `l` names the layer appended as well as indexes `shadows[slot][layer]`.
+#[allow(clippy::needless_range_loop)]
+fn replica(
+    gpu: &fathom_cuda::Gpu,
+    cfg: CacheConfig,
+    calibs: &[Option<&Vec<fathom_plan::scanner::HeadCalib>>],
+    ids: &[SessionId],
+    shadows: &[Vec<Shadow>],
+) -> (PagedCache, fathom_cuda::cache::AppendBatch) {
+    let mut c = PagedCache::new(gpu, cfg).unwrap();
+    for (l, cal) in calibs.iter().enumerate() {
+        if let Some(cal) = cal {
+            c.load_calibration(l, cal).unwrap();
+        }
+    }
+    let row = cfg.shape.kv_heads * cfg.shape.dim;
+    let new: Vec<SessionId> = ids.iter().map(|_| c.create().unwrap()).collect();
+    let lens: Vec<usize> = ids
+        .iter()
+        .map(|s| shadows[s.slot()][0].k.len() / row)
+        .collect();
+    let mut batch = None;
+    for last in [false, true] {
+        let grow: Vec<(SessionId, usize)> = new
+            .iter()
+            .zip(&lens)
+            .map(|(&s, &n)| (s, if last { 1 } else { n - 1 }))
+            .collect();
+        let ab = c.reserve(&grow).unwrap();
+        for l in 0..cfg.shape.layers {
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for (s, &n) in ids.iter().zip(&lens) {
+                let sh = &shadows[s.slot()][l];
+                let rows = if last { n - 1..n } else { 0..n - 1 };
+                k.extend_from_slice(&sh.k[rows.start * row..rows.end * row]);
+                v.extend_from_slice(&sh.v[rows.start * row..rows.end * row]);
+            }
+            c.append_host(&ab, l, &k, &v).unwrap();
+        }
+        batch = Some(ab);
+    }
+    (c, batch.unwrap())
+}
+
+/// On a cache on the filtered select ([`filtered`]): two attends of `first` (the first sets
+/// the rows' estimates, the second filters; some row must) and then one of `then`; returns
+/// the second `first` output and the `then` output.
 fn filtered_then(
     cache: &mut PagedCache,
     batch: &fathom_cuda::cache::AppendBatch,
@@ -1932,20 +2005,12 @@ fn filtered_then(
     first: fathom_cuda::cache::AttendMethod,
     then: fathom_cuda::cache::AttendMethod,
 ) -> (Vec<f32>, Vec<f32>) {
-    use fathom_cuda::cache::SelectPath;
-    cache
-        .set_select_path(SelectPath::Filtered {
-            min_middle_tokens: 64,
-            keep_scores: false,
-        })
-        .unwrap();
     let before = cache.select_counters().unwrap().filtered;
     cache.attend_host(batch, 0, first, params, q).unwrap();
     let filtered_out = cache.attend_host(batch, 0, first, params, q).unwrap();
     let rows = cache.select_counters().unwrap().filtered - before;
     assert!(rows > 0, "{first:?}: no row took the filtered select");
     let then_out = cache.attend_host(batch, 0, then, params, q).unwrap();
-    cache.set_select_path(SelectPath::Scores).unwrap();
     (filtered_out, then_out)
 }
 
@@ -2124,7 +2189,11 @@ fn the_pca_index_runs_loki_in_its_own_basis() {
             let q: Vec<f32> = (0..3 * hq * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let am = AttendMethod::Scan(loki);
             let plain = cache.attend_host(&batch, 0, am, &params, &q).unwrap();
-            let (filtered, _) = filtered_then(&mut cache, &batch, &params, &q, am, am);
+            let cal = [Some(&calibs[0]), Some(&calibs[1])];
+            let cfg = filtered(cache.config());
+            let (mut fc, fb) = replica(&gpu, cfg, &cal, &all, &shadows);
+            fc.prepare(loki).unwrap();
+            let (filtered, _) = filtered_then(&mut fc, &fb, &params, &q, am, am);
             assert_eq!(
                 filtered, plain,
                 "{what}: loki, filtered against the score path"
@@ -2264,7 +2333,9 @@ fn block_tables_run_landmark_and_quest() {
         let lm = AttendMethod::Scan(fathom_cuda::Method::Landmark);
         let alone = cache.attend_host(&batch, 0, lm, &params, &q).unwrap();
         let sq = AttendMethod::Scan(fathom_cuda::Method::SparQ(16));
-        let (_, after) = filtered_then(&mut cache, &batch, &params, &q, sq, lm);
+        let (mut fc, fb) = replica(&gpu, filtered(cache.config()), &[], &all, &shadows);
+        fc.prepare(fathom_cuda::Method::Landmark).unwrap();
+        let (_, after) = filtered_then(&mut fc, &fb, &params, &q, sq, lm);
         assert_eq!(
             after, alone,
             "D={d} {residency:?}: landmark after a filtered attend"
@@ -2345,6 +2416,34 @@ fn host_slice_uploads_are_ordered_before_the_kernels() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Allocation failures are typed errors that carry the size requested, never an abort: a pool
+/// of 2^16 pages of 2048 tokens (≈ 0.6 TB per layer at 8 KV heads, D = 128: more than the
+/// device holds) in HBM, and three times that in pinned host memory (more than any host here
+/// pins).
+#[test]
+fn allocation_failures_are_typed_errors() {
+    let Some(gpu) = gpu() else { return };
+    for (residency, pages) in [(Residency::Hbm, 1usize << 16), (Residency::Host, 3 << 16)] {
+        let cfg = CacheConfig {
+            residency,
+            ..config(1, 8, 128, 2048, pages)
+        };
+        let t = std::time::Instant::now();
+        match PagedCache::new(&gpu, cfg) {
+            Ok(_) => panic!("{residency:?} {pages} pages: a cache that cannot fit was created"),
+            Err(
+                e @ (fathom_cuda::CudaError::DeviceOom { bytes, .. }
+                | fathom_cuda::CudaError::PinnedAlloc { bytes, .. }),
+            ) => {
+                eprintln!("{residency:?} {pages} pages: {e} ({:.2?})", t.elapsed());
+                assert!(bytes >= 1 << 36, "{e}: the error names too small a size");
+                assert!(e.to_string().contains(&bytes.to_string()), "{e}");
+            }
+            Err(e) => panic!("{residency:?} {pages} pages: unexpected error {e}"),
         }
     }
 }

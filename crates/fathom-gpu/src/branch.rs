@@ -10,6 +10,7 @@
 
 use fathom_cuda::cache::AttendMethod;
 use fathom_cuda::pages::SessionId;
+use fathom_cuda::prelude::*;
 use fathom_model::{argmax, Config, LayerKind};
 
 use crate::decoder::{Attention, Decoder};

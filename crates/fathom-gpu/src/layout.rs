@@ -143,6 +143,9 @@ pub struct DecoderConfig {
     /// Whether the cache keeps the block tables that `landmark` and `quest` read
     /// (`fathom_cuda::cache::CacheConfig::block_tables`).
     pub block_tables: bool,
+    /// How the cache's attends run (`fathom_cuda::cache::CacheOptions`: select path, head
+    /// groups, scan loads, host gather, stage timing), fixed when the decoder is made.
+    pub options: fathom_cuda::cache::CacheOptions,
 }
 
 impl DecoderConfig {
@@ -162,6 +165,7 @@ impl DecoderConfig {
             residency: Residency::Host,
             pca_index: false,
             block_tables: false,
+            options: fathom_cuda::cache::CacheOptions::default(),
         }
     }
 
@@ -230,6 +234,7 @@ impl DecoderConfig {
             pca_index: self.pca_index,
             block_tables: self.block_tables,
             host_pages: fathom_cuda::HostPages::Driver,
+            options: self.options,
         };
         Ok(cfg.validate()?)
     }

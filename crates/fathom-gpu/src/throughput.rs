@@ -7,6 +7,7 @@
 
 use fathom_cuda::cache::AttendMethod;
 use fathom_cuda::pages::SessionId;
+use fathom_cuda::prelude::*;
 use fathom_model::LayerKind;
 use fathom_results::decode_bench::{DecodeBenchEntry, StageSplit};
 

@@ -8,6 +8,7 @@
 //! CI); `FATHOM_REQUIRE_GPU=1` turns either skip into a failure.
 
 use fathom_cuda::cache::AttendMethod;
+use fathom_cuda::prelude::*;
 use fathom_cuda::{CudaError, Gpu, Method};
 use fathom_gpu::parity::{max_abs_diff, NOISE_FACTOR};
 use fathom_gpu::{Attention, Decoder, DecoderConfig, GpuDecoder, GpuError};

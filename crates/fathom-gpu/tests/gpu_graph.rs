@@ -9,6 +9,7 @@
 //! into a failure.
 
 use fathom_cuda::cache::AttendMethod;
+use fathom_cuda::prelude::*;
 use fathom_cuda::{CudaError, Gpu, Residency};
 use fathom_gpu::{Attention, Decoder, DecoderConfig, GpuDecoder, GpuError};
 use fathom_model::{Arch, Config, LayerKind, RopeStyle};

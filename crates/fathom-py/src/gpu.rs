@@ -17,6 +17,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
 
 use fathom_cuda::cache::{AppendBatch, AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows};
+use fathom_cuda::memory::{DeviceView, DeviceViewMut};
+use fathom_cuda::prelude::*;
 use fathom_cuda::pages::{PageConfig, SessionId};
 use fathom_cuda::{Gpu, ModelShape, PagedCache, Residency};
 
@@ -314,7 +316,7 @@ fn gpu_err(e: fathom_cuda::CudaError) -> PyErr {
 #[pymethods]
 impl GpuCache {
     #[new]
-    #[pyo3(signature = (layers, kv_heads, group, dim, max_sessions, max_tokens, pages=None, page_tokens=2048, max_batch=None, max_k=512, row_cache=0, residency="host", device=0, pca_index=false, block_tables=false))]
+    #[pyo3(signature = (layers, kv_heads, group, dim, max_sessions, max_tokens, pages=None, page_tokens=2048, max_batch=None, max_k=512, row_cache=0, residency="host", device=0, pca_index=false, block_tables=false, select_path="scores", attend_groups=1, scan_vector_words=1, host_gather=0, host_gather_share=100, stage_timing=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -332,7 +334,15 @@ impl GpuCache {
         device: i32,
         pca_index: bool,
         block_tables: bool,
+        select_path: &str,
+        attend_groups: usize,
+        scan_vector_words: u32,
+        host_gather: usize,
+        host_gather_share: u32,
+        stage_timing: bool,
     ) -> PyResult<Self> {
+        let select =
+            fathom_cuda::cache::SelectPath::parse(select_path).map_err(|e| bad("select_path", e))?;
         let residency = match residency {
             "host" => Residency::Host,
             "hbm" => Residency::Hbm,
@@ -365,6 +375,14 @@ impl GpuCache {
             pca_index,
             block_tables,
             host_pages: fathom_cuda::HostPages::Driver,
+            options: fathom_cuda::cache::CacheOptions {
+                select,
+                attend_groups,
+                scan_vector_words,
+                host_gather_threads: host_gather,
+                host_gather_share,
+                stage_timing,
+            },
         };
         // Limits first: a bad one is a ValueError before the device is opened.
         let cfg = cfg.validate().map_err(lib_err)?;
@@ -478,75 +496,40 @@ impl GpuCache {
         Ok((r.rows, r.hits))
     }
 
-    /// How attends take the top-k: `scores`, `N` or `N+scores` (docs/SPEC.md §5).
-    fn set_select_path(&mut self, path: &str) -> PyResult<()> {
-        let p = fathom_cuda::cache::SelectPath::parse(path).map_err(|e| bad("path", e))?;
-        self.cache.set_select_path(p).map_err(gpu_err)
-    }
-
     /// The select setting's label (`scores` or `filtered>=N`, `+scores` when kept).
     #[getter]
     fn select_path(&self) -> String {
-        self.cache.select_path().label()
+        self.cache.config().options.select.label()
     }
 
-    /// Head groups per attend (1..=kv_heads), pipelined over two streams; the same outputs
-    /// for every setting.
-    fn set_attend_groups(&mut self, groups: usize) -> PyResult<()> {
-        self.cache.set_attend_groups(groups).map_err(gpu_err)
-    }
-
-    /// The head-group setting.
+    /// Head groups per attend (fixed when the cache was made).
     #[getter]
     fn attend_groups(&self) -> usize {
-        self.cache.attend_groups()
+        self.cache.config().options.attend_groups
     }
 
-    /// Plane words per global load of the scan: 1 (8 bytes) or 2 (16 bytes); the same outputs.
-    fn set_scan_vector_words(&mut self, words: u32) -> PyResult<()> {
-        self.cache.set_scan_vector_words(words).map_err(gpu_err)
-    }
-
-    /// The scan-load setting.
+    /// Plane words per global load of the scan (fixed when the cache was made).
     #[getter]
     fn scan_vector_words(&self) -> u32 {
-        self.cache.scan_vector_words()
+        self.cache.config().options.scan_vector_words
     }
 
-    /// CPU threads that serve the row fetch's misses through pinned staging (0: off, the
-    /// default; the same outputs; docs/SPEC.md §6.1 "Host gather").
-    fn set_host_gather(&mut self, threads: usize) -> PyResult<()> {
-        self.cache.set_host_gather(threads).map_err(gpu_err)
-    }
-
-    /// The host-gather setting (threads; 0 when off).
+    /// The host gather's threads (0: off; fixed when the cache was made).
     #[getter]
     fn host_gather(&self) -> usize {
-        self.cache.host_gather()
+        self.cache.config().options.host_gather_threads
     }
 
-    /// Percent of the misses the host gather brings (1 to 100, default 100) while the fetch
-    /// reads the rest itself, at once (the same outputs).
-    fn set_host_gather_share(&mut self, percent: u32) -> PyResult<()> {
-        self.cache.set_host_gather_share(percent).map_err(gpu_err)
-    }
-
-    /// The host-gather share, in percent.
+    /// The host-gather share, in percent (fixed when the cache was made).
     #[getter]
     fn host_gather_share(&self) -> u32 {
-        self.cache.host_gather_share()
+        self.cache.config().options.host_gather_share
     }
 
-    /// Splits each attend's GPU time by stage with CUDA events (off by default; the same
-    /// outputs; docs/SPEC.md §6.1 "Stage timing").
-    fn set_stage_timing(&mut self, on: bool) {
-        self.cache.set_stage_timing(on)
-    }
-
-    /// The stage-timing setting.
+    /// Whether attends are split by stage (fixed when the cache was made).
     #[getter]
     fn stage_timing(&self) -> bool {
-        self.cache.stage_timing()
+        self.cache.config().options.stage_timing
     }
 
     /// `(attends split, attends untimed, [ms per stage in the order plan, scan, topk, union,
@@ -574,11 +557,17 @@ impl GpuCache {
         if kd != vd {
             return Err(bad("v", format!("has dtype {vd:?}, k has {kd:?}")));
         }
-        let kv = KvRows {
-            k: kp,
-            v: vp,
-            dtype: kd,
-            rows: shape[0],
+        let n = shape.iter().product();
+        // SAFETY: `cuda_tensor` checked both are CUDA tensors of this device with exactly
+        // `shape` (contiguous) of dtype `kd`; the DLPack handles keep them alive until this
+        // call returns, and the cache's work on them is ordered before `stream`'s next work
+        // (`signal` below), as torch's caching allocator requires.
+        let kv = unsafe {
+            KvRows {
+                k: DeviceView::from_raw(kp, n, kd),
+                v: DeviceView::from_raw(vp, n, kd),
+                rows: shape[0],
+            }
         };
         // SAFETY: `stream` is the caller's stream of this device's context (the Python wrapper
         // passes torch's current stream, or the caller's own).
@@ -620,7 +609,17 @@ impl GpuCache {
         )?;
         let (op, _, _oh) = cuda_tensor("out", out, stream, self.device, &shape, &["float32"])?;
         let params = fathom_plan::SelectParams { sink, local, k };
-        let qr = QueryRows { q: qp, dtype: qd };
+        let n = shape.iter().product();
+        // SAFETY: as in `append`: both checked CUDA tensors of this device, `shape`, alive for
+        // the call, the work ordered before `stream`'s next; `out` is written in place.
+        let (qr, ov) = unsafe {
+            (
+                QueryRows {
+                    q: DeviceView::from_raw(qp, n, qd),
+                },
+                DeviceViewMut::from_raw(op, n, KvDtype::F32),
+            )
+        };
         if let AttendMethod::Scan(mm) = m {
             self.cache.prepare(mm).map_err(gpu_err)?;
         }
@@ -628,7 +627,7 @@ impl GpuCache {
         // SAFETY: as in `append`.
         unsafe { self.cache.follow(stream) }.map_err(gpu_err)?;
         self.cache
-            .attend(&batch.inner, layer, m, &params, &qr, op)
+            .attend(&batch.inner, layer, m, &params, &qr, ov)
             .map_err(gpu_err)?;
         // SAFETY: as above.
         unsafe { self.cache.signal(stream) }.map_err(gpu_err)

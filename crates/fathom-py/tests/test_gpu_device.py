@@ -142,25 +142,22 @@ def test_mismatches_raise_value_errors_and_launch_nothing():
 
 def test_select_paths_head_groups_and_scan_loads_change_no_output():
     """Every select path, head-group and scan-load setting gives the default's output bit for
-    bit; bad settings are errors that change nothing."""
+    bit; a bad setting is an error before any allocation."""
     torch.manual_seed(3)
     L, hkv, g, d, n = 1, 4, 2, 64, 3000
+    shape = dict(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=1, max_tokens=4096, max_k=64)
     caches = []
     for path, groups, words in [("scores", 1, 1), ("256", 1, 1), ("256+scores", 2, 2), ("scores", 4, 2)]:
-        c = fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=1, max_tokens=4096, max_k=64)
-        c.set_select_path(path)
-        c.set_attend_groups(groups)
-        c.set_scan_vector_words(words)
+        c = fg.GpuCache(**shape, select_path=path, attend_groups=groups, scan_vector_words=words)
         assert (c.attend_groups, c.scan_vector_words) == (groups, words)
         caches.append(c)
     assert caches[1].select_path == "filtered>=256" and caches[0].select_path == "scores"
     with pytest.raises(fathom.FathomError, match="attend groups"):
-        caches[0].set_attend_groups(5)
+        fg.GpuCache(**shape, attend_groups=5)
     with pytest.raises(ValueError, match="path"):
-        caches[0].set_select_path("8k")
+        fg.GpuCache(**shape, select_path="8k")
     with pytest.raises(fathom.FathomError, match="scan vector words"):
-        caches[0].set_scan_vector_words(3)
-    assert caches[0].attend_groups == 1 and caches[0].select_path == "scores"
+        fg.GpuCache(**shape, scan_vector_words=3)
     k = torch.randn(n, hkv, d, device="cuda")
     v = torch.randn(n, hkv, d, device="cuda")
     batches = fill_alike(caches, k, v)
@@ -173,12 +170,11 @@ def test_select_paths_head_groups_and_scan_loads_change_no_output():
 
 def test_stage_timing_splits_attends_and_changes_no_output():
     """With stage timing on, an attend gives the same output and reports one split attend
-    whose stages are all positive (a scan method); turning it off drops what was not read."""
+    whose stages are all positive (a scan method); reading the times starts afresh."""
     torch.manual_seed(4)
     L, hkv, g, d, n = 1, 2, 2, 64, 3000
     caches = [fg.GpuCache(layers=L, kv_heads=hkv, group=g, dim=d, max_sessions=1,
-                          max_tokens=4096, max_k=64) for _ in range(2)]
-    caches[1].set_stage_timing(True)
+                          max_tokens=4096, max_k=64, stage_timing=timed) for timed in (False, True)]
     assert caches[1].stage_timing and not caches[0].stage_timing
     k = torch.randn(n, hkv, d, device="cuda")
     v = torch.randn(n, hkv, d, device="cuda")
@@ -190,8 +186,6 @@ def test_stage_timing_splits_attends_and_changes_no_output():
     assert st["attends"] == 1 and st["untimed"] == 0, st
     assert all(st[s] > 0 for s in fg.GpuCache.STAGES), st
     assert caches[0].stage_times()["attends"] == 0
-    caches[1].attend(batches[1], 0, "exact", q, torch.empty_like(q), k=64)
-    caches[1].set_stage_timing(False)
     assert caches[1].stage_times()["attends"] == 0
 
 

@@ -352,7 +352,7 @@ pub fn offload_step(inp: &Inputs, s: &mut String) {
             "device results of this run"
         };
         s.push_str(match v.engine {
-            OffloadEngine::Step => "The benchmark step (`--engine step`): it attends each query head over its KV head's whole union of winners (the rows that cross the link either way), not over its own selected set as docs/SPEC.md §5 does; the timings stand, the step's outputs are not the fidelity protocol's. ",
+            OffloadEngine::Step => "**Retired engine (history).** These results come from the fixed benchmark step (`--engine step`), an engine since retired: `fathom offload-bench` now times only the library's paged cache, and no current version re-measures them. The step attends each query head over its KV head's whole union of winners (the rows that cross the link either way), not over its own selected set as docs/SPEC.md §5 does; the timings stand, the step's outputs are not the fidelity protocol's. ",
             OffloadEngine::Cache => "The library path (`--engine cache`, `fathom_cuda::PagedCache`): sessions prefilled by appends, one token appended per session every step, each query head attending over its own set (docs/SPEC.md §5); a context is the sum of the batch's session lengths, and where the pools of every layer do not fit the host-memory budget fewer layers are timed (the JSON's notes say how many; every layer is the same work, so the ratios hold, the milliseconds are of those layers). ",
         });
         s.push_str(&format!(

@@ -177,8 +177,13 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                     Document::OffloadBench(d) => inp.others.push((
                         path.clone(),
                         format!(
-                            "offload-bench, study `{}` (not judged against the targets): `{}`",
+                            "offload-bench, study `{}`{} (not judged against the targets): `{}`",
                             d.study.as_str(),
+                            if d.engine.is_retired() {
+                                format!(", {} (history)", d.engine.label())
+                            } else {
+                                String::new()
+                            },
                             d.command
                         ),
                     )),

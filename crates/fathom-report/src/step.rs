@@ -190,7 +190,12 @@ pub fn setting_words(v: &OffloadBench, r: &BenchResult) -> String {
             }
         }
         OffloadEngine::Step => {
-            format!("groups {}, gather CTAs {}", r.groups, r.gather_ctas)
+            format!(
+                "groups {}, gather CTAs {} ({})",
+                r.groups,
+                r.gather_ctas,
+                OffloadEngine::Step.label()
+            )
         }
     }
 }

@@ -412,3 +412,33 @@ fn offload_rounds_give_one_row_with_an_interval_and_an_interval_verdict() {
     let md = render(dir.path(), None);
     assert!(md.contains("misses the 2.3× target at 2.20×"), "{md}");
 }
+
+/// A committed offload file of the retired benchmark step engine (one that predates the
+/// `engine` field, so it reads as the step's) stays readable and renders as history: labelled
+/// as a retired engine's wherever it appears.
+#[test]
+fn a_retired_step_engine_file_renders_as_history() {
+    use fathom_results::offload::BenchResult;
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = BenchResult {
+        context: 1 << 18,
+        residency: "host".into(),
+        method: "fathom:48".into(),
+        groups: 1,
+        gpu_ms: 10.0,
+        ..Default::default()
+    };
+    r.speedup_vs_136.insert("sparq:32".into(), 2.0);
+    let path = dir.path().join("step.json");
+    fathom_results::write(&path, offload_doc("/x/fathom offload-bench", vec![r])).unwrap();
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert!(doc.as_object_mut().unwrap().remove("engine").is_some());
+    std::fs::write(&path, doc.to_string()).unwrap();
+    let md = render(dir.path(), None);
+    assert!(md.contains("**Retired engine (history).**"), "{md}");
+    assert!(
+        md.contains("| 262144 | host | groups 1, gather CTAs 0 (retired benchmark step engine) |"),
+        "{md}"
+    );
+}

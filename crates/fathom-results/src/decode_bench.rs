@@ -114,18 +114,18 @@ pub struct DecodeBench {
     /// memory could not be read).
     #[serde(default)]
     pub capacity: Option<Capacity>,
-    /// Head groups per attend (`PagedCache::set_attend_groups`); 0 in older runs (one group).
+    /// Head groups per attend (`CacheOptions::attend_groups`); 0 in older runs (one group).
     #[serde(default)]
     pub attend_groups: usize,
-    /// Plane words per scan load (`PagedCache::set_scan_vector_words`); 0 in older runs (one).
+    /// Plane words per scan load (`CacheOptions::scan_vector_words`); 0 in older runs (one).
     #[serde(default)]
     pub scan_vector_words: u32,
-    /// CPU threads of the host gather (`PagedCache::set_host_gather`); 0 (the GPU read the
+    /// CPU threads of the host gather (`CacheOptions::host_gather_threads`); 0 (the GPU read the
     /// row fetch's misses) in older runs.
     #[serde(default)]
     pub host_gather: usize,
     /// Percent of the row fetch's misses the host gather brought
-    /// (`PagedCache::set_host_gather_share`); 100 in older runs and with the gather off.
+    /// (`CacheOptions::host_gather_share`); 100 in older runs and with the gather off.
     #[serde(default = "all_misses")]
     pub host_gather_share: u32,
     /// cuBLAS math mode of the forward (`fathom_gpu::cublas_math`: `default`, or `pedantic`

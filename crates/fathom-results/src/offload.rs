@@ -152,11 +152,11 @@ pub struct BenchResult {
     #[serde(default)]
     pub round: usize,
     /// Cache engine: CPU threads of the host gather that served the row fetch's misses
-    /// (`PagedCache::set_host_gather`, docs/SPEC.md §6.1); 0 (the GPU read them) in older runs.
+    /// (`CacheOptions::host_gather_threads`, docs/SPEC.md §6.1); 0 (the GPU read them) in older runs.
     #[serde(default)]
     pub host_gather: usize,
     /// Cache engine with the host gather: the percent of the misses it brought while the
-    /// fetch read the rest (`PagedCache::set_host_gather_share`); 100 in older runs and with
+    /// fetch read the rest (`CacheOptions::host_gather_share`); 100 in older runs and with
     /// the gather off.
     #[serde(default = "all_misses")]
     pub host_gather_share: u32,
@@ -280,7 +280,8 @@ pub struct OffloadBench {
     pub results: Vec<BenchResult>,
     /// Notes on what is simulated or reused.
     pub notes: Vec<String>,
-    /// The path that was timed (files before the cache engine timed the benchmark step).
+    /// The path that was timed (files before the cache engine timed the benchmark step, an
+    /// engine since retired: [`OffloadEngine::is_retired`]).
     #[serde(default)]
     pub engine: OffloadEngine,
 }
@@ -289,15 +290,35 @@ pub struct OffloadBench {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OffloadEngine {
-    /// The fixed benchmark step (`fathom_cuda::Session`): sessions filled from their
-    /// sources, a batch laid out as B·Hkv KV heads of one length, each query head attending
-    /// over its KV head's whole union.
+    /// Retired: the fixed benchmark step (`fathom_cuda::Session` of earlier versions), sessions
+    /// filled from their sources, a batch laid out as B·Hkv KV heads of one length, each query
+    /// head attending over its KV head's whole union. No version measures it any more; its
+    /// committed files stay readable as history (and are the default of files that predate
+    /// the `engine` field).
     #[default]
     Step,
     /// The library path a model drives (`fathom_cuda::PagedCache`): sessions prefilled by
     /// appends, one token appended per session every step, each query head attending over its
     /// own set.
     Cache,
+}
+
+impl OffloadEngine {
+    /// Whether the engine is retired: its results are history that no current version
+    /// re-measures, and every rendering labels them so.
+    #[must_use]
+    pub fn is_retired(self) -> bool {
+        matches!(self, OffloadEngine::Step)
+    }
+
+    /// The engine's name in renderings: `paged cache`, or `retired benchmark step engine`.
+    #[must_use]
+    pub fn label(self) -> &'static str {
+        match self {
+            OffloadEngine::Step => "retired benchmark step engine",
+            OffloadEngine::Cache => "paged cache",
+        }
+    }
 }
 
 /// What an offload run is for.

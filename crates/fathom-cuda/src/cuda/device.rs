@@ -1,6 +1,5 @@
 //! The GPU: context, streams, the kernel-module cache, events and the link probes.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -9,27 +8,36 @@ use cudarc::driver::{result, CudaContext, CudaModule, CudaStream, LaunchConfig, 
 use rayon::prelude::*;
 
 use super::drv;
-use super::memory::{anon_huge_bytes, stream_upload, DevBuf, HostBuf};
-use super::module::{compile_all, Kernels};
+use super::memory::{stream_upload, DevBuf, HostBuf};
+use super::module::{compile_one, Kernels, KERNELS};
+use crate::config::anon_huge_bytes;
 use crate::config::HostPages;
 use crate::error::{CudaError, Result};
-use crate::step_layout::Run;
 use crate::types::{DeviceInfo, RowRate, RowSweep};
 
 /// Bytes per CTA of the gather kernel.
-pub(crate) const GATHER_CHUNK: u64 = 128 << 10;
+const GATHER_CHUNK: u64 = 128 << 10;
 /// Threads per CTA of the gather kernel.
-pub(crate) const GATHER_THREADS: u32 = 512;
+const GATHER_THREADS: u32 = 512;
 
 /// A CUDA device with its stream and a cache of NVRTC-compiled modules.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
-    pub(crate) copy_stream: Arc<CudaStream>,
     info: DeviceInfo,
     arch: &'static str,
-    modules: Mutex<HashMap<(usize, usize), Arc<Kernels>>>,
+    kernels: Mutex<Option<Arc<Kernels>>>,
 }
+
+/// One entry of the gather's run list (`struct Run` in common.cuh): a byte range at the same
+/// offset of its source and its destination.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub(crate) off: u64,
+    pub(crate) len: u64,
+}
+const _: () = assert!(std::mem::size_of::<Run>() == 16);
 
 /// The row sweep's access patterns and, for pairs, the distance of a pair's second row from its
 /// first (a random 4 KiB-aligned offset): back to back, independent random rows, and random
@@ -77,7 +85,7 @@ impl Gpu {
     /// # Errors
     /// [`CudaError::NoDevice`] when the driver library is missing, fails to initialise or has
     /// no such device (with the driver's message).
-    pub fn open(ordinal: usize) -> Result<Self> {
+    pub(crate) fn open(ordinal: usize) -> Result<Self> {
         driver_library_present().map_err(|message| CudaError::NoDevice { message })?;
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|p| CudaError::NoDevice {
@@ -111,31 +119,17 @@ impl Gpu {
             driver_version,
             arch: arch.to_string(),
         };
-        // The gather stream gets the highest priority, so that pipelined gathers keep the
-        // link busy while compute kernels of earlier head groups run.
-        let (_, greatest) = {
-            let (mut lo, mut hi) = (0i32, 0i32);
-            // SAFETY: writes two ints.
-            unsafe { sys::cuCtxGetStreamPriorityRange(&mut lo, &mut hi) }
-                .result()
-                .map_err(drv("cuCtxGetStreamPriorityRange"))?;
-            (lo, hi)
-        };
-        let copy_stream = ctx
-            .new_stream_with_priority(greatest)
-            .map_err(drv("new_stream_with_priority"))?;
         Ok(Gpu {
             ctx,
             stream,
-            copy_stream,
             info,
             arch,
-            modules: Mutex::new(HashMap::new()),
+            kernels: Mutex::new(None),
         })
     }
 
     /// The device description.
-    pub fn info(&self) -> &DeviceInfo {
+    pub(crate) fn info(&self) -> &DeviceInfo {
         &self.info
     }
 
@@ -171,36 +165,21 @@ impl Gpu {
         self.arch
     }
 
-    pub(crate) fn kernels(&self, g: usize, d: usize) -> Result<Arc<Kernels>> {
-        let mut cache = self.modules.lock().expect("module cache poisoned");
-        if let Some(k) = cache.get(&(g, d)) {
+    /// The device's own kernels, compiled and loaded at first use.
+    pub(crate) fn kernels(&self) -> Result<Arc<Kernels>> {
+        let mut cache = self.kernels.lock().expect("kernel cache poisoned");
+        if let Some(k) = cache.as_ref() {
             return Ok(k.clone());
         }
-        let mut mods: HashMap<&'static str, Arc<CudaModule>> = HashMap::new();
-        for (name, ptx) in compile_all(self.arch, g, d)? {
-            let m = self.ctx.load_module(ptx).map_err(drv("load_module"))?;
-            mods.insert(name, m);
-        }
-        let f = |m: &str, n: &str| mods[m].load_function(n).map_err(drv("load_function"));
+        let (name, src) = KERNELS[1];
+        let ptx = compile_one(self.arch, name, src, Vec::new())?;
+        let m = self.ctx.load_module(ptx).map_err(drv("load_module"))?;
         let k = Arc::new(Kernels {
-            fathom_plan: f("plan.cu", "fathom_plan")?,
-            sparq_plan: f("plan.cu", "sparq_plan")?,
-            gather_runs: f("gather.cu", "gather_runs")?,
-            scan_planes: f("scan.cu", "scan_planes")?,
-            scan_landmark: f("scan.cu", "scan_landmark")?,
-            scan_quest: f("scan.cu", "scan_quest")?,
-            topk_hist: f("topk.cu", "topk_hist")?,
-            topk_select: f("topk.cu", "topk_select")?,
-            topk_collect: f("topk.cu", "topk_collect")?,
-            topk_finish: f("topk.cu", "topk_finish")?,
-            topk_union: f("topk.cu", "topk_union")?,
-            rows_gather: f("rows.cu", "rows_gather")?,
-            rows_claim: f("rows.cu", "rows_claim")?,
-            rows_fill: f("rows.cu", "rows_fill")?,
-            attn_partial: f("attention.cu", "attn_partial")?,
-            attn_combine: f("attention.cu", "attn_combine")?,
+            gather_runs: m
+                .load_function("gather_runs")
+                .map_err(drv("load_function"))?,
         });
-        cache.insert((g, d), k.clone());
+        *cache = Some(k.clone());
         Ok(k)
     }
 
@@ -223,7 +202,7 @@ impl Gpu {
     ///
     /// # Errors
     /// Allocation or driver failures.
-    pub fn h2d_bandwidth(&self, bytes: usize) -> Result<f64> {
+    pub(crate) fn h2d_bandwidth(&self, bytes: usize) -> Result<f64> {
         let mut h = HostBuf::new(bytes, "H2D bandwidth source")?;
         h.as_mut_bytes()
             .par_chunks_mut(1 << 20)
@@ -255,8 +234,8 @@ impl Gpu {
     ///
     /// # Errors
     /// Allocation, compile or driver failures.
-    pub fn gather_bandwidth(&self, bytes: usize) -> Result<f64> {
-        let k = self.kernels(1, 128)?;
+    pub(crate) fn gather_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let k = self.kernels()?;
         let mut h = HostBuf::new(bytes, "gather bandwidth source")?;
         h.as_mut_bytes()
             .par_chunks_mut(1 << 20)
@@ -287,14 +266,14 @@ impl Gpu {
     /// # Errors
     /// A run length that is zero or not a multiple of 16; allocation, compile or driver
     /// failures.
-    pub fn gather_run_bandwidth(&self, run_bytes: usize, total_bytes: usize) -> Result<f64> {
+    pub(crate) fn gather_run_bandwidth(&self, run_bytes: usize, total_bytes: usize) -> Result<f64> {
         if run_bytes == 0 || run_bytes % 16 != 0 || total_bytes < run_bytes {
             return Err(CudaError::invalid(
                 "run_bytes",
                 format!("{run_bytes} (want a positive multiple of 16 ≤ {total_bytes})"),
             ));
         }
-        let k = self.kernels(1, 128)?;
+        let k = self.kernels()?;
         let nruns = total_bytes / run_bytes;
         let span = nruns * run_bytes * 2;
         let mut h = HostBuf::new(span, "gather sweep source")?;
@@ -330,7 +309,7 @@ impl Gpu {
     /// # Errors
     /// [`CudaError::Invalid`] for a row size that is not a positive multiple of 16, an
     /// empty list or a span shorter than a row; allocation, compile or driver failures.
-    pub fn row_gather_sweep(
+    pub(crate) fn row_gather_sweep(
         &self,
         pages: HostPages,
         row_bytes: usize,
@@ -357,7 +336,7 @@ impl Gpu {
                 format!("every span must hold a row of {row_bytes} bytes and every row count be positive"),
             ));
         }
-        let k = self.kernels(1, 128)?;
+        let k = self.kernels()?;
         let before = anon_huge_bytes();
         let t0 = std::time::Instant::now();
         let h = HostBuf::with_pages(max_span, "row sweep source", pages, |b| {

@@ -8,7 +8,7 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 use rayon::prelude::*;
 
 use super::drv;
-use crate::config::{HostPages, Residency};
+use crate::config::HostPages;
 use crate::error::{CudaError, Result};
 
 /// Device memory (`cuMemAlloc`), freed on drop.
@@ -356,13 +356,16 @@ impl Drop for HostBuf {
     }
 }
 
-/// Bytes of this process's memory that transparent huge pages back (`AnonHugePages` of
-/// `/proc/self/smaps_rollup`); `None` where the file is absent (not Linux, old kernels).
-pub(crate) fn anon_huge_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
-    let line = s.lines().find(|l| l.starts_with("AnonHugePages:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+/// Views 8-aligned bytes as `T`s.
+pub(crate) fn cast_mut<T>(b: &mut [u8]) -> &mut [T] {
+    let n = b.len() / std::mem::size_of::<T>();
+    assert_eq!(
+        b.as_ptr() as usize % std::mem::align_of::<T>(),
+        0,
+        "unaligned buffer"
+    );
+    // SAFETY: alignment checked; T is a plain integer/half type valid for any bits.
+    unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, n) }
 }
 
 /// A session buffer in host (mapped) or device memory.
@@ -377,45 +380,6 @@ impl Mem {
         match self {
             Mem::Host(h) => h.dptr,
             Mem::Dev(d) => d.ptr,
-        }
-    }
-    /// Allocates `bytes` where `residency` says and fills them with `fill` (run on an 8-aligned
-    /// host buffer: the pinned memory itself, or a staging vector copied to the device).
-    pub(crate) fn filled(
-        residency: Residency,
-        bytes: usize,
-        what: &'static str,
-        fill: impl FnOnce(&mut [u8]),
-    ) -> Result<Self> {
-        match residency {
-            Residency::IndexHbm => Err(CudaError::invalid(
-                "residency",
-                "index-hbm is the paged cache's split residency (PagedCache); the step engine takes host or hbm",
-            )),
-            Residency::Host => {
-                let mut h = HostBuf::new(bytes, what)?;
-                fill(&mut h.as_mut_bytes()[..bytes]);
-                Ok(Mem::Host(h))
-            }
-            Residency::Hbm => {
-                // Device memory first (a typed `DeviceOom` before any host work), then a
-                // fallible staging vector (a typed `HostAlloc` instead of an abort).
-                let dev = DevBuf::new(bytes, what)?;
-                let words = bytes.div_ceil(8);
-                let mut v: Vec<u64> = Vec::new();
-                v.try_reserve_exact(words)
-                    .map_err(|_| CudaError::HostAlloc {
-                        what,
-                        bytes: bytes as u64,
-                    })?;
-                v.resize(words, 0);
-                // SAFETY: reinterpreting initialised u64s as bytes (no padding, align 1).
-                let b = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, bytes) };
-                fill(b);
-                // SAFETY: `dev` holds `bytes` bytes.
-                unsafe { sync_upload(dev.ptr, &b[..]) }?;
-                Ok(Mem::Dev(dev))
-            }
         }
     }
 }
@@ -452,4 +416,9 @@ pub(crate) unsafe fn stream_upload<T>(
 ) -> Result<()> {
     // SAFETY: the caller guarantees the destination.
     unsafe { result::memcpy_htod_async(dst, src, stream) }.map_err(drv(what))
+}
+
+/// Waits for every stream of the current context.
+pub(crate) fn sync_context() -> Result<()> {
+    result::ctx::synchronize().map_err(drv("synchronize"))
 }

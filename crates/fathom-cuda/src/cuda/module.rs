@@ -1,5 +1,5 @@
 //! NVRTC: every kernel source compiled at run time for the device's architecture, and the
-//! benchmark step's kernel table.
+//! table of the device's own kernels (the zero-copy gather of the link probes).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -7,36 +7,19 @@ use std::sync::{Mutex, OnceLock};
 use cudarc::driver::CudaFunction;
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
-use crate::config::{STEP_LOCAL, STEP_SINK};
 use crate::error::{CudaError, Result};
 
 const COMMON: &str = include_str!("../../kernels/common.cuh");
-pub(crate) const KERNELS: [(&str, &str); 6] = [
+/// The sources compiled at `-DGQ=<G> -DDIM=<D>` besides the paged cache's own (`append.cu`,
+/// `attend.cu`): the plan kernels the cache loads, and the gather of the link probes.
+pub(crate) const KERNELS: [(&str, &str); 2] = [
     ("plan.cu", include_str!("../../kernels/plan.cu")),
     ("gather.cu", include_str!("../../kernels/gather.cu")),
-    ("scan.cu", include_str!("../../kernels/scan.cu")),
-    ("topk.cu", include_str!("../../kernels/topk.cu")),
-    ("rows.cu", include_str!("../../kernels/rows.cu")),
-    ("attention.cu", include_str!("../../kernels/attention.cu")),
 ];
 
+/// The device's own kernels: the zero-copy gather that the link probes time.
 pub(crate) struct Kernels {
-    pub(crate) fathom_plan: CudaFunction,
-    pub(crate) sparq_plan: CudaFunction,
     pub(crate) gather_runs: CudaFunction,
-    pub(crate) scan_planes: CudaFunction,
-    pub(crate) scan_landmark: CudaFunction,
-    pub(crate) scan_quest: CudaFunction,
-    pub(crate) topk_hist: CudaFunction,
-    pub(crate) topk_select: CudaFunction,
-    pub(crate) topk_collect: CudaFunction,
-    pub(crate) topk_finish: CudaFunction,
-    pub(crate) topk_union: CudaFunction,
-    pub(crate) rows_gather: CudaFunction,
-    pub(crate) rows_claim: CudaFunction,
-    pub(crate) rows_fill: CudaFunction,
-    pub(crate) attn_partial: CudaFunction,
-    pub(crate) attn_combine: CudaFunction,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -102,18 +85,13 @@ pub(crate) fn compile_all(
 ) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>> {
     let mut out = Vec::new();
     for (name, src) in KERNELS {
-        let o = vec![
-            format!("-DGQ={g}"),
-            format!("-DDIM={d}"),
-            format!("-DSINK={STEP_SINK}"),
-            format!("-DLOCAL={STEP_LOCAL}"),
-        ];
+        let o = vec![format!("-DGQ={g}"), format!("-DDIM={d}")];
         out.push((name, compile_one(arch, name, src, o)?));
     }
     let append = compile_one(
         arch,
         "append.cu",
-        crate::cuda_cache::APPEND_SRC,
+        crate::cuda::cache::APPEND_SRC,
         vec![format!("-DDIM={d}")],
     )?;
     out.push(("append.cu", append));
@@ -123,7 +101,7 @@ pub(crate) fn compile_all(
             compile_one(
                 arch,
                 "attend.cu",
-                crate::cuda_cache::ATTEND_SRC,
+                crate::cuda::cache::ATTEND_SRC,
                 attend_defines(g, d),
             )?,
         ));

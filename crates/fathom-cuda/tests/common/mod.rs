@@ -1,5 +1,6 @@
 //! What every device test shares.
 
+use fathom_cuda::prelude::*;
 use fathom_cuda::{CudaError, Gpu};
 
 /// The GPU, or `None` (printing why) when there is no GPU path, as on CI; with

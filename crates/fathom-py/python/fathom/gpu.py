@@ -54,23 +54,47 @@ class GpuCache:
     split (``"index-hbm"``: the bit planes and scales in HBM, the K|V records in host memory, so
     only the fetched rows cross the link). ``pca_index=True`` keeps the second index that
     ``loki:R`` scans (its basis, the calibration's ``loki``, is loaded before a layer's first
-    append); ``block_tables=True`` keeps the tables ``landmark`` and ``quest`` read."""
+    append); ``block_tables=True`` keeps the tables ``landmark`` and ``quest`` read.
+
+    How attends run is fixed here too; every setting gives the same outputs (docs/SPEC.md
+    §6.1):
+
+    - ``select_path``: ``"scores"`` (the default: the scan writes every score), ``"N"`` (the
+      filtered select from N middle tokens: only the tokens above an estimate of the k-th
+      score are kept, a failed row rescans) or ``"N+scores"`` (filtered, scores kept for
+      failed rows); measured on the H200, neither filtered setting is faster than ``"scores"``;
+    - ``attend_groups``: head groups per attend (1 to ``kv_heads``): the cache's stream scans
+      group i + 1 while a second stream runs group i's top-k, union, row fetch and attention;
+    - ``scan_vector_words``: plane words per global load of the scan, 1 (8 bytes) or 2;
+    - ``host_gather``: CPU threads that copy the row fetch's missed K|V records into pinned
+      staging the GPU reads in order (0, the default: the GPU reads each record itself), and
+      ``host_gather_share``, the percent of the misses they bring (1 to 100) while the fetch
+      reads the rest; on the lent H200 host 14 threads at 50 % make the 1M step 5 % shorter;
+    - ``stage_timing``: one CUDA event after each stage of every attend, read by
+      :meth:`stage_times` (attends inside a CUDA graph capture or with head groups are
+      counted as untimed)."""
 
     def __init__(self, layers: int, kv_heads: int, group: int, dim: int, max_sessions: int,
                  max_tokens: int, pages: Optional[int] = None, page_tokens: int = 2048,
                  max_batch: Optional[int] = None, max_k: int = 512, row_cache: int = 0,
                  residency: str = "host", device: int = 0, pca_index: bool = False,
-                 block_tables: bool = False):
+                 block_tables: bool = False, select_path: str = "scores",
+                 attend_groups: int = 1, scan_vector_words: int = 1, host_gather: int = 0,
+                 host_gather_share: int = 100, stage_timing: bool = False):
         n = {name: _count(x, name) for name, x in [
             ("layers", layers), ("kv_heads", kv_heads), ("group", group), ("dim", dim),
             ("max_sessions", max_sessions), ("max_tokens", max_tokens),
             ("page_tokens", page_tokens), ("max_k", max_k), ("row_cache", row_cache),
-            ("device", device)]}
+            ("device", device), ("attend_groups", attend_groups),
+            ("scan_vector_words", scan_vector_words), ("host_gather", host_gather),
+            ("host_gather_share", host_gather_share)]}
         self._c = _fathom.GpuCache(
             n["layers"], n["kv_heads"], n["group"], n["dim"], n["max_sessions"],
             n["max_tokens"], None if pages is None else _count(pages, "pages"),
             n["page_tokens"], None if max_batch is None else _count(max_batch, "max_batch"),
-            n["max_k"], n["row_cache"], residency, n["device"], pca_index, block_tables)
+            n["max_k"], n["row_cache"], residency, n["device"], pca_index, block_tables,
+            str(select_path), n["attend_groups"], n["scan_vector_words"], n["host_gather"],
+            n["host_gather_share"], bool(stage_timing))
 
     def create(self) -> Session:
         """A new, empty session."""
@@ -130,57 +154,25 @@ class GpuCache:
         rows, hits = self._c.row_counters()
         return {"rows": rows, "hits": hits, "hit_rate": hits / rows if rows else 0.0}
 
-    def set_select_path(self, path: str) -> None:
-        """How attends take each query head's top-k (docs/SPEC.md §5): ``"scores"`` (the
-        default: the scan writes every score), ``"N"`` (the filtered select from N middle
-        tokens: only the tokens above an estimate of the k-th score are kept, a failed row
-        rescans) or ``"N+scores"`` (filtered, scores kept for failed rows). Exact either way;
-        measured on the H200, neither filtered setting is faster than ``"scores"``."""
-        self._c.set_select_path(path)
-
     @property
     def select_path(self) -> str:
         """The select setting's label."""
         return self._c.select_path
 
-    def set_attend_groups(self, groups: int) -> None:
-        """Splits each attend's KV heads into ``groups`` head groups (1 to ``kv_heads``): the
-        cache's stream scans group i + 1 while a second stream runs group i's top-k, union,
-        row fetch and attention. Outputs are the same bits for every setting."""
-        self._c.set_attend_groups(_count(groups, "groups"))
-
     @property
     def attend_groups(self) -> int:
-        """The head-group setting."""
+        """Head groups per attend."""
         return self._c.attend_groups
-
-    def set_scan_vector_words(self, words: int) -> None:
-        """Plane words per global load of the scan: 1 (8 bytes, the default) or 2 (16 bytes
-        where a page's blocks allow it). Outputs are the same bits either way."""
-        self._c.set_scan_vector_words(_count(words, "words"))
 
     @property
     def scan_vector_words(self) -> int:
-        """The scan-load setting."""
+        """Plane words per scan load."""
         return self._c.scan_vector_words
-
-    def set_host_gather(self, threads: int) -> None:
-        """CPU threads that copy the row fetch's missed K|V records into pinned staging the
-        GPU reads in order (0, the default: the GPU reads each record itself). Outputs are
-        the same bits either way. On the lent H200 host, bringing every miss is not faster;
-        with ``set_host_gather_share(50)`` and 14 threads the 1M step is 5 % shorter
-        (docs/SPEC.md §6.1, "Host gather")."""
-        self._c.set_host_gather(_count(threads, "threads"))
 
     @property
     def host_gather(self) -> int:
-        """The host-gather setting (threads; 0 when off)."""
+        """The host gather's threads (0 when off)."""
         return self._c.host_gather
-
-    def set_host_gather_share(self, percent: int) -> None:
-        """Percent of the misses the host gather brings (1 to 100; 100, the default, is all):
-        the fetch reads the others itself while the threads copy, so the two run at once."""
-        self._c.set_host_gather_share(_count(percent, "percent"))
 
     @property
     def host_gather_share(self) -> int:
@@ -189,16 +181,9 @@ class GpuCache:
 
     STAGES = ("plan", "scan", "topk", "union", "fetch", "attention")
 
-    def set_stage_timing(self, on: bool) -> None:
-        """Splits each attend's GPU time into its stages (plan, scan, top-k, union, row fetch,
-        attention) with one CUDA event after each on the cache's stream; off by default, the
-        same outputs either way. Attends inside a CUDA graph capture or with head groups are
-        counted as untimed (docs/SPEC.md §6.1, "Stage timing")."""
-        self._c.set_stage_timing(bool(on))
-
     @property
     def stage_timing(self) -> bool:
-        """The stage-timing setting."""
+        """Whether attends are split by stage."""
         return self._c.stage_timing
 
     def stage_times(self) -> dict:
