@@ -13,7 +13,7 @@ cd "$(git rev-parse --show-toplevel)"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/tmp/tgt-cuda}
 export RUSTFLAGS="-C target-cpu=x86-64-v3"
 cargo test -q -p fathom-cuda -p fathom-gpu --features fathom-cuda/cuda,fathom-gpu/cuda --release --no-run
-cargo build -q -p fathom-cuda --features cuda --release --example paged_decode --example graph_step --example every_method
+cargo build -q -p fathom-cuda --features cuda --release --example paged_decode --example graph_step --example every_method --example soak
 cargo build -q -p fathom-bench --features cuda --release --example cache_bench --example row_sweep
 cargo build -q --release -p fathom-cli --features cuda
 rm -rf .devbin && mkdir -p .devbin
@@ -22,7 +22,7 @@ for t in fathom_cuda:unit api:api cache_gpu:cache_gpu gpu_forward:gpu_forward gp
   f=$(ls -t "$CARGO_TARGET_DIR"/release/deps/"$src"-* | grep -v '\.d$' | head -1)
   cp "$f" .devbin/"$dst"
 done
-for e in cache_bench paged_decode graph_step every_method row_sweep; do cp "$CARGO_TARGET_DIR"/release/examples/$e .devbin/; done
+for e in cache_bench paged_decode graph_step every_method row_sweep soak; do cp "$CARGO_TARGET_DIR"/release/examples/$e .devbin/; done
 cp "$CARGO_TARGET_DIR"/release/fathom .devbin/
 strip .devbin/*
 if [ -z "${NO_WHEEL:-}" ]; then
