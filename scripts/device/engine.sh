@@ -49,7 +49,7 @@ ab)
   done
   ;;
 gather)
-  # The host gather (PagedCache::set_host_gather, docs/SPEC.md §6.1): its device test (every
+  # The host gather (CacheOptions::host_gather_threads, docs/SPEC.md §6.1): its device test (every
   # setting bit-identical to the GPU's own fetch), a captured 36-layer step with it on (graph
   # against plain launches), then offload-bench timing the GPU's fetch against the gather in
   # interleaved rounds. `gather THREADS [extra offload-bench args]`.
@@ -84,7 +84,7 @@ filtered)
   done
   ;;
 groups)
-  # Head groups per attend and 16-byte scan loads (set_attend_groups, set_scan_vector_words):
+  # Head groups per attend and 16-byte scan loads (CacheOptions::attend_groups, scan_vector_words):
   # the device tests that decide correctness (every setting
   # bit-identical to one group of 8-byte loads; 2^20 tokens against the CPU reference), then
   # one run per residency timing 1, 2, 4 and 8 groups × 8- and 16-byte loads over fathom:48
@@ -310,7 +310,7 @@ ncudecode)
   echo "ncu decode 8x64k rc=$?" | tee -a $OUT/summary.txt
   ;;
 stages)
-  # Per-stage GPU time of attends (PagedCache::set_stage_timing; not yet run on a device when
+  # Per-stage GPU time of attends (CacheOptions::stage_timing; not yet run on a device when
   # written): its device test, then offload-bench at 1M in HBM and host residency (each
   # entry's stage_ms from the steps after the timed ones) and decode-bench at 8 x 64k (each
   # entry's split.attend_ms): where a layer's time goes without a profiler.

@@ -101,7 +101,7 @@ pub struct OffloadBenchArgs {
     /// Generator seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Head groups per attend (`PagedCache::set_attend_groups`): the cache's stream scans
+    /// Head groups per attend (`CacheOptions::attend_groups`: a cache each): the cache's stream scans
     /// group i+1 while a second stream runs group i's top-k, union, row fetch and attention;
     /// 0 = 1; at most the shape's KV heads. A list times each setting, e.g. `--groups 1,2,4`.
     #[arg(long, value_delimiter = ',', default_value = "0")]
@@ -152,13 +152,13 @@ pub struct OffloadBenchArgs {
     /// times each over every method, e.g. `--scan-vec 1,2`.
     #[arg(long = "scan-vec", value_delimiter = ',', default_value = "1")]
     pub scan_vec: Vec<u32>,
-    /// CPU threads of the host gather (`PagedCache::set_host_gather`; 0: the
+    /// CPU threads of the host gather (`CacheOptions::host_gather_threads`; 0: the
     /// GPU reads each missed K|V record from host memory itself); a list times each over every
     /// method, e.g. `--host-gather 0,14`.
     #[arg(long = "host-gather", value_delimiter = ',', default_value = "0")]
     pub host_gather: Vec<usize>,
     /// percent of the misses the host gather brings while the fetch reads the
-    /// rest itself, at once (`PagedCache::set_host_gather_share`; 1 to 100); a list times each
+    /// rest itself, at once (`CacheOptions::host_gather_share`; 1 to 100); a list times each
     /// over every method and every `--host-gather` above 0, e.g. `--host-gather 0,14
     /// --host-share 100,50,30`.
     #[arg(long = "host-share", value_delimiter = ',', default_value = "100")]

@@ -56,6 +56,6 @@ pub struct StageTimes {
     /// The rest: embeddings, norms, QK-norm and RoPE, every other matmul (the weights' share).
     pub weights_ms: f64,
     /// The cache's attends (part of `attention_ms`) by stage
-    /// (`PagedCache::set_stage_timing`), summed over the steps.
+    /// (`CacheOptions::stage_timing`, `DecoderConfig::options`), summed over the steps.
     pub attend: fathom_cuda::cache::AttendStages,
 }

@@ -1,6 +1,6 @@
 //! The CUDA backend, by job: `memory` (device buffers and pinned, mapped host memory),
 //! `module` (NVRTC and the kernel table) and `device` (the GPU, its streams, events and the
-//! bandwidth probes). The paged cache is `crate::cuda_cache`.
+//! bandwidth probes). The paged cache is `cache` (a file per stage).
 
 use cudarc::driver::DriverError;
 

@@ -11,7 +11,7 @@ use crate::error::{CudaError, Result};
 
 const COMMON: &str = include_str!("../../kernels/common.cuh");
 /// The sources compiled at `-DGQ=<G> -DDIM=<D>` besides the paged cache's own (`append.cu`,
-/// `attend.cu`): the plan kernels the cache loads, and the gather of the link probes.
+/// `kernels/attend/`): the plan kernels the cache loads, and the gather of the link probes.
 pub(crate) const KERNELS: [(&str, &str); 2] = [
     ("plan.cu", include_str!("../../kernels/plan.cu")),
     ("gather.cu", include_str!("../../kernels/gather.cu")),
@@ -64,7 +64,7 @@ pub(crate) fn compile_one(
     Ok(ptx)
 }
 
-/// The compile options of `attend.cu` (the paged cache's kernels) at `G` query heads per KV
+/// The compile options of `kernels/attend/` (the paged cache's kernels) at `G` query heads per KV
 /// head and head dim `D`: the one list that every compile of it uses, so that
 /// [`crate::PagedCache`] and [`compile_kernels`] build the same kernels.
 pub(crate) fn attend_defines(g: usize, d: usize) -> Vec<String> {
