@@ -66,7 +66,7 @@ __device__ __forceinline__ float key_f32(u32 k) {
 // scan wrote them and the histogram too), and the score path selects.
 // The estimate aims at FUSE_TARGET * kk passing tokens. CPU reference of the selection:
 // fathom_plan::select::select_filtered.
-#define FUSE_TARGET 6  // results/filtered-select/README.md: 1.1 % of rows fall back at 6, 2.8 % at 4
+#define FUSE_TARGET 6  // results/fidelity/filtered-select/README.md: 1.1 % of rows fall back at 6, 2.8 % at 4
 
 __device__ __forceinline__ bool fuse_row(const AttendGeom& a, u32 lo, u32 hi, float est) {
     const u32 mid = hi - lo, kk = min(a.k, mid);

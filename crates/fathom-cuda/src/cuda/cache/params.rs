@@ -48,7 +48,7 @@ pub(super) const READ_ROWS: usize = 8;
 /// Filtered-select candidates per row, per winner of `max_k`: 4× the FUSE_TARGET · k = 6·k that
 /// the estimate aims at (kernels/attend/shared.cuh), so a row overflows only when four times as many tokens
 /// pass its filter as the previous attend predicted. Chosen with FUSE_TARGET on the
-/// consecutive decode positions of a real capture (`results/filtered-select/README.md`: no
+/// consecutive decode positions of a real capture (`results/fidelity/filtered-select/README.md`: no
 /// overflow at 24·k; 0.3 % at 16·k).
 pub(super) const FUSE_CAP_PER_K: usize = 24;
 
