@@ -190,8 +190,9 @@ pub struct PagedCache {
     gather: Option<GatherState>,
     /// Percent of the misses the host gather brings ([`crate::cache::CacheOptions::host_gather_share`]).
     gather_share: u32,
-    /// Bumped by every setting a captured step bakes in (select path, head groups, scan
-    /// loads, host gather, a static method's depths): a graph of an older value is stale.
+    /// Bumped by every change a captured step would read stale (a calibration, a static
+    /// method's depths; the options are fixed at construction): a graph of an older value is
+    /// stale.
     settings: u64,
     scanned: cudarc::driver::CudaEvent,
     joined: cudarc::driver::CudaEvent,
