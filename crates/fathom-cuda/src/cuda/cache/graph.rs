@@ -64,7 +64,7 @@ impl PagedCache {
         if self.settings != settings0 {
             return Err(CudaError::invalid(
                 "capture",
-                "a calibration or a static method's depths changed during the capture: capture the step again",
+                "a setting of the cache changed during the capture: capture the step again",
             ));
         }
         Ok(DecodeGraph {
@@ -107,7 +107,7 @@ impl PagedCache {
         if graph.settings != self.settings {
             return Err(CudaError::invalid(
                 "replay",
-                "a calibration or a static method's depths changed since the capture (the graph reads the buffers they replaced): capture the step again",
+                "a setting of the cache changed since the capture (select path, head groups, scan loads, host gather, a calibration, a static method's depths): capture the step again",
             ));
         }
         Ok(())
