@@ -16,6 +16,7 @@
 //!
 //! ```
 //! use fathom_gpu::{Attention, Decoder, DecoderConfig, GpuDecoder};
+//! use fathom_cuda::prelude::*;
 //! use fathom_cuda::{cache::AttendMethod, CudaError, Gpu};
 //! use fathom_model::fetch::{fetch_model, FetchOptions, ModelId};
 //! use fathom_model::DenseWeights;

@@ -1,8 +1,9 @@
 //! Every result JSON committed under `results/` parses into its typed struct, and every
 //! stage log parses line by line. JSON that is no result document (a calibration file, a
 //! comparison table made by `scripts/analysis/compare_equal_error.py`, a device measurement of a
-//! `fathom-cuda` example under `results/device/engine/`, an interrupted run's records) is refused
-//! as such, never read as one.
+//! `fathom-cuda` example under `results/device/engine/`, the soak's report and the A/B
+//! comparisons under `results/device/pipeline/`, an interrupted run's records) is refused as
+//! such, never read as one.
 
 use std::path::{Path, PathBuf};
 
@@ -50,7 +51,10 @@ fn every_committed_result_parses() {
                     // The Python package's own outputs (kind `fathom-py-…`).
                     || name.starts_with("generate-example")
                     // An interrupted run's records (`"complete": false`, no header).
-                    || name.ends_with("-interrupted.json") => {}
+                    || name.ends_with("-interrupted.json")
+                    // The soak example's report and scripts/analysis/ab_compare.py's tables.
+                    || p.parent().is_some_and(|d| d.ends_with("device/pipeline"))
+                        && (name.starts_with("soak-") || name.ends_with("-compare.json")) => {}
             Err(e) => panic!("{e}"),
         }
     }
