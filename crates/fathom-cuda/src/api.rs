@@ -147,7 +147,7 @@ pub trait KvCache: Sized {
     /// of the new tokens, and every 64-token block they touch re-quantized.
     ///
     /// # Errors
-    /// Checked before the launch ([`check_rows`]): a layer out of range, a stale batch, a
+    /// Checked before the launch ([`crate::cache::check_rows`]): a layer out of range, a stale batch, a
     /// row count that differs from the batch's, a null pointer; a batch other than the last
     /// reserve's, or a session whose earlier rows in `layer` no append wrote (a step that
     /// failed after its reserve: such a session is refused until it is freed;
@@ -274,7 +274,7 @@ pub trait KvCache: Sized {
     /// cache's stream with no host synchronisation: queries `q` `[batch][Hq][D]` give outputs
     /// `out` `[batch][Hq][D]` f32 (device pointers). Each query head attends exactly over its
     /// own sink + local + top-k set (docs/SPEC.md §5), or over every token for
-    /// [`AttendMethod::Dense`](crate::cache::AttendMethod::Dense). Launch parameters are
+    /// [`AttendMethod::Dense`]. Launch parameters are
     /// fixed-size structs; working memory was sized when the cache was made.
     ///
     /// # Errors
@@ -306,7 +306,7 @@ pub trait KvCache: Sized {
 
     /// Captures one decode step into a CUDA graph: `step` is called once, on this cache, and
     /// must only [`crate::api::KvCache::append`] and [`crate::api::KvCache::attend`] (device pointers; the model's
-    /// own kernels may run on [`PagedCache::stream`] too) for `batch`, a decode batch (one
+    /// own kernels may run on the cache's stream (`PagedCache::stream` in the CUDA build) too) for `batch`, a decode batch (one
     /// token per session). While capturing, the scan's grid covers `max_tokens`, so the graph
     /// stays valid as the sessions grow. Replay it with [`crate::api::KvCache::replay`] after each
     /// [`crate::api::KvCache::reserve`] of the same sessions, with this step's K, V and queries written
@@ -322,7 +322,7 @@ pub trait KvCache: Sized {
 
     /// [`crate::api::KvCache::capture`] in two calls, for a caller whose step is not a closure over
     /// the cache (a model whose forward owns it): from here until [`crate::api::KvCache::end_capture`]
-    /// everything queued on [`PagedCache::stream`] is recorded, not run, and attends size
+    /// everything queued on the cache's stream (`PagedCache::stream` in the CUDA build) is recorded, not run, and attends size
     /// their grids for `max_tokens`. Nothing in between may wait for the stream, and the
     /// calls that would change what the graph reads (a setting, a calibration, a `prepare`, a
     /// new session) are refused by name. The graph replays only on this cache, and only while

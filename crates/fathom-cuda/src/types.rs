@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// What [`crate::Gpu::info`] reports of a device (a harness converts it into its report's
+/// What [`crate::api::Device::info`] reports of a device (a harness converts it into its report's
 /// record).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceInfo {
