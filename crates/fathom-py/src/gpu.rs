@@ -18,8 +18,8 @@ use pyo3::types::{PyCapsule, PyDict};
 
 use fathom_cuda::cache::{AppendBatch, AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows};
 use fathom_cuda::memory::{DeviceView, DeviceViewMut};
-use fathom_cuda::prelude::*;
 use fathom_cuda::pages::{PageConfig, SessionId};
+use fathom_cuda::prelude::*;
 use fathom_cuda::{Gpu, ModelShape, PagedCache, Residency};
 
 use crate::{bad, lib_err};
@@ -341,8 +341,8 @@ impl GpuCache {
         host_gather_share: u32,
         stage_timing: bool,
     ) -> PyResult<Self> {
-        let select =
-            fathom_cuda::cache::SelectPath::parse(select_path).map_err(|e| bad("select_path", e))?;
+        let select = fathom_cuda::cache::SelectPath::parse(select_path)
+            .map_err(|e| bad("select_path", e))?;
         let residency = match residency {
             "host" => Residency::Host,
             "hbm" => Residency::Hbm,
