@@ -290,6 +290,30 @@ pub trait KvCache: Sized {
         out: DeviceViewMut<'_>,
     ) -> Result<()>;
 
+    /// One layer's selection without the attention: for each query head of the batch's
+    /// sessions (each at its last token), the logical positions of its sink + local + top-k
+    /// set chosen by `method` (docs/SPEC.md §5), written to `out` as i32 `[batch][Hq][cap]`,
+    /// -1-padded, with each row's length (the contract of SGLang's `SparsityPolicy` and
+    /// vLLM's sparse indexer). The plan, scan and top-k are those of
+    /// [`crate::api::KvCache::attend`] with the same arguments, on the same stream; nothing is
+    /// fetched. Within a row: the sink in order, the top-k winners in the order the top-k
+    /// wrote them, then the local window in order (CPU twin
+    /// [`crate::cache::select_out_row`]).
+    ///
+    /// # Errors
+    /// Checked before any launch ([`crate::cache::check_select_out`]): those of `attend`,
+    /// `dense` (which has no selection), outputs that are not i32, too short, or of a `cap`
+    /// below `sink + local + k`.
+    fn select(
+        &mut self,
+        batch: &AppendBatch,
+        layer: usize,
+        method: AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &QueryRows<'_>,
+        out: crate::cache::SelectOut<'_>,
+    ) -> Result<()>;
+
     /// [`crate::api::KvCache::attend`] from and to host slices (a convenience for CPU callers and tests):
     /// `q` is `[batch][Hq][D]` f32; returns the outputs `[batch][Hq][D]`. Waits for the stream.
     ///
@@ -332,6 +356,20 @@ pub trait KvCache: Sized {
     /// A batch that is not the current decode batch; a capture already under way; a driver
     /// failure (nothing is left capturing).
     fn begin_capture(&mut self, batch: &AppendBatch) -> Result<()>;
+
+    /// [`crate::api::KvCache::begin_capture`] for a step the caller captures into its own graph
+    /// (`torch.cuda.graph`, say) on a stream the cache follows: the cache's stream is not put
+    /// into capture mode but joins the caller's capture through
+    /// [`crate::api::KvCache::follow`] and [`crate::api::KvCache::signal`] around each call;
+    /// grids are sized for `max_tokens` and the same calls are refused until
+    /// [`crate::api::KvCache::end_capture`], whose graph then holds no kernels: before each
+    /// replay of their own graph, after the reserve, the caller passes it to
+    /// [`crate::api::KvCache::replay`] (the checks and the bookkeeping of the step) and orders
+    /// its stream after the cache's ([`crate::api::KvCache::signal`]).
+    ///
+    /// # Errors
+    /// As [`crate::api::KvCache::begin_capture`].
+    fn begin_caller_capture(&mut self, batch: &AppendBatch) -> Result<()>;
 
     /// Ends the capture [`crate::api::KvCache::begin_capture`] started and instantiates the graph.
     ///

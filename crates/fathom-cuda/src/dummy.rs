@@ -174,6 +174,17 @@ impl KvCache for PagedCache {
     ) -> Result<()> {
         match self.0 {}
     }
+    fn select(
+        &mut self,
+        _batch: &AppendBatch,
+        _layer: usize,
+        _method: AttendMethod,
+        _params: &fathom_plan::SelectParams,
+        _q: &QueryRows<'_>,
+        _out: crate::cache::SelectOut<'_>,
+    ) -> Result<()> {
+        match self.0 {}
+    }
     fn attend_host(
         &mut self,
         _batch: &AppendBatch,
@@ -192,6 +203,9 @@ impl KvCache for PagedCache {
         match self.0 {}
     }
     fn begin_capture(&mut self, _batch: &AppendBatch) -> Result<()> {
+        match self.0 {}
+    }
+    fn begin_caller_capture(&mut self, _batch: &AppendBatch) -> Result<()> {
         match self.0 {}
     }
     fn end_capture(&mut self) -> Result<Self::Graph> {

@@ -37,6 +37,7 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for i32 {}
 }
 
 /// An element type the cache reads from or writes to device memory.
@@ -53,6 +54,9 @@ impl DeviceElem for half::f16 {
 }
 impl DeviceElem for half::bf16 {
     const DTYPE: KvDtype = KvDtype::Bf16;
+}
+impl DeviceElem for i32 {
+    const DTYPE: KvDtype = KvDtype::I32;
 }
 
 /// A read-only view of `len` elements of one dtype in device memory, borrowed for `'a`.
@@ -214,7 +218,8 @@ impl<'a> DeviceViewMut<'a> {
     }
 }
 
-/// Checks a view's dtype and that it holds at least `want` elements, naming `what`.
+/// Checks a view's dtype (`want_dtype`, or any float dtype when `None`) and that it holds at
+/// least `want` elements, naming `what`.
 ///
 /// # Errors
 /// The other dtype, or a view shorter than `want`.
@@ -232,6 +237,11 @@ pub(crate) fn check_view(
                 format!("{dtype:?} elements (want {t:?})"),
             ));
         }
+    } else if !dtype.is_float() {
+        return Err(CudaError::invalid(
+            what,
+            format!("{dtype:?} elements (want F32, F16 or Bf16)"),
+        ));
     }
     if len < want {
         return Err(CudaError::invalid(

@@ -444,3 +444,28 @@ extern "C" __global__ void paged_union(const AppendDesc* __restrict__ descs, Poo
     if (tid == 0) ucount[(u64)b * g.heads + h] = fixed + out;
 }
 
+
+// The selection written out (the `select` entry, docs/SPEC.md §5): for each (session b, query
+// head h), its sink tokens, its top-k winners in the order the top-k wrote them, then its local
+// window, as logical token positions, -1 past the row's length up to `cap`; and the length.
+// CPU twin: `fathom_cuda::cache::select_out_row`.
+struct SelectOutParams { u32 sink; u32 local; u32 max_k; u32 cap; u32 hq; };
+extern "C" __global__ void paged_select_out(const AppendDesc* __restrict__ descs, SelectOutParams p,
+                                            const u32* __restrict__ winners, const u32* __restrict__ counts,
+                                            int* __restrict__ indices, int* __restrict__ lengths) {
+    const AppendDesc d = descs[blockIdx.y];
+    const u64 row = (u64)blockIdx.y * p.hq + blockIdx.x;
+    const u32 n = d.n0 + d.m;
+    const u32 sink_end = min(p.sink, n);
+    const u32 local_start = max(n > p.local ? n - p.local : 0u, sink_end);
+    const u32 cnt = min(counts[row], p.max_k);
+    const u32 len = sink_end + cnt + (n - local_start);
+    for (u32 i = threadIdx.x; i < p.cap; i += blockDim.x) {
+        int v = -1;
+        if (i < sink_end) v = (int)i;
+        else if (i < sink_end + cnt) v = (int)winners[row * p.max_k + (i - sink_end)];
+        else if (i < len) v = (int)(local_start + (i - sink_end - cnt));
+        indices[row * p.cap + i] = v;
+    }
+    if (threadIdx.x == 0) lengths[row] = (int)len;
+}

@@ -136,6 +136,55 @@ pub fn check_attend(
     check_select(cfg, params)
 }
 
+/// The checks of a [`crate::api::KvCache::select`] of `method` before its launch: those of
+/// [`check_attend`] for the queries, a method that selects (not dense), and outputs of i32
+/// holding `[batch][Hq][cap]` and `[batch][Hq]` with `cap ≥ sink + local + k`.
+pub fn check_select_out(
+    cfg: &CacheConfig,
+    batch: &AppendBatch,
+    (current_step, layer): (u64, usize),
+    method: AttendMethod,
+    params: &fathom_plan::SelectParams,
+    q: &QueryRows,
+    out: &SelectOut<'_>,
+) -> Result<()> {
+    check_step(cfg, batch, current_step, layer)?;
+    if matches!(method, AttendMethod::Dense) {
+        return Err(CudaError::invalid(
+            "method",
+            "dense attends every token: it has no selection to write (use exact with k ≥ the context)",
+        ));
+    }
+    let s = cfg.shape;
+    let rows = batch.plans.len() * s.kv_heads * s.group;
+    check_view("queries", q.q.len(), q.q.dtype(), rows * s.dim, None)?;
+    check_select(cfg, params)?;
+    let need = params.sink + params.local + params.k;
+    if out.cap < need || out.cap > u32::MAX as usize {
+        return Err(CudaError::invalid(
+            "indices",
+            format!(
+                "capacity {} per row (want at least sink {} + local {} + k {} = {need})",
+                out.cap, params.sink, params.local, params.k
+            ),
+        ));
+    }
+    check_view(
+        "indices",
+        out.indices.len(),
+        out.indices.dtype(),
+        rows * out.cap,
+        Some(KvDtype::I32),
+    )?;
+    check_view(
+        "lengths",
+        out.lengths.len(),
+        out.lengths.dtype(),
+        rows,
+        Some(KvDtype::I32),
+    )
+}
+
 /// The selection's limits in this cache: `sink + local ≤ MAX_SINK_LOCAL` and
 /// `1 ≤ k ≤ max_k`. Part of [`check_attend`]; a caller that reserves and appends before its
 /// first attend (a model's decode step) runs it first, so a bad selection changes nothing.

@@ -23,24 +23,34 @@ pub enum KvDtype {
     F16,
     /// bfloat16.
     Bf16,
+    /// 32-bit signed integers: the selection [`crate::api::KvCache::select`] writes (logical
+    /// positions and lengths); never keys, values or queries.
+    I32,
 }
 
 impl KvDtype {
     /// Bytes per element.
     pub fn bytes(self) -> usize {
         match self {
-            KvDtype::F32 => 4,
+            KvDtype::F32 | KvDtype::I32 => 4,
             KvDtype::F16 | KvDtype::Bf16 => 2,
         }
     }
 
-    /// The code the kernels take (`0` f32, `1` f16, `2` bf16).
+    /// The code the kernels take (`0` f32, `1` f16, `2` bf16; `3` for i32, which no kernel
+    /// reads as K, V or queries: the checks refuse it there).
     pub fn code(self) -> u32 {
         match self {
             KvDtype::F32 => 0,
             KvDtype::F16 => 1,
             KvDtype::Bf16 => 2,
+            KvDtype::I32 => 3,
         }
+    }
+
+    /// Whether K, V and queries may have this dtype (f32, f16, bf16).
+    pub fn is_float(self) -> bool {
+        !matches!(self, KvDtype::I32)
     }
 }
 

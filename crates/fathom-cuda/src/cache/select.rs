@@ -161,3 +161,67 @@ pub struct QueryRows<'a> {
     /// The queries.
     pub q: crate::memory::DeviceView<'a>,
 }
+
+/// Where [`crate::api::KvCache::select`] writes each query head's selection (docs/SPEC.md §5),
+/// the shape SGLang's `SparsityPolicy` and vLLM's sparse indexer consume: `indices`
+/// `[batch][Hq][cap]` i32, the logical token positions each query head attends (its sink, its
+/// top-k winners, its local window), -1 past the row's length; `lengths` `[batch][Hq]` i32.
+#[derive(Debug)]
+pub struct SelectOut<'a> {
+    /// `[batch][Hq][cap]` i32.
+    pub indices: crate::memory::DeviceViewMut<'a>,
+    /// `[batch][Hq]` i32.
+    pub lengths: crate::memory::DeviceViewMut<'a>,
+    /// Slots per row: at least `sink + local + k`, so that every selection fits.
+    pub cap: usize,
+}
+
+/// `#[repr(C)]` parameters of `paged_select_out` (kernels/attend/select.cu): the selection
+/// and the output's row stride.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SelectOutParams {
+    /// Sink tokens (docs/SPEC.md §5).
+    pub sink: u32,
+    /// Local-window tokens.
+    pub local: u32,
+    /// The winners' row stride (the cache's `max_k`).
+    pub max_k: u32,
+    /// Slots per output row.
+    pub cap: u32,
+    /// Query heads per session.
+    pub hq: u32,
+}
+const _: () = assert!(std::mem::size_of::<SelectOutParams>() == 20);
+
+/// One row of the selection as `paged_select_out` writes it (its CPU twin): a session of `n`
+/// tokens, the row's top-k `winners` (middle tokens, at most `max_k` of them read), into `cap`
+/// slots. Returns the row and its length: `[0, min(sink, n))`, the winners in their order,
+/// then the local window `[max(n − local, sink_end), n)`, then -1.
+///
+/// ```
+/// use fathom_cuda::cache::{select_out_row, SelectOutParams};
+/// let p = SelectOutParams { sink: 2, local: 2, max_k: 4, cap: 8, hq: 1 };
+/// let (row, len) = select_out_row(&p, 10, &[5, 3]);
+/// assert_eq!((row, len), (vec![0, 1, 5, 3, 8, 9, -1, -1], 6));
+/// ```
+pub fn select_out_row(p: &SelectOutParams, n: u32, winners: &[u32]) -> (Vec<i32>, i32) {
+    let sink_end = p.sink.min(n);
+    let local_start = n.saturating_sub(p.local).max(sink_end);
+    let cnt = (winners.len() as u32).min(p.max_k);
+    let len = sink_end + cnt + (n - local_start);
+    let row = (0..p.cap)
+        .map(|i| {
+            if i < sink_end {
+                i as i32
+            } else if i < sink_end + cnt {
+                winners[(i - sink_end) as usize] as i32
+            } else if i < len {
+                (local_start + (i - sink_end - cnt)) as i32
+            } else {
+                -1
+            }
+        })
+        .collect();
+    (row, len as i32)
+}

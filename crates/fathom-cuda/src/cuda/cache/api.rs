@@ -119,6 +119,17 @@ impl KvCache for PagedCache {
     ) -> Result<()> {
         PagedCache::attend(self, batch, layer, method, params, q, out)
     }
+    fn select(
+        &mut self,
+        batch: &AppendBatch,
+        layer: usize,
+        method: AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &QueryRows<'_>,
+        out: crate::cache::SelectOut<'_>,
+    ) -> Result<()> {
+        PagedCache::select(self, batch, layer, method, params, q, out)
+    }
     fn attend_host(
         &mut self,
         batch: &AppendBatch,
@@ -138,6 +149,9 @@ impl KvCache for PagedCache {
     }
     fn begin_capture(&mut self, batch: &AppendBatch) -> Result<()> {
         PagedCache::begin_capture(self, batch)
+    }
+    fn begin_caller_capture(&mut self, batch: &AppendBatch) -> Result<()> {
+        PagedCache::begin_caller_capture(self, batch)
     }
     fn end_capture(&mut self) -> Result<Self::Graph> {
         PagedCache::end_capture(self)

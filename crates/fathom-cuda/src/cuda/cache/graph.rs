@@ -19,6 +19,17 @@ impl PagedCache {
 
     /// [`crate::api::KvCache::begin_capture`].
     pub(crate) fn begin_capture(&mut self, batch: &AppendBatch) -> Result<()> {
+        self.start_capture(batch, false)
+    }
+
+    /// [`crate::api::KvCache::begin_caller_capture`].
+    pub(crate) fn begin_caller_capture(&mut self, batch: &AppendBatch) -> Result<()> {
+        self.start_capture(batch, true)
+    }
+
+    /// The capture's checks and bookkeeping; the cache's stream starts capturing unless the
+    /// capture is the caller's.
+    fn start_capture(&mut self, batch: &AppendBatch, caller: bool) -> Result<()> {
         if batch.plans.iter().any(|p| p.tokens != 1) || batch.step != self.step {
             return Err(CudaError::invalid(
                 "capture",
@@ -32,11 +43,14 @@ impl PagedCache {
             ));
         }
         self.sync()?;
-        self.stream
-            .begin_capture(
-                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-            .map_err(drv("begin_capture"))?;
+        if !caller {
+            self.stream
+                .begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+                .map_err(drv("begin_capture"))?;
+        }
+        self.caller_capture = caller;
         self.fixed_grids = true;
         self.capturing = Some((self.plans_counted, batch.sessions(), self.settings));
         self.ledger.begin_capture();
@@ -49,18 +63,24 @@ impl PagedCache {
             .capturing
             .take()
             .ok_or_else(|| CudaError::invalid("capture", "no capture under way"))?;
-        let graph = self
-            .stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        let caller = std::mem::take(&mut self.caller_capture);
+        let graph = if caller {
+            Ok(None)
+        } else {
+            self.stream
+                .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        };
         self.fixed_grids = false;
         // The capture is over whatever follows: the layers it appended go with its graph.
         let appended = self.ledger.end_capture();
         // Nothing ran while capturing: the plans are counted when the graph is replayed.
         let plans = self.plans_counted - plans0;
         self.plans_counted = plans0;
-        let graph = graph
-            .map_err(drv("end_capture"))?
-            .ok_or_else(|| CudaError::invalid("capture", "the step launched nothing"))?;
+        let graph = match graph.map_err(drv("end_capture"))? {
+            Some(g) => Some(g),
+            None if caller => None,
+            None => return Err(CudaError::invalid("capture", "the step launched nothing")),
+        };
         if self.settings != settings0 {
             return Err(CudaError::invalid(
                 "capture",
@@ -90,7 +110,9 @@ impl PagedCache {
             ));
         }
         self.ledger.check_replay(batch, &graph.appended, "replay")?;
-        graph.graph.launch().map_err(drv("graph launch"))?;
+        if let Some(g) = &graph.graph {
+            g.launch().map_err(drv("graph launch"))?;
+        }
         self.ledger.replayed(batch, &graph.appended);
         self.plans_counted += graph.plans;
         Ok(())
@@ -116,7 +138,8 @@ impl PagedCache {
 
 /// A captured decode step ([`crate::api::KvCache::capture`]).
 pub struct DecodeGraph {
-    graph: cudarc::driver::CudaGraph,
+    /// The instantiated graph; none for the caller's own capture (it replays its graph itself).
+    graph: Option<cudarc::driver::CudaGraph>,
     /// The cache that captured it ([`PagedCache`]'s id).
     cache: u64,
     sessions: Vec<SessionId>,

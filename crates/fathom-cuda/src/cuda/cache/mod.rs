@@ -65,6 +65,7 @@ struct AttendKernels {
     topk_finish: CudaFunction,
     topk_fused: CudaFunction,
     union: CudaFunction,
+    select_out: CudaFunction,
     fetch: CudaFunction,
     gather_list: CudaFunction,
     gather_publish: CudaFunction,
@@ -172,6 +173,9 @@ pub struct PagedCache {
     /// While capturing: the plans counted before the capture began, the batch's sessions and
     /// the settings counter when it began (a change before its end makes the capture stale).
     capturing: Option<(u64, Vec<SessionId>, u64)>,
+    /// Whether the capture under way is the caller's own ([`crate::api::KvCache::begin_caller_capture`]):
+    /// the cache's stream joins it through `follow`, and holds no graph of its own.
+    caller_capture: bool,
     /// The current batch and which layers its step has appended
     /// ([`crate::cache::StepLedger`]: the rule, unit-tested on the CPU).
     ledger: crate::cache::StepLedger,
@@ -290,6 +294,7 @@ impl PagedCache {
             plans_counted: 0,
             fixed_grids: false,
             capturing: None,
+            caller_capture: false,
             ledger: crate::cache::StepLedger::new(s.layers),
             id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             select: cfg.options.select,
@@ -409,6 +414,7 @@ fn load_kernels(
         topk_finish: fa("paged_topk_finish")?,
         topk_fused: fa("paged_topk_fused")?,
         union: fa("paged_union")?,
+        select_out: fa("paged_select_out")?,
         fetch: fa("paged_fetch")?,
         gather_list: fa("paged_gather_list")?,
         gather_publish: fa("paged_gather_publish")?,

@@ -170,3 +170,6 @@ const _: () = assert!(std::mem::size_of::<AttendGeom>() == 72);
 
 // SAFETY: plain `#[repr(C)]` data of integers and one f32, passed by value.
 unsafe impl cudarc::driver::DeviceRepr for AttendGeom {}
+// SAFETY: `#[repr(C)]` of five u32 (no padding), matching `struct SelectOutParams` of
+// kernels/attend/select.cu field for field.
+unsafe impl cudarc::driver::DeviceRepr for crate::cache::SelectOutParams {}

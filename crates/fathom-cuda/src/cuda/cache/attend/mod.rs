@@ -268,17 +268,7 @@ impl Launch<'_> {
             ..self.ag
         };
         let (hn, gq) = (hn as u32, (hn * c.cfg.shape.group) as u32);
-        match self.table {
-            Some(quest) => self.table_scan(&ag, hn, quest)?,
-            None => self.scan(0, &ag, hn)?,
-        }
-        // The filtered rows' selection (or their fallback) before each other row's top-k.
-        if ag.fuse_min > 0 {
-            self.topk_fused(&ag, gq)?;
-            if ag.keep_scores == 0 {
-                self.scan(1, &ag, hn)?;
-            }
-        }
+        self.scan_stage(&ag, hn, gq)?;
         marks.mark(AttendStage::Scan, self.st)?;
         // With head groups, the rest of this group's attend runs on the second stream (after
         // this group's scan), while the cache's stream scans the next group.
@@ -298,7 +288,82 @@ impl Launch<'_> {
         self.partial(ps, &ag, hn)
     }
 }
+impl Launch<'_> {
+    /// Stage 2 of `ag`'s head group of `hn` KV heads (`gq` query heads) on the cache's stream:
+    /// the scan (of the planes or the block tables), then the filtered rows' selection or
+    /// their fallback before each other row's top-k.
+    fn scan_stage(&self, ag: &AttendGeom, hn: u32, gq: u32) -> Result<()> {
+        match self.table {
+            Some(quest) => self.table_scan(ag, hn, quest)?,
+            None => self.scan(0, ag, hn)?,
+        }
+        if ag.fuse_min > 0 {
+            self.topk_fused(ag, gq)?;
+            if ag.keep_scores == 0 {
+                self.scan(1, ag, hn)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl PagedCache {
+    /// [`crate::api::KvCache::select`]: the attend's stages 1–3 over every KV head on the
+    /// cache's stream, then the selection written out.
+    pub(crate) fn select(
+        &mut self,
+        batch: &AppendBatch,
+        layer: usize,
+        method: AttendMethod,
+        params: &fathom_plan::SelectParams,
+        q: &crate::cache::QueryRows,
+        out: crate::cache::SelectOut<'_>,
+    ) -> Result<()> {
+        crate::cache::check_select_out(
+            &self.cfg,
+            batch,
+            (self.step, layer),
+            method,
+            params,
+            q,
+            &out,
+        )?;
+        self.ledger.check_read(batch, layer, "select")?;
+        let (static_depths, sigma) = self.method_inputs(method, layer)?;
+        let s = self.cfg.shape;
+        let l = self.launch(batch, layer, method, params, static_depths)?;
+        l.queries(q)?;
+        l.plan(method, sigma)?;
+        l.clear_select()?;
+        let (hkv, hq) = (s.kv_heads as u32, (s.kv_heads * s.group) as u32);
+        l.scan_stage(&l.ag, hkv, hq)?;
+        l.topk(l.st, &l.ag, hq)?;
+        let p = crate::cache::SelectOutParams {
+            sink: params.sink as u32,
+            local: params.local as u32,
+            max_k: self.cfg.max_k as u32,
+            cap: out.cap as u32,
+            hq,
+        };
+        let w = &self.work;
+        let (ip, lp) = (out.indices.ptr(), out.lengths.ptr());
+        let mut b = l.st.launch_builder(&self.attend_kernels.select_out);
+        b.arg(&l.descs)
+            .arg(&p)
+            .arg(&w.winners.ptr)
+            .arg(&w.counts.ptr)
+            .arg(&ip)
+            .arg(&lp);
+        // SAFETY: rows = batch·Hq < max_batch·Hq of the winners and counts; `indices` holds
+        // rows·cap i32 and `lengths` rows i32 (checked above); the grid is (Hq, batch).
+        unsafe { b.launch(cfg((hq, l.nb as u32, 1), 128)) }
+            .map_err(drv("launch paged_select_out"))?;
+        if matches!(method, AttendMethod::Scan(M::Fathom(_) | M::SparQ(_))) {
+            self.plans_counted += (l.nb * s.kv_heads) as u64;
+        }
+        Ok(())
+    }
+
     /// [`crate::api::KvCache::attend_host`].
     pub(crate) fn attend_host(
         &mut self,
