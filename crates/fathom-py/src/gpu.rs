@@ -16,7 +16,9 @@ use std::ffi::c_void;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
 
-use fathom_cuda::cache::{AppendBatch, AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows};
+use fathom_cuda::cache::{
+    AppendBatch, AttendMethod, CacheConfig, KvDtype, KvRows, QueryRows, SelectOut,
+};
 use fathom_cuda::memory::{DeviceView, DeviceViewMut};
 use fathom_cuda::pages::{PageConfig, SessionId};
 use fathom_cuda::prelude::*;
@@ -70,7 +72,7 @@ struct TensorInfo {
     ptr: u64,
     device_type: i32,
     device_id: i32,
-    /// `float32`, `float16`, `bfloat16`, or `code:bits:lanes` for anything else.
+    /// `float32`, `float16`, `bfloat16`, `int32`, or `code:bits:lanes` for anything else.
     dtype: String,
     shape: Vec<i64>,
     contiguous: bool,
@@ -83,6 +85,7 @@ fn dtype_name(t: DlDataType) -> String {
         (2, 32, 1) => "float32".into(),
         (2, 16, 1) => "float16".into(),
         (4, 16, 1) => "bfloat16".into(),
+        (0, 32, 1) => "int32".into(),
         (c, b, l) => format!("dlpack type code {c}, {b} bits, {l} lanes"),
     }
 }
@@ -232,6 +235,7 @@ fn check(
     let dt = match t.dtype.as_str() {
         "float16" => KvDtype::F16,
         "bfloat16" => KvDtype::Bf16,
+        "int32" => KvDtype::I32,
         _ => KvDtype::F32,
     };
     Ok((
@@ -425,12 +429,87 @@ impl GpuCache {
         self.cache.truncate(session.id, len).map_err(gpu_err)
     }
 
-    /// Grows a ragged batch `[(session, new_tokens)]` (all or nothing).
-    fn reserve(&mut self, batch: Vec<(Session, usize)>) -> PyResult<Batch> {
+    /// Grows a ragged batch `[(session, new_tokens)]` (all or nothing); `stream` then waits
+    /// for the descriptors' upload. With `follow`, the cache first waits for the work queued
+    /// on `stream` (a replay of the caller's graph, which reads the descriptors the reserve
+    /// rewrites): the reserve's own host wait then covers it.
+    fn reserve(
+        &mut self,
+        batch: Vec<(Session, usize)>,
+        stream: u64,
+        follow: bool,
+    ) -> PyResult<Batch> {
         let b: Vec<(SessionId, usize)> = batch.iter().map(|(s, n)| (s.id, *n)).collect();
-        Ok(Batch {
-            inner: self.cache.reserve(&b).map_err(gpu_err)?,
+        if follow {
+            // SAFETY: `stream` is the caller's stream of this device's context (the Python
+            // wrapper passes torch's current stream, or the caller's own).
+            unsafe { self.cache.follow(stream) }.map_err(gpu_err)?;
+        }
+        let inner = self.cache.reserve(&b).map_err(gpu_err)?;
+        // SAFETY: as above.
+        unsafe { self.cache.signal(stream) }.map_err(gpu_err)?;
+        Ok(Batch { inner })
+    }
+
+    /// The last `min(len, cap)` K|V records of every session of `batch` (after this step's
+    /// appends) into `k_out` and `v_out`, `[batch][cap][Hkv][D]` float32 each (rows past a
+    /// session's count are not written): the stored bf16 values, exactly.
+    fn read_rows(
+        &self,
+        batch: &Batch,
+        layer: usize,
+        cap: usize,
+        k_out: &Bound<'_, PyAny>,
+        v_out: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.cache.config().shape;
+        let shape = [batch.inner.plans.len(), cap, s.kv_heads, s.dim];
+        let (kp, _, _kh) = cuda_tensor("k_out", k_out, stream, self.device, &shape, &["float32"])?;
+        let (vp, _, _vh) = cuda_tensor("v_out", v_out, stream, self.device, &shape, &["float32"])?;
+        let n = shape.iter().product();
+        // SAFETY: both checked CUDA float32 tensors of this device of exactly `shape`
+        // (contiguous), alive for the call, the work ordered before `stream`'s next.
+        let (ko, vo) = unsafe {
+            (
+                DeviceViewMut::from_raw(kp, n, KvDtype::F32),
+                DeviceViewMut::from_raw(vp, n, KvDtype::F32),
+            )
+        };
+        // SAFETY: as in `reserve`.
+        unsafe { self.cache.follow(stream) }.map_err(gpu_err)?;
+        self.cache
+            .read_rows(&batch.inner, layer, cap, ko, vo)
+            .map_err(gpu_err)?;
+        // SAFETY: as above.
+        unsafe { self.cache.signal(stream) }.map_err(gpu_err)
+    }
+
+    /// Starts a capture the caller makes into its own graph (`torch.cuda.graph`) for the
+    /// decode batch `batch`: until `end_capture`, grids cover `max_tokens` and the calls
+    /// that would change what the graph reads are refused.
+    fn begin_caller_capture(&mut self, batch: &Batch) -> PyResult<()> {
+        self.cache
+            .begin_caller_capture(&batch.inner)
+            .map_err(gpu_err)
+    }
+
+    /// Ends the capture; the token `replay` checks before each replay of the caller's graph.
+    fn end_capture(&mut self) -> PyResult<Graph> {
+        Ok(Graph {
+            inner: self.cache.end_capture().map_err(gpu_err)?,
         })
+    }
+
+    /// The checks and bookkeeping of one replay of the caller's graph for `batch` (the
+    /// current reserve of the captured sessions), then `stream` ordered after the cache's
+    /// work: call it right before the graph's replay on `stream`.
+    fn replay(&mut self, batch: &Batch, graph: &Graph, stream: u64) -> PyResult<()> {
+        self.cache
+            .replay(&batch.inner, &graph.inner)
+            .map_err(gpu_err)?;
+        // SAFETY: as in `reserve`.
+        unsafe { self.cache.signal(stream) }.map_err(gpu_err)
     }
 
     /// Loads one layer's σ² `[Hkv][D]` (float32, host) for `fathom:B`.
@@ -620,10 +699,7 @@ impl GpuCache {
                 DeviceViewMut::from_raw(op, n, KvDtype::F32),
             )
         };
-        if let AttendMethod::Scan(mm) = m {
-            self.cache.prepare(mm).map_err(gpu_err)?;
-        }
-        self.cache.check_method(m, layer).map_err(gpu_err)?;
+        self.ready(m, layer)?;
         // SAFETY: as in `append`.
         unsafe { self.cache.follow(stream) }.map_err(gpu_err)?;
         self.cache
@@ -632,6 +708,101 @@ impl GpuCache {
         // SAFETY: as above.
         unsafe { self.cache.signal(stream) }.map_err(gpu_err)
     }
+
+    /// One layer's selection for the batch's sessions (each at its last token), without the
+    /// attention: `indices` `[batch, Hq, cap]` int32 gets each query head's logical positions
+    /// (sink, top-k, local window; -1 past its length) and `lengths` `[batch, Hq]` int32 its
+    /// length, with `cap ≥ sink + local + k`.
+    #[pyo3(signature = (batch, layer, method, q, indices, lengths, stream, k=256, sink=4, local=32))]
+    #[allow(clippy::too_many_arguments)]
+    fn select(
+        &mut self,
+        batch: &Batch,
+        layer: usize,
+        method: &str,
+        q: &Bound<'_, PyAny>,
+        indices: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+        stream: u64,
+        k: usize,
+        sink: usize,
+        local: usize,
+    ) -> PyResult<()> {
+        let s = self.cache.config().shape;
+        let m = AttendMethod::parse(method, s.dim).map_err(lib_err)?;
+        let (nb, hq) = (batch.inner.plans.len(), s.kv_heads * s.group);
+        let shape = [nb, hq, s.dim];
+        let (qp, qd, _qh) = cuda_tensor(
+            "q",
+            q,
+            stream,
+            self.device,
+            &shape,
+            &["float32", "float16", "bfloat16"],
+        )?;
+        let it = tensor_info("indices", indices, Some(stream))?;
+        let cap = match it.shape.as_slice() {
+            [_, _, c] if *c >= 0 => *c as usize,
+            other => {
+                return Err(bad(
+                    "indices",
+                    format!("has shape {other:?}, want [{nb}, {hq}, cap]"),
+                ))
+            }
+        };
+        let (ip, _, _ih) = check("indices", &it, self.device, &[nb, hq, cap], &["int32"])?;
+        let (lp, _, _lh) = cuda_tensor(
+            "lengths",
+            lengths,
+            stream,
+            self.device,
+            &[nb, hq],
+            &["int32"],
+        )?;
+        let params = fathom_plan::SelectParams { sink, local, k };
+        // SAFETY: as in `append`: each a checked CUDA tensor of this device of exactly its
+        // shape (contiguous), alive for the call, the work ordered before `stream`'s next.
+        let (qr, out) = unsafe {
+            (
+                QueryRows {
+                    q: DeviceView::from_raw(qp, shape.iter().product(), qd),
+                },
+                SelectOut {
+                    indices: DeviceViewMut::from_raw(ip, nb * hq * cap, KvDtype::I32),
+                    lengths: DeviceViewMut::from_raw(lp, nb * hq, KvDtype::I32),
+                    cap,
+                },
+            )
+        };
+        self.ready(m, layer)?;
+        // SAFETY: as in `append`.
+        unsafe { self.cache.follow(stream) }.map_err(gpu_err)?;
+        self.cache
+            .select(&batch.inner, layer, m, &params, &qr, out)
+            .map_err(gpu_err)?;
+        // SAFETY: as above.
+        unsafe { self.cache.signal(stream) }.map_err(gpu_err)
+    }
+}
+
+impl GpuCache {
+    /// Prepares a scan method's static plan the first time it is used (never inside a
+    /// capture, where the cache refuses it), then checks that the layer has what the method
+    /// needs (a calibration, say).
+    fn ready(&mut self, m: AttendMethod, layer: usize) -> PyResult<()> {
+        if let AttendMethod::Scan(mm) = m {
+            if !self.cache.is_prepared(mm) {
+                self.cache.prepare(mm).map_err(gpu_err)?;
+            }
+        }
+        self.cache.check_method(m, layer).map_err(gpu_err)
+    }
+}
+
+/// A decode step the caller captured into its own graph (`GpuCache.end_capture`).
+#[pyclass(module = "fathom._fathom", unsendable)]
+pub struct Graph {
+    inner: fathom_cuda::DecodeGraph,
 }
 
 /// The GPU half of the module.
@@ -639,6 +810,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GpuCache>()?;
     m.add_class::<Session>()?;
     m.add_class::<Batch>()?;
+    m.add_class::<Graph>()?;
     m.add_function(wrap_pyfunction!(dlpack_info, m)?)?;
     m.add_function(wrap_pyfunction!(check_cuda_tensor, m)?)?;
     Ok(())

@@ -121,13 +121,54 @@ class GpuCache:
         is emptied. A batch reserved before is stale afterwards."""
         self._c.truncate(session, _count(length, "length"))
 
-    def reserve(self, batch: Sequence[Tuple[Session, int]]) -> Batch:
+    def reserve(self, batch: Sequence[Tuple[Session, int]], stream=None,
+                follow: bool = False) -> Batch:
         """Grows a ragged batch ``[(session, new_tokens)]`` (all or nothing); valid for this
         step's appends and attends until the next reserve, fork or free. Append every layer
         the cache attends in each step: a session whose step failed between its reserve and
         an append holds rows no append wrote, and is refused by name (by reserves, appends and
-        attends of that layer) until it is freed."""
-        return self._c.reserve([(s, _count(m, "new_tokens")) for s, m in batch])
+        attends of that layer) until it is freed. ``stream`` then waits for the batch's
+        descriptors; with ``follow`` the reserve first waits for the work queued on
+        ``stream`` (needed before replaying a graph of your own: see :meth:`replay`)."""
+        return self._c.reserve([(s, _count(m, "new_tokens")) for s, m in batch],
+                               _stream(stream), bool(follow))
+
+    def read_rows(self, batch: Batch, layer: int, cap: int, k_out, v_out, stream=None) -> None:
+        """The last ``min(len, cap)`` K|V records of every session of ``batch`` (after this
+        step's appends) into ``k_out`` and ``v_out`` ``[len(batch), cap, kv_heads, dim]``
+        (float32 CUDA tensors; rows past a session's count are left as they were): the
+        stored bf16 values exactly. How a dense prefill reads back what the cache holds."""
+        self._c.read_rows(batch, _count(layer, "layer"), _count(cap, "cap"), k_out, v_out,
+                          _stream(stream))
+
+    def select(self, batch: Batch, layer: int, method: str, q, indices, lengths, stream=None,
+               k: int = 256, sink: int = 4, local: int = 32) -> None:
+        """One layer's selection without the attention (docs/SPEC.md §5): for each query head
+        of ``q`` ``[len(batch), kv_heads·group, dim]``, the logical positions of its sink,
+        its top-k by ``method`` and its local window into ``indices`` ``[len(batch), Hq,
+        cap]`` (int32, -1 past the row's length; ``cap ≥ sink + local + k``) and the row's
+        length into ``lengths`` ``[len(batch), Hq]`` (int32). Exactly the set
+        :meth:`attend` with the same arguments attends; ``dense`` has none."""
+        self._c.select(batch, _count(layer, "layer"), method, q, indices, lengths,
+                       _stream(stream), _count(k, "k"), _count(sink, "sink"),
+                       _count(local, "local"))
+
+    def begin_caller_capture(self, batch: Batch) -> None:
+        """Before capturing a decode step that calls this cache into your own graph
+        (``torch.cuda.graph``): the attends' grids then cover ``max_tokens``, so the graph
+        stays valid as the sessions grow, and calls that would change what it reads are
+        refused until :meth:`end_capture`."""
+        self._c.begin_caller_capture(batch)
+
+    def end_capture(self):
+        """Ends the capture; returns the token :meth:`replay` checks."""
+        return self._c.end_capture()
+
+    def replay(self, batch: Batch, graph, stream=None) -> None:
+        """Right before each replay of your graph on ``stream``: checks that ``batch`` (from
+        ``reserve(..., follow=True)``) is the decode batch of the captured sessions and
+        records the step's appends; ``stream`` then waits for the cache's work."""
+        self._c.replay(batch, graph, _stream(stream))
 
     def load_sigma2(self, layer: int, sigma2) -> None:
         """One layer's channel variances ``[kv_heads, dim]`` (numpy float32), for ``fathom:B``."""

@@ -37,6 +37,15 @@ from . import _fathom
 _NAME = "fathom_decode"
 
 
+def __getattr__(name):
+    # The offloaded cache (fathom.hf_cache) imports torch and transformers: only when used.
+    if name in ("FathomCache", "install", "restore"):
+        from . import hf_cache
+
+        return getattr(hf_cache, name)
+    raise AttributeError(f"module 'fathom.hf' has no attribute {name!r}")
+
+
 def _text_config(config):
     return getattr(config, "text_config", None) or config
 
@@ -236,3 +245,28 @@ def generate(model, input_ids, method: str, *, k: int, calib: Optional[os.PathLi
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
                              use_cache=True, **generate_kwargs)
     return out, att
+
+
+def generate_offloaded(model, input_ids, method: str = "fathom:48", *, k: int = 256,
+                       calib: Optional[os.PathLike | str] = None, attention_mask=None,
+                       max_new_tokens: int = 32, prefill_chunk_size: Optional[int] = None,
+                       sink: int = 4, local: int = 32, residency: str = "host",
+                       **generate_kwargs):
+    """Greedy ``model.generate`` with a :class:`FathomCache` sized for the batch (left-padded
+    rows of ``input_ids`` with their ``attention_mask``): returns ``(output_ids, cache)``. The
+    K/V of every global layer live in the offloaded paged cache; each decode step attends
+    through it with ``method``."""
+    import torch
+
+    from .hf_cache import FathomCache
+
+    cache = FathomCache(model, method, k=k, sink=sink, local=local, calib=calib,
+                        max_tokens=int(input_ids.shape[1]) + int(max_new_tokens),
+                        max_batch=int(input_ids.shape[0]), residency=residency)
+    if prefill_chunk_size is not None:
+        generate_kwargs["prefill_chunk_size"] = int(prefill_chunk_size)
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
+                             max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                             **generate_kwargs)
+    return out, cache
