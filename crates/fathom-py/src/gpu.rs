@@ -485,6 +485,18 @@ impl GpuCache {
         unsafe { self.cache.signal(stream) }.map_err(gpu_err)
     }
 
+    /// Prepares `method`'s static plan (a no-op for methods without one, or when prepared):
+    /// what a capture needs done before it, since the cache refuses it while capturing.
+    fn prepare(&mut self, method: &str) -> PyResult<()> {
+        let m = AttendMethod::parse(method, self.cache.config().shape.dim).map_err(lib_err)?;
+        if let AttendMethod::Scan(mm) = m {
+            if !self.cache.is_prepared(mm) {
+                self.cache.prepare(mm).map_err(gpu_err)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Starts a capture the caller makes into its own graph (`torch.cuda.graph`) for the
     /// decode batch `batch`: until `end_capture`, grids cover `max_tokens` and the calls
     /// that would change what the graph reads are refused.

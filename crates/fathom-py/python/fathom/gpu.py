@@ -153,6 +153,11 @@ class GpuCache:
                        _stream(stream), _count(k, "k"), _count(sink, "sink"),
                        _count(local, "local"))
 
+    def prepare(self, method: str) -> None:
+        """Prepares ``method``'s static plan (done by the first attend otherwise): call it
+        before capturing a step that uses the method, since a capture refuses it."""
+        self._c.prepare(method)
+
     def begin_caller_capture(self, batch: Batch) -> None:
         """Before capturing a decode step that calls this cache into your own graph
         (``torch.cuda.graph``): the attends' grids then cover ``max_tokens``, so the graph

@@ -192,9 +192,13 @@ class OpsCache:
                 raise ValueError(f"seq_lens: {n}, the sessions hold {want} after this step")
         return self._batch
 
-    def capture(self, graph: "torch.cuda.CUDAGraph", step, sids: Sequence[int]):
-        """Captures ``step()`` (a decode step that calls the ops for ``sids``, one token each)
-        into ``graph``; returns the token :meth:`replay` takes. Reserves the step first."""
+    def capture(self, graph: "torch.cuda.CUDAGraph", step, sids: Sequence[int],
+                methods: Sequence[str] = ()):
+        """Captures ``step()`` (a decode step that calls the ops for ``sids``, one token each,
+        with ``methods``) into ``graph``; returns ``(token, step's outputs)``, the token
+        :meth:`replay` takes. Reserves the step first; nothing of it runs until a replay."""
+        for m in methods:
+            self.cache.prepare(m)
         batch = self.decode_step(sids, follow=True)
         self.cache.begin_caller_capture(batch)
         try:
@@ -202,12 +206,17 @@ class OpsCache:
                 out = step()
         finally:
             token = self.cache.end_capture()
+        self._captured = batch
         return token, out
 
     def replay(self, graph: "torch.cuda.CUDAGraph", token, sids: Sequence[int]) -> None:
-        """One more decode step of ``sids`` by ``graph``: reserves it (after the work queued
-        on the current stream), checks it against the capture, replays."""
-        batch = self.decode_step(sids, follow=True)
+        """Runs the captured step: first for the step reserved at the capture, then each call
+        for one more decode step of ``sids``, reserved after the work queued on the current
+        stream; checked against the capture, then replayed."""
+        batch = getattr(self, "_captured", None)
+        self._captured = None
+        if batch is None or batch is not self._batch:
+            batch = self.decode_step(sids, follow=True)
         self.cache.replay(batch, token)
         graph.replay()
 

@@ -200,6 +200,9 @@ pub struct PagedCache {
     settings: u64,
     scanned: cudarc::driver::CudaEvent,
     joined: cudarc::driver::CudaEvent,
+    /// Recorded after each upload of the host page tables and descriptors: the next reserve
+    /// rewrites those pinned buffers once it has passed (not the whole stream).
+    uploaded: cudarc::driver::CudaEvent,
     /// The host gather's fork and join: `paged_gather_copy` runs on the second stream after
     /// the request is published, at once with the fetch of the GPU's own share.
     published: cudarc::driver::CudaEvent,
@@ -309,6 +312,7 @@ impl PagedCache {
                 .map_err(drv("create the second stream"))?,
             scanned: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             joined: gpu.ctx().new_event(None).map_err(drv("create event"))?,
+            uploaded: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             published: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             copied: gpu.ctx().new_event(None).map_err(drv("create event"))?,
             stage_timing: cfg.options.stage_timing,

@@ -198,7 +198,20 @@ impl PagedCache {
             )
             .map_err(drv("memcpy_htod append descriptors"))?;
         }
-        Ok(())
+        self.uploaded
+            .record(&self.stream)
+            .map_err(drv("record upload event"))
+    }
+
+    /// Waits on the host until the last upload of the tables and descriptors has run (a
+    /// wait, so refused while capturing, as `sync` is).
+    fn wait_uploaded(&self) -> Result<()> {
+        if self.capturing.is_some() {
+            return self.sync();
+        }
+        self.uploaded
+            .synchronize()
+            .map_err(drv("synchronize upload event"))
     }
 
     pub(super) fn write_table(&mut self, session: SessionId) -> Result<()> {
@@ -249,9 +262,14 @@ impl PagedCache {
             ));
         }
         self.check_grow(batch)?;
-        self.sync()?;
+        // The host tables and descriptors are pinned buffers the last upload read: wait for
+        // that upload only, not for the step's kernels still running (a caller whose Python
+        // enqueues the next step meanwhile keeps the GPU busy). Nothing else the reserve
+        // writes is in use: new pages were freed after a synchronisation (`free`,
+        // `truncate`), and a copied page is shared, so no kernel writes it.
+        self.wait_uploaded()?;
         let plans = self.sessions.reserve_many(batch)?;
-        // Checks are done; the rest writes host memory the GPU is not reading (synchronised).
+        // Checks are done; the rest writes host memory the GPU is not reading (see above).
         for p in &plans {
             if let Some(c) = p.copy {
                 self.copy_page(c)?;
