@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on the 2-core machine, everything the device calls of engine.sh and downstream.sh
 # carry in .devbin/ (git-ignored): the fathom-cuda and fathom-gpu test binaries (unit, api,
-# cache_gpu, gpu_forward, gpu_graph, gpu_unit), fathom-cuda's examples paged_decode, graph_step
+# cache_gpu, select_gpu, gpu_forward, gpu_graph, gpu_unit), fathom-cuda's examples paged_decode, graph_step
 # and every_method, fathom-bench's cache_bench and row_sweep, the `fathom` CLI with CUDA, and the fathom-py wheel; stripped (about 32 MB).
 # x86-64-v3, not native: the binaries run on the device host. Needs no CUDA toolkit (NVRTC
 # compiles the kernels there at run time). The wheel needs maturin (`pip install maturin`).
@@ -17,7 +17,7 @@ cargo build -q -p fathom-cuda --features cuda --release --example paged_decode -
 cargo build -q -p fathom-bench --features cuda --release --example cache_bench --example row_sweep
 cargo build -q --release -p fathom-cli --features cuda
 rm -rf .devbin && mkdir -p .devbin
-for t in fathom_cuda:unit api:api cache_gpu:cache_gpu gpu_forward:gpu_forward gpu_graph:gpu_graph fathom_gpu:gpu_unit; do
+for t in fathom_cuda:unit api:api cache_gpu:cache_gpu select_gpu:select_gpu gpu_forward:gpu_forward gpu_graph:gpu_graph fathom_gpu:gpu_unit; do
   src=${t%%:*} dst=${t##*:}
   f=$(ls -t "$CARGO_TARGET_DIR"/release/deps/"$src"-* | grep -v '\.d$' | head -1)
   cp "$f" .devbin/"$dst"

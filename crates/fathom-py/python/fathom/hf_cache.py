@@ -121,7 +121,8 @@ class FathomCache(Cache):
     ``method``: ``"dense"``, ``"exact"`` or any method of the grammar (``"fathom:48"``,
     ``"sparq:32"``, …); ``k``, ``sink``, ``local``: the selection (docs/SPEC.md §5).
     ``calib``: ``fathom calibrate``'s JSON for methods that need one (``fathom:B``'s σ²,
-    ``ds:r``'s channels); a missing one is a ``ValueError`` here. ``max_tokens``: tokens per
+    ``ds:r``'s channels), or ``{layer: σ² [Hkv, D]}`` (numpy float32; serves ``fathom:B``);
+    a missing one is a ``ValueError`` here. ``max_tokens``: tokens per
     sequence (prompt with its padding, plus new tokens; default: the prompt's + 2048, fixed at
     the first forward). ``max_batch``: sequences (default: the first forward's batch).
     ``residency``: ``"host"`` (pinned host memory, read over PCIe), ``"index-hbm"`` or
@@ -152,11 +153,20 @@ class FathomCache(Cache):
         if getattr(_text_config(model.config), "attn_logit_softcapping", None):
             raise ValueError("model: the paged cache has no attention softcap")
         self.method, self.k, self.sink, self.local = str(method), int(k), int(sink), int(local)
-        self.calib = None if calib is None else os.fspath(calib)
+        self.sigma2 = None
+        if isinstance(calib, dict):
+            self.sigma2, self.calib = {int(k): v for k, v in calib.items()}, None
+        else:
+            self.calib = None if calib is None else os.fspath(calib)
         # The CPU decoder's constructor refuses what the first step would (a method outside
-        # the grammar, one that needs a calibration without it, a bad count) by the same rules.
-        _fathom.Decoder(self.method, self.layers_total, self.hkv, self.dim, self.k, 1,
-                        self.sink, self.local, self.calib, "raw", None)
+        # the grammar, one that needs a calibration without it, a bad count) by the same
+        # rules; σ² given by layer serves fathom:B (checked at the first attend otherwise).
+        try:
+            _fathom.Decoder(self.method, self.layers_total, self.hkv, self.dim, self.k, 1,
+                            self.sink, self.local, self.calib, "raw", None)
+        except ValueError as e:
+            if self.sigma2 is None or not str(e).startswith("calib"):
+                raise
         self.max_tokens, self.max_batch = max_tokens, max_batch
         self.residency, self.options = residency, dict(cache_options)
         self.device = next(model.parameters()).device
@@ -188,6 +198,8 @@ class FathomCache(Cache):
                 block_tables=name in ("landmark", "quest"), **self.options)
             if self.calib is not None:
                 self.gpu.load_calibration(self.calib)
+            for layer, s2 in (self.sigma2 or {}).items():
+                self.gpu.load_sigma2(layer, s2)
             self.sessions = [self.gpu.create() for _ in range(batch)]
         if batch != len(self.sessions):
             raise ValueError(f"input_ids: batch {batch}, the cache holds {len(self.sessions)} "

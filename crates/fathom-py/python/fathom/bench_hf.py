@@ -1,0 +1,363 @@
+"""The comparison a PyTorch user would make: decode through transformers with the KV in HBM
+(``DynamicCache``, sdpa), with transformers' ``OffloadedCache`` (the KV in host memory, each
+layer moved to the GPU for every step), and with :class:`fathom.hf.FathomCache` (the KV in
+host memory, each step scanning Fathom's store and fetching only the selected rows), all in
+one process, one run, one GPU.
+
+    python -m fathom.bench_hf --shape qwen3-8b --context 32k,128k --batch 1,2,4,8 \\
+        --out results/python/bench-hf --plot
+
+For each context and batch, every cache starts from the same sessions and decodes the same
+greedy steps; the JSON records tokens/s and time per output token, the step split (the
+model's weights alone, the cache's share, the host's enqueue time) and, where a cache cannot
+run a setting, its error (out of memory, say) as its result. ``--shape qwen3-8b`` and
+``llama3.1-8b`` are random bf16 weights at those shapes (transformers' dummy-weights
+convention) with synthetic K/V sessions (random keys and values written straight into each
+cache, since random weights make a prompt's K/V no more meaningful; the decode step's work is
+the same): labelled ``"weights": "random"`` and ``"prefill": "synthetic"`` in every entry.
+``--gguf PATH`` loads a real model through transformers' GGUF loader and prefills real text
+(``--text FILE``) in chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from typing import List, Optional, Sequence
+
+SHAPES = {
+    # Qwen3-8B: 36 layers, 32 query heads, 8 KV heads, D 128, QK-norm.
+    "qwen3-8b": ("Qwen3Config", "Qwen3ForCausalLM",
+                 dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, max_position_embeddings=1 << 20, rope_theta=1e6)),
+    # Llama-3.1-8B: 32 layers, 32 query heads, 8 KV heads, D 128.
+    "llama3.1-8b": ("LlamaConfig", "LlamaForCausalLM",
+                    dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, max_position_embeddings=1 << 20, rope_theta=5e5)),
+}
+DEFAULT_CACHES = "dynamic,offloaded,dense,exact,fathom:48,fathom:64,sparq:32"
+
+
+def tokens(s: str) -> int:
+    """``32k`` → 32768, ``1m`` → 1048576, or a plain count."""
+    t = s.strip().lower()
+    mult = {"k": 1 << 10, "m": 1 << 20}.get(t[-1:], 1)
+    n = int(t[:-1] if mult > 1 else t) * mult
+    if n <= 0:
+        raise ValueError(f"context: {s!r}")
+    return n
+
+
+def settings(args) -> List[tuple]:
+    """``(context, batch)`` pairs: ``--grid 32k:1,4,8/128k:1,4``, or every context with every
+    batch."""
+    if args.grid:
+        out = []
+        for part in args.grid.split("/"):
+            c, _, b = part.partition(":")
+            out += [(tokens(c), int(x)) for x in b.split(",")]
+        return out
+    return [(tokens(c), int(b)) for c in args.context.split(",") for b in args.batch.split(",")]
+
+
+def random_model(shape: str):
+    """A random bf16 model at ``shape`` on the GPU (weights drawn on the GPU)."""
+    import torch
+    import transformers
+
+    cfg_name, cls_name, kw = SHAPES[shape]
+    cfg = getattr(transformers, cfg_name)(**kw)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = getattr(transformers, cls_name)._from_config(cfg, dtype=torch.bfloat16)
+    return m.eval()
+
+
+def _shape(model):
+    from .hf_cache import _shape as s
+
+    return s(model.config)
+
+
+def _synthetic_kv(layers, bs, hkv, n, d, seed, device="cuda"):
+    """A generator of one layer's random K and V ``[bs, Hkv, n, D]`` (bf16, unit variance)."""
+    import torch
+
+    g = torch.Generator(device).manual_seed(seed)
+    for _ in range(layers):
+        k = torch.randn((bs, hkv, n, d), device=device, generator=g, dtype=torch.bfloat16)
+        v = torch.randn((bs, hkv, n, d), device=device, generator=g, dtype=torch.bfloat16)
+        yield k, v
+
+
+def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int):
+    """A cache of ``kind`` holding ``bs`` synthetic sessions of ``ctx`` tokens."""
+    import torch
+    from transformers import DynamicCache
+
+    layers, hq, hkv, d = _shape(model)
+    if kind in ("dynamic", "offloaded"):
+        cache = DynamicCache(config=model.config, offloading=kind == "offloaded")
+        dev = next(model.parameters()).device
+        for layer, (kk, vv) in enumerate(_synthetic_kv(layers, bs, hkv, ctx, d, 7, dev)):
+            cache.update(kk, vv, layer)
+            del kk, vv
+        return cache
+    import numpy as np
+
+    from .hf_cache import FathomCache
+
+    # Synthetic keys have unit variance in every channel: σ² = 1 is their true calibration.
+    sigma2 = {layer: np.ones((hkv, d), np.float32) for layer in range(layers)}
+    cache = FathomCache(model, kind, k=k, calib=sigma2 if kind.startswith("fathom:") else None,
+                        max_tokens=ctx + steps + 8, max_batch=bs)
+    gpu = cache._open(bs, ctx)
+    chunk = 16384
+    kv = _synthetic_kv(layers * math.ceil(ctx / chunk), bs, hkv, min(chunk, ctx), d, 7)
+    for c0 in range(0, ctx, chunk):
+        m = min(chunk, ctx - c0)
+        batch = gpu.reserve([(s, m) for s in cache.sessions])
+        for layer in range(layers):
+            kk, vv = next(kv)
+            # Rows session by session: [bs, Hkv, m, D] → [bs·m, Hkv, D].
+            gpu.append(batch, layer, kk[:, :, :m].transpose(1, 2).reshape(bs * m, hkv, d),
+                       vv[:, :, :m].transpose(1, 2).reshape(bs * m, hkv, d))
+    for layer in cache.layers:
+        if hasattr(layer, "seen"):
+            layer.seen = ctx
+    torch.cuda.synchronize()
+    return cache
+
+
+def decode(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
+    """Greedy decode of ``bs`` sequences through ``cache``: ``warmup`` steps, then ``rounds``
+    rounds of ``steps`` steps, each round timed from one synchronisation to the next (the
+    tokens stay on the GPU; the host enqueues ahead as far as the step lets it). Per round,
+    the ms per step and the host's ms per step to enqueue it."""
+    import torch
+
+    tok = torch.randint(0, 100, (bs, 1), device=next(model.parameters()).device)
+    sync = torch.cuda.synchronize if tok.is_cuda else (lambda: None)
+    wall, host = [], []
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            n = warmup if r == 0 else steps
+            sync()
+            t0 = time.perf_counter()
+            enq = 0.0
+            for _ in range(n):
+                h0 = time.perf_counter()
+                tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                enq += time.perf_counter() - h0
+            sync()
+            if r > 0:
+                wall.append((time.perf_counter() - t0) * 1e3 / n)
+                host.append(enq * 1e3 / n)
+    return wall, host
+
+
+def null_step(model, bs: int, ctx: int, steps: int) -> float:
+    """Ms of a decode step whose attention is skipped (zeros) and whose cache keeps nothing:
+    the model's weights, norms, sampling and Python alone."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class Null(DynamicLayer):
+        def update(self, k, v, *a, **kw):
+            return k, v
+
+        def get_seq_length(self):
+            return ctx
+
+    def zeros(module, query, key, value, mask, **kw):
+        return torch.zeros_like(query).transpose(1, 2), None
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register("fathom_null", zeros)
+    AttentionMaskInterface.register("fathom_null", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    prev = model.config._attn_implementation
+    model.set_attn_implementation("fathom_null")
+    try:
+        cache = Cache(layers=[Null() for _ in range(_shape(model)[0])])
+        wall, _ = decode(model, cache, bs, steps, 1, rounds=2)
+    finally:
+        model.set_attn_implementation(prev)
+    return sum(wall) / len(wall)
+
+
+def stats(xs: Sequence[float]) -> dict:
+    n = len(xs)
+    mean = sum(xs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    half = 1.96 * sd / math.sqrt(n) if n > 1 else 0.0
+    s = sorted(xs)
+    return {"mean": mean, "ci95": [mean - half, mean + half], "p50": s[n // 2], "min": s[0],
+            "max": s[-1], "n": n}
+
+
+def run(args) -> dict:
+    import torch
+
+    model = random_model(args.shape)
+    layers, hq, hkv, d = _shape(model)
+    doc = {"kind": "bench-hf", "version": 1, "command": " ".join(shlex.quote(a) for a in sys.argv),
+           "shape": args.shape, "weights": "random", "prefill": "synthetic",
+           "model": {"layers": layers, "hq": hq, "hkv": hkv, "d": d},
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "transformers": __import__("transformers").__version__, "k": args.k,
+           "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+           "offloaded_steps": args.offloaded_steps, "entries": []}
+    for ctx, bs in settings(args):
+        weights_ms = null_step(model, bs, ctx, args.steps)
+        for kind in args.caches.split(","):
+            e = {"cache": kind, "context": ctx, "batch": bs, "weights_ms": weights_ms}
+            steps = args.offloaded_steps if kind == "offloaded" else args.steps
+            rounds = 1 if kind == "offloaded" else args.rounds
+            cache = None
+            try:
+                cache = make_cache(kind, model, bs, ctx, steps * rounds + args.warmup, args.k)
+                if hasattr(cache, "gpu") and cache.gpu is not None:
+                    cache.gpu.stage_times()
+                wall, host = decode(model, cache, bs, steps, args.warmup, rounds)
+                st = stats(wall)
+                e.update(step_ms=st, tokens_per_s=1e3 * bs / st["mean"],
+                         tpot_ms=st["mean"], host_enqueue_ms=stats(host)["mean"],
+                         cache_ms=st["mean"] - weights_ms)
+                if hasattr(cache, "gpu") and cache.gpu is not None:
+                    t = cache.gpu.stage_times()
+                    per = max(1, t["attends"] + t["untimed"])
+                    e["attend_gpu_ms_per_step"] = sum(t[s] for s in cache.gpu.STAGES) / per * len(
+                        cache.global_layers)
+                    e["mean_bits"] = cache.mean_bits
+            except torch.OutOfMemoryError as err:
+                e["error"] = f"out of memory: {str(err).splitlines()[0]}"
+            except (RuntimeError, ValueError, MemoryError) as err:
+                e["error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            finally:
+                del cache
+                gc.collect()
+                torch.cuda.empty_cache()
+            doc["entries"].append(e)
+            print(_line(e), flush=True)
+    return doc
+
+
+def compare_decode_bench(doc: dict, db: dict) -> None:
+    """Adds to each FathomCache entry the tokens/s of `fathom decode-bench` (the Rust forward,
+    the same cache) at its method, batch and context, and the ratio."""
+    doc["decode_bench"] = {"command": db.get("command"), "device": db.get("device")}
+    for e in doc["entries"]:
+        for r in db.get("entries", []):
+            if (r.get("method") == e["cache"] and r.get("batch") == e["batch"]
+                    and set(r.get("contexts", [])) == {e["context"]} and not r.get("graph")
+                    and "tokens_per_s" in e):
+                e["decode_bench_tokens_per_s"] = r["tokens_per_s"]
+                e["of_decode_bench"] = e["tokens_per_s"] / r["tokens_per_s"]
+
+
+def _line(e: dict) -> str:
+    head = f"{e['cache']:>11} ctx {e['context']:>7} B {e['batch']:>2}"
+    if "error" in e:
+        return f"{head}  {e['error']}"
+    return (f"{head}  {e['tokens_per_s']:8.2f} tok/s  {e['tpot_ms']:8.2f} ms/token  "
+            f"(weights {e['weights_ms']:.1f} ms, cache {e['cache_ms']:.1f} ms, host "
+            f"{e['host_enqueue_ms']:.1f} ms)")
+
+
+def plot(doc: dict, path: str) -> None:
+    """Tokens/s against batch, one panel per context, one line per cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctxs = sorted({e["context"] for e in doc["entries"]})
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], ctxs):
+        for kind in dict.fromkeys(e["cache"] for e in doc["entries"]):
+            pts = [(e["batch"], e["tokens_per_s"]) for e in doc["entries"]
+                   if e["context"] == ctx and e["cache"] == kind and "error" not in e]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=kind)
+        ax.set(title=f"{doc['shape']} ({doc['weights']} weights), {ctx // 1024}k",
+               xlabel="batch", ylabel="tokens/s", yscale="log")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(doc["device"], fontsize=9)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def write_json(doc: dict, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m fathom.bench_hf", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m fathom.bench_hf --shape qwen3-8b --context 32k --batch 1,4\n"
+               "  python -m fathom.bench_hf --plot-only results/python/bench-hf/qwen3-8b.json")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--context", default="32k", help="contexts, comma-separated (32k,128k)")
+    p.add_argument("--batch", default="1,2,4,8", help="batch sizes, comma-separated")
+    p.add_argument("--grid", help="context:batches pairs, slash-separated (32k:1,4,8/128k:1,4); "
+                                  "overrides --context and --batch")
+    p.add_argument("--caches", default=DEFAULT_CACHES,
+                   help=f"dynamic, offloaded and FathomCache methods (default {DEFAULT_CACHES})")
+    p.add_argument("--k", type=int, default=256, help="top-k per query head")
+    p.add_argument("--steps", type=int, default=8, help="decode steps per timed round")
+    p.add_argument("--offloaded-steps", type=int, default=3,
+                   help="timed steps of OffloadedCache (each moves the whole KV)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of --steps steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default="bench-hf", help="folder for the JSON and the plot")
+    p.add_argument("--plot", action="store_true", help="also draw tokens/s against batch")
+    p.add_argument("--decode-bench", metavar="JSON",
+                   help="`fathom decode-bench --json` of the same shape on the same machine: "
+                        "each FathomCache entry gets its tokens/s and the ratio")
+    p.add_argument("--plot-only", metavar="JSON", help="draw the plot of an earlier run")
+    args = p.parse_args(argv)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            doc = json.load(f)
+        plot(doc, os.path.splitext(args.plot_only)[0] + ".png")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: bench_hf needs a CUDA GPU (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    doc = run(args)
+    if args.decode_bench:
+        with open(args.decode_bench) as f:
+            compare_decode_bench(doc, json.load(f))
+    path = os.path.join(args.out, f"{args.shape}.json")
+    write_json(doc, path)
+    if args.plot:
+        plot(doc, os.path.splitext(path)[0] + ".png")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
