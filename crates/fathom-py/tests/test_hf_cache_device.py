@@ -298,3 +298,32 @@ def test_a_graph_captured_step_replays_what_eager_computes(method):
         nxt = eager.argmax(-1)
         tokens.copy_(nxt)
         pos.add_(1)
+
+
+GGUF = [("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"), ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")]
+
+
+@pytest.mark.parametrize("name,gguf", GGUF)
+@pytest.mark.parametrize("method", ["dense", "exact"])
+def test_the_pinned_gguf_models_generate_transformers_tokens(name, gguf, method):
+    # The models are data (staged on the device with scripts/device/stage_model.sh):
+    # FATHOM_REQUIRE_DATA=1 turns their absence into a failure.
+    need("gguf", "FATHOM_REQUIRE_DATA", "transformers' GGUF loader needs it")
+    need("accelerate", "FATHOM_REQUIRE_DATA", "transformers' GGUF loader needs it")
+    cache_dir = os.environ.get("FATHOM_CACHE", os.path.expanduser("~/.cache/fathom"))
+    path = os.path.join(cache_dir, "models", gguf)
+    if not os.path.exists(path):
+        if os.environ.get("FATHOM_REQUIRE_DATA") == "1":
+            pytest.fail(f"{path} is missing (fathom fetch-models)")
+        pytest.skip(f"{path} is missing (fathom fetch-models, or stage_model.sh on the device)")
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=gguf, dtype=torch.bfloat16).to("cuda").eval()
+    m.config._attn_implementation = "sdpa"
+    vocab = m.config.get_text_config().vocab_size
+    ids = torch.randint(10, vocab, (1, 1000), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    ref, scores = greedy(m, ids, new=32)
+    got, _ = greedy(m, ids, cache=FathomCache(m, method, k=1024, max_tokens=1100), new=32)
+    info = explain(ref, scores, got)
+    record(f"generate-{name}-{method}", {"model": name, "method": method, "prompt": 1000,
+                                         "new_tokens": 32, "identical": info is None,
+                                         "divergence": info, "device": torch.cuda.get_device_name()})
