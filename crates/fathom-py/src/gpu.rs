@@ -490,9 +490,7 @@ impl GpuCache {
     fn prepare(&mut self, method: &str) -> PyResult<()> {
         let m = AttendMethod::parse(method, self.cache.config().shape.dim).map_err(lib_err)?;
         if let AttendMethod::Scan(mm) = m {
-            if !self.cache.is_prepared(mm) {
-                self.cache.prepare(mm).map_err(gpu_err)?;
-            }
+            self.prepare_static(mm)?;
         }
         Ok(())
     }
@@ -803,11 +801,21 @@ impl GpuCache {
     /// needs (a calibration, say).
     fn ready(&mut self, m: AttendMethod, layer: usize) -> PyResult<()> {
         if let AttendMethod::Scan(mm) = m {
-            if !self.cache.is_prepared(mm) {
-                self.cache.prepare(mm).map_err(gpu_err)?;
-            }
+            self.prepare_static(mm)?;
         }
         self.cache.check_method(m, layer).map_err(gpu_err)
+    }
+
+    /// Makes a static method's depth table once (exact, thumb2, ds:r, loki:r): the methods
+    /// that plan per query have none, and their checks are `check_method`'s, so nothing here
+    /// runs inside a capture once the table exists.
+    fn prepare_static(&mut self, mm: fathom_cuda::config::Method) -> PyResult<()> {
+        use fathom_cuda::config::Method as M;
+        let per_query = matches!(mm, M::Fathom(_) | M::SparQ(_) | M::Landmark | M::Quest);
+        if !per_query && !self.cache.is_prepared(mm) {
+            self.cache.prepare(mm).map_err(gpu_err)?;
+        }
+        Ok(())
     }
 }
 
