@@ -55,7 +55,7 @@ json.dump(a, open(sys.argv[1], "w"), indent=1)
 EOF
     rm -f $OUT/decode-bench2.json
   fi
-  timeout ${BENCH_S:-330} python3 -m fathom.bench_hf --shape $shape --grid ${GRID:-32k:1,4,8/128k:1,4} \
+  timeout ${BENCH_S:-360} python3 -m fathom.bench_hf --shape $shape --grid ${GRID:-32k:1,4,8/128k:1,4} \
     ${CACHES:+--caches $CACHES} --decode-bench $OUT/decode-bench-$shape.json --out $OUT > $OUT/bench-hf-$shape.txt 2>&1
   echo "bench_hf rc=$?" | tee -a $OUT/summary.txt
   ;;

@@ -206,7 +206,7 @@ def stats(xs: Sequence[float]) -> dict:
             "max": s[-1], "n": n}
 
 
-def run(args) -> dict:
+def run(args, path: str) -> dict:
     import torch
 
     model = random_model(args.shape)
@@ -249,6 +249,7 @@ def run(args) -> dict:
                 gc.collect()
                 torch.cuda.empty_cache()
             doc["entries"].append(e)
+            write_json(doc, path)  # each entry as it comes: a run cut short keeps what it timed
             print(_line(e), flush=True)
     return doc
 
@@ -347,11 +348,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    doc = run(args)
+    path = os.path.join(args.out, f"{args.shape}.json")
+    doc = run(args, path)
     if args.decode_bench:
         with open(args.decode_bench) as f:
             compare_decode_bench(doc, json.load(f))
-    path = os.path.join(args.out, f"{args.shape}.json")
     write_json(doc, path)
     if args.plot:
         plot(doc, os.path.splitext(path)[0] + ".png")
