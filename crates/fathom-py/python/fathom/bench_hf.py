@@ -129,8 +129,8 @@ def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int):
         for layer in range(layers):
             kk, vv = next(kv)
             # Rows session by session: [bs, Hkv, m, D] → [bs·m, Hkv, D].
-            gpu.append(batch, layer, kk[:, :, :m].transpose(1, 2).reshape(bs * m, hkv, d),
-                       vv[:, :, :m].transpose(1, 2).reshape(bs * m, hkv, d))
+            gpu.append(batch, layer, kk[:, :, :m].transpose(1, 2).contiguous().view(bs * m, hkv, d),
+                       vv[:, :, :m].transpose(1, 2).contiguous().view(bs * m, hkv, d))
     for layer in cache.layers:
         if hasattr(layer, "seen"):
             layer.seen = ctx
