@@ -50,7 +50,7 @@ bench)
     python3 - $OUT/decode-bench-$shape.json $OUT/decode-bench2.json <<'EOF'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
-a["entries"] += b["entries"]; a["command"] = [a["command"], b["command"]]
+a["entries"] += b["entries"]; a["command"] = a["command"] + " && " + b["command"]
 json.dump(a, open(sys.argv[1], "w"), indent=1)
 EOF
     rm -f $OUT/decode-bench2.json

@@ -211,7 +211,8 @@ def run(args, path: str) -> dict:
 
     model = random_model(args.shape)
     layers, hq, hkv, d = _shape(model)
-    doc = {"kind": "bench-hf", "version": 1, "command": " ".join(shlex.quote(a) for a in sys.argv),
+    argv = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    doc = {"kind": "bench-hf", "version": 1, "command": f"python -m fathom.bench_hf {argv}",
            "shape": args.shape, "weights": "random", "prefill": "synthetic",
            "model": {"layers": layers, "hq": hq, "hkv": hkv, "d": d},
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
