@@ -15,8 +15,13 @@ run a setting, its error (out of memory, say) as its result. ``--shape qwen3-8b`
 convention) with synthetic K/V sessions (random keys and values written straight into each
 cache, since random weights make a prompt's K/V no more meaningful; the decode step's work is
 the same): labelled ``"weights": "random"`` and ``"prefill": "synthetic"`` in every entry.
-``--gguf PATH`` loads a real model through transformers' GGUF loader and prefills real text
-(``--text FILE``) in chunks.
+``--gguf FILE`` loads a real model through transformers' GGUF loader instead and prefills each
+cache with the model's own forward over real text (``--text``, the pinned prose corpus by
+default) in chunks of ``--prefill-chunk``; ``--calib`` gives its Fathom caches their
+calibration (labelled ``"weights": "gguf"``):
+
+    python -m fathom.bench_hf --gguf ~/.cache/fathom/models/gemma-3-270m-q4_k_m.gguf \
+        --grid 8k:1,4/16k:1,4 --calib gemma3-270m-cal.json --out results/python/bench-hf
 """
 
 from __future__ import annotations
@@ -99,12 +104,15 @@ def _synthetic_kv(layers, bs, hkv, n, d, seed, device="cuda"):
         yield k, v
 
 
-def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int):
-    """A cache of ``kind`` holding ``bs`` synthetic sessions of ``ctx`` tokens."""
+def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int, real=None):
+    """A cache of ``kind`` holding ``bs`` sessions of ``ctx`` tokens: synthetic K/V, or with
+    ``real = (ids [bs, ctx], calib, chunk)`` the model's own prefill of ``ids`` in chunks."""
     import torch
     from transformers import DynamicCache
 
     layers, hq, hkv, d = _shape(model)
+    if real is not None:
+        return prefilled(kind, model, bs, ctx, steps, k, *real)
     if kind in ("dynamic", "offloaded"):
         cache = DynamicCache(config=model.config, offloading=kind == "offloaded")
         dev = next(model.parameters()).device
@@ -136,6 +144,60 @@ def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int):
             layer.seen = ctx
     torch.cuda.synchronize()
     return cache
+
+
+def prefilled(kind: str, model, bs: int, ctx: int, steps: int, k: int, ids, calib, chunk: int):
+    """A cache of ``kind`` filled by the model's own forward over ``ids`` ``[bs, ctx]`` in
+    chunks of ``chunk`` tokens (transformers' chunked prefill, the best it allows; for
+    FathomCache later chunks read the stored rows back)."""
+    import torch
+    from transformers import DynamicCache
+
+    if kind in ("dynamic", "offloaded"):
+        cache = DynamicCache(config=model.config, offloading=kind == "offloaded")
+    else:
+        from .hf_cache import FathomCache
+
+        cache = FathomCache(model, kind, k=k, calib=calib, max_tokens=ctx + steps + 8,
+                            max_batch=bs)
+    with torch.no_grad():
+        for c0 in range(0, ctx, chunk):
+            model(input_ids=ids[:, c0:c0 + chunk], past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return cache
+
+
+def gguf_model(path: str, device: str = "cuda"):
+    """A GGUF model through transformers' GGUF loader (dequantized to bf16) on the GPU, and
+    its tokenizer."""
+    import torch
+    import transformers
+
+    d, name = os.path.split(os.path.abspath(path))
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.bfloat16)
+    m.config._attn_implementation = "sdpa"
+    return m.to(device).eval(), tok
+
+
+def prose_ids(tok, path: str, ctx: int, bs: int, device: str = "cuda"):
+    """``[bs, ctx]`` token ids of real text: row b is the first ``ctx`` tokens of the b-th
+    document of the JSONL ``path`` (``{"text": …}`` per line) long enough to give them."""
+    import torch
+
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            ids = tok(json.loads(line)["text"], add_special_tokens=True)["input_ids"]
+            if len(ids) >= ctx:
+                rows.append(ids[:ctx])
+                if len(rows) == bs:
+                    break
+    if len(rows) < bs:
+        raise ValueError(f"text: {path} has {len(rows)} documents of ≥ {ctx} tokens, want {bs}")
+    return torch.tensor(rows, device=device)
 
 
 def decode(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
@@ -209,11 +271,17 @@ def stats(xs: Sequence[float]) -> dict:
 def run(args, path: str) -> dict:
     import torch
 
-    model = random_model(args.shape)
+    tok = None
+    if args.gguf:
+        model, tok = gguf_model(args.gguf)
+        shape, weights, prefill = os.path.basename(args.gguf), "gguf", f"real text ({args.text})"
+    else:
+        model = random_model(args.shape)
+        shape, weights, prefill = args.shape, "random", "synthetic"
     layers, hq, hkv, d = _shape(model)
     argv = " ".join(shlex.quote(a) for a in sys.argv[1:])
     doc = {"kind": "bench-hf", "version": 1, "command": f"python -m fathom.bench_hf {argv}",
-           "shape": args.shape, "weights": "random", "prefill": "synthetic",
+           "shape": shape, "weights": weights, "prefill": prefill,
            "model": {"layers": layers, "hq": hq, "hkv": hkv, "d": d},
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "k": args.k,
@@ -227,7 +295,12 @@ def run(args, path: str) -> dict:
             rounds = 1 if kind == "offloaded" else args.rounds
             cache = None
             try:
-                cache = make_cache(kind, model, bs, ctx, steps * rounds + args.warmup, args.k)
+                real = None
+                if tok is not None:
+                    calib = args.calib if kind.startswith(("fathom:", "ds:")) else None
+                    real = (prose_ids(tok, args.text, ctx, bs), calib, args.prefill_chunk)
+                cache = make_cache(kind, model, bs, ctx, steps * rounds + args.warmup, args.k,
+                                   real)
                 if hasattr(cache, "gpu") and cache.gpu is not None:
                     cache.gpu.stage_times()
                 wall, host = decode(model, cache, bs, steps, args.warmup, rounds)
@@ -316,8 +389,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         prog="python -m fathom.bench_hf", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  python -m fathom.bench_hf --shape qwen3-8b --context 32k --batch 1,4\n"
+               "  python -m fathom.bench_hf --gguf model.gguf --grid 8k:1,4 --calib cal.json\n"
                "  python -m fathom.bench_hf --plot-only results/python/bench-hf/qwen3-8b.json")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b",
+                   help="random bf16 weights at this shape, synthetic sessions")
+    p.add_argument("--gguf", metavar="FILE",
+                   help="a real model instead (transformers' GGUF loader), prefilled with --text")
+    p.add_argument("--text", metavar="JSONL",
+                   default=os.path.expanduser("~/.cache/fathom/corpus/prose/eval.jsonl"),
+                   help="real text for --gguf: one {\"text\": ...} per line (default: the pinned "
+                        "prose corpus, `fathom fetch-corpus`)")
+    p.add_argument("--calib", metavar="JSON",
+                   help="`fathom calibrate`'s file for --gguf's fathom and ds caches")
+    p.add_argument("--prefill-chunk", type=int, default=4096,
+                   help="prefill chunk for --gguf (tokens)")
     p.add_argument("--context", default="32k", help="contexts, comma-separated (32k,128k)")
     p.add_argument("--batch", default="1,2,4,8", help="batch sizes, comma-separated")
     p.add_argument("--grid", help="context:batches pairs, slash-separated (32k:1,4,8/128k:1,4); "
@@ -349,7 +434,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.shape}.json")
+    stem = os.path.splitext(os.path.basename(args.gguf))[0] if args.gguf else args.shape
+    path = os.path.join(args.out, f"{stem}.json")
     doc = run(args, path)
     if args.decode_bench:
         with open(args.decode_bench) as f:
