@@ -11,6 +11,7 @@
 
 use std::path::PathBuf;
 
+mod dlpack;
 mod gpu;
 
 use numpy::ndarray::{Dimension, Ix2, Ix3};
