@@ -379,7 +379,9 @@ pub trait KvCache: Sized {
     fn end_capture(&mut self) -> Result<Self::Graph>;
 
     /// Replays a captured decode step for `batch`, the current reserve of the same sessions
-    /// (one token each), on the cache's stream.
+    /// (one token each), on the cache's stream. For a graph of the caller's own capture
+    /// ([`crate::api::KvCache::begin_caller_capture`]) it launches nothing: it checks and
+    /// records the step, and the caller then replays its graph.
     ///
     /// # Errors
     /// A stale batch, or one whose sessions or token counts differ from the captured one's; a
