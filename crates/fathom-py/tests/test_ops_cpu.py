@@ -129,3 +129,22 @@ def test_the_attention_function_is_sdpa_without_a_fathom_cache():
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, want)
+
+
+def test_padding_is_read_from_the_mask_and_must_be_on_the_left():
+    from fathom.hf_cache import _real_rows
+
+    # Two rows, a 4-token chunk after 2 earlier positions: row 0 all real, row 1 padded 3.
+    q, seen = 4, 6
+    m = torch.ones((2, 1, q, seen), dtype=torch.bool)
+    m[1, 0, :, :5] = False
+    assert _real_rows(m, 2, q, seen) == [4, 1]
+    assert _real_rows(None, 3, q, seen) == [4, 4, 4]
+    # One mask broadcast over the batch.
+    assert _real_rows(torch.ones((1, 1, q, seen), dtype=torch.bool), 2, q, seen) == [4, 4]
+    right = torch.ones((1, 1, q, seen), dtype=torch.bool)
+    right[0, 0, :, 5] = False
+    with pytest.raises(ValueError, match="padding that is not on the left"):
+        _real_rows(right, 1, q, seen)
+    with pytest.raises(ValueError, match="4-D boolean"):
+        _real_rows(torch.zeros((1, 1, q, seen)), 1, q, seen)
