@@ -224,11 +224,21 @@ def test_bad_input_names_the_argument_and_the_cache_stays_usable():
     for arg, call in cases:
         with pytest.raises(ValueError, match=arg):
             call()
+    with pytest.raises(ValueError, match="q: shape"):
+        torch.ops.fathom.select(h, q[0], 0, s, n, "exact", 64)
     # A capacity overrun: 512 tokens per session, 201 held, 400 more.
     big = torch.randn(400, 2, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError):
         torch.ops.fathom.append(h, 0, big, big, torch.full((400,), sids[1], dtype=torch.int32),
                                 torch.arange(201, 601, dtype=torch.int32))
+    out = torch.ops.fathom.attend(h, q, 0, s, "exact", 64)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    # A rolled-back step: truncate, then the same rows appended again reserve anew.
+    for sid in sids:
+        oc.truncate(sid, oc.len(sid) - 1)
+    k1 = torch.randn(2, 2, 128, device="cuda", dtype=torch.bfloat16)
+    torch.ops.fathom.append(h, 0, k1, k1, s, torch.tensor([100, 200], dtype=torch.int32))
     out = torch.ops.fathom.attend(h, q, 0, s, "exact", 64)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()

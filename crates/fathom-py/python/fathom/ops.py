@@ -147,6 +147,12 @@ class OpsCache:
         del self._sessions[sid]
         self._batch, self._runs = None, None
 
+    def truncate(self, sid: int, length: int) -> None:
+        """Shortens session ``sid`` to its first ``length`` tokens (a rejected draft, a
+        rolled-back step); the next append reserves anew."""
+        self.cache.truncate(self._session(sid), length)
+        self._batch, self._runs = None, None
+
     def len(self, sid: int) -> int:
         """Tokens in session ``sid``."""
         return self.cache.len(self._session(sid))
@@ -238,7 +244,9 @@ def _select(cache: torch.Tensor, q: torch.Tensor, layer: int, sessions: torch.Te
             local: int = 32) -> Tuple[torch.Tensor, torch.Tensor]:
     c = _cache(cache)
     batch = c.batch_for(sessions, seq_lens)
-    bs, hq = len(batch), q.shape[1] if q.dim() == 3 else -1
+    if q.dim() != 3:
+        raise ValueError(f"q: shape {list(q.shape)}, want [bs, Hq, D]")
+    bs, hq = len(batch), q.shape[1]
     cap = int(sink) + int(local) + int(k)
     idx = torch.empty((bs, hq, cap), dtype=torch.int32, device=q.device)
     lens = torch.empty((bs, hq), dtype=torch.int32, device=q.device)
