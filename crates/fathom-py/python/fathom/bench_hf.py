@@ -88,7 +88,7 @@ def random_model(shape: str):
 
 
 def _shape(model):
-    from .hf_cache import _shape as s
+    from .hf import _shape as s
 
     return s(model.config)
 

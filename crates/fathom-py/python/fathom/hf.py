@@ -50,6 +50,15 @@ def _text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def _shape(config):
+    """``(layers, Hq, Hkv, D)`` of a decoder's config."""
+    t = _text_config(config)
+    hq = int(t.num_attention_heads)
+    hkv = int(getattr(t, "num_key_value_heads", None) or hq)
+    d = int(getattr(t, "head_dim", None) or t.hidden_size // hq)
+    return int(t.num_hidden_layers), hq, hkv, d
+
+
 class FathomAttention:
     """The attention of one generation with one method (see the module docs)."""
 
@@ -108,9 +117,7 @@ class FathomAttention:
         """Builds the decoder from the model's shape, so a bad method, k or calibration (or a
         method that needs one without it, a softcap that is not positive) is an error before
         generation starts."""
-        text = _text_config(config)
-        hkv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-        d = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        _, _, hkv, d = _shape(config)
         if self.device == "cuda":
             # The CPU decoder's constructor refuses what would fail at the first step (a
             # method that needs a calibration without one, k = sink = local = 0, a negative

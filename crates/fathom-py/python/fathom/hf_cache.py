@@ -35,22 +35,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from . import _fathom
 from . import gpu as fg
+from .hf import _shape, _text_config
 
 NAME = "fathom"
 _pending = threading.local()
-
-
-def _text_config(config):
-    return getattr(config, "text_config", None) or config
-
-
-def _shape(config):
-    """``(layers, Hq, Hkv, D)`` of a decoder's config."""
-    t = _text_config(config)
-    hq = int(t.num_attention_heads)
-    hkv = int(getattr(t, "num_key_value_heads", None) or hq)
-    d = int(getattr(t, "head_dim", None) or t.hidden_size // hq)
-    return int(t.num_hidden_layers), hq, hkv, d
 
 
 def layer_types(config) -> List[str]:
