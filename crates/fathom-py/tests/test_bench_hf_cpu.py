@@ -62,3 +62,32 @@ def test_a_baseline_decodes_and_the_plot_is_drawn(tmp_path):
     p.write_text(json.dumps(doc))
     assert bench_hf.main(["--plot-only", str(p)]) == 0
     assert (tmp_path / "x.png").stat().st_size > 1000
+
+
+def test_real_text_is_one_stream_cut_into_rows(tmp_path):
+    # A tokenizer of one id per character: the rows are consecutive runs of the joined
+    # documents, no text repeats, and too little text is a ValueError naming the file.
+    class Chars:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc", "defgh", "ij")))
+    ids = bench_hf.prose_ids(Chars(), str(path), 4, 3, device="cpu")
+    stream = [0] + [ord(c) for c in "abc\n\ndefgh\n\nij\n\n"]
+    assert ids.tolist() == [stream[0:4], stream[4:8], stream[8:12]]
+    with pytest.raises(ValueError, match="docs.jsonl gives 17 tokens, want 4 × 5 = 20"):
+        bench_hf.prose_ids(Chars(), str(path), 5, 4, device="cpu")
+
+
+def test_offloaded_is_refused_where_the_host_cannot_hold_its_kv():
+    # Qwen3-8B's shape: 36 layers × 8 KV heads × 128 channels, K and V in bf16: 144 KiB a
+    # token, so 4 × 128k tokens need 72 GiB.
+    m = argparse.Namespace(config=argparse.Namespace(
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        hidden_size=4096))
+    with pytest.raises(MemoryError, match="need 72.0 GiB, 64.0 GiB free"):
+        bench_hf.check_host_room("offloaded", m, 4, 131072, 64 << 30)
+    bench_hf.check_host_room("offloaded", m, 4, 131072, 100 << 30)
+    bench_hf.check_host_room("fathom:48", m, 4, 131072, 1 << 30)  # only OffloadedCache
+    bench_hf.check_host_room("offloaded", m, 4, 131072, None)  # unknown: tried

@@ -104,6 +104,31 @@ def _synthetic_kv(layers, bs, hkv, n, d, seed, device="cuda"):
         yield k, v
 
 
+def host_available() -> Optional[int]:
+    """Bytes of host memory the kernel says a new allocation can take (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_room(kind: str, model, bs: int, ctx: int, available: Optional[int]) -> None:
+    """OffloadedCache keeps every layer's K and V in host memory (bf16): where that passes 90 %
+    of what the host has free, its fill would have the process killed (seen at 128k × 4 on a
+    128 GiB host), so the setting is refused with a ``MemoryError`` that the JSON records."""
+    if kind != "offloaded" or available is None:
+        return
+    layers, _, hkv, d = _shape(model)
+    need = 2 * layers * bs * ctx * hkv * d * 2
+    if need > 0.9 * available:
+        raise MemoryError(f"host memory: OffloadedCache's K/V need {need / 2**30:.1f} GiB, "
+                          f"{available / 2**30:.1f} GiB free (not run: the fill would be killed)")
+
+
 def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int, real=None):
     """A cache of ``kind`` holding ``bs`` sessions of ``ctx`` tokens: synthetic K/V, or with
     ``real = (ids [bs, ctx], calib, chunk)`` the model's own prefill of ``ids`` in chunks."""
@@ -183,21 +208,22 @@ def gguf_model(path: str, device: str = "cuda"):
 
 
 def prose_ids(tok, path: str, ctx: int, bs: int, device: str = "cuda"):
-    """``[bs, ctx]`` token ids of real text: row b is the first ``ctx`` tokens of the b-th
-    document of the JSONL ``path`` (``{"text": …}`` per line) long enough to give them."""
+    """``[bs, ctx]`` token ids of real text: the documents of the JSONL ``path`` (``{"text":
+    …}`` per line) in file order, joined by blank lines into one token stream, and row b its
+    b-th run of ``ctx`` tokens (no text repeats; the pinned prose corpus has no single document
+    of 32k tokens, its eval split about 300k together)."""
     import torch
 
-    rows = []
+    want, stream = ctx * bs, []
     with open(path, encoding="utf-8") as f:
         for line in f:
-            ids = tok(json.loads(line)["text"], add_special_tokens=True)["input_ids"]
-            if len(ids) >= ctx:
-                rows.append(ids[:ctx])
-                if len(rows) == bs:
-                    break
-    if len(rows) < bs:
-        raise ValueError(f"text: {path} has {len(rows)} documents of ≥ {ctx} tokens, want {bs}")
-    return torch.tensor(rows, device=device)
+            text = json.loads(line)["text"]
+            stream += tok(text + "\n\n", add_special_tokens=not stream)["input_ids"]
+            if len(stream) >= want:
+                break
+    if len(stream) < want:
+        raise ValueError(f"text: {path} gives {len(stream)} tokens, want {bs} × {ctx} = {want}")
+    return torch.tensor(stream[:want], device=device).view(bs, ctx)
 
 
 def decode(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
@@ -289,6 +315,11 @@ def run(args, path: str) -> dict:
            "offloaded_steps": args.offloaded_steps, "entries": []}
     for ctx, bs in settings(args):
         weights_ms = null_step(model, bs, ctx, args.steps)
+        ids, short = None, None
+        try:
+            ids = prose_ids(tok, args.text, ctx, bs) if tok is not None else None
+        except ValueError as err:  # too little text: every cache's result at this setting
+            short = err
         for kind in args.caches.split(","):
             e = {"cache": kind, "context": ctx, "batch": bs, "weights_ms": weights_ms}
             steps = args.offloaded_steps if kind == "offloaded" else args.steps
@@ -296,9 +327,12 @@ def run(args, path: str) -> dict:
             cache = None
             try:
                 real = None
-                if tok is not None:
+                if short is not None:
+                    raise short
+                if ids is not None:
                     calib = args.calib if kind.startswith(("fathom:", "ds:")) else None
-                    real = (prose_ids(tok, args.text, ctx, bs), calib, args.prefill_chunk)
+                    real = (ids, calib, args.prefill_chunk)
+                check_host_room(kind, model, bs, ctx, host_available())
                 cache = make_cache(kind, model, bs, ctx, steps * rounds + args.warmup, args.k,
                                    real)
                 if hasattr(cache, "gpu") and cache.gpu is not None:
