@@ -284,6 +284,16 @@ def null_step(model, bs: int, ctx: int, steps: int) -> float:
     return sum(wall) / len(wall)
 
 
+def sdpa_backends():
+    """sdpa limited to its flash and memory-efficient kernels, math where neither applies: the
+    baselines' best configuration, one kernel family for every cache and null step (cuDNN's
+    attention, which torch may otherwise pick on Hopper, is left out)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
+
+
 def stats(xs: Sequence[float]) -> dict:
     n = len(xs)
     mean = sum(xs) / n
@@ -294,7 +304,7 @@ def stats(xs: Sequence[float]) -> dict:
             "max": s[-1], "n": n}
 
 
-def run(args, path: str) -> dict:
+def run(args, path: str, db: Optional[dict] = None) -> dict:
     import torch
 
     tok = None
@@ -312,54 +322,68 @@ def run(args, path: str) -> dict:
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "k": args.k,
            "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
-           "offloaded_steps": args.offloaded_steps, "entries": []}
-    for ctx, bs in settings(args):
-        weights_ms = null_step(model, bs, ctx, args.steps)
-        ids, short = None, None
-        try:
-            ids = prose_ids(tok, args.text, ctx, bs) if tok is not None else None
-        except ValueError as err:  # too little text: every cache's result at this setting
-            short = err
-        for kind in args.caches.split(","):
-            e = {"cache": kind, "context": ctx, "batch": bs, "weights_ms": weights_ms}
-            steps = args.offloaded_steps if kind == "offloaded" else args.steps
-            rounds = 1 if kind == "offloaded" else args.rounds
-            cache = None
-            try:
-                real = None
-                if short is not None:
-                    raise short
-                if ids is not None:
-                    calib = args.calib if kind.startswith(("fathom:", "ds:")) else None
-                    real = (ids, calib, args.prefill_chunk)
-                check_host_room(kind, model, bs, ctx, host_available())
-                cache = make_cache(kind, model, bs, ctx, steps * rounds + args.warmup, args.k,
-                                   real)
-                if hasattr(cache, "gpu") and cache.gpu is not None:
-                    cache.gpu.stage_times()
-                wall, host = decode(model, cache, bs, steps, args.warmup, rounds)
-                st = stats(wall)
-                e.update(step_ms=st, tokens_per_s=1e3 * bs / st["mean"],
-                         tpot_ms=st["mean"], host_enqueue_ms=stats(host)["mean"],
-                         cache_ms=st["mean"] - weights_ms)
-                if hasattr(cache, "gpu") and cache.gpu is not None:
-                    t = cache.gpu.stage_times()
-                    per = max(1, t["attends"] + t["untimed"])
-                    e["attend_gpu_ms_per_step"] = sum(t[s] for s in cache.gpu.STAGES) / per * len(
-                        cache.global_layers)
-                    e["mean_bits"] = cache.mean_bits
-            except torch.OutOfMemoryError as err:
-                e["error"] = f"out of memory: {str(err).splitlines()[0]}"
-            except (RuntimeError, ValueError, MemoryError) as err:
-                e["error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
-            finally:
-                del cache
-                gc.collect()
-                torch.cuda.empty_cache()
-            doc["entries"].append(e)
-            write_json(doc, path)  # each entry as it comes: a run cut short keeps what it timed
-            print(_line(e), flush=True)
+           "offloaded_steps": args.offloaded_steps,
+           "sdpa": "flash or memory-efficient (math where neither applies)", "entries": []}
+    with sdpa_backends():
+        for ctx, bs in settings(args):
+            setting(args, model, tok, ctx, bs, doc, path, db)
     return doc
+
+
+def setting(args, model, tok, ctx: int, bs: int, doc: dict, path: str, db: Optional[dict]):
+    """Every cache at one context and batch, each entry written as it comes."""
+    import torch
+
+    weights_ms = null_step(model, bs, ctx, args.steps)
+    ids, short = None, None
+    try:
+        ids = prose_ids(tok, args.text, ctx, bs) if tok is not None else None
+    except ValueError as err:  # too little text: every cache's result at this setting
+        short = err
+    for kind in args.caches.split(","):
+        e = {"cache": kind, "context": ctx, "batch": bs, "weights_ms": weights_ms}
+        steps = args.offloaded_steps if kind == "offloaded" else args.steps
+        rounds = 1 if kind == "offloaded" else args.rounds
+        cache = None
+        try:
+            real = None
+            if short is not None:
+                raise short
+            if ids is not None:
+                calib = args.calib if kind.startswith(("fathom:", "ds:")) else None
+                real = (ids, calib, args.prefill_chunk)
+            check_host_room(kind, model, bs, ctx, host_available())
+            cache = make_cache(kind, model, bs, ctx, steps * rounds + args.warmup, args.k,
+                               real)
+            if hasattr(cache, "gpu") and cache.gpu is not None:
+                cache.gpu.stage_times()
+            wall, host = decode(model, cache, bs, steps, args.warmup, rounds)
+            st = stats(wall)
+            e.update(step_ms=st, tokens_per_s=1e3 * bs / st["mean"],
+                     tpot_ms=st["mean"], host_enqueue_ms=stats(host)["mean"],
+                     cache_ms=st["mean"] - weights_ms)
+            if hasattr(cache, "gpu") and cache.gpu is not None:
+                t = cache.gpu.stage_times()
+                per = max(1, t["attends"] + t["untimed"])
+                e["attend_gpu_ms_per_step"] = sum(t[s] for s in cache.gpu.STAGES) / per * len(
+                    cache.global_layers)
+                e["mean_bits"] = cache.mean_bits
+        except torch.OutOfMemoryError as err:
+            e["error"] = f"out of memory: {str(err).splitlines()[0]}"
+        except (RuntimeError, ValueError, MemoryError) as err:
+            e["error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        finally:
+            del cache
+            gc.collect()
+            torch.cuda.empty_cache()
+            # OffloadedCache's pinned host blocks stay in torch's host cache otherwise (at
+            # 128k the next setting then found 66 of 125 GiB free).
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+        doc["entries"].append(e)
+        if db is not None:
+            compare_decode_bench(doc, db)
+        write_json(doc, path)  # each entry as it comes: a run cut short keeps what it timed
+        print(_line(e), flush=True)
 
 
 def compare_decode_bench(doc: dict, db: dict) -> None:
@@ -470,10 +494,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.splitext(os.path.basename(args.gguf))[0] if args.gguf else args.shape
     path = os.path.join(args.out, f"{stem}.json")
-    doc = run(args, path)
+    db = None
     if args.decode_bench:
         with open(args.decode_bench) as f:
-            compare_decode_bench(doc, json.load(f))
+            db = json.load(f)
+    doc = run(args, path, db)  # each entry with its ratio as it comes: a killed run keeps them
     write_json(doc, path)
     if args.plot:
         plot(doc, os.path.splitext(path)[0] + ".png")
