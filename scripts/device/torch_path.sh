@@ -84,9 +84,11 @@ gguf)
   read -r file _ < .stage/$m/MANIFEST
   case $m in smollm2-135m) grid=${GRID:-4k:1,4,8/8k:1,4,8} ;; *) grid=${GRID:-8k:1,4,8/32k:1,4} ;; esac
   # decode-bench's --context cycles over one batch's sessions: one run per context, joined.
+  i=0
   for cb in $(echo "$grid" | tr '/' ' '); do
+    i=$((i + 1))
     timeout 150 $B/fathom decode-bench --model $m --offline --context ${cb%%:*} --batch ${cb#*:} \
-      --methods fathom:48 --steps 16 --json $OUT/db-${cb%%:*}.json >> $OUT/decode-bench-$m.txt 2>&1
+      --methods fathom:48 --steps 16 --json $OUT/db-$i.json >> $OUT/decode-bench-$m.txt 2>&1
     echo "decode-bench $m $cb rc=$?" | tee -a $OUT/summary.txt
   done
   python3 - $OUT/decode-bench-$m.json $OUT/db-*.json <<'EOF2'
