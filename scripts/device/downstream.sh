@@ -11,9 +11,16 @@
 #   agent-judged SETTING...               agent steps, 16 sessions x 64 steps
 #   compare | parity                      CPU against GPU, token by token; gpu-parity
 # Earlier runs (kept as their records): ruler|agent|rowcache|throughput|tune|eval|own|parity-pedantic.
-# Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log, summary.txt.
+# Outputs under $OUT: <name>.json, <name>.md (the table), <name>.log, summary.txt; where more
+# than 8 files would come back (the device tool's limit), every one but summary.txt is packed
+# into $OUT/downstream.tgz at the end.
+#
+# PAR (default 3): probe, judged and agent-judged run that many `fathom` processes at once on
+# the one GPU (each task of a judged part its own process; RAYON_NUM_THREADS shares the 16
+# cores). The runs measure accuracy, never time, and each process draws its own seeded
+# samples, so PAR changes no result, only the call's wall time. PAR=1 runs them one by one.
 set -u
-B=.devbin
+B=${B:-.devbin}
 export FATHOM_CACHE=$HOME/.cache/fathom
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 SM="dense,exact,fathom:48,fathom:64,fathom:92,sparq:16,sparq:32,ds:16,ds:32,loki:16,loki:32,thumb2,landmark,quest"
@@ -26,12 +33,24 @@ TUNE_DIR=${TUNE_DIR:-results/downstream/gpu/tune}
 # Shapes `tune` and `probe` try: RULER's counts for small models with its needle or the pass key, at 7 or
 # 4 digits, and vt's chain of 2 or 1 (every one keeps each task's RULER structure).
 TUNE_SHAPES=${TUNE_SHAPES:-"small small,digits=4,chain=1 small,needle=passkey small,needle=passkey,digits=4,chain=1"}
+PAR=${PAR:-3}
 run() {  # run NAME ARGS...
   name=$1; shift
   /usr/bin/time -f "wall %e s" timeout 560 $B/fathom "$@" --device cuda --offline --json $OUT/$name.json \
     > $OUT/$name.md 2> $OUT/$name.log
   echo "$name rc=$? $(tail -1 $OUT/$name.log)" | tee -a $OUT/summary.txt
 }
+run_bg() {  # run_bg NAME ARGS...: `run` in the background, at most $PAR at once
+  while [ "$(jobs -rp | wc -l)" -ge "$PAR" ]; do wait -n; done
+  RAYON_NUM_THREADS=$(( (16 + PAR - 1) / PAR )) run "$@" &
+}
+pack() {  # at most 8 files come back: the rest in one archive beside summary.txt
+  [ -n "${OUT:-}" ] || return 0
+  [ "$(ls $OUT | wc -l)" -gt 8 ] || return 0
+  (cd $OUT && tar czf downstream.tgz --exclude summary.txt --exclude downstream.tgz -- * \
+    && find . -maxdepth 1 -type f ! -name summary.txt ! -name downstream.tgz -delete)
+}
+trap 'wait; pack' EXIT
 case $1 in
 ruler)
   # The first GPU runs (results/downstream/gpu/ruler-*-8k.json, ...-32k-interrupted.json): shape
@@ -163,7 +182,7 @@ probe)
   for hay in ${@:-docs}; do
     for shape in $TUNE_SHAPES; do
       tag=$(echo $shape | tr ',=' '-_')-$hay
-      run tune-$model-$((ctx / 1024))k-$tag ruler --model $model --context $ctx --k $k --prompt chat \
+      run_bg tune-$model-$((ctx / 1024))k-$tag ruler --model $model --context $ctx --k $k --prompt chat \
         --shape $shape --haystack $hay --samples $TUNE_SAMPLES --seed $TUNE_SEED --methods dense
     done
   done
@@ -199,18 +218,26 @@ judged)
     t1) tasks=niah_single,niah_multikey ;; t2) tasks=niah_multivalue,niah_multiquery ;; t3) tasks=vt,fwe ;;
     *) echo "judged: PART is all, h1, h2, t1, t2 or t3"; exit 1 ;;
   esac
-  run ruler-$model-$c-judged-$part ruler --model $model --context $ctx --k $k --prompt chat \
-    --shape $shape --haystack $hay --samples $SAMPLES --seed $EVAL_SEED \
-    --tuning-seed $TUNE_SEED --tuning-samples $TUNE_SAMPLES --tasks $tasks --methods $methods
-  grep -A8 "^| task" $OUT/ruler-$model-$c-judged-$part.md | head -9
+  # Each task its own process (PAR at once), its own part file: ruler-MODEL-Ck-judged-TASK.
+  for t in $(echo $tasks | tr ',' ' '); do
+    run_bg ruler-$model-$c-judged-$t ruler --model $model --context $ctx --k $k --prompt chat \
+      --shape $shape --haystack $hay --samples $SAMPLES --seed $EVAL_SEED \
+      --tuning-seed $TUNE_SEED --tuning-samples $TUNE_SAMPLES --tasks $t --methods $methods
+  done
+  wait
+  for t in $(echo $tasks | tr ',' ' '); do grep -A3 "^| task" $OUT/ruler-$model-$c-judged-$t.md | tail -1; done
   ;;
 merge)
   # merge MODEL CONTEXT (CPU, from the repository root): joins the committed parts
-  # results/downstream/gpu/ruler-MODEL-Ck-judged-PART.json into ruler-MODEL-Ck-judged.json
+  # results/downstream/gpu/ruler-MODEL-Ck-judged-TASK.json into ruler-MODEL-Ck-judged.json
   # (merge_ruler.py refuses parts that differ in anything but their tasks and timings); the
   # parts move to parts/, where the report does not read them.
   c=$(($3 / 1024))k d=results/downstream/gpu
-  parts=$(ls $d/ruler-$2-$c-judged-[ht][123].json) || exit 1
+  parts=""  # in RULER's task order, so the joined document lists its tasks that way
+  for t in niah_single niah_multikey niah_multivalue niah_multiquery vt fwe; do
+    [ -f $d/ruler-$2-$c-judged-$t.json ] && parts="$parts $d/ruler-$2-$c-judged-$t.json"
+  done
+  [ -n "$parts" ] || { echo "merge: no $d/ruler-$2-$c-judged-TASK.json"; exit 1; }
   python3 scripts/device/merge_ruler.py $d/ruler-$2-$c-judged.json $parts || exit 1
   mkdir -p $d/parts && for p in $parts; do git mv $p $d/parts/$(basename $p .json).json.part; done
   ;;
@@ -226,7 +253,7 @@ agent-judged)
       smollm2-8k) m=smollm2-135m ctx=8192 k=256 methods=$SM_J ;;
       *) echo "agent-judged: unknown setting $st"; exit 1 ;;
     esac
-    run agent-$m-$((ctx / 1024))k-judged agent-steps --model $m --context $ctx --k $k --sessions 16 \
+    run_bg agent-$m-$((ctx / 1024))k-judged agent-steps --model $m --context $ctx --k $k --sessions 16 \
       --steps 64 --seed $EVAL_SEED --methods $methods
   done
   ;;
