@@ -36,6 +36,7 @@ tests)
   done
   echo "## pytest" >> $log
   FATHOM_RESULTS=$OUT/gen timeout 400 python3 -m pytest -q -rs crates/fathom-py/tests/test_hf_cache_device.py \
+    crates/fathom-py/tests/test_hf_graph_device.py crates/fathom-py/tests/test_hf_graph_cpu.py \
     crates/fathom-py/tests/test_gpu_device.py crates/fathom-py/tests/test_ops_cpu.py >> $log 2>&1
   echo "pytest rc=$?" | tee -a $OUT/summary.txt
   python3 - "$OUT/gen" > $OUT/generation.json <<'EOF'

@@ -48,7 +48,7 @@ SHAPES = {
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, max_position_embeddings=1 << 20, rope_theta=5e5)),
 }
-DEFAULT_CACHES = "dynamic,offloaded,dense,exact,fathom:48,fathom:64,sparq:32"
+DEFAULT_CACHES = "dynamic,offloaded,dense,exact,fathom:48,fathom:48+graph,fathom:64,sparq:32"
 
 
 def tokens(s: str) -> int:
@@ -234,7 +234,31 @@ def decode(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
     import torch
 
     tok = torch.randint(0, 100, (bs, 1), device=next(model.parameters()).device)
-    sync = torch.cuda.synchronize if tok.is_cuda else (lambda: None)
+
+    def step():
+        nonlocal tok
+        tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    return _timed(step, steps, warmup, rounds, tok.is_cuda)
+
+
+def decode_graphed(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
+    """As :func:`decode`, each step one replay of the whole step captured as a CUDA graph
+    (:class:`fathom.hf_graph.GraphedDecode`; a FathomCache of global layers only)."""
+    import torch
+
+    from .hf_graph import GraphedDecode
+
+    g = GraphedDecode(model, cache)
+    with torch.no_grad():
+        g.capture(torch.randint(0, 100, (bs,), device=next(model.parameters()).device))
+    return _timed(g.step, steps, warmup, rounds, True)
+
+
+def _timed(step, steps: int, warmup: int, rounds: int, cuda: bool):
+    import torch
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     wall, host = [], []
     with torch.no_grad():
         for r in range(rounds + 1):
@@ -244,7 +268,7 @@ def decode(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
             enq = 0.0
             for _ in range(n):
                 h0 = time.perf_counter()
-                tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                step()
                 enq += time.perf_counter() - h0
             sync()
             if r > 0:
@@ -352,12 +376,16 @@ def setting(args, model, tok, ctx: int, bs: int, doc: dict, path: str, db: Optio
             if ids is not None:
                 calib = args.calib if kind.startswith(("fathom:", "ds:")) else None
                 real = (ids, calib, args.prefill_chunk)
-            check_host_room(kind, model, bs, ctx, host_available())
-            cache = make_cache(kind, model, bs, ctx, steps * rounds + args.warmup, args.k,
+            base, graphed = kind.removesuffix("+graph"), kind.endswith("+graph")
+            if graphed and base in ("dynamic", "offloaded"):
+                raise ValueError(f"caches: {kind}; a whole-step graph is FathomCache's")
+            check_host_room(base, model, bs, ctx, host_available())
+            cache = make_cache(base, model, bs, ctx, steps * rounds + args.warmup + 1, args.k,
                                real)
             if hasattr(cache, "gpu") and cache.gpu is not None:
                 cache.gpu.stage_times()
-            wall, host = decode(model, cache, bs, steps, args.warmup, rounds)
+            run_steps = decode_graphed if graphed else decode
+            wall, host = run_steps(model, cache, bs, steps, args.warmup, rounds)
             st = stats(wall)
             e.update(step_ms=st, tokens_per_s=1e3 * bs / st["mean"],
                      tpot_ms=st["mean"], host_enqueue_ms=stats(host)["mean"],
@@ -388,11 +416,13 @@ def setting(args, model, tok, ctx: int, bs: int, doc: dict, path: str, db: Optio
 
 def compare_decode_bench(doc: dict, db: dict) -> None:
     """Adds to each FathomCache entry the tokens/s of `fathom decode-bench` (the Rust forward,
-    the same cache) at its method, batch and context, and the ratio."""
+    the same cache, its plain steps) at its method, batch and context, and the ratio; a
+    ``+graph`` entry is compared with the same plain steps."""
     doc["decode_bench"] = {"command": db.get("command"), "device": db.get("device")}
     for e in doc["entries"]:
         for r in db.get("entries", []):
-            if (r.get("method") == e["cache"] and r.get("batch") == e["batch"]
+            if (r.get("method") == e["cache"].removesuffix("+graph")
+                    and r.get("batch") == e["batch"]
                     and set(r.get("contexts", [])) == {e["context"]} and not r.get("graph")
                     and "tokens_per_s" in e):
                 e["decode_bench_tokens_per_s"] = r["tokens_per_s"]
@@ -466,7 +496,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--grid", help="context:batches pairs, slash-separated (32k:1,4,8/128k:1,4); "
                                   "overrides --context and --batch")
     p.add_argument("--caches", default=DEFAULT_CACHES,
-                   help=f"dynamic, offloaded and FathomCache methods (default {DEFAULT_CACHES})")
+                   help=f"dynamic, offloaded and FathomCache methods (default {DEFAULT_CACHES}); "
+                        "a method with +graph (fathom:48+graph) decodes with the whole step "
+                        "captured as one CUDA graph (models without sliding-window layers)")
     p.add_argument("--k", type=int, default=256, help="top-k per query head")
     p.add_argument("--steps", type=int, default=8, help="decode steps per timed round")
     p.add_argument("--offloaded-steps", type=int, default=3,

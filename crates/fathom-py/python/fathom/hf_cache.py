@@ -161,6 +161,7 @@ class FathomCache(Cache):
         self.gpu: Optional[fg.GpuCache] = None
         self.sessions: list = []
         self._batch = None
+        self._held = None  # the batch of a step being captured (fathom.hf_graph)
         self._step_lens: List[int] = []
         self.steps = 0
         install(model)
@@ -218,7 +219,10 @@ class FathomCache(Cache):
         pre = (1.0 / math.sqrt(self.dim) if scaling is None else float(scaling)) * math.sqrt(self.dim)
         if q_len == 1:
             if first:
-                self._reserve([1] * bs)
+                if self._held is not None:  # a graph's capture: reserved before it
+                    self._batch = self._held
+                else:
+                    self._reserve([1] * bs)
                 self.steps += 1
             gpu.append(self._batch, layer, key[:, :, 0, :], value[:, :, 0, :])
             q = query[:, :, 0, :]

@@ -1,0 +1,53 @@
+"""GraphedDecode's refusals without a GPU (CI runs these with CPU torch): every one is a
+ValueError naming its argument, before anything is captured; bench_hf's `+graph` caches
+compare with decode-bench's plain steps. The graph itself runs in test_hf_graph_device.py."""
+
+import types
+
+import pytest
+
+from hf_support import gemma3, llama, need
+
+torch = need("torch")
+need("transformers")
+from fathom import bench_hf  # noqa: E402
+from fathom.hf import FathomCache  # noqa: E402
+from fathom.hf_graph import GraphedDecode  # noqa: E402
+
+
+def test_a_graph_needs_a_fathom_cache():
+    m = llama().eval()
+    with pytest.raises(ValueError, match="cache: a DynamicCache; GraphedDecode needs a FathomCache"):
+        GraphedDecode(m, __import__("transformers").DynamicCache(config=m.config))
+
+
+def test_sliding_window_layers_are_refused_by_index():
+    m = gemma3().eval()
+    with pytest.raises(ValueError, match=r"model: layers \[0, 1\] keep a sliding-window cache"):
+        GraphedDecode(m, FathomCache(m, "exact", k=16))
+
+
+def test_a_cache_before_its_prefill_is_refused():
+    m = llama().eval()
+    with pytest.raises(ValueError, match="cache: empty; prefill it"):
+        GraphedDecode(m, FathomCache(m, "exact", k=16))
+
+
+def test_a_cpu_model_is_refused():
+    m = llama().eval()
+    cache = FathomCache(m, "exact", k=16)
+    # As after a prefill (which a CPU model cannot make: FathomCache refuses it first).
+    cache.gpu, cache.sessions = types.SimpleNamespace(), [object()]
+    with pytest.raises(ValueError, match="model: on cpu; a CUDA graph needs a CUDA model"):
+        GraphedDecode(m, cache)
+
+
+def test_graph_entries_compare_with_decode_bench_plain_steps():
+    doc = {"entries": [{"cache": "fathom:48+graph", "batch": 1, "context": 8192,
+                        "tokens_per_s": 90.0}]}
+    db = {"entries": [{"method": "fathom:48", "batch": 1, "contexts": [8192],
+                       "tokens_per_s": 100.0, "graph": False},
+                      {"method": "fathom:48", "batch": 1, "contexts": [8192],
+                       "tokens_per_s": 300.0, "graph": True}]}
+    bench_hf.compare_decode_bench(doc, db)
+    assert doc["entries"][0]["of_decode_bench"] == 0.9
