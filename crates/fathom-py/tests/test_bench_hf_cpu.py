@@ -53,9 +53,21 @@ def test_a_baseline_decodes_and_the_plot_is_drawn(tmp_path):
     cache = bench_hf.make_cache("dynamic", m, 2, 64, 4, 16)
     assert cache.get_seq_length() == 64
     with bench_hf.sdpa_backends():  # the kernels every cache runs under (math on the CPU)
-        wall, host = bench_hf.decode(m, cache, 2, 2, 1, rounds=2)
+        wall, host, prof = bench_hf.decode(m, cache, 2, 2, 1, rounds=2, profile=2)
     assert len(wall) == 2 and all(w > 0 for w in wall) and len(host) == 2
-    assert cache.get_seq_length() == 64 + 1 + 4
+    assert cache.get_seq_length() == 64 + 1 + 4 + 2
+    # The profile: its host time splits into torch operators and the rest; the top operators
+    # of a transformers step include its matrix products.
+    assert prof["steps"] == 2 and prof["host_ms_per_step"] > 0
+    assert 0 < prof["torch_ops_cpu_ms_per_step"]
+    assert prof["outside_ops_ms_per_step"] == pytest.approx(
+        prof["host_ms_per_step"] - prof["torch_ops_cpu_ms_per_step"])
+    ops = [o["op"] for o in prof["top_ops"]]
+    assert 0 < len(ops) <= 15 and any(o in ("aten::mm", "aten::addmm", "aten::linear",
+                                            "aten::matmul", "aten::bmm") for o in ops), ops
+    e = {"cache": "dynamic", "context": 64, "batch": 2, "tokens_per_s": 1.0, "tpot_ms": 1.0,
+         "weights_ms": 0.5, "cache_ms": 0.5, "host_enqueue_ms": 1.0, "profile": prof}
+    assert "profiled: host" in bench_hf._line(e)
     need("matplotlib", (), "the plot needs matplotlib")
     doc = {"shape": "qwen3-8b", "weights": "random", "device": "cpu", "entries": [
         {"cache": "dynamic", "context": 32768, "batch": b, "tokens_per_s": 10.0 * b} for b in (1, 2)]}

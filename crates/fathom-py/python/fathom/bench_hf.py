@@ -226,11 +226,12 @@ def prose_ids(tok, path: str, ctx: int, bs: int, device: str = "cuda"):
     return torch.tensor(stream[:want], device=device).view(bs, ctx)
 
 
-def decode(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
+def decode(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3, profile: int = 0):
     """Greedy decode of ``bs`` sequences through ``cache``: ``warmup`` steps, then ``rounds``
     rounds of ``steps`` steps, each round timed from one synchronisation to the next (the
     tokens stay on the GPU; the host enqueues ahead as far as the step lets it). Per round,
-    the ms per step and the host's ms per step to enqueue it."""
+    the ms per step and the host's ms per step to enqueue it; with ``profile`` > 0, that many
+    more steps under torch's profiler (:func:`_profiled`), else None."""
     import torch
 
     tok = torch.randint(0, 100, (bs, 1), device=next(model.parameters()).device)
@@ -239,10 +240,11 @@ def decode(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
         nonlocal tok
         tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
-    return _timed(step, steps, warmup, rounds, tok.is_cuda)
+    return _timed(step, steps, warmup, rounds, tok.is_cuda, profile)
 
 
-def decode_graphed(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3):
+def decode_graphed(model, cache, bs: int, steps: int, warmup: int, rounds: int = 3,
+                   profile: int = 0):
     """As :func:`decode`, each step one replay of the whole step captured as a CUDA graph
     (:class:`fathom.hf_graph.GraphedDecode`; a FathomCache of global layers only)."""
     import torch
@@ -252,10 +254,10 @@ def decode_graphed(model, cache, bs: int, steps: int, warmup: int, rounds: int =
     g = GraphedDecode(model, cache)
     with torch.no_grad():
         g.capture(torch.randint(0, 100, (bs,), device=next(model.parameters()).device))
-    return _timed(g.step, steps, warmup, rounds, True)
+    return _timed(g.step, steps, warmup, rounds, True, profile)
 
 
-def _timed(step, steps: int, warmup: int, rounds: int, cuda: bool):
+def _timed(step, steps: int, warmup: int, rounds: int, cuda: bool, profile: int = 0):
     import torch
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -274,7 +276,39 @@ def _timed(step, steps: int, warmup: int, rounds: int, cuda: bool):
             if r > 0:
                 wall.append((time.perf_counter() - t0) * 1e3 / n)
                 host.append(enq * 1e3 / n)
-    return wall, host
+    return wall, host, (_profiled(step, profile, cuda) if profile > 0 else None)
+
+
+def _profiled(step, n: int, cuda: bool, top: int = 15) -> dict:
+    """Where a step's host time goes: ``n`` steps under ``torch.profiler`` (its own overhead
+    included), the host's ms per step, the ms of it inside torch operators (their self CPU
+    time) and the rest (Python, transformers, the cache's binding), and the ``top`` operators
+    by self CPU time, each with its calls and CPU and device ms per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.no_grad(), profile(activities=acts, acc_events=True) as prof:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        host = (time.perf_counter() - t0) * 1e3 / n
+        sync()
+    avgs = prof.key_averages()
+
+    def dev_ms(a):
+        return (getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0)
+                or 0) / 1e3 / n
+
+    ops = sum(a.self_cpu_time_total for a in avgs) / 1e3 / n
+    rows = sorted(avgs, key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
+    return {"steps": n, "host_ms_per_step": host, "torch_ops_cpu_ms_per_step": ops,
+            "outside_ops_ms_per_step": host - ops,
+            "top_ops": [{"op": a.key, "calls_per_step": a.count / n,
+                         "self_cpu_ms_per_step": a.self_cpu_time_total / 1e3 / n,
+                         "device_ms_per_step": dev_ms(a)} for a in rows]}
 
 
 def null_step(model, bs: int, ctx: int, steps: int) -> float:
@@ -302,7 +336,7 @@ def null_step(model, bs: int, ctx: int, steps: int) -> float:
     model.set_attn_implementation("fathom_null")
     try:
         cache = Cache(layers=[Null() for _ in range(_shape(model)[0])])
-        wall, _ = decode(model, cache, bs, steps, 1, rounds=2)
+        wall, _, _ = decode(model, cache, bs, steps, 1, rounds=2)
     finally:
         model.set_attn_implementation(prev)
     return sum(wall) / len(wall)
@@ -380,12 +414,15 @@ def setting(args, model, tok, ctx: int, bs: int, doc: dict, path: str, db: Optio
             if graphed and base in ("dynamic", "offloaded"):
                 raise ValueError(f"caches: {kind}; a whole-step graph is FathomCache's")
             check_host_room(base, model, bs, ctx, host_available())
-            cache = make_cache(base, model, bs, ctx, steps * rounds + args.warmup + 1, args.k,
-                               real)
+            prof = args.profile_steps if kind in args.profile.split(",") else 0
+            cache = make_cache(base, model, bs, ctx, steps * rounds + args.warmup + prof + 1,
+                               args.k, real)
             if hasattr(cache, "gpu") and cache.gpu is not None:
                 cache.gpu.stage_times()
             run_steps = decode_graphed if graphed else decode
-            wall, host = run_steps(model, cache, bs, steps, args.warmup, rounds)
+            wall, host, profiled = run_steps(model, cache, bs, steps, args.warmup, rounds, prof)
+            if profiled is not None:
+                e["profile"] = profiled
             st = stats(wall)
             e.update(step_ms=st, tokens_per_s=1e3 * bs / st["mean"],
                      tpot_ms=st["mean"], host_enqueue_ms=stats(host)["mean"],
@@ -433,9 +470,17 @@ def _line(e: dict) -> str:
     head = f"{e['cache']:>11} ctx {e['context']:>7} B {e['batch']:>2}"
     if "error" in e:
         return f"{head}  {e['error']}"
-    return (f"{head}  {e['tokens_per_s']:8.2f} tok/s  {e['tpot_ms']:8.2f} ms/token  "
+    line = (f"{head}  {e['tokens_per_s']:8.2f} tok/s  {e['tpot_ms']:8.2f} ms/token  "
             f"(weights {e['weights_ms']:.1f} ms, cache {e['cache_ms']:.1f} ms, host "
             f"{e['host_enqueue_ms']:.1f} ms)")
+    if "profile" in e:
+        p = e["profile"]
+        line += (f"\n{'':>24}profiled: host {p['host_ms_per_step']:.1f} ms/step, torch ops "
+                 f"{p['torch_ops_cpu_ms_per_step']:.1f}, outside them "
+                 f"{p['outside_ops_ms_per_step']:.1f}; top: "
+                 + ", ".join(f"{o['op']} {o['self_cpu_ms_per_step']:.2f}"
+                             for o in p["top_ops"][:4]))
+    return line
 
 
 def plot(doc: dict, path: str) -> None:
@@ -507,6 +552,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="bench-hf", help="folder for the JSON and the plot")
     p.add_argument("--plot", action="store_true", help="also draw tokens/s against batch")
+    p.add_argument("--profile", default="", metavar="CACHES",
+                   help="caches (as in --caches) whose entries also get a torch.profiler "
+                        "summary of --profile-steps more steps: host ms per step, how much of "
+                        "it torch operators take, the top operators")
+    p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("--decode-bench", metavar="JSON",
                    help="`fathom decode-bench --json` of the same shape on the same machine: "
                         "each FathomCache entry gets its tokens/s and the ratio")
