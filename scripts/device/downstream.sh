@@ -129,8 +129,17 @@ compare)
   # The same small ruler and agent-steps case on both paths (the CPU runtime with the GPU's
   # bf16 roundings, 16 host cores, and the GPU), then per method the fraction of generations
   # (RULER) and of teacher-forced argmaxes (agent steps) that agree across the two.
+  # The CPU half may come made (it measures no time, so any machine's CPU serves): with
+  # compare-ruler-cpu.json and compare-agent-cpu.json in $CPU_DIR (default the committed
+  # results/downstream/gpu/compare/), only the GPU half runs here.
   CM="dense,exact,fathom:48,fathom:92,sparq:16,ds:16"
-  for dev in cpu cuda; do
+  CPU_DIR=${CPU_DIR:-results/downstream/gpu/compare}
+  devs="cpu cuda"
+  if [ -f $CPU_DIR/compare-ruler-cpu.json ] && [ -f $CPU_DIR/compare-agent-cpu.json ]; then
+    cp $CPU_DIR/compare-ruler-cpu.json $CPU_DIR/compare-agent-cpu.json $OUT/ && devs=cuda
+    echo "compare: the CPU half from $CPU_DIR" | tee -a $OUT/summary.txt
+  fi
+  for dev in $devs; do
     # Both devices in one call: the CPU (16 cores) at most 220 + 150 s, the GPU 90 + 60 s.
     t=$([ $dev = cpu ] && echo 220 || echo 90)
     timeout $t $B/fathom ruler --model smollm2-135m --context 2048 --k 128 --prompt chat --shape small \
