@@ -33,6 +33,24 @@ def test_a_cache_before_its_prefill_is_refused():
         GraphedDecode(m, FathomCache(m, "exact", k=16))
 
 
+def test_a_model_off_the_caches_attention_is_refused():
+    m = llama().eval()
+    cache = FathomCache(m, "exact", k=16)
+    cache.gpu, cache.sessions = types.SimpleNamespace(), [object()]
+    m.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="model: attention 'sdpa'; the cache's decode needs"):
+        GraphedDecode(m, cache)
+
+
+def test_a_rope_that_updates_on_the_host_is_refused():
+    m = llama().eval()
+    cache = FathomCache(m, "exact", k=16)
+    cache.gpu, cache.sessions = types.SimpleNamespace(), [object()]
+    m.model.rotary_emb.rope_type = "dynamic"
+    with pytest.raises(ValueError, match="model: RoPE 'dynamic' updates its frequencies"):
+        GraphedDecode(m, cache)
+
+
 def test_a_cpu_model_is_refused():
     m = llama().eval()
     cache = FathomCache(m, "exact", k=16)

@@ -4,9 +4,13 @@ replay of a CUDA graph captured once (docs/SPEC.md §6.1, "Graphs").
     from fathom.hf import FathomCache
     from fathom.hf_graph import GraphedDecode
     cache = FathomCache(model, "fathom:48", k=256, calib="cal.json", max_tokens=40000)
-    logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits   # prefill
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)             # left padding: as generate counts
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                   past_key_values=cache, logits_to_keep=1).logits              # prefill
     steps = GraphedDecode(model, cache)
-    tokens = steps.generate(logits[:, -1].argmax(-1), 64)                           # [bs, 64]
+    tokens = steps.generate(logits[:, -1].argmax(-1), 64)                       # [bs, 64]
+
+It never stops at an end-of-sequence token: every sequence decodes ``new_tokens`` steps.
 
 transformers' eager forward spends a decode step's time launching kernels from Python (tens
 of ms for a 135M or an 8B model alike: ``results/python/bench-hf/``). Here the whole step,
@@ -20,8 +24,15 @@ next token live in static device buffers the graph reads and writes.
 
 What it needs: a :class:`FathomCache` after its prefill (its sessions exist), every layer of
 the model a global layer in the cache (a sliding-window layer's ``DynamicSlidingWindowLayer``
-grows per step, which a graph cannot), and a CUDA model. Each is a ``ValueError`` here,
-before anything is captured. The steps equal the eager steps' through the same cache (the
+grows per step, which a graph cannot), the model on the cache's attention function
+(``"fathom"``), RoPE without a per-step frequency update (``dynamic`` and ``longrope`` read
+the largest position on the host), and a CUDA model. Each is a ``ValueError`` here, before
+anything is captured.
+
+transformers counts a CUDA graph capture as tracing, so the captured step builds the causal
+mask its eager steps skip, at the capture's length. Nothing reads it: the cache's decode
+attends each session's own rows and ignores the mask, and every layer is the cache's (the
+checks above), so a stale length there changes no output. The steps equal the eager steps' through the same cache (the
 same kernels; the capture's attends read the same rows): the device tests compare them.
 """
 
@@ -48,6 +59,15 @@ class GraphedDecode:
         if cache.gpu is None or not cache.sessions:
             raise ValueError("cache: empty; prefill it (one forward over the prompt) before "
                              "capturing its decode steps")
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn != "fathom":
+            raise ValueError(f"model: attention {attn!r}; the cache's decode needs \"fathom\" "
+                             "(a FathomCache made for this model sets it)")
+        rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type",
+                       "default")
+        if rope in ("dynamic", "longrope"):
+            raise ValueError(f"model: RoPE {rope!r} updates its frequencies from the largest "
+                             "position on the host each step, which a graph cannot")
         dev = next(model.parameters()).device
         if dev.type != "cuda":
             raise ValueError(f"model: on {dev}; a CUDA graph needs a CUDA model")
@@ -76,12 +96,12 @@ class GraphedDecode:
         self.ids.copy_(self.next)
         self.pos.add_(1)
 
-    def _count_step(self, sign: int = 1) -> None:
+    def _count_step(self) -> None:
         """The host's counters of one step (each global layer's padded length, the steps),
         which a replay, running no Python, does not touch."""
         for layer in self.cache.layers:
-            layer.seen += sign
-        self.cache.steps += sign
+            layer.seen += 1
+        self.cache.steps += 1
 
     def capture(self, tokens: torch.Tensor) -> None:
         """Captures the decode step whose input is ``tokens`` ``[bs]`` or ``[bs, 1]`` (the
@@ -103,18 +123,23 @@ class GraphedDecode:
             torch.cuda.current_stream().wait_stream(side)
             gpu.prepare(cache.method)  # a static method's table (none for the others)
             batch = gpu.reserve([(s, 1) for s in cache.sessions], follow=True)
-            cache._held = batch
-            self.graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph()
+            seen = [layer.seen for layer in cache.layers]
+            steps = cache.steps
             gpu.begin_caller_capture(batch)
             try:
-                with torch.cuda.graph(self.graph):
+                cache._held = batch
+                with torch.cuda.graph(graph):
                     self._forward()
             finally:
+                # The capture ran the step's Python (each layer's count) but none of its work:
+                # the counters as they were, whether or not it got through.
                 cache._held = None
-                self._token = gpu.end_capture()
-                # The capture ran the step's Python (each layer's count) but none of its work.
-                self._count_step(-1)
-        self._pending = batch
+                for layer, n in zip(cache.layers, seen):
+                    layer.seen = n
+                cache.steps = steps
+                token = gpu.end_capture()
+        self.graph, self._token, self._pending = graph, token, batch
 
     def step(self) -> torch.Tensor:
         """One decode step: reserves it (after the work queued on the current stream), checks
