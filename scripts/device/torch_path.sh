@@ -66,7 +66,7 @@ EOF
     rm -f $OUT/decode-bench2.json
   fi
   timeout ${BENCH_S:-360} python3 -m fathom.bench_hf --shape $shape --grid ${GRID:-32k:1,4,8/128k:1,4} \
-    ${CACHES:+--caches $CACHES} ${PROFILE:+--profile $PROFILE} --decode-bench $OUT/decode-bench-$shape.json --out $OUT > $OUT/bench-hf-$shape.txt 2>&1
+    ${CACHES:+--caches $CACHES} ${PROFILE:+--profile $PROFILE} ${STAGE_TIMING:+--stage-timing} --decode-bench $OUT/decode-bench-$shape.json --out $OUT > $OUT/bench-hf-$shape.txt 2>&1
   echo "bench_hf rc=$?" | tee -a $OUT/summary.txt
   ;;
 data)
@@ -102,7 +102,7 @@ json.dump(a, open(sys.argv[1], "w"), indent=1)
 EOF2
   rm -f $OUT/db-*.json
   timeout ${BENCH_S:-360} python3 -m fathom.bench_hf --gguf $FATHOM_CACHE/models/$file --grid $grid \
-    --calib $FATHOM_CACHE/calib/$m-cal.json ${CACHES:+--caches $CACHES} ${PROFILE:+--profile $PROFILE} \
+    --calib $FATHOM_CACHE/calib/$m-cal.json ${CACHES:+--caches $CACHES} ${PROFILE:+--profile $PROFILE} ${STAGE_TIMING:+--stage-timing} \
     --decode-bench $OUT/decode-bench-$m.json --out $OUT > $OUT/bench-hf-$m.txt 2>&1
   echo "bench_hf $m rc=$?" | tee -a $OUT/summary.txt
   ;;

@@ -129,15 +129,17 @@ def check_host_room(kind: str, model, bs: int, ctx: int, available: Optional[int
                           f"{available / 2**30:.1f} GiB free (not run: the fill would be killed)")
 
 
-def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int, real=None):
+def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int, real=None,
+               options: Optional[dict] = None):
     """A cache of ``kind`` holding ``bs`` sessions of ``ctx`` tokens: synthetic K/V, or with
-    ``real = (ids [bs, ctx], calib, chunk)`` the model's own prefill of ``ids`` in chunks."""
+    ``real = (ids [bs, ctx], calib, chunk)`` the model's own prefill of ``ids`` in chunks.
+    ``options``: further :class:`fathom.gpu.GpuCache` keywords for a FathomCache."""
     import torch
     from transformers import DynamicCache
 
     layers, hq, hkv, d = _shape(model)
     if real is not None:
-        return prefilled(kind, model, bs, ctx, steps, k, *real)
+        return prefilled(kind, model, bs, ctx, steps, k, *real, options=options)
     if kind in ("dynamic", "offloaded"):
         cache = DynamicCache(config=model.config, offloading=kind == "offloaded")
         dev = next(model.parameters()).device
@@ -152,7 +154,7 @@ def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int, real=Non
     # Synthetic keys have unit variance in every channel: σ² = 1 is their true calibration.
     sigma2 = {layer: np.ones((hkv, d), np.float32) for layer in range(layers)}
     cache = FathomCache(model, kind, k=k, calib=sigma2 if kind.startswith("fathom:") else None,
-                        max_tokens=ctx + steps + 8, max_batch=bs)
+                        max_tokens=ctx + steps + 8, max_batch=bs, **(options or {}))
     gpu = cache._open(bs, ctx)
     chunk = 16384
     kv = _synthetic_kv(layers * math.ceil(ctx / chunk), bs, hkv, min(chunk, ctx), d, 7)
@@ -171,7 +173,8 @@ def make_cache(kind: str, model, bs: int, ctx: int, steps: int, k: int, real=Non
     return cache
 
 
-def prefilled(kind: str, model, bs: int, ctx: int, steps: int, k: int, ids, calib, chunk: int):
+def prefilled(kind: str, model, bs: int, ctx: int, steps: int, k: int, ids, calib, chunk: int,
+              options: Optional[dict] = None):
     """A cache of ``kind`` filled by the model's own forward over ``ids`` ``[bs, ctx]`` in
     chunks of ``chunk`` tokens (transformers' chunked prefill, the best it allows; for
     FathomCache later chunks read the stored rows back)."""
@@ -184,7 +187,7 @@ def prefilled(kind: str, model, bs: int, ctx: int, steps: int, k: int, ids, cali
         from .hf_cache import FathomCache
 
         cache = FathomCache(model, kind, k=k, calib=calib, max_tokens=ctx + steps + 8,
-                            max_batch=bs)
+                            max_batch=bs, **(options or {}))
     with torch.no_grad():
         for c0 in range(0, ctx, chunk):
             model(input_ids=ids[:, c0:c0 + chunk], past_key_values=cache, use_cache=True,
@@ -381,7 +384,8 @@ def run(args, path: str, db: Optional[dict] = None) -> dict:
            "transformers": __import__("transformers").__version__, "k": args.k,
            "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
            "offloaded_steps": args.offloaded_steps,
-           "sdpa": "flash or memory-efficient (math where neither applies)", "entries": []}
+           "sdpa": "flash or memory-efficient (math where neither applies)",
+           "stage_timing": bool(args.stage_timing), "entries": []}
     with sdpa_backends():
         for ctx, bs in settings(args):
             setting(args, model, tok, ctx, bs, doc, path, db)
@@ -415,8 +419,9 @@ def setting(args, model, tok, ctx: int, bs: int, doc: dict, path: str, db: Optio
                 raise ValueError(f"caches: {kind}; a whole-step graph is FathomCache's")
             check_host_room(base, model, bs, ctx, host_available())
             prof = args.profile_steps if kind in args.profile.split(",") else 0
+            opts = {"stage_timing": True} if args.stage_timing else None
             cache = make_cache(base, model, bs, ctx, steps * rounds + args.warmup + prof + 1,
-                               args.k, real)
+                               args.k, real, opts)
             if hasattr(cache, "gpu") and cache.gpu is not None:
                 cache.gpu.stage_times()
             run_steps = decode_graphed if graphed else decode
@@ -429,9 +434,10 @@ def setting(args, model, tok, ctx: int, bs: int, doc: dict, path: str, db: Optio
                      cache_ms=st["mean"] - weights_ms)
             if hasattr(cache, "gpu") and cache.gpu is not None:
                 t = cache.gpu.stage_times()
-                per = max(1, t["attends"] + t["untimed"])
-                e["attend_gpu_ms_per_step"] = sum(t[s] for s in cache.gpu.STAGES) / per * len(
-                    cache.global_layers)
+                if t["attends"] > 0:  # timed attends (--stage-timing; a graph's are untimed)
+                    per = len(cache.global_layers) / t["attends"]
+                    e["stage_gpu_ms_per_step"] = {s: t[s] * per for s in cache.gpu.STAGES}
+                    e["attend_gpu_ms_per_step"] = sum(e["stage_gpu_ms_per_step"].values())
                 e["mean_bits"] = cache.mean_bits
         except torch.OutOfMemoryError as err:
             e["error"] = f"out of memory: {str(err).splitlines()[0]}"
@@ -523,6 +529,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  python -m fathom.bench_hf --shape qwen3-8b --context 32k --batch 1,4\n"
                "  python -m fathom.bench_hf --gguf model.gguf --grid 8k:1,4 --calib cal.json\n"
+               "  python -m fathom.bench_hf --shape llama3.1-8b --grid 32k:1 --caches "
+               "dynamic,fathom:48,fathom:48+graph --profile dynamic,fathom:48 --stage-timing\n"
                "  python -m fathom.bench_hf --plot-only results/python/bench-hf/qwen3-8b.json")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b",
                    help="random bf16 weights at this shape, synthetic sessions")
@@ -557,6 +565,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "summary of --profile-steps more steps: host ms per step, how much of "
                         "it torch operators take, the top operators")
     p.add_argument("--profile-steps", type=int, default=4)
+    p.add_argument("--stage-timing", action="store_true",
+                   help="FathomCache entries also get their attends' GPU ms per step by stage "
+                        "(plan, scan, top-k, union, fetch, attention): a CUDA event after each")
     p.add_argument("--decode-bench", metavar="JSON",
                    help="`fathom decode-bench --json` of the same shape on the same machine: "
                         "each FathomCache entry gets its tokens/s and the ratio")
