@@ -24,6 +24,15 @@ def need(name, required_by=TORCH, why="pip install torch transformers; .ci/run i
         pytest.skip(f"{name} is not installed ({why})", allow_module_level=True)
 
 
+def need_gpu(torch):
+    """Skips the calling test module without a CUDA GPU (as on CI); with FATHOM_REQUIRE_GPU=1
+    its absence is a failure instead, so that no device run skips."""
+    if not torch.cuda.is_available():
+        if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
+            raise RuntimeError("FATHOM_REQUIRE_GPU=1 and torch sees no GPU")
+        pytest.skip("no GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+
+
 def qwen3():
     """A random Qwen3-style model: QK-norm, GQA 4/2, D = 32."""
     import transformers

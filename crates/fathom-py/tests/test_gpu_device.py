@@ -4,20 +4,16 @@ without torch where no run asks for it; with FATHOM_REQUIRE_GPU=1 (the device ru
 GPU or torch fails instead."""
 
 import math
-import os
 
 import pytest
 
-from hf_support import need
+from hf_support import need, need_gpu
 
 torch = need("torch")
 import fathom  # noqa: E402
 import fathom.gpu as fg  # noqa: E402
 
-if not torch.cuda.is_available():
-    if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
-        raise RuntimeError("FATHOM_REQUIRE_GPU=1 and torch sees no GPU")
-    pytest.skip("no GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+need_gpu(torch)
 
 
 def reference(k, v, q, g):

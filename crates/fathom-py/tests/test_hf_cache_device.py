@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from hf_support import need
+from hf_support import need, need_gpu
 
 torch = need("torch")
 transformers = need("transformers")
@@ -23,10 +23,7 @@ import fathom.gpu as fg  # noqa: E402
 import fathom.ops as fo  # noqa: E402
 from fathom.hf import FathomCache  # noqa: E402
 
-if not torch.cuda.is_available():
-    if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
-        raise RuntimeError("FATHOM_REQUIRE_GPU=1 and torch sees no GPU")
-    pytest.skip("no GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+need_gpu(torch)
 
 # A near-tie: the reference's top-2 logit gap at the first differing token is at most this
 # many bf16 ulps of its largest logit. The cache attends in f32 over the same bf16 K/V and

@@ -33,10 +33,17 @@ def test_a_cache_before_its_prefill_is_refused():
         GraphedDecode(m, FathomCache(m, "exact", k=16))
 
 
-def test_a_model_off_the_caches_attention_is_refused():
-    m = llama().eval()
+def as_prefilled(m):
+    """A FathomCache for ``m`` that looks as after a prefill (which a CPU model cannot make:
+    FathomCache refuses it first), so the checks after the emptiness one are reached."""
     cache = FathomCache(m, "exact", k=16)
     cache.gpu, cache.sessions = types.SimpleNamespace(), [object()]
+    return cache
+
+
+def test_a_model_off_the_caches_attention_is_refused():
+    m = llama().eval()
+    cache = as_prefilled(m)
     m.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="model: attention 'sdpa'; the cache's decode needs"):
         GraphedDecode(m, cache)
@@ -44,8 +51,7 @@ def test_a_model_off_the_caches_attention_is_refused():
 
 def test_a_rope_that_updates_on_the_host_is_refused():
     m = llama().eval()
-    cache = FathomCache(m, "exact", k=16)
-    cache.gpu, cache.sessions = types.SimpleNamespace(), [object()]
+    cache = as_prefilled(m)
     m.model.rotary_emb.rope_type = "dynamic"
     with pytest.raises(ValueError, match="model: RoPE 'dynamic' updates its frequencies"):
         GraphedDecode(m, cache)
@@ -53,9 +59,7 @@ def test_a_rope_that_updates_on_the_host_is_refused():
 
 def test_a_cpu_model_is_refused():
     m = llama().eval()
-    cache = FathomCache(m, "exact", k=16)
-    # As after a prefill (which a CPU model cannot make: FathomCache refuses it first).
-    cache.gpu, cache.sessions = types.SimpleNamespace(), [object()]
+    cache = as_prefilled(m)
     with pytest.raises(ValueError, match="model: on cpu; a CUDA graph needs a CUDA model"):
         GraphedDecode(m, cache)
 

@@ -5,21 +5,17 @@ Qwen3- and Llama-style models, for a batch of 2 left-padded prompts of different
 with exact and sparq:32; the cache's counters then match the eager run's. Skips without a
 GPU (as on CI); FATHOM_REQUIRE_GPU=1 fails instead."""
 
-import os
 
 import pytest
 
-from hf_support import need
+from hf_support import need, need_gpu
 
 torch = need("torch")
 transformers = need("transformers")
 from fathom.hf import FathomCache  # noqa: E402
 from fathom.hf_graph import GraphedDecode  # noqa: E402
 
-if not torch.cuda.is_available():
-    if os.environ.get("FATHOM_REQUIRE_GPU") == "1":
-        raise RuntimeError("FATHOM_REQUIRE_GPU=1 and torch sees no GPU")
-    pytest.skip("no GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+need_gpu(torch)
 
 from test_hf_cache_device import model  # noqa: E402  (the random models of the eager tests)
 
