@@ -18,6 +18,16 @@ B=${B:-.devbin}
 export FATHOM_CACHE=${FATHOM_CACHE:-$HOME/.cache/fathom}
 export FATHOM_REQUIRE_GPU=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+join_runs() {  # join_runs OUT IN...: decode-bench runs as one document (entries, commands)
+  python3 - "$@" <<'EOF'
+import json, sys
+docs = [json.load(open(p)) for p in sys.argv[2:]]
+a = docs[0]
+for b in docs[1:]:
+    a["entries"] += b["entries"]; a["command"] += " && " + b["command"]
+json.dump(a, open(sys.argv[1], "w"), indent=1)
+EOF
+}
 stamp() { echo "# $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader), commit ${COMMIT:-?}, FATHOM_REQUIRE_GPU=1"; }
 python3 -m pip install --quiet --no-deps --force-reinstall $B/fathom-*.whl $B/gguf-*.whl >/dev/null 2>&1 \
   || echo "torch_path: the wheel did not install" | tee -a $OUT/summary.txt
@@ -57,12 +67,7 @@ bench)
     timeout 200 $B/fathom decode-bench --model $shape --context $DB_CONTEXT2 --batch ${DB_BATCH2:-4} \
       --methods fathom:48 --steps 8 --json $OUT/decode-bench2.json >> $OUT/decode-bench-$shape.txt 2>&1
     echo "decode-bench 2 rc=$?" | tee -a $OUT/summary.txt
-    python3 - $OUT/decode-bench-$shape.json $OUT/decode-bench2.json <<'EOF'
-import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:3])
-a["entries"] += b["entries"]; a["command"] = a["command"] + " && " + b["command"]
-json.dump(a, open(sys.argv[1], "w"), indent=1)
-EOF
+    join_runs $OUT/decode-bench-$shape.json $OUT/decode-bench-$shape.json $OUT/decode-bench2.json
     rm -f $OUT/decode-bench2.json
   fi
   timeout ${BENCH_S:-360} python3 -m fathom.bench_hf --shape $shape --grid ${GRID:-32k:1,4,8/128k:1,4} \
@@ -92,14 +97,7 @@ gguf)
       --methods fathom:48 --steps 16 --json $OUT/db-$i.json >> $OUT/decode-bench-$m.txt 2>&1
     echo "decode-bench $m $cb rc=$?" | tee -a $OUT/summary.txt
   done
-  python3 - $OUT/decode-bench-$m.json $OUT/db-*.json <<'EOF2'
-import json, sys
-docs = [json.load(open(p)) for p in sys.argv[2:]]
-a = docs[0]
-for b in docs[1:]:
-    a["entries"] += b["entries"]; a["command"] += " && " + b["command"]
-json.dump(a, open(sys.argv[1], "w"), indent=1)
-EOF2
+  join_runs $OUT/decode-bench-$m.json $OUT/db-*.json
   rm -f $OUT/db-*.json
   timeout ${BENCH_S:-360} python3 -m fathom.bench_hf --gguf $FATHOM_CACHE/models/$file --grid $grid \
     --calib $FATHOM_CACHE/calib/$m-cal.json ${CACHES:+--caches $CACHES} ${PROFILE:+--profile $PROFILE} ${STAGE_TIMING:+--stage-timing} \
