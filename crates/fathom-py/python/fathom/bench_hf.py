@@ -430,8 +430,9 @@ def setting(args, model, tok, ctx: int, bs: int, doc: dict, path: str, db: Optio
                 e["profile"] = profiled
             st = stats(wall)
             e.update(step_ms=st, tokens_per_s=1e3 * bs / st["mean"],
-                     tpot_ms=st["mean"], host_enqueue_ms=stats(host)["mean"],
-                     cache_ms=st["mean"] - weights_ms)
+                     tpot_ms=st["mean"], host_enqueue_ms=stats(host)["mean"])
+            if not graphed:  # the null step is eager: a replay's step has no share to split
+                e["cache_ms"] = st["mean"] - weights_ms
             if hasattr(cache, "gpu") and cache.gpu is not None:
                 t = cache.gpu.stage_times()
                 if t["attends"] > 0:  # timed attends (--stage-timing; a graph's are untimed)
@@ -477,8 +478,9 @@ def _line(e: dict) -> str:
     if "error" in e:
         return f"{head}  {e['error']}"
     line = (f"{head}  {e['tokens_per_s']:8.2f} tok/s  {e['tpot_ms']:8.2f} ms/token  "
-            f"(weights {e['weights_ms']:.1f} ms, cache {e['cache_ms']:.1f} ms, host "
-            f"{e['host_enqueue_ms']:.1f} ms)")
+            + (f"(weights {e['weights_ms']:.1f} ms, cache {e['cache_ms']:.1f} ms, "
+               if "cache_ms" in e else "(one graph replay, ")
+            + f"host {e['host_enqueue_ms']:.1f} ms)")
     if "profile" in e:
         p = e["profile"]
         line += (f"\n{'':>24}profiled: host {p['host_ms_per_step']:.1f} ms/step, torch ops "
