@@ -142,6 +142,17 @@ fn json_that_is_no_result_is_listed_not_read() {
     std::fs::write(dir.path().join("table.json"), r#"{"rows":[]}"#).unwrap();
     let md = render(dir.path(), None);
     assert!(md.contains("- `table.json`: no `kind` field"), "{md}");
+    // Another tool's document (bench_hf's) is named by its kind, not called kindless.
+    std::fs::write(
+        dir.path().join("bench.json"),
+        r#"{"kind":"bench-hf","version":1,"entries":[]}"#,
+    )
+    .unwrap();
+    let md = render(dir.path(), None);
+    assert!(
+        md.contains("- `bench.json`: `kind` \"bench-hf\" is none this crate reads"),
+        "{md}"
+    );
 }
 
 /// A committed task-shape probe (a RULER run of dense and exact only) is listed with its dense

@@ -199,9 +199,13 @@ fn upgrade_legacy(what: &str, mut v: Value) -> Result<Value, ResultsError> {
         if v.get("format").and_then(Value::as_str) == Some("fathom-calibration") {
             return Err(ResultsError::Input { what: what.into() });
         }
+        let why = match v.get("kind").and_then(Value::as_str) {
+            Some(k) => format!("`kind` {k:?} is none this crate reads, and no earlier schema fits"),
+            None => "no `kind` field, and not a document of an earlier schema either".into(),
+        };
         return Err(ResultsError::NotAResult {
             what: what.into(),
-            why: "no `kind` field, and not a document of an earlier schema either".into(),
+            why,
         });
     };
     let obj = v.as_object_mut().ok_or_else(|| ResultsError::NotAResult {
