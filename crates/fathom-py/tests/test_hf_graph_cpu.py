@@ -12,7 +12,7 @@ torch = need("torch")
 need("transformers")
 from fathom import bench_hf  # noqa: E402
 from fathom.hf import FathomCache  # noqa: E402
-from fathom.hf_graph import GraphedDecode  # noqa: E402
+from fathom.hf_graph import GraphedDecode, generate  # noqa: E402
 
 
 def test_a_graph_needs_a_fathom_cache():
@@ -62,6 +62,36 @@ def test_a_cpu_model_is_refused():
     cache = as_prefilled(m)
     with pytest.raises(ValueError, match="model: on cpu; a CUDA graph needs a CUDA model"):
         GraphedDecode(m, cache)
+
+
+def test_generate_refuses_before_its_prefill():
+    """The helper checks what the graph needs before the prefill writes anything."""
+    ids = torch.randint(10, 100, (2, 12))
+    m = gemma3().eval()
+    cache = FathomCache(m, "exact", k=16)
+    with pytest.raises(ValueError, match=r"model: layers \[0, 1\] keep a sliding-window cache"):
+        generate(m, ids, cache, 4)
+    m = llama().eval()
+    cache = FathomCache(m, "exact", k=16)
+    with pytest.raises(ValueError, match="model: on cpu; a CUDA graph needs a CUDA model"):
+        generate(m, ids, cache, 4)
+    assert cache.gpu is None and not cache.sessions  # nothing was prefilled
+
+
+def test_generate_names_its_bad_arguments(monkeypatch):
+    m = llama().eval()
+    cache = FathomCache(m, "exact", k=16)
+    # Past the model checks (a CPU model is refused first), to reach the argument checks.
+    monkeypatch.setattr("fathom.hf_graph.check", lambda *a, **k: torch.device("cuda"))
+    ids = torch.randint(10, 100, (2, 12))
+    with pytest.raises(ValueError, match=r"input_ids: torch.Size\(\[12\]\); want a \[batch"):
+        generate(m, ids[0], cache, 4)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"max_new_tokens: {bad!r}; at least 1"):
+            generate(m, ids, cache, bad)
+    with pytest.raises(ValueError, match=r"attention_mask: \(2, 11\), input_ids \(2, 12\)"):
+        generate(m, ids, cache, 4, attention_mask=torch.ones((2, 11), dtype=torch.long))
+    assert cache.gpu is None and not cache.sessions
 
 
 def test_graph_entries_compare_with_decode_bench_plain_steps():

@@ -2,7 +2,8 @@
 step (forward, the cache's appends and attends, argmax) one CUDA graph replay gives the
 tokens of the same FathomCache decoding eagerly through transformers' generate, on random
 Qwen3- and Llama-style models, for a batch of 2 left-padded prompts of different lengths,
-with exact and sparq:32; the cache's counters then match the eager run's. Skips without a
+with exact and sparq:32; the cache's counters then match the eager run's; the `generate`
+helper (prefill, then the replays) returns what `model.generate` does. Skips without a
 GPU (as on CI); FATHOM_REQUIRE_GPU=1 fails instead."""
 
 
@@ -13,7 +14,7 @@ from hf_support import need, need_gpu
 torch = need("torch")
 transformers = need("transformers")
 from fathom.hf import FathomCache  # noqa: E402
-from fathom.hf_graph import GraphedDecode  # noqa: E402
+from fathom.hf_graph import GraphedDecode, generate  # noqa: E402
 
 need_gpu(torch)
 
@@ -55,6 +56,22 @@ def test_graph_replays_give_the_eager_caches_tokens(arch, method):
     # The host's counters as the eager run left them: a replay runs no Python, step() counts.
     assert cache.get_seq_length() == eager.get_seq_length()
     assert [cache.gpu.len(s) for s in cache.sessions] == [eager.gpu.len(s) for s in eager.sessions]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_the_generate_helper_is_greedy_generate(arch):
+    """fathom.hf_graph.generate returns what model.generate returns through the same kind of
+    cache, the left-padded prompt included."""
+    m = model(arch)
+    m.generation_config.eos_token_id = None
+    ids, mask = prompts(m.config.vocab_size, [180, 120], seed=7)
+    with torch.no_grad():
+        ref = m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         pad_token_id=0,
+                         past_key_values=FathomCache(m, "exact", k=64, max_tokens=256))
+    got = generate(m, ids, FathomCache(m, "exact", k=64, max_tokens=256), 12,
+                   attention_mask=mask)
+    assert got.tolist() == ref.tolist()
 
 
 def test_a_step_before_its_capture_is_refused():

@@ -2,12 +2,17 @@
 replay of a CUDA graph captured once (docs/SPEC.md §6.1, "Graphs").
 
     from fathom.hf import FathomCache
-    from fathom.hf_graph import GraphedDecode
+    from fathom import hf_graph
     cache = FathomCache(model, "fathom:48", k=256, calib="cal.json", max_tokens=40000)
+    out = hf_graph.generate(model, ids, cache, 64, attention_mask=mask)   # [bs, prompt + 64]
+
+:func:`generate` is ``model.generate`` (greedy) with the decode steps replayed; by hand, after
+a prefill of your own, the same is
+
     pos = (mask.cumsum(-1) - 1).clamp(min=0)             # left padding: as generate counts
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
                    past_key_values=cache, logits_to_keep=1).logits              # prefill
-    steps = GraphedDecode(model, cache)
+    steps = hf_graph.GraphedDecode(model, cache)
     tokens = steps.generate(logits[:, -1].argmax(-1), 64)                       # [bs, 64]
 
 It never stops at an end-of-sequence token: every sequence decodes ``new_tokens`` steps.
@@ -45,32 +50,72 @@ import torch
 from .hf_cache import FathomCache, FathomLayer
 
 
+def check(model, cache, prefilled: bool) -> torch.device:
+    """What a graphed decode needs of ``model`` and ``cache`` (module docs), each a
+    ``ValueError`` naming its argument; ``prefilled`` also asks for the cache's sessions.
+    Returns the model's device."""
+    if not isinstance(cache, FathomCache):
+        raise ValueError(f"cache: a {type(cache).__name__}; GraphedDecode needs a FathomCache")
+    sliding = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, FathomLayer)]
+    if sliding:
+        raise ValueError(f"model: layers {sliding} keep a sliding-window cache of their own, "
+                         "which grows each step; a graph needs every layer in the paged cache")
+    if prefilled and (cache.gpu is None or not cache.sessions):
+        raise ValueError("cache: empty; prefill it (one forward over the prompt) before "
+                         "capturing its decode steps")
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn != "fathom":
+        raise ValueError(f"model: attention {attn!r}; the cache's decode needs \"fathom\" "
+                         "(a FathomCache made for this model sets it)")
+    rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type",
+                   "default")
+    if rope in ("dynamic", "longrope"):
+        raise ValueError(f"model: RoPE {rope!r} updates its frequencies from the largest "
+                         "position on the host each step, which a graph cannot")
+    dev = next(model.parameters()).device
+    if dev.type != "cuda":
+        raise ValueError(f"model: on {dev}; a CUDA graph needs a CUDA model")
+    return dev
+
+
+def generate(model, input_ids, cache: FathomCache, max_new_tokens: int,
+             attention_mask=None) -> torch.Tensor:
+    """Greedy ``model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
+    max_new_tokens=max_new_tokens, do_sample=False)`` with every decode step after the first
+    one CUDA graph replay: the prompt (left-padded as transformers pads, ``attention_mask``
+    marking its real tokens; all real without one) prefilled through ``cache``, then
+    :class:`GraphedDecode`. Returns ``[bs, prompt + max_new_tokens]`` as ``generate`` does,
+    except that no sequence stops at an end token. Everything :func:`check` refuses is
+    refused before the prefill."""
+    check(model, cache, prefilled=False)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids: {getattr(input_ids, 'shape', type(input_ids).__name__)}; "
+                         "want a [batch, prompt] tensor of token ids")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: {max_new_tokens!r}; at least 1")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask: {tuple(attention_mask.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}; want the same shape")
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: as generate counts
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        first = logits[:, -1].argmax(-1)
+        new = [first[:, None]]
+        if max_new_tokens > 1:
+            new.append(GraphedDecode(model, cache).generate(first, max_new_tokens - 1))
+    return torch.cat([input_ids, *new], dim=1)
+
+
 class GraphedDecode:
     """Greedy decode of every sequence of ``cache`` (one session each), a CUDA graph per step
     (module docs). ``model``: the model the cache was made for, on a CUDA device."""
 
     def __init__(self, model, cache: FathomCache):
-        if not isinstance(cache, FathomCache):
-            raise ValueError(f"cache: a {type(cache).__name__}; GraphedDecode needs a FathomCache")
-        sliding = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, FathomLayer)]
-        if sliding:
-            raise ValueError(f"model: layers {sliding} keep a sliding-window cache of their own, "
-                             "which grows each step; a graph needs every layer in the paged cache")
-        if cache.gpu is None or not cache.sessions:
-            raise ValueError("cache: empty; prefill it (one forward over the prompt) before "
-                             "capturing its decode steps")
-        attn = getattr(model.config, "_attn_implementation", None)
-        if attn != "fathom":
-            raise ValueError(f"model: attention {attn!r}; the cache's decode needs \"fathom\" "
-                             "(a FathomCache made for this model sets it)")
-        rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type",
-                       "default")
-        if rope in ("dynamic", "longrope"):
-            raise ValueError(f"model: RoPE {rope!r} updates its frequencies from the largest "
-                             "position on the host each step, which a graph cannot")
-        dev = next(model.parameters()).device
-        if dev.type != "cuda":
-            raise ValueError(f"model: on {dev}; a CUDA graph needs a CUDA model")
+        dev = check(model, cache, prefilled=True)
         self.model, self.cache = model, cache
         self.bs = len(cache.sessions)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
