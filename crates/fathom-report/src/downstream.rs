@@ -11,6 +11,9 @@
 use fathom_plan::method::fmt_budget;
 use fathom_results::downstream::{RowCacheTally, RulerDoc};
 use fathom_results::judged::agent::{judge_agent, reaches};
+use fathom_results::judged::budget::{
+    budget_rule, is_judged_setting, Rule, Setting, JUDGED_SAMPLES,
+};
 use fathom_results::judged::parity::ratio_spread;
 use fathom_results::judged::ruler::{fathom_reading, judge_ruler, RulerJudgement};
 use fathom_results::judged::stats::{
@@ -234,7 +237,81 @@ pub fn ruler_claim(inp: &Inputs, s: &mut String) {
             .collect();
         row_cache(s, v.row_cache_source.as_deref(), &rows);
     }
+    budget_section(inp, s);
     gpu_parity(inp, s);
+}
+
+/// The budget rule the judged settings support (`fathom_results::judged::budget`): each
+/// setting's budgets and threshold per channel, then the rule or why there is none.
+fn budget_section(inp: &Inputs, s: &mut String) {
+    let mut settings = Vec::new();
+    let mut rows = String::new();
+    for r in &inp.ruler {
+        let j = judge_ruler(&r.doc);
+        if !is_judged_setting(&r.doc, &j) {
+            continue;
+        }
+        let reading = fathom_reading(&j);
+        let name = format!("{} at {} tokens", r.doc.header.model, j.context);
+        let runs: Vec<String> = reading
+            .budgets
+            .iter()
+            .map(|(b, v)| format!("{} ({})", fmt_budget(*b), v.as_str()))
+            .collect();
+        let from = reading.at_parity_from.map_or("none".into(), |b| {
+            format!("{} bits ({:.3} per channel)", fmt_budget(b), b / j.d as f32)
+        });
+        rows.push_str(&format!(
+            "| `{}` ({name}) | {} | {from} | {} |\n",
+            inp.rel(&r.path),
+            j.d,
+            runs.join(", ")
+        ));
+        settings.push(Setting {
+            name,
+            d: j.d,
+            reading,
+        });
+    }
+    s.push_str(&format!(
+        "**The budget rule** (docs/SPEC.md §4): the smallest Fathom budget per channel at parity with exact top-k on every judged setting (a RULER run tuned on seeds it does not use, ≥ {JUDGED_SAMPLES} samples per task, a task dense can do).\n\n"
+    ));
+    if !rows.is_empty() {
+        s.push_str("| judged setting | D | at parity from | budgets run, bits (verdict) |\n|---|---:|---|---|\n");
+        s.push_str(&rows);
+        s.push('\n');
+    }
+    let line = match budget_rule(&settings) {
+        Rule::Pending => "Not stated yet: no judged setting.".to_string(),
+        Rule::Unmet { settings } => format!(
+            "Not stated: {} is at parity at no Fathom budget it ran.",
+            settings.join(" and ")
+        ),
+        Rule::Stated {
+            per_channel,
+            from,
+            untested,
+        } => {
+            let at = |d: f32| fmt_budget(per_channel * d);
+            let mut l = format!(
+                "**fathom:{}c**: {} bits per channel ({} bits at D = 64, {} at D = 128, {} at D = 256), set by {from}.",
+                fmt_budget(per_channel),
+                fmt_budget(per_channel),
+                at(64.0),
+                at(128.0),
+                at(256.0)
+            );
+            for (name, bits, largest) in untested {
+                l.push_str(&format!(
+                    " Untested on {name}: {} bits is above the largest budget it ran ({}).",
+                    fmt_budget(bits),
+                    fmt_budget(largest)
+                ));
+            }
+            l
+        }
+    };
+    s.push_str(&format!("Rule: {line}\n\n"));
 }
 
 /// What each GPU parity run's per-step rule measured: the spread of the ratio of the GPU's

@@ -453,3 +453,78 @@ fn a_retired_step_engine_file_renders_as_history() {
         "{md}"
     );
 }
+
+/// A judged setting (tuning recorded, 40 samples per task) made from the committed probe's
+/// first record: `score(method, i)` per sample of its one task, at head dimension `d`.
+fn judged_setting(
+    model: &str,
+    d: usize,
+    methods: &[&str],
+    score: impl Fn(&str, usize) -> f64,
+) -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let probe = root.join("results/downstream/gpu/tune/tune-gemma3-270m-small.json");
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(probe).unwrap()).unwrap();
+    let first = doc["results"][0].clone();
+    let results: Vec<serde_json::Value> = (0..40)
+        .map(|i| {
+            let mut r = first.clone();
+            r["sample"]["index"] = i.into();
+            let template = r["methods"]["dense"].clone();
+            let ms: serde_json::Map<String, serde_json::Value> = methods
+                .iter()
+                .map(|m| {
+                    let mut x = template.clone();
+                    x["score"] = score(m, i).into();
+                    x["same_as_exact"] = (score(m, i) == score("exact", i)).into();
+                    (m.to_string(), x)
+                })
+                .collect();
+            r["methods"] = ms.into();
+            r
+        })
+        .collect();
+    doc["model"] = model.into();
+    doc["d"] = d.into();
+    doc["methods"] = serde_json::json!(methods);
+    doc["tasks"] = serde_json::json!(["niah_single"]);
+    doc["samples_per_task"] = 40.into();
+    doc["seed"] = 2.into();
+    doc["tuning"] = serde_json::json!({"seed": 1, "samples_per_task": 5, "chose": "small/docs"});
+    doc["summary"] = serde_json::json!({});
+    doc["results"] = results.into();
+    doc.to_string()
+}
+
+/// The budget rule is read off the judged settings: the largest per-channel threshold (0.75
+/// from D 64's fathom:48), and the setting whose runs stop below it (D 256: 192 bits against
+/// its largest 92) named as untested. A run without tuning seeds is no judged setting.
+#[test]
+fn the_budget_rule_is_the_largest_threshold_of_the_judged_settings() {
+    let m = ["dense", "exact", "fathom:48", "fathom:92"];
+    let dir = tempfile::tempdir().unwrap();
+    let wide = judged_setting("wide", 256, &m, |m, i| match m {
+        "fathom:48" => f64::from(u8::from(i % 2 == 0)),
+        _ => 1.0,
+    });
+    let narrow = judged_setting("narrow", 64, &m, |_, _| 1.0);
+    std::fs::write(dir.path().join("wide.json"), &wide).unwrap();
+    let md = render(dir.path(), None);
+    assert!(md.contains("Rule: **fathom:0.359375c**"), "{md}");
+    std::fs::write(dir.path().join("narrow.json"), &narrow).unwrap();
+    let md = render(dir.path(), None);
+    assert!(
+        md.contains("| `narrow.json` (narrow at 32768 tokens) | 64 | 48 bits (0.750 per channel) | 48 (at parity), 92 (at parity) |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("Rule: **fathom:0.75c**: 0.75 bits per channel (48 bits at D = 64, 96 at D = 128, 192 at D = 256), set by narrow at 32768 tokens. Untested on wide at 32768 tokens: 192 bits is above the largest budget it ran (92)."),
+        "{md}"
+    );
+    let mut untuned: serde_json::Value = serde_json::from_str(&narrow).unwrap();
+    untuned.as_object_mut().unwrap().remove("tuning");
+    std::fs::write(dir.path().join("narrow.json"), untuned.to_string()).unwrap();
+    std::fs::remove_file(dir.path().join("wide.json")).unwrap();
+    assert!(render(dir.path(), None).contains("Rule: Not stated yet: no judged setting."));
+}

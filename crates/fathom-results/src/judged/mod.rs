@@ -1,6 +1,7 @@
 //! Judged downstream statistics (docs/SPEC.md §7, "Judging parity"): paired bootstrap
 //! intervals, the equivalence verdict at the declared margin, and their reading of a RULER run
-//! ([`ruler`]), an agent-steps run ([`agent`]) and a GPU parity run ([`parity`]). Typed values
+//! ([`ruler`]), an agent-steps run ([`agent`]) and a GPU parity run ([`parity`]), and the
+//! budget rule the judged settings support ([`budget`]). Typed values
 //! only: `fathom-report` renders them.
 //!
 //! ```
@@ -12,6 +13,7 @@
 //! ```
 
 pub mod agent;
+pub mod budget;
 pub mod parity;
 pub mod ruler;
 pub mod stats;

@@ -209,7 +209,7 @@ pub struct FathomReading {
 
 /// [`FathomReading`] of a judgement.
 pub fn fathom_reading(j: &RulerJudgement) -> FathomReading {
-    let mut budgets: Vec<(f32, Verdict)> = j
+    let budgets: Vec<(f32, Verdict)> = j
         .methods
         .iter()
         .filter_map(|r| match MethodSpec::parse(&r.method, j.d).ok()? {
@@ -220,21 +220,28 @@ pub fn fathom_reading(j: &RulerJudgement) -> FathomReading {
             _ => None,
         })
         .collect();
-    budgets.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut at_parity_from = None;
-    for &(b, v) in budgets.iter().rev() {
-        if v != Verdict::AtParity {
-            break;
+    FathomReading::from_budgets(budgets)
+}
+
+impl FathomReading {
+    /// The reading of budgets run and their verdicts (any order).
+    pub fn from_budgets(mut budgets: Vec<(f32, Verdict)>) -> Self {
+        budgets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut at_parity_from = None;
+        for &(b, v) in budgets.iter().rev() {
+            if v != Verdict::AtParity {
+                break;
+            }
+            at_parity_from = Some(b);
         }
-        at_parity_from = Some(b);
-    }
-    FathomReading {
-        at_parity_from,
-        below: budgets
-            .iter()
-            .filter(|(_, v)| *v == Verdict::Below)
-            .map(|(b, _)| *b)
-            .collect(),
-        budgets,
+        FathomReading {
+            at_parity_from,
+            below: budgets
+                .iter()
+                .filter(|(_, v)| *v == Verdict::Below)
+                .map(|(b, _)| *b)
+                .collect(),
+            budgets,
+        }
     }
 }
