@@ -27,6 +27,7 @@ pub mod sections;
 pub mod step;
 pub mod summary;
 pub mod tables;
+pub mod torch_path;
 
 use std::path::{Path, PathBuf};
 
@@ -90,6 +91,8 @@ pub struct Inputs {
     pub speed: Vec<Source<ModelSpeed>>,
     /// End-to-end decode throughput runs (`fathom decode-bench`).
     pub decode: Vec<Source<fathom_results::decode_bench::DecodeBench>>,
+    /// The PyTorch path's runs (`python -m fathom.bench_hf`).
+    pub bench_hf: Vec<Source<fathom_results::bench_hf::BenchHf>>,
     /// GPU-against-CPU parity runs (`fathom gpu-parity`), also listed in `others`.
     pub gpu_parity: Vec<Source<fathom_results::parity::GpuParity>>,
     /// JSON files that are no result document, with why (listed, never read as results;
@@ -204,6 +207,7 @@ pub fn collect(dir: &Path, stages: Option<&Path>, base: &Path) -> Result<Inputs,
                         .others
                         .push((path.clone(), "a single stage record".into())),
                     Document::DecodeBench(d) => push!(decode, d),
+                    Document::BenchHf(d) => push!(bench_hf, d),
                     Document::GpuParity(d) => {
                         push!(gpu_parity, d.clone());
                         inp.others.push((
@@ -303,6 +307,9 @@ pub fn machines(inp: &Inputs) -> Vec<String> {
     for d in &inp.decode {
         add(format!("{} (decode throughput)", d.doc.device.name));
     }
+    for b in &inp.bench_hf {
+        add(format!("{} (PyTorch path)", b.doc.device));
+    }
     for sp in &inp.speed {
         add(format!(
             "{}, {} cores (CPU model runtime)",
@@ -314,8 +321,9 @@ pub fn machines(inp: &Inputs) -> Vec<String> {
 
 /// Renders the whole report: the summary (stamp, machines, the claims table of
 /// [`summary::claims_table`] and how closely a re-run reproduces the numbers), every claim
-/// of [`claims::CLAIMS`] in order, then [`sections`]' ablations, CPU speed, memory and other
-/// files, and the stage log appendix.
+/// of [`claims::CLAIMS`] in order, then [`sections`]' ablations, CPU speed and decode
+/// throughput, [`torch_path`]'s PyTorch path, memory and other files, and the stage log
+/// appendix.
 pub fn render(inp: &Inputs, stamp: &Stamp) -> String {
     let mut s = String::new();
     s.push_str("# Fathom: reproduction report\n\n");
@@ -344,6 +352,7 @@ pub fn render(inp: &Inputs, stamp: &Stamp) -> String {
     sections::ablations(inp, &mut s);
     sections::cpu_speed(inp, &mut s);
     sections::decode_throughput(inp, &mut s);
+    torch_path::pytorch_path(inp, &mut s);
     sections::memory(inp, &mut s);
     sections::others(inp, &mut s);
     sections::stage_log(inp, &mut s);

@@ -142,15 +142,15 @@ fn json_that_is_no_result_is_listed_not_read() {
     std::fs::write(dir.path().join("table.json"), r#"{"rows":[]}"#).unwrap();
     let md = render(dir.path(), None);
     assert!(md.contains("- `table.json`: no `kind` field"), "{md}");
-    // Another tool's document (bench_hf's) is named by its kind, not called kindless.
+    // Another tool's document is named by its kind, not called kindless.
     std::fs::write(
-        dir.path().join("bench.json"),
-        r#"{"kind":"bench-hf","version":1,"entries":[]}"#,
+        dir.path().join("other.json"),
+        r#"{"kind":"other-tool","version":1,"entries":[]}"#,
     )
     .unwrap();
     let md = render(dir.path(), None);
     assert!(
-        md.contains("- `bench.json`: `kind` \"bench-hf\" is none this crate reads"),
+        md.contains("- `other.json`: `kind` \"other-tool\" is none this crate reads"),
         "{md}"
     );
 }

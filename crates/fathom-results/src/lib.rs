@@ -40,6 +40,7 @@
 
 #![deny(missing_docs)]
 
+pub mod bench_hf;
 pub mod calibration;
 pub mod decode_bench;
 pub mod downstream;
@@ -127,6 +128,8 @@ pub enum Document {
     GpuParity(parity::GpuParity),
     /// `fathom decode-bench`.
     DecodeBench(decode_bench::DecodeBench),
+    /// `python -m fathom.bench_hf` (the wheel's).
+    BenchHf(bench_hf::BenchHf),
 }
 
 impl Document {
@@ -142,6 +145,7 @@ impl Document {
             Document::Stage(_) => "stage",
             Document::GpuParity(_) => "gpu-parity",
             Document::DecodeBench(_) => "decode-bench",
+            Document::BenchHf(_) => "bench-hf",
         }
     }
 }
@@ -165,6 +169,7 @@ into_document!(
     stages::StageRecord => Stage,
     parity::GpuParity => GpuParity,
     decode_bench::DecodeBench => DecodeBench,
+    bench_hf::BenchHf => BenchHf,
 );
 
 /// The kind of a document written before documents carried one (schema version 1), from the
@@ -266,7 +271,7 @@ pub fn from_value(what: &str, v: Value) -> Result<Document, ResultsError> {
 }
 
 /// Every kind tag, in the order of [`Document`].
-pub const KINDS: [&str; 9] = [
+pub const KINDS: [&str; 10] = [
     "fidelity",
     "calibration-summary",
     "offload-bench",
@@ -276,6 +281,7 @@ pub const KINDS: [&str; 9] = [
     "stage",
     "gpu-parity",
     "decode-bench",
+    "bench-hf",
 ];
 
 /// Parses a document from JSON bytes.

@@ -52,11 +52,7 @@ fn every_committed_result_parses() {
                     || name.starts_with("generate-example")
                     // An interrupted run's records (`"complete": false`, no header).
                     || name.ends_with("-interrupted.json")
-                    // The PyTorch path's own outputs (`python -m fathom.bench_hf`, the
-                    // generation comparisons and the soak of its device run).
-                    || p.parent().is_some_and(|d| {
-                        d.ends_with("python/bench-hf") || d.ends_with("python/bench-hf/gguf")
-                    }) && !name.starts_with("decode-bench-")
+                    // The PyTorch path's device run: its generation comparisons and soak.
                     || p.parent().is_some_and(|d| d.ends_with("python/torch-path"))
                     // The soak example's report and scripts/analysis/ab_compare.py's tables.
                     || p.parent().is_some_and(|d| d.ends_with("device/pipeline"))
