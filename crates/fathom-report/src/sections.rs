@@ -201,8 +201,23 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
                 c.largest_batch
             ));
         }
-        s.push_str("| method | B | tokens/s | per session | step p50 / p99 ms | link MB/step | link floor ms | GPU split: weights / attention / appends / sampling ms |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+        // A joined document (several runs' contexts) names each row's context beside B.
+        let span = |c: &[usize]| (c.iter().min().copied(), c.iter().max().copied());
+        let mixed = v
+            .entries
+            .windows(2)
+            .any(|w| span(&w[0].contexts) != span(&w[1].contexts));
+        s.push_str(&format!("| method | {} | tokens/s | per session | step p50 / p99 ms | link MB/step | link floor ms | GPU split: weights / attention / appends / sampling ms |\n|---|---:|---:|---:|---:|---:|---:|---:|\n", if mixed { "B × context" } else { "B" }));
         for e in &v.entries {
+            let b = if mixed {
+                match span(&e.contexts) {
+                    (Some(lo), Some(hi)) if lo == hi => format!("{} × {lo}", e.batch),
+                    (Some(lo), Some(hi)) => format!("{} × {lo}–{hi}", e.batch),
+                    _ => e.batch.to_string(),
+                }
+            } else {
+                e.batch.to_string()
+            };
             let split = e.split.as_ref().map_or("—".into(), |x| {
                 format!(
                     "{:.2} / {:.2} / {:.2} / {:.2}",
@@ -213,7 +228,7 @@ pub fn decode_throughput(inp: &Inputs, s: &mut String) {
                 "| {}{} | {} | {:.1} | {:.2} | {:.2} / {:.2} | {:.1} | {:.2} | {split} |\n",
                 e.method,
                 if e.graph { " (CUDA graph)" } else { "" },
-                e.batch,
+                b,
                 e.tokens_per_s,
                 e.per_session_tokens_per_s,
                 e.step_ms_p50,
@@ -375,5 +390,15 @@ mod tests {
         assert!(s.contains("| fathom:48 | 16 | 900.0 | 56.25 |"), "{s}");
         assert!(s.contains("| fathom:48 (CUDA graph) | 16 | 950.0 |"), "{s}");
         assert!(s.contains("0.40 / 0.30 / 0.10 / 0.20"), "{s}");
+        // Runs joined into one document: each row names its context beside B.
+        inp.decode[0].doc.entries[2].contexts = vec![262144; 16];
+        let mut s = String::new();
+        decode_throughput(&inp, &mut s);
+        assert!(s.contains("| method | B × context |"), "{s}");
+        assert!(s.contains("| dense | 1 × 32768 | 100.0 |"), "{s}");
+        assert!(
+            s.contains("| fathom:48 (CUDA graph) | 16 × 262144 | 950.0 |"),
+            "{s}"
+        );
     }
 }
