@@ -110,7 +110,7 @@ fn join_query(keys: &[String]) -> String {
     }
 }
 
-/// Generates sample `index` of `task` (see the [module docs](self)).
+/// Generates sample `index` of `task` (see the [module docs](super)).
 pub fn generate(
     task: Task,
     params: &TaskParams,
