@@ -81,8 +81,9 @@ def test_generate_refuses_before_its_prefill():
 def test_generate_names_its_bad_arguments(monkeypatch):
     m = llama().eval()
     cache = FathomCache(m, "exact", k=16)
-    # Past the model checks (a CPU model is refused first), to reach the argument checks.
-    monkeypatch.setattr("fathom.hf_graph.check", lambda *a, **k: torch.device("cuda"))
+    # Past the model checks (a CPU model is refused first), to reach the argument checks;
+    # the ids' device is then what the model's is said to be.
+    monkeypatch.setattr("fathom.hf_graph.check", lambda *a, **k: torch.device("cpu"))
     ids = torch.randint(10, 100, (2, 12))
     with pytest.raises(ValueError, match=r"input_ids: torch.Size\(\[12\]\); want a \[batch"):
         generate(m, ids[0], cache, 4)
@@ -92,6 +93,12 @@ def test_generate_names_its_bad_arguments(monkeypatch):
     with pytest.raises(ValueError, match=r"attention_mask: \(2, 11\), input_ids \(2, 12\)"):
         generate(m, ids, cache, 4, attention_mask=torch.ones((2, 11), dtype=torch.long))
     assert cache.gpu is None and not cache.sessions
+    monkeypatch.setattr("fathom.hf_graph.check", lambda *a, **k: torch.device("cuda"))
+    with pytest.raises(ValueError, match="input_ids: on cpu, the model on cuda"):
+        generate(m, ids, cache, 4)
+    used = as_prefilled(m)
+    with pytest.raises(ValueError, match="cache: holds sessions already; generate prefills"):
+        generate(m, ids, used, 4)
 
 
 def test_graph_entries_compare_with_decode_bench_plain_steps():

@@ -85,12 +85,18 @@ def generate(model, input_ids, cache: FathomCache, max_new_tokens: int,
     one CUDA graph replay: the prompt (left-padded as transformers pads, ``attention_mask``
     marking its real tokens; all real without one) prefilled through ``cache``, then
     :class:`GraphedDecode`. Returns ``[bs, prompt + max_new_tokens]`` as ``generate`` does,
-    except that no sequence stops at an end token. Everything :func:`check` refuses is
-    refused before the prefill."""
-    check(model, cache, prefilled=False)
+    except that no sequence stops at an end token. Everything :func:`check` refuses, a cache
+    that holds sessions already and ids off the model's device are refused before the
+    prefill."""
+    dev = check(model, cache, prefilled=False)
+    if cache.gpu is not None or cache.sessions:
+        raise ValueError("cache: holds sessions already; generate prefills the whole prompt, "
+                         "so it needs a fresh FathomCache")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids: {getattr(input_ids, 'shape', type(input_ids).__name__)}; "
                          "want a [batch, prompt] tensor of token ids")
+    if input_ids.device != dev:
+        raise ValueError(f"input_ids: on {input_ids.device}, the model on {dev}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: {max_new_tokens!r}; at least 1")
