@@ -255,14 +255,14 @@ merge)
   ;;
 agent-judged)
   # agent-judged SETTING...: 16 sessions x 64 teacher-forced steps on the pinned code corpus,
-  # every method of the model (ds:32 and ds:64 on Gemma 3). SETTING: gemma3-32k (k 512; one
-  # call), smollm2-8k, gemma3-8k (k 256; both in one call).
+  # every method of the model, ds:32 and ds:64 in each (SmolLM2's ds:64 reads all 64
+  # channels). SETTING: gemma3-32k (k 512), smollm2-8k, gemma3-8k (k 256); PAR of them at once.
   shift
   for st in "$@"; do
     case $st in
       gemma3-32k) m=gemma3-270m ctx=32768 k=512 methods=$GM_J ;;
       gemma3-8k) m=gemma3-270m ctx=8192 k=256 methods=$GM_J ;;
-      smollm2-8k) m=smollm2-135m ctx=8192 k=256 methods=$SM_J ;;
+      smollm2-8k) m=smollm2-135m ctx=8192 k=256 methods=$SM_J,ds:64 ;;  # ds:64 in every setting's table
       *) echo "agent-judged: unknown setting $st"; exit 1 ;;
     esac
     run_bg agent-$m-$((ctx / 1024))k-judged agent-steps --model $m --context $ctx --k $k --sessions 16 \
