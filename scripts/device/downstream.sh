@@ -190,6 +190,8 @@ probe)
   # samples per task, base seed $TUNE_SEED, which the judged runs' seed $EVAL_SEED never
   # draws: `fathom ruler --tuning-seed` refuses an overlap) of each shape in $TUNE_SHAPES on
   # each haystack given (default docs). One device call per haystack at 16k and above.
+  # KEEP=DIR also copies the probes there (a git-ignored DIR such as .stage/tune stays on a warm
+  # device between calls), so the next call can `TUNE_DIR=DIR … pick` and run `judged` at once.
   model=$2 ctx=$3 k=$4; shift 4
   for hay in ${@:-docs}; do
     for shape in $TUNE_SHAPES; do
@@ -198,6 +200,8 @@ probe)
         --shape $shape --haystack $hay --samples $TUNE_SAMPLES --seed $TUNE_SEED --methods dense
     done
   done
+  wait
+  if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP" && cp $OUT/tune-$model-* "$KEEP"/; fi
   ;;
 pick)
   # pick MODEL CONTEXT (CPU, from the repository root): the probes committed under $TUNE_DIR
