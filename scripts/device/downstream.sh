@@ -255,7 +255,7 @@ merge)
   done
   [ -n "$parts" ] || { echo "merge: no $d/ruler-$2-$c-judged-TASK.json"; exit 1; }
   python3 scripts/device/merge_ruler.py $d/ruler-$2-$c-judged.json $parts || exit 1
-  mkdir -p $d/parts && for p in $parts; do git mv $p $d/parts/$(basename $p .json).json.part; done
+  mkdir -p $d/parts && for p in $parts; do mv $p $d/parts/$(basename $p .json).json.part; done
   ;;
 agent-judged)
   # agent-judged SETTING...: 16 sessions x 64 teacher-forced steps on the pinned code corpus,

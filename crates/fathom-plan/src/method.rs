@@ -298,6 +298,17 @@ impl MethodSpec {
         )
     }
 
+    /// Whether the method scores every token from a cheap form of its key (the paper's
+    /// per-token scans: Fathom, SparQ, Double Sparsity, Loki and the 2-bit thumbnail), as
+    /// opposed to scoring blocks of tokens (landmark, Quest) or reading whole keys (dense,
+    /// exact). Claim 5 (docs/SPEC.md §7) is about these.
+    pub fn is_per_token_scan(&self) -> bool {
+        !matches!(
+            self,
+            MethodSpec::Dense | MethodSpec::Exact | MethodSpec::Landmark | MethodSpec::Quest
+        )
+    }
+
     /// Loki's coordinate count, for either precision.
     pub fn loki_r(&self) -> Option<usize> {
         match *self {
@@ -495,6 +506,19 @@ mod tests {
             "ds:31",
         ] {
             assert!(!p(s).is_136_bit_scan(), "{s}");
+        }
+        for s in [
+            "fathom:48",
+            "sparq:16",
+            "ds:32",
+            "loki:16",
+            "loki-f16:8",
+            "thumb2",
+        ] {
+            assert!(p(s).is_per_token_scan(), "{s}");
+        }
+        for s in ["dense", "exact", "landmark", "quest"] {
+            assert!(!p(s).is_per_token_scan(), "{s}");
         }
         assert_eq!(p("sparq-union:8").family(), Family::SparQ);
         assert_eq!(p("loki-f16:8").loki_r(), Some(8));

@@ -8,14 +8,14 @@
 //! GPU parity runs' per-step rule measured. The statistics are `fathom_results::judged`'s;
 //! this module only writes them down.
 
-use fathom_plan::method::fmt_budget;
+use fathom_plan::method::{fmt_budget, MethodSpec};
 use fathom_results::downstream::{RowCacheTally, RulerDoc};
 use fathom_results::judged::agent::{judge_agent, reaches};
 use fathom_results::judged::budget::{
     budget_rule, is_judged_setting, Rule, Setting, JUDGED_SAMPLES,
 };
-use fathom_results::judged::parity::ratio_spread;
-use fathom_results::judged::ruler::{fathom_reading, judge_ruler, RulerJudgement};
+use fathom_results::judged::parity::{math_modes, ratio_spread};
+use fathom_results::judged::ruler::{fathom_reading, judge_ruler, MethodRow, RulerJudgement};
 use fathom_results::judged::stats::{
     Verdict, AGENT_MARGIN, DENSE_CAN_DO, MIN_PARITY_UNITS, PARITY_MARGIN, RESAMPLES,
 };
@@ -70,11 +70,32 @@ fn run_line(inp: &Inputs, path: &std::path::Path, v: &RulerDoc, j: &RulerJudgeme
         v.prompt.as_deref().unwrap_or("ruler"),
         v.shape.as_deref().unwrap_or("ruler"),
         stop_rule(v),
-        crate::sections::text_source(
-            Some(&v.haystack),
-            v.words.as_deref().is_some_and(|w| w.contains("wonderwords"))
-        ),
+        haystacks(v),
     )
+}
+
+/// Which haystack each task family read: the NIAH tasks' and `vt`'s (`noise` is RULER's
+/// repeated line, `text` the run's real text), then the real text's source. Files made before
+/// the two fields read the real text everywhere and say only its source.
+fn haystacks(v: &RulerDoc) -> String {
+    let source = crate::sections::text_source(
+        Some(&v.haystack),
+        v.words
+            .as_deref()
+            .is_some_and(|w| w.contains("wonderwords")),
+    );
+    let name = |h: &str| match h {
+        "noise" => "RULER's repeated noise line",
+        _ => "the real text",
+    };
+    match (v.niah_haystack.as_deref(), v.vt_haystack.as_deref()) {
+        (None, None) => source,
+        (niah, vt) => format!(
+            "NIAH tasks on {}, vt on {}; real text: {source}",
+            name(niah.unwrap_or("text")),
+            name(vt.unwrap_or("text"))
+        ),
+    }
 }
 
 /// Per task: dense and exact, and each method's difference against exact with the generations
@@ -143,8 +164,10 @@ fn judged_table(s: &mut String, j: &RulerJudgement) {
 }
 
 /// The sentences the verdicts give, and the run's verdict line: the paper's claim (every
-/// per-token scan matches exact top-k) holds when every sparse method is at parity, does not
-/// hold when one is below, and is undecided otherwise.
+/// per-token scan matches exact top-k) holds when every per-token scan
+/// (`MethodSpec::is_per_token_scan`) is at parity, does not hold when one is below, and is
+/// undecided otherwise. Block scorers (landmark, Quest) keep their verdicts, said apart, and
+/// do not enter it (docs/SPEC.md §7).
 fn sentences(s: &mut String, j: &RulerJudgement) {
     let f = fathom_reading(j);
     let bpc = |b: f32| {
@@ -164,37 +187,42 @@ fn sentences(s: &mut String, j: &RulerJudgement) {
     for &b in &f.below {
         said.push(format!("Fathom is below exact top-k at {}", bpc(b)));
     }
-    let sparse: Vec<_> = j
+    let per_token = |m: &str| MethodSpec::parse(m, j.d).is_ok_and(|spec| spec.is_per_token_scan());
+    let (scans, blocks): (Vec<_>, Vec<_>) = j
         .methods
         .iter()
         .filter(|r| r.method != "dense" && r.method != "exact")
-        .collect();
-    let with = |v: Verdict| -> Vec<&str> {
-        sparse
-            .iter()
+        .partition(|r| per_token(&r.method));
+    let with = |rows: &[&MethodRow], v: Verdict| -> Vec<String> {
+        rows.iter()
             .filter(|r| r.verdict == Some(v))
-            .map(|r| r.method.as_str())
+            .map(|r| r.method.clone())
             .collect()
     };
-    let (parity, below, above, undecided) = (
-        with(Verdict::AtParity),
-        with(Verdict::Below),
-        with(Verdict::Above),
-        with(Verdict::Undecided),
-    );
-    for (what, list) in [
-        ("at parity", &parity),
-        ("below", &below),
-        ("above", &above),
-        ("undecided", &undecided),
-    ] {
-        if !list.is_empty() {
-            said.push(format!("{what}: {}", list.join(", ")));
-        }
+    let verdicts = |rows: &[&MethodRow]| -> Vec<String> {
+        [
+            ("at parity", Verdict::AtParity),
+            ("below", Verdict::Below),
+            ("above", Verdict::Above),
+            ("undecided", Verdict::Undecided),
+        ]
+        .into_iter()
+        .map(|(what, v)| (what, with(rows, v)))
+        .filter(|(_, list)| !list.is_empty())
+        .map(|(what, list)| format!("{what}: {}", list.join(", ")))
+        .collect()
+    };
+    said.extend(verdicts(&scans));
+    let block_said = verdicts(&blocks);
+    if !block_said.is_empty() {
+        said.push(format!(
+            "block scorers, outside the claim: {}",
+            block_said.join(", ")
+        ));
     }
-    let bold = if !below.is_empty() {
+    let bold = if !with(&scans, Verdict::Below).is_empty() {
         "does not hold"
-    } else if parity.len() == sparse.len() && !sparse.is_empty() {
+    } else if !scans.is_empty() && with(&scans, Verdict::AtParity).len() == scans.len() {
         "holds"
     } else {
         "undecided"
@@ -322,10 +350,11 @@ fn gpu_parity(inp: &Inputs, s: &mut String) {
         let x = ratio_spread(d);
         let g = &x.geo_mean_ratio;
         s.push_str(&format!(
-            "GPU against the CPU runtime, `{}` ({} on {}, {} prompts × {} tokens; rule: every step's GPU distance from the f32 model ≤ {}× the CPU bf16 forward's): {} of {} prompts' greedy tokens identical, {} diverge at a near-tie; worst step ratio {:.2}: **{}**. Over the {} compared steps the ratio exceeds {}× at {} steps, and its inverse (the CPU's bf16 forward more than {}× farther from f32 than the GPU) at {} (largest {:.2}×); its geometric mean per prompt is {:.3} [{:.3}, {:.3}] over {} prompts (1 = as far as the CPU's own bf16 forward).\n\n",
+            "GPU against the CPU runtime, `{}` ({} on {}, cuBLAS math {}, {} prompts × {} tokens; rule: every step's GPU distance from the f32 model ≤ {}× the CPU bf16 forward's): {} of {} prompts' greedy tokens identical, {} diverge at a near-tie; worst step ratio {:.2}: **{}**. Over the {} compared steps the ratio exceeds {}× at {} steps, and its inverse (the CPU's bf16 forward more than {}× farther from f32 than the GPU) at {} (largest {:.2}×); its geometric mean per prompt is {:.3} [{:.3}, {:.3}] over {} prompts (1 = as far as the CPU's own bf16 forward).\n\n",
             inp.rel(&p.path),
             d.model,
             d.device.name,
+            d.cublas_math,
             d.report.prompts.len(),
             d.report.new_tokens,
             d.report.noise_factor,
@@ -345,6 +374,36 @@ fn gpu_parity(inp: &Inputs, s: &mut String) {
             g.hi,
             g.n
         ));
+    }
+    for (i, a) in inp.gpu_parity.iter().enumerate() {
+        for b in &inp.gpu_parity[i + 1..] {
+            let Some(m) = math_modes(&a.doc, &b.doc) else {
+                continue;
+            };
+            let g = ratio_spread(&a.doc).geo_mean_ratio;
+            let verdict = if m.differing == 0 {
+                let why = if g.lo <= 1.0 && 1.0 <= g.hi {
+                    format!("and with the geometric-mean ratio's interval [{:.3}, {:.3}] containing 1 the steps beyond the rule are the spread of the ratio of two roundings of equal size", g.lo, g.hi)
+                } else {
+                    format!("yet the geometric-mean ratio's interval [{:.3}, {:.3}] excludes 1: the GPU forward's distance differs from a bf16 forward's for another reason", g.lo, g.hi)
+                };
+                format!("the same at every step, bit for bit: the reduced-precision accumulation that the default mode allows and the pedantic mode forbids adds nothing to the GPU's distance, {why}")
+            } else {
+                format!(
+                    "different at {} of them (largest relative change {:.3}): the math mode moves the GPU's distance",
+                    m.differing, m.max_rel
+                )
+            };
+            s.push_str(&format!(
+                "cuBLAS math, `{}` ({}) against `{}` ({}): the GPU's distance from the f32 model over the {} steps both compared is {verdict}; greedy GPU tokens {}.\n\n",
+                inp.rel(&a.path),
+                a.doc.cublas_math,
+                inp.rel(&b.path),
+                b.doc.cublas_math,
+                m.steps,
+                if m.same_tokens { "identical" } else { "differ" }
+            ));
+        }
     }
 }
 

@@ -430,15 +430,16 @@ fn quoted_verdict(rendered: &str) -> Option<(String, String)> {
     Some((bold.to_string(), after.to_string()))
 }
 
-/// The largest run per model: `size` ranks them (later paths win ties).
-fn largest_per_model<T>(
+/// The largest run per setting (model and context): `size` ranks them (later paths win ties),
+/// so a judged run stands for its setting and every judged setting gets its own row.
+fn largest_per_setting<T, S: PartialOrd>(
     docs: &[Source<T>],
-    model: impl Fn(&T) -> &str,
-    size: impl Fn(&T) -> usize,
+    setting: impl Fn(&T) -> (&str, usize),
+    size: impl Fn(&T) -> S,
 ) -> Vec<&Source<T>> {
     let mut best: Vec<&Source<T>> = Vec::new();
     for d in docs {
-        match best.iter_mut().find(|b| model(&b.doc) == model(&d.doc)) {
+        match best.iter_mut().find(|b| setting(&b.doc) == setting(&d.doc)) {
             Some(b) if size(&d.doc) >= size(&b.doc) => *b = d,
             Some(_) => {}
             None => best.push(d),
@@ -447,13 +448,23 @@ fn largest_per_model<T>(
     best
 }
 
+/// The smallest RULER run the summary gives a row: 20 samples per task, the earlier runs'
+/// size (docs/SPEC.md §7; judged runs have 40). Smaller ones, such as the CPU-against-GPU
+/// comparison's 4, are in Claim 5's section only.
+const SUMMARY_MIN_SAMPLES: usize = 20;
+/// The smallest agent run the summary gives a row: SPEC §7's 16 sessions.
+const SUMMARY_MIN_SESSIONS: usize = 16;
+
 fn downstream_rows(inp: &Inputs) -> Vec<Row> {
     let mut out = Vec::new();
-    let ruler = largest_per_model(
+    let ruler: Vec<_> = largest_per_setting(
         &inp.ruler,
-        |d| &d.header.model,
-        |d| d.tasks.len() * d.samples_per_task,
-    );
+        |d| (d.header.model.as_str(), d.header.context),
+        |d| (d.tasks.len() * d.samples_per_task, d.header.methods.len()),
+    )
+    .into_iter()
+    .filter(|r| r.doc.samples_per_task >= SUMMARY_MIN_SAMPLES)
+    .collect();
     for r in ruler {
         let one = Inputs {
             dir: inp.dir.clone(),
@@ -470,7 +481,7 @@ fn downstream_rows(inp: &Inputs) -> Vec<Row> {
                 r.doc.header.model, r.doc.header.context
             ),
             paper: "every per-token scan matches exact top-k".into(),
-            target: "no sparse method below exact top-k (95 %) on a task dense can do".into(),
+            target: "every per-token scan at parity with exact top-k (pooled 95 % interval within ±0.10 over the tasks dense can do)".into(),
             measured: vec![Cell {
                 text: format!(
                     "{} tasks × {} samples, {} methods",
@@ -488,7 +499,14 @@ fn downstream_rows(inp: &Inputs) -> Vec<Row> {
             verdict,
         });
     }
-    let agent = largest_per_model(&inp.agent, |d| &d.header.model, |d| d.sessions * d.steps);
+    let agent: Vec<_> = largest_per_setting(
+        &inp.agent,
+        |d| (d.header.model.as_str(), d.header.context),
+        |d| (d.sessions * d.steps, d.header.methods.len()),
+    )
+    .into_iter()
+    .filter(|a| a.doc.sessions >= SUMMARY_MIN_SESSIONS)
+    .collect();
     for a in agent {
         let one = Inputs {
             dir: inp.dir.clone(),
