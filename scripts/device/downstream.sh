@@ -7,6 +7,7 @@
 #   probe MODEL CONTEXT K [HAYSTACK...]   dense-only task-shape probes on the tuning seed
 #   pick MODEL CONTEXT                    (CPU) the shape and haystack the probes support
 #   judged MODEL CONTEXT K PART           RULER at the kept shape, 40 samples, fresh seed
+#   ingest TGZ_OR_DIR...                  (CPU) place a call's outputs for pick and merge
 #   merge MODEL CONTEXT                   (CPU) join a setting's parts into one document
 #   agent-judged SETTING...               agent steps, 16 sessions x 64 steps
 #   compare | parity                      CPU against GPU, token by token; gpu-parity
@@ -242,6 +243,50 @@ judged)
   done
   wait
   for t in $(echo $tasks | tr ',' ' '); do grep -A3 "^| task" $OUT/ruler-$model-$c-judged-$t.md | tail -1; done
+  ;;
+ingest)
+  # ingest TGZ_OR_DIR... (CPU, from the repository root): places a call's outputs where the
+  # next step reads them: probes in $TUNE_DIR, judged RULER parts and agent runs in
+  # results/downstream/gpu/ (each part's table and log appended to its setting's .md and
+  # .log), the comparison's GPU half in gpu/compare/, parity runs in
+  # results/device/gpu-forward/. A judged part that is already there stops it before anything
+  # is placed (no silent overwrite); then run `pick` or `merge` as it says.
+  shift
+  d=results/downstream/gpu froms=""
+  for src in "$@"; do
+    if [ -d "$src" ]; then from=$src; else
+      from=$(mktemp -d) && tar xzf "$src" -C "$from" || { echo "ingest: cannot unpack $src"; exit 1; }
+    fi
+    froms="$froms $from"
+    for f in "$from"/ruler-*-judged-*.json; do
+      [ -e "$f" ] || continue
+      b=$(basename "$f")
+      if [ -e $d/$b ] || [ -e $d/parts/${b%.json}.json.part ]; then
+        echo "ingest: $b is already in $d: nothing placed"; exit 1
+      fi
+    done
+  done
+  for from in $froms; do
+    n=0
+    for f in "$from"/*; do
+      b=$(basename "$f") n=$((n + 1))
+      case $b in
+        summary.txt|downstream.tgz) n=$((n - 1)) ;;
+        tune-*) mkdir -p $TUNE_DIR && cp "$f" $TUNE_DIR/ ;;
+        ruler-*-judged-*.json) cp "$f" $d/ ;;
+        ruler-*-judged-*.md|ruler-*-judged-*.log)
+          ext=${b##*.} stem=${b%.*} task=${stem##*-judged-}
+          { echo "## $task"; echo; cat "$f"; echo; } >> $d/${stem%-judged-*}-judged.$ext ;;
+        agent-*) cp "$f" $d/ ;;
+        compare*) cp "$f" $d/compare/ ;;
+        gpu-parity-*) cp "$f" results/device/gpu-forward/ ;;
+        *) n=$((n - 1)); echo "ingest: left $b in $from (no place for it)" ;;
+      esac
+    done
+    echo "ingest: placed $n files from $from"
+  done
+  ls $d/ruler-*-judged-*.json 2>/dev/null | sed 's|.*/ruler-\(.*\)-judged-.*|\1|' | sort -u \
+    | sed 's/^/ingest: judged parts of /; s/$/: `merge MODEL CONTEXT` once every task is in/'
   ;;
 merge)
   # merge MODEL CONTEXT (CPU, from the repository root): joins the committed parts

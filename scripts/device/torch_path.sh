@@ -29,10 +29,13 @@ json.dump(a, open(sys.argv[1], "w"), indent=1)
 EOF
 }
 stamp() { echo "# $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader), commit ${COMMIT:-?}, FATHOM_REQUIRE_GPU=1"; }
-python3 -m pip install --quiet --no-deps --force-reinstall $B/fathom-*.whl $B/gguf-*.whl >/dev/null 2>&1 \
-  || echo "torch_path: the wheel did not install" | tee -a $OUT/summary.txt
-# The package's Python files from this tree over the wheel's (the extension is the wheel's).
-cp crates/fathom-py/python/fathom/*.py "$(python3 -c 'import fathom, os; print(os.path.dirname(fathom.__file__))')"/
+# `data` stages files only (the downstream runs carry just .devbin/fathom): no wheel there.
+if [ "$1" != data ]; then
+  python3 -m pip install --quiet --no-deps --force-reinstall $B/fathom-*.whl $B/gguf-*.whl >/dev/null 2>&1 \
+    || echo "torch_path: the wheel did not install" | tee -a $OUT/summary.txt
+  # The package's Python files from this tree over the wheel's (the extension is the wheel's).
+  cp crates/fathom-py/python/fathom/*.py "$(python3 -c 'import fathom, os; print(os.path.dirname(fathom.__file__))')"/
+fi
 case $1 in
 tests)
   (timeout 200 $B/soak --seed ${SEED:-3} --seconds ${SOAK_S:-150} --residency all --json $OUT/soak.json \
