@@ -309,6 +309,7 @@ fn budget_section(inp: &Inputs, s: &mut String) {
         s.push_str(&rows);
         s.push('\n');
     }
+    let judged_d: Vec<usize> = settings.iter().map(|x| x.d).collect();
     let line = match budget_rule(&settings) {
         Rule::Pending => "Not stated yet: no judged setting.".to_string(),
         Rule::Unmet { settings } => format!(
@@ -320,14 +321,22 @@ fn budget_section(inp: &Inputs, s: &mut String) {
             from,
             untested,
         } => {
-            let at = |d: f32| fmt_budget(per_channel * d);
+            // A head size no judged setting has reads the rule's extrapolation: said so.
+            let at = |d: usize| {
+                let bits = fmt_budget(per_channel * d as f32);
+                if judged_d.contains(&d) {
+                    format!("{bits} bits at D = {d}")
+                } else {
+                    format!("{bits} at D = {d} (no judged setting)")
+                }
+            };
             let mut l = format!(
-                "**fathom:{}c**: {} bits per channel ({} bits at D = 64, {} at D = 128, {} at D = 256), set by {from}.",
+                "**fathom:{}c**: {} bits per channel ({}, {}, {}), set by {from}.",
                 fmt_budget(per_channel),
                 fmt_budget(per_channel),
-                at(64.0),
-                at(128.0),
-                at(256.0)
+                at(64),
+                at(128),
+                at(256)
             );
             for (name, bits, largest) in untested {
                 l.push_str(&format!(
