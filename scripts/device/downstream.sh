@@ -16,6 +16,7 @@
 # than 8 files would come back (the device tool's limit), every one but summary.txt is packed
 # into $OUT/downstream.tgz at the end.
 #
+# RUN_S (default 560): each `fathom` process's own time limit, under the call's 600 s.
 # PAR (default 3): probe, judged and agent-judged run that many `fathom` processes at once on
 # the one GPU (each task of a judged part its own process; RAYON_NUM_THREADS shares the 16
 # cores). The runs measure accuracy, never time, and each process draws its own seeded
@@ -40,7 +41,7 @@ TUNE_SHAPES=${TUNE_SHAPES:-"small small,digits=4,chain=1 small,needle=passkey sm
 PAR=${PAR:-3}
 run() {  # run NAME ARGS...
   name=$1; shift
-  /usr/bin/time -f "wall %e s" timeout 560 $B/fathom "$@" --device cuda --offline --json $OUT/$name.json \
+  /usr/bin/time -f "wall %e s" timeout ${RUN_S:-560} $B/fathom "$@" --device cuda --offline --json $OUT/$name.json \
     > $OUT/$name.md 2> $OUT/$name.log
   echo "$name rc=$? $(tail -1 $OUT/$name.log)" | tee -a $OUT/summary.txt
 }
