@@ -490,3 +490,67 @@ pub fn agent_claim(inp: &Inputs, s: &mut String, paper_bits: u32) {
         row_cache(s, v.row_cache_source.as_deref(), &rows);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fathom_results::judged::stats::Interval;
+
+    fn row(method: &str, verdict: Verdict) -> MethodRow {
+        MethodRow {
+            method: method.into(),
+            bits: 0.0,
+            bits_per_channel: 0.0,
+            vs_exact: Interval::EMPTY,
+            vs_dense: Interval::EMPTY,
+            identical: 0,
+            samples: 40,
+            verdict: Some(verdict),
+        }
+    }
+
+    fn verdict_line(methods: Vec<MethodRow>) -> String {
+        let j = RulerJudgement {
+            d: 64,
+            context: 4096,
+            k: 128,
+            k_fraction: 128.0 / 4096.0,
+            tasks: Vec::new(),
+            methods,
+        };
+        let mut s = String::new();
+        sentences(&mut s, &j);
+        s
+    }
+
+    /// The claim is the per-token scans': a block scorer below exact leaves it holding (and
+    /// is said apart), a per-token scan below makes it fail, one undecided leaves it open.
+    #[test]
+    fn the_claim_is_judged_over_the_per_token_scans_only() {
+        let parity = |m: &str| row(m, Verdict::AtParity);
+        let held = verdict_line(vec![
+            parity("fathom:48"),
+            parity("sparq:16"),
+            parity("thumb2"),
+            row("quest", Verdict::Below),
+            parity("landmark"),
+        ]);
+        assert!(held.starts_with("Verdict: **holds**"), "{held}");
+        assert!(
+            held.contains("block scorers, outside the claim: at parity: landmark, below: quest"),
+            "{held}"
+        );
+        let failed = verdict_line(vec![parity("fathom:48"), row("ds:32", Verdict::Below)]);
+        assert!(failed.starts_with("Verdict: **does not hold**"), "{failed}");
+        let open = verdict_line(vec![
+            parity("fathom:48"),
+            row("loki:16", Verdict::Undecided),
+        ]);
+        assert!(open.starts_with("Verdict: **undecided**"), "{open}");
+        let blocks_only = verdict_line(vec![parity("landmark")]);
+        assert!(
+            blocks_only.starts_with("Verdict: **undecided**"),
+            "{blocks_only}"
+        );
+    }
+}
