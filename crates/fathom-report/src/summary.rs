@@ -523,7 +523,11 @@ fn downstream_rows(inp: &Inputs) -> Vec<Row> {
                 a.doc.header.model, a.doc.header.context, a.doc.sessions, a.doc.steps
             ),
             paper: format!("fathom:{} reaches the best 136-bit scan", PAPER.agent_bits),
-            target: "fathom:92 − best 136-bit ≥ 0 within the interval".into(),
+            target: format!(
+                "fathom:{} − best 136-bit above −{} over its whole 95 % interval (non-inferiority)",
+                PAPER.agent_bits,
+                fathom_results::judged::stats::AGENT_MARGIN
+            ),
             measured: vec![Cell {
                 text: words,
                 file: a.path.clone(),
