@@ -519,7 +519,7 @@ fn the_budget_rule_is_the_largest_threshold_of_the_judged_settings() {
         "{md}"
     );
     assert!(
-        md.contains("Rule: **fathom:0.75c**: 0.75 bits per channel (48 bits at D = 64, 96 at D = 128, 192 at D = 256), set by narrow at 32768 tokens. Untested on wide at 32768 tokens: 192 bits is above the largest budget it ran (92)."),
+        md.contains("Rule: **fathom:0.75c**: 0.75 bits per channel (48 bits at D = 64, 96 at D = 128 (no judged setting), 192 bits at D = 256), set by narrow at 32768 tokens. Untested on wide at 32768 tokens: 192 bits is above the largest budget it ran (92)."),
         "{md}"
     );
     let mut untuned: serde_json::Value = serde_json::from_str(&narrow).unwrap();
