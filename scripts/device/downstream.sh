@@ -275,14 +275,19 @@ ingest)
         summary.txt|downstream.tgz) n=$((n - 1)) ;;
         tune-*) mkdir -p $TUNE_DIR && cp "$f" $TUNE_DIR/ ;;
         ruler-*-judged-*.json) cp "$f" $d/ ;;
-        ruler-*-judged-*.md|ruler-*-judged-*.log)
-          ext=${b##*.} stem=${b%.*} task=${stem##*-judged-}
-          { echo "## $task"; echo; cat "$f"; echo; } >> $d/${stem%-judged-*}-judged.$ext ;;
+        ruler-*-judged-*.md|ruler-*-judged-*.log) ;;  # below, in RULER's task order
         agent-*) cp "$f" $d/ ;;
         compare*) cp "$f" $d/compare/ ;;
         gpu-parity-*) cp "$f" results/device/gpu-forward/ ;;
         *) n=$((n - 1)); echo "ingest: left $b in $from (no place for it)" ;;
       esac
+    done
+    for t in niah_single niah_multikey niah_multivalue niah_multiquery vt fwe; do
+      for f in "$from"/ruler-*-judged-$t.md "$from"/ruler-*-judged-$t.log; do
+        [ -e "$f" ] || continue
+        b=$(basename "$f") ext=${f##*.}
+        { echo "## $t"; echo; cat "$f"; echo; } >> $d/${b%-judged-*}-judged.$ext
+      done
     done
     echo "ingest: placed $n files from $from"
   done
