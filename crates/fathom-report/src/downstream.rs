@@ -90,6 +90,10 @@ fn haystacks(v: &RulerDoc) -> String {
     };
     match (v.niah_haystack.as_deref(), v.vt_haystack.as_deref()) {
         (None, None) => source,
+        // fwe reads its own coded words: with both on noise no task read the real text.
+        (Some("noise"), Some("noise")) => {
+            "NIAH tasks and vt on RULER's repeated noise line (no task read the real text)".into()
+        }
         (niah, vt) => format!(
             "NIAH tasks on {}, vt on {}; real text: {source}",
             name(niah.unwrap_or("text")),
@@ -187,12 +191,13 @@ fn sentences(s: &mut String, j: &RulerJudgement) {
     for &b in &f.below {
         said.push(format!("Fathom is below exact top-k at {}", bpc(b)));
     }
-    let per_token = |m: &str| MethodSpec::parse(m, j.d).is_ok_and(|spec| spec.is_per_token_scan());
+    // Fails closed: a label that does not parse stays in the claim.
+    let block = |m: &str| MethodSpec::parse(m, j.d).is_ok_and(|spec| !spec.is_per_token_scan());
     let (scans, blocks): (Vec<_>, Vec<_>) = j
         .methods
         .iter()
         .filter(|r| r.method != "dense" && r.method != "exact")
-        .partition(|r| per_token(&r.method));
+        .partition(|r| !block(&r.method));
     let with = |rows: &[&MethodRow], v: Verdict| -> Vec<String> {
         rows.iter()
             .filter(|r| r.verdict == Some(v))
@@ -389,9 +394,12 @@ fn gpu_parity(inp: &Inputs, s: &mut String) {
             let Some(m) = math_modes(&a.doc, &b.doc) else {
                 continue;
             };
-            let g = ratio_spread(&a.doc).geo_mean_ratio;
+            let spread = ratio_spread(&a.doc);
+            let g = spread.geo_mean_ratio;
             let verdict = if m.differing == 0 {
-                let why = if g.lo <= 1.0 && 1.0 <= g.hi {
+                let why = if spread.gpu_over == 0 {
+                    "and no step exceeds the rule".to_string()
+                } else if g.lo <= 1.0 && 1.0 <= g.hi {
                     format!("and with the geometric-mean ratio's interval [{:.3}, {:.3}] containing 1 the steps beyond the rule are the spread of the ratio of two roundings of equal size", g.lo, g.hi)
                 } else {
                     format!("yet the geometric-mean ratio's interval [{:.3}, {:.3}] excludes 1: the GPU forward's distance differs from a bf16 forward's for another reason", g.lo, g.hi)
@@ -547,6 +555,11 @@ mod tests {
             row("loki:16", Verdict::Undecided),
         ]);
         assert!(open.starts_with("Verdict: **undecided**"), "{open}");
+        let unknown = verdict_line(vec![parity("fathom:48"), row("mystery:7", Verdict::Below)]);
+        assert!(
+            unknown.starts_with("Verdict: **does not hold**"),
+            "a label that does not parse stays in the claim: {unknown}"
+        );
         let blocks_only = verdict_line(vec![parity("landmark")]);
         assert!(
             blocks_only.starts_with("Verdict: **undecided**"),

@@ -432,11 +432,11 @@ fn quoted_verdict(rendered: &str) -> Option<(String, String)> {
 
 /// The largest run per setting (model and context): `size` ranks them (later paths win ties),
 /// so a judged run stands for its setting and every judged setting gets its own row.
-fn largest_per_setting<T, S: PartialOrd>(
-    docs: &[Source<T>],
+fn largest_per_setting<'a, T, S: PartialOrd>(
+    docs: impl IntoIterator<Item = &'a Source<T>>,
     setting: impl Fn(&T) -> (&str, usize),
     size: impl Fn(&T) -> S,
-) -> Vec<&Source<T>> {
+) -> Vec<&'a Source<T>> {
     let mut best: Vec<&Source<T>> = Vec::new();
     for d in docs {
         match best.iter_mut().find(|b| setting(&b.doc) == setting(&d.doc)) {
@@ -457,14 +457,27 @@ const SUMMARY_MIN_SESSIONS: usize = 16;
 
 fn downstream_rows(inp: &Inputs) -> Vec<Row> {
     let mut out = Vec::new();
-    let ruler: Vec<_> = largest_per_setting(
-        &inp.ruler,
+    // A judged run (SPEC §7: tuned, >= 40 samples, a task dense can do) stands for its
+    // setting over any earlier one; an earlier run's verdict says it is one.
+    let judged = |d: &fathom_results::downstream::RulerDoc| {
+        fathom_results::judged::budget::is_judged_setting(
+            d,
+            &fathom_results::judged::ruler::judge_ruler(d),
+        )
+    };
+    let ruler = largest_per_setting(
+        inp.ruler
+            .iter()
+            .filter(|r| r.doc.samples_per_task >= SUMMARY_MIN_SAMPLES),
         |d| (d.header.model.as_str(), d.header.context),
-        |d| (d.tasks.len() * d.samples_per_task, d.header.methods.len()),
-    )
-    .into_iter()
-    .filter(|r| r.doc.samples_per_task >= SUMMARY_MIN_SAMPLES)
-    .collect();
+        |d| {
+            (
+                judged(d),
+                d.tasks.len() * d.samples_per_task,
+                d.header.methods.len(),
+            )
+        },
+    );
     for r in ruler {
         let one = Inputs {
             dir: inp.dir.clone(),
@@ -474,7 +487,18 @@ fn downstream_rows(inp: &Inputs) -> Vec<Row> {
         };
         let mut s = String::new();
         claims::ruler_parity(&one, &mut s);
-        let (verdict, _) = quoted_verdict(&s).unwrap_or(("see Claim 5".into(), String::new()));
+        let (mut verdict, _) = quoted_verdict(&s).unwrap_or(("see Claim 5".into(), String::new()));
+        if !judged(&r.doc) {
+            verdict = format!(
+                "{verdict} (an earlier run, not a judged setting: {} samples per task{})",
+                r.doc.samples_per_task,
+                if r.doc.tuning.is_none() {
+                    ", no tuning seeds"
+                } else {
+                    ""
+                }
+            );
+        }
         out.push(Row {
             what: format!(
                 "Claim 5: RULER-style tasks, {} at {} tokens",
@@ -499,14 +523,13 @@ fn downstream_rows(inp: &Inputs) -> Vec<Row> {
             verdict,
         });
     }
-    let agent: Vec<_> = largest_per_setting(
-        &inp.agent,
+    let agent = largest_per_setting(
+        inp.agent
+            .iter()
+            .filter(|a| a.doc.sessions >= SUMMARY_MIN_SESSIONS),
         |d| (d.header.model.as_str(), d.header.context),
         |d| (d.sessions * d.steps, d.header.methods.len()),
-    )
-    .into_iter()
-    .filter(|a| a.doc.sessions >= SUMMARY_MIN_SESSIONS)
-    .collect();
+    );
     for a in agent {
         let one = Inputs {
             dir: inp.dir.clone(),
