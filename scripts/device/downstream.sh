@@ -249,47 +249,68 @@ ingest)
   # ingest TGZ_OR_DIR... (CPU, from the repository root): places a call's outputs where the
   # next step reads them: probes in $TUNE_DIR, judged RULER parts and agent runs in
   # results/downstream/gpu/ (each part's table and log appended to its setting's .md and
-  # .log), the comparison's GPU half in gpu/compare/, parity runs in
-  # results/device/gpu-forward/. A judged part that is already there stops it before anything
-  # is placed (no silent overwrite); then run `pick` or `merge` as it says.
+  # .log, in RULER's task order), the comparison's GPU half in gpu/compare/, parity runs in
+  # results/device/gpu-forward/. A DIR holding the call's downstream.tgz is unpacked too.
+  # Nothing is placed when a judged part is already there or given twice, or when another
+  # file would replace a different one of the same name; then run `pick` or `merge`.
   shift
-  d=results/downstream/gpu froms=""
+  d=results/downstream/gpu tmp=$(mktemp -d) froms=() i=0
+  trap 'rm -rf "$tmp"' EXIT
+  dest() {  # dest NAME: where NAME goes ("" for nowhere)
+    case $1 in
+      tune-*) echo $TUNE_DIR ;; ruler-*-judged-*.json|agent-*) echo $d ;;
+      compare*) echo $d/compare ;; gpu-parity-*) echo results/device/gpu-forward ;; *) echo "" ;;
+    esac
+  }
   for src in "$@"; do
-    if [ -d "$src" ]; then from=$src; else
-      from=$(mktemp -d) && tar xzf "$src" -C "$from" || { echo "ingest: cannot unpack $src"; exit 1; }
+    i=$((i + 1)) && mkdir -p "$tmp/$i"
+    if [ -d "$src" ]; then
+      cp -r "$src"/. "$tmp/$i"/
+      [ -f "$tmp/$i/downstream.tgz" ] && { tar xzf "$tmp/$i/downstream.tgz" -C "$tmp/$i" || exit 1; }
+    else
+      tar xzf "$src" -C "$tmp/$i" || { echo "ingest: cannot unpack $src"; exit 1; }
     fi
-    froms="$froms $from"
-    for f in "$from"/ruler-*-judged-*.json; do
-      [ -e "$f" ] || continue
-      b=$(basename "$f")
-      if [ -e $d/$b ] || [ -e $d/parts/${b%.json}.json.part ]; then
-        echo "ingest: $b is already in $d: nothing placed"; exit 1
-      fi
-    done
+    froms+=("$tmp/$i")
   done
-  for from in $froms; do
-    n=0
+  seen=" "
+  for from in "${froms[@]}"; do
     for f in "$from"/*; do
-      b=$(basename "$f") n=$((n + 1))
+      [ -f "$f" ] || continue
+      b=$(basename "$f") to=$(dest "$b")
+      [ -n "$to" ] || continue
       case $b in
-        summary.txt|downstream.tgz) n=$((n - 1)) ;;
-        tune-*) mkdir -p $TUNE_DIR && cp "$f" $TUNE_DIR/ ;;
-        ruler-*-judged-*.json) cp "$f" $d/ ;;
-        ruler-*-judged-*.md|ruler-*-judged-*.log) ;;  # below, in RULER's task order
-        agent-*) cp "$f" $d/ ;;
-        compare*) cp "$f" $d/compare/ ;;
-        gpu-parity-*) cp "$f" results/device/gpu-forward/ ;;
-        *) n=$((n - 1)); echo "ingest: left $b in $from (no place for it)" ;;
+        ruler-*-judged-*.json)
+          if [ -e $d/$b ] || [ -e $d/parts/${b%.json}.json.part ] || [[ $seen == *" $b "* ]]; then
+            echo "ingest: $b is already in $d or given twice: nothing placed"; exit 1
+          fi
+          seen="$seen$b " ;;
+        *) if [ -e "$to/$b" ] && ! cmp -s "$f" "$to/$b"; then
+             echo "ingest: $to/$b exists and differs from $b: nothing placed"; exit 1
+           fi ;;
       esac
     done
+  done
+  for from in "${froms[@]}"; do
+    n=0
+    for f in "$from"/*; do
+      [ -f "$f" ] || continue
+      b=$(basename "$f") to=$(dest "$b")
+      case $b in
+        summary.txt|downstream.tgz|ruler-*-judged-*.md|ruler-*-judged-*.log) ;;
+        *) if [ -n "$to" ]; then mkdir -p "$to" && cp "$f" "$to"/ && n=$((n + 1));
+           else echo "ingest: left $b (no place for it)"; fi ;;
+      esac
+    done
+    # A part's table and log follow its JSON (a task that timed out has none: left out).
     for t in niah_single niah_multikey niah_multivalue niah_multiquery vt fwe; do
       for f in "$from"/ruler-*-judged-$t.md "$from"/ruler-*-judged-$t.log; do
         [ -e "$f" ] || continue
         b=$(basename "$f") ext=${f##*.}
+        [ -e "${f%.*}.json" ] || { echo "ingest: left $b (its task wrote no JSON)"; continue; }
         { echo "## $t"; echo; cat "$f"; echo; } >> $d/${b%-judged-*}-judged.$ext
       done
     done
-    echo "ingest: placed $n files from $from"
+    echo "ingest: placed $n files from ${@:$((${from##*/})):1}"
   done
   ls $d/ruler-*-judged-*.json 2>/dev/null | sed 's|.*/ruler-\(.*\)-judged-.*|\1|' | sort -u \
     | sed 's/^/ingest: judged parts of /; s/$/: `merge MODEL CONTEXT` once every task is in/'
