@@ -430,17 +430,17 @@ fn quoted_verdict(rendered: &str) -> Option<(String, String)> {
     Some((bold.to_string(), after.to_string()))
 }
 
-/// The largest run per setting (model and context): `size` ranks them (later paths win ties),
+/// The largest run per setting (model and context): `size` ranks them (later items win ties),
 /// so a judged run stands for its setting and every judged setting gets its own row.
-fn largest_per_setting<'a, T, S: PartialOrd>(
-    docs: impl IntoIterator<Item = &'a Source<T>>,
-    setting: impl Fn(&T) -> (&str, usize),
-    size: impl Fn(&T) -> S,
-) -> Vec<&'a Source<T>> {
-    let mut best: Vec<&Source<T>> = Vec::new();
-    for d in docs {
-        match best.iter_mut().find(|b| setting(&b.doc) == setting(&d.doc)) {
-            Some(b) if size(&d.doc) >= size(&b.doc) => *b = d,
+fn largest_per_setting<I, S: PartialOrd>(
+    items: impl IntoIterator<Item = I>,
+    setting: impl Fn(&I) -> (String, usize),
+    size: impl Fn(&I) -> S,
+) -> Vec<I> {
+    let mut best: Vec<I> = Vec::new();
+    for d in items {
+        match best.iter_mut().find(|b| setting(b) == setting(&d)) {
+            Some(b) if size(&d) >= size(b) => *b = d,
             Some(_) => {}
             None => best.push(d),
         }
@@ -458,27 +458,29 @@ const SUMMARY_MIN_SESSIONS: usize = 16;
 fn downstream_rows(inp: &Inputs) -> Vec<Row> {
     let mut out = Vec::new();
     // A judged run (SPEC §7: tuned, >= 40 samples, a task dense can do) stands for its
-    // setting over any earlier one; an earlier run's verdict says it is one.
-    let judged = |d: &fathom_results::downstream::RulerDoc| {
-        fathom_results::judged::budget::is_judged_setting(
-            d,
-            &fathom_results::judged::ruler::judge_ruler(d),
-        )
-    };
+    // setting over any earlier one; an earlier run's verdict says it is one. Judged once per
+    // file (the judgement bootstraps).
     let ruler = largest_per_setting(
         inp.ruler
             .iter()
-            .filter(|r| r.doc.samples_per_task >= SUMMARY_MIN_SAMPLES),
-        |d| (d.header.model.as_str(), d.header.context),
-        |d| {
+            .filter(|r| r.doc.samples_per_task >= SUMMARY_MIN_SAMPLES)
+            .map(|r| {
+                let j = fathom_results::judged::ruler::judge_ruler(&r.doc);
+                (
+                    r,
+                    fathom_results::judged::budget::is_judged_setting(&r.doc, &j),
+                )
+            }),
+        |(r, _)| (r.doc.header.model.clone(), r.doc.header.context),
+        |(r, judged)| {
             (
-                judged(d),
-                d.tasks.len() * d.samples_per_task,
-                d.header.methods.len(),
+                *judged,
+                r.doc.tasks.len() * r.doc.samples_per_task,
+                r.doc.header.methods.len(),
             )
         },
     );
-    for r in ruler {
+    for (r, judged) in ruler {
         let one = Inputs {
             dir: inp.dir.clone(),
             base: inp.base.clone(),
@@ -488,7 +490,7 @@ fn downstream_rows(inp: &Inputs) -> Vec<Row> {
         let mut s = String::new();
         claims::ruler_parity(&one, &mut s);
         let (mut verdict, _) = quoted_verdict(&s).unwrap_or(("see Claim 5".into(), String::new()));
-        if !judged(&r.doc) {
+        if !judged {
             verdict = format!(
                 "{verdict} (an earlier run, not a judged setting: {} samples per task{})",
                 r.doc.samples_per_task,
@@ -527,8 +529,8 @@ fn downstream_rows(inp: &Inputs) -> Vec<Row> {
         inp.agent
             .iter()
             .filter(|a| a.doc.sessions >= SUMMARY_MIN_SESSIONS),
-        |d| (d.header.model.as_str(), d.header.context),
-        |d| (d.sessions * d.steps, d.header.methods.len()),
+        |a| (a.doc.header.model.clone(), a.doc.header.context),
+        |a| (a.doc.sessions * a.doc.steps, a.doc.header.methods.len()),
     );
     for a in agent {
         let one = Inputs {
