@@ -18,9 +18,12 @@
 #
 # RUN_S (default 560): each `fathom` process's own time limit, under the call's 600 s.
 # PAR (default 3): probe, judged and agent-judged run that many `fathom` processes at once on
-# the one GPU (each task of a judged part its own process; RAYON_NUM_THREADS shares the 16
-# cores). The runs measure accuracy, never time, and each process draws its own seeded
+# the one GPU (each task of a judged part its own process; RAYON_NUM_THREADS shares the
+# machine's cores). The runs measure accuracy, never time, and each process draws its own seeded
 # samples, so PAR changes no result, only the call's wall time. PAR=1 runs them one by one.
+# DEVICE (default cuda): `--device` of every `fathom` run. The dense-only probes choose a shape
+# and measure no method, so `DEVICE=cpu B=target/release` runs them on the CPU machine,
+# saving device time (slowly: Gemma 3's 16k prefill takes about 40 s on 2 cores).
 set -u
 B=${B:-.devbin}
 export FATHOM_CACHE=$HOME/.cache/fathom
@@ -41,13 +44,13 @@ TUNE_SHAPES=${TUNE_SHAPES:-"small small,digits=4,chain=1 small,needle=passkey sm
 PAR=${PAR:-3}
 run() {  # run NAME ARGS...
   name=$1; shift
-  /usr/bin/time -f "wall %e s" timeout ${RUN_S:-560} $B/fathom "$@" --device cuda --offline --json $OUT/$name.json \
+  /usr/bin/time -f "wall %e s" timeout ${RUN_S:-560} $B/fathom "$@" --device ${DEVICE:-cuda} --offline --json $OUT/$name.json \
     > $OUT/$name.md 2> $OUT/$name.log
   echo "$name rc=$? $(tail -1 $OUT/$name.log)" | tee -a $OUT/summary.txt
 }
 run_bg() {  # run_bg NAME ARGS...: `run` in the background, at most $PAR at once
   while [ "$(jobs -rp | wc -l)" -ge "$PAR" ]; do wait -n; done
-  RAYON_NUM_THREADS=$(( (16 + PAR - 1) / PAR )) run "$@" &
+  RAYON_NUM_THREADS=$(( ($(nproc) + PAR - 1) / PAR )) run "$@" &
 }
 pack() {  # at most 8 files come back: the rest in one archive beside summary.txt
   [ -n "${OUT:-}" ] || return 0
