@@ -283,7 +283,7 @@ ingest)
       [ -n "$to" ] || continue
       case $b in
         ruler-*-judged-*.json)
-          if [ -e $d/$b ] || [ -e $d/parts/${b%.json}.json.part ] || [[ $seen == *" $b "* ]]; then
+          if [ -e $d/$b ] || [ -e $d/parts/${b%.json}.json.part.gz ] || [[ $seen == *" $b "* ]]; then
             echo "ingest: $b is already in $d or given twice: nothing placed"; exit 1
           fi
           seen="$seen$b " ;;
@@ -322,7 +322,9 @@ merge)
   # merge MODEL CONTEXT (CPU, from the repository root): joins the committed parts
   # results/downstream/gpu/ruler-MODEL-Ck-judged-TASK.json into ruler-MODEL-Ck-judged.json
   # (merge_ruler.py refuses parts that differ in anything but their tasks and timings); the
-  # parts move to parts/, where the report does not read them.
+  # parts move to parts/ gzipped (NAME.json.part.gz: the raw per-task records, timings included,
+  # kept small because every device call carries the tracked tree), where the report does not
+  # read them.
   c=$(($3 / 1024))k d=results/downstream/gpu
   parts=""  # in RULER's task order, so the joined document lists its tasks that way
   for t in niah_single niah_multikey niah_multivalue niah_multiquery vt fwe; do
@@ -330,7 +332,9 @@ merge)
   done
   [ -n "$parts" ] || { echo "merge: no $d/ruler-$2-$c-judged-TASK.json"; exit 1; }
   python3 scripts/device/merge_ruler.py $d/ruler-$2-$c-judged.json $parts || exit 1
-  mkdir -p $d/parts && for p in $parts; do mv $p $d/parts/$(basename $p .json).json.part; done
+  mkdir -p $d/parts && for p in $parts; do
+    gzip -9n < $p > $d/parts/$(basename $p .json).json.part.gz && rm $p || exit 1
+  done
   ;;
 agent-judged)
   # agent-judged SETTING...: 16 sessions x 64 teacher-forced steps on the pinned code corpus,
