@@ -54,8 +54,8 @@ pub struct EvalCommon {
     pub context: usize,
     /// Methods (as `fathom fidelity`); `dense` and `exact` are added when absent. A Fathom
     /// budget may be given per channel, `fathom:0.375c` = 0.375·D bits (24 at D = 64, 96 at
-    /// D = 256); which per-channel budget to pick for a head dimension is pending the judged
-    /// downstream runs (docs/SPEC.md §4, §7).
+    /// D = 256). The budget rule (docs/SPEC.md §4, §7): at least 0.36 bits per channel, the
+    /// smallest at parity with exact top-k on every judged setting; `fathom:0.375c` meets it.
     #[arg(long, default_value = DEFAULT_METHODS)]
     pub methods: String,
     /// Top-k per query head (default: 128 below 16k, 256 below 32k, else 512).

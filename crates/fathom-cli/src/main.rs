@@ -208,8 +208,9 @@ struct FidelityArgs {
     /// fathom-layer:B, fathom-uniform:B, fathom-sweep:B1-B2/STEP, fathom-raw:B, fathom-klt:B,
     /// fathom-blockmax:B, sparq:R, sparq-union:R, ds:R, loki:R, loki-f16:R, thumb2, landmark, quest.
     /// A budget B may be per channel: `fathom:0.375c` is 0.375·D bits (the paper's 48 bits at
-    /// D = 128); the rule for picking it per head dimension is pending the judged downstream
-    /// runs (docs/SPEC.md §4).
+    /// D = 128). Pick at least 0.36 bits per channel for any head dimension D (docs/SPEC.md §4:
+    /// the smallest at parity with exact top-k on every judged RULER setting); `fathom:0.375c`
+    /// meets it.
     #[arg(long)]
     methods: String,
     /// Top-k per query head (default: 128 at ≤4k, 256 at ≤16k, else 512).

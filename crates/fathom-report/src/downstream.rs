@@ -8,6 +8,8 @@
 //! GPU parity runs' per-step rule measured. The statistics are `fathom_results::judged`'s;
 //! this module only writes them down.
 
+use std::path::Path;
+
 use fathom_plan::method::{fmt_budget, MethodSpec};
 use fathom_results::downstream::{RowCacheTally, RulerDoc};
 use fathom_results::judged::agent::{judge_agent, reaches};
@@ -274,38 +276,64 @@ pub fn ruler_claim(inp: &Inputs, s: &mut String) {
     gpu_parity(inp, s);
 }
 
+/// The judged RULER settings of `inp` (`fathom_results::judged::budget::is_judged_setting`),
+/// each with its file, in the order the report lists them: what the budget rule reads.
+pub fn judged_settings(inp: &Inputs) -> Vec<(&Path, Setting)> {
+    inp.ruler
+        .iter()
+        .filter_map(|r| {
+            let j = judge_ruler(&r.doc);
+            is_judged_setting(&r.doc, &j).then(|| {
+                let name = format!("{} at {} tokens", r.doc.header.model, j.context);
+                let reading = fathom_reading(&j);
+                (
+                    r.path.as_path(),
+                    Setting {
+                        name,
+                        d: j.d,
+                        reading,
+                    },
+                )
+            })
+        })
+        .collect()
+}
+
+/// The budget rule the committed judged settings support (docs/SPEC.md §4): what the report
+/// states, and what the SPEC's rule must agree with.
+pub fn judged_budget_rule(inp: &Inputs) -> Rule {
+    let settings: Vec<Setting> = judged_settings(inp).into_iter().map(|(_, s)| s).collect();
+    budget_rule(&settings)
+}
+
 /// The budget rule the judged settings support (`fathom_results::judged::budget`): each
 /// setting's budgets and threshold per channel, then the rule or why there is none.
 fn budget_section(inp: &Inputs, s: &mut String) {
-    let mut settings = Vec::new();
+    let judged = judged_settings(inp);
     let mut rows = String::new();
-    for r in &inp.ruler {
-        let j = judge_ruler(&r.doc);
-        if !is_judged_setting(&r.doc, &j) {
-            continue;
-        }
-        let reading = fathom_reading(&j);
-        let name = format!("{} at {} tokens", r.doc.header.model, j.context);
-        let runs: Vec<String> = reading
+    for (path, st) in &judged {
+        let runs: Vec<String> = st
+            .reading
             .budgets
             .iter()
             .map(|(b, v)| format!("{} ({})", fmt_budget(*b), v.as_str()))
             .collect();
-        let from = reading.at_parity_from.map_or("none".into(), |b| {
-            format!("{} bits ({:.3} per channel)", fmt_budget(b), b / j.d as f32)
+        let from = st.reading.at_parity_from.map_or("none".into(), |b| {
+            format!(
+                "{} bits ({:.3} per channel)",
+                fmt_budget(b),
+                b / st.d as f32
+            )
         });
         rows.push_str(&format!(
-            "| `{}` ({name}) | {} | {from} | {} |\n",
-            inp.rel(&r.path),
-            j.d,
+            "| `{}` ({}) | {} | {from} | {} |\n",
+            inp.rel(path),
+            st.name,
+            st.d,
             runs.join(", ")
         ));
-        settings.push(Setting {
-            name,
-            d: j.d,
-            reading,
-        });
     }
+    let settings: Vec<Setting> = judged.into_iter().map(|(_, st)| st).collect();
     s.push_str(&format!(
         "**The budget rule** (docs/SPEC.md §4): the smallest Fathom budget per channel at parity with exact top-k on every judged setting (a RULER run tuned on seeds it does not use, ≥ {JUDGED_SAMPLES} samples per task, a task dense can do).\n\n"
     ));

@@ -64,6 +64,7 @@ fn the_committed_report_and_tables_are_rendered_from_the_committed_results() {
         ),
     )
     .unwrap();
+    spec_states_the_budget_rule(&inp);
     if bless {
         std::fs::write("results/REPORT.md", &md).unwrap();
         std::fs::write("results/README.md", &index_new).unwrap();
@@ -85,5 +86,40 @@ fn the_committed_report_and_tables_are_rendered_from_the_committed_results() {
         readme_new == readme,
         "the headline table of README.md is stale from line {}: {fix}",
         first_difference(&readme_new, &readme)
+    );
+}
+
+/// docs/SPEC.md §4 tells users which budget per channel to pick ("pick `x ≥ X` bits per
+/// channel; `fathom:Yc` meets it"): `X` must be the rule the committed judged settings support
+/// rounded up to two decimals, and `Y` at least that rule. A judged run that moves the rule
+/// fails here until the SPEC (and the CLI help that cites it) says the new one.
+fn spec_states_the_budget_rule(inp: &fathom_report::Inputs) {
+    use fathom_results::judged::budget::Rule;
+    let spec = std::fs::read_to_string("docs/SPEC.md").unwrap();
+    let head = "**The budget rule: pick `x ≥ ";
+    let line = spec
+        .lines()
+        .find(|l| l.starts_with(head))
+        .expect("docs/SPEC.md §4 states the budget rule");
+    let number = |s: &str| s.parse::<f32>().unwrap_or_else(|e| panic!("{s:?}: {e}"));
+    let rest = &line[head.len()..];
+    let x = number(&rest[..rest.find('`').unwrap()]);
+    let y = rest
+        .split("`fathom:")
+        .nth(1)
+        .and_then(|t| t.split("c` meets it").next());
+    let y = number(y.expect("the rule names a `fathom:Yc` that meets it"));
+    let Rule::Stated { per_channel, .. } = fathom_report::downstream::judged_budget_rule(inp)
+    else {
+        panic!("docs/SPEC.md states a budget rule, but the judged results support none");
+    };
+    let rounded = (per_channel * 100.0).ceil() / 100.0;
+    assert!(
+        (x - rounded).abs() < 1e-4,
+        "docs/SPEC.md §4 says x ≥ {x}; the judged results give {per_channel} (≥ {rounded})"
+    );
+    assert!(
+        y >= per_channel,
+        "docs/SPEC.md §4's fathom:{y}c is below the rule {per_channel}"
     );
 }
