@@ -27,7 +27,7 @@
 # passed (the joined file is written beside its target and renamed at the end).
 set -euo pipefail
 
-# A call carries the working tree too (about 33 MiB of tracked files, growing with results/), so a
+# A call carries the working tree too (about 34 MiB of tracked files, growing with results/), so a
 # part is 28 MiB by default: 32 MiB parts stopped fitting beside the tree. PART_MIB overrides it.
 PART_BYTES=$((${PART_MIB:-28} * 1024 * 1024))
 root="$(cd "$(dirname "$0")/../.." && pwd)"
