@@ -23,7 +23,7 @@
 # samples, so PAR changes no result, only the call's wall time. PAR=1 runs them one by one.
 # DEVICE (default cuda): `--device` of every `fathom` run. The dense-only probes choose a shape
 # and measure no method, so `DEVICE=cpu B=target/release` runs them on the CPU machine,
-# saving device time (slowly: Gemma 3's 16k prefill takes about 40 s on 2 cores).
+# saving device time (slowly: a Gemma 3 16k prefill took 65 s on the 2-core machine).
 set -u
 B=${B:-.devbin}
 export FATHOM_CACHE=$HOME/.cache/fathom
