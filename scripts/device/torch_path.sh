@@ -84,7 +84,9 @@ data)
   done
   $B/fathom fetch-corpus --offline > $OUT/data.txt 2>&1
   echo "fetch-corpus rc=$?" | tee -a $OUT/summary.txt
-  for f in .stage/calibgz/*.json.gz; do gunzip -c $f > $FATHOM_CACHE/calib/$(basename $f .gz); done
+  for f in .stage/calibgz/*.json.gz; do  # carried only for the PyTorch benchmark (`gguf`)
+    [ -e "$f" ] && gunzip -c $f > $FATHOM_CACHE/calib/$(basename $f .gz)
+  done
   ls -la $FATHOM_CACHE/models $FATHOM_CACHE/calib >> $OUT/data.txt
   ;;
 gguf)
