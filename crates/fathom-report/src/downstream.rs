@@ -244,9 +244,12 @@ pub fn ruler_claim(inp: &Inputs, s: &mut String) {
         return;
     }
     rule(s);
+    // Each run is judged once (the judgement bootstraps): its setting is kept for the rule.
+    let mut judged = Vec::new();
     for r in &inp.ruler {
         let v = &r.doc;
         let j = judge_ruler(v);
+        judged.extend(judged_setting(v, &j).map(|st| (r.path.as_path(), st)));
         s.push_str(&run_line(inp, &r.path, v, &j));
         task_table(s, v, &j);
         if j.informative().is_empty() {
@@ -272,7 +275,7 @@ pub fn ruler_claim(inp: &Inputs, s: &mut String) {
             .collect();
         row_cache(s, v.row_cache_source.as_deref(), &rows);
     }
-    budget_section(inp, s);
+    budget_section(inp, judged, s);
     gpu_parity(inp, s);
 }
 
@@ -282,21 +285,21 @@ pub fn judged_settings(inp: &Inputs) -> Vec<(&Path, Setting)> {
     inp.ruler
         .iter()
         .filter_map(|r| {
-            let j = judge_ruler(&r.doc);
-            is_judged_setting(&r.doc, &j).then(|| {
-                let name = format!("{} at {} tokens", r.doc.header.model, j.context);
-                let reading = fathom_reading(&j);
-                (
-                    r.path.as_path(),
-                    Setting {
-                        name,
-                        d: j.d,
-                        reading,
-                    },
-                )
-            })
+            Some((
+                r.path.as_path(),
+                judged_setting(&r.doc, &judge_ruler(&r.doc))?,
+            ))
         })
         .collect()
+}
+
+/// A RULER run's setting for the budget rule, when it is a judged one.
+fn judged_setting(doc: &RulerDoc, j: &RulerJudgement) -> Option<Setting> {
+    is_judged_setting(doc, j).then(|| Setting {
+        name: format!("{} at {} tokens", doc.header.model, j.context),
+        d: j.d,
+        reading: fathom_reading(j),
+    })
 }
 
 /// The budget rule the committed judged settings support (docs/SPEC.md §4): what the report
@@ -308,8 +311,7 @@ pub fn judged_budget_rule(inp: &Inputs) -> Rule {
 
 /// The budget rule the judged settings support (`fathom_results::judged::budget`): each
 /// setting's budgets and threshold per channel, then the rule or why there is none.
-fn budget_section(inp: &Inputs, s: &mut String) {
-    let judged = judged_settings(inp);
+fn budget_section(inp: &Inputs, judged: Vec<(&Path, Setting)>, s: &mut String) {
     let mut rows = String::new();
     for (path, st) in &judged {
         let runs: Vec<String> = st
